@@ -1,0 +1,1 @@
+"""blockspec: an OpenAI-compatible LLM server with DFlash block speculative decoding."""

@@ -1,0 +1,101 @@
+"""Frozen configuration dataclasses, parsed from Hugging Face config.json dicts."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json that we cannot serve: names the field and what to do."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"             # default | llama3 | linear
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
+
+    @staticmethod
+    def from_hf(d: dict[str, Any]) -> "RopeConfig":
+        # transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
+        params = dict(d.get("rope_parameters") or {})
+        scaling = d.get("rope_scaling") or {}
+        params = {**scaling, **params}
+        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type not in ("default", "llama3", "linear"):
+            raise ConfigError(f"rope type {rope_type!r} is not supported (default, llama3, linear are)")
+        return RopeConfig(
+            theta=float(params.get("rope_theta", d.get("rope_theta", 10000.0))),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+            partial_rotary_factor=float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A dense decoder-only transformer (Qwen3, Qwen2, Llama)."""
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    use_qk_norm: bool
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @staticmethod
+    def from_hf(d: dict[str, Any], architecture: str) -> "ModelConfig":
+        num_heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        model_type = d.get("model_type", "")
+        return ModelConfig(
+            architecture=architecture,
+            model_type=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(d.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(d),
+            max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Qwen2 has q/k/v biases without saying so in config.json.
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            use_qk_norm=model_type in ("qwen3",) or architecture == "Qwen3ForCausalLM",
+            eos_token_ids=eos_ids(d.get("eos_token_id")),
+            raw=d,
+        )
+
+
+def eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

@@ -1,0 +1,201 @@
+"""Checkpoint loading: a local directory or a hub id → config, weights in our modules, tokenizer.
+
+Weights are matched by their Hugging Face names. Anything we cannot place, or a parameter the
+checkpoint does not provide, is an error naming the key: a partial load never passes silently.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+class LoadError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message says which file/key and what to do."""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How to build one architecture and map its checkpoint names onto our modules."""
+    build: Callable[[dict[str, Any], str], nn.Module]
+    rename: Callable[[str], str | None] = lambda name: name   # None = ignore this tensor
+
+
+def resolve_model_path(model: str) -> Path:
+    """A local directory, or a hub id resolved through huggingface_hub's cache (offline-safe)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise LoadError(f"model path {model!r} is not a directory (give a checkpoint directory or a hub id like Qwen/Qwen3-8B)")
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"]))
+    except Exception as exc:  # offline, unknown repo, no network: all the same to the user
+        raise LoadError(f"cannot fetch {model!r} from the Hugging Face hub ({type(exc).__name__}); "
+                        f"download it first (huggingface-cli download {model}) or pass a local directory") from None
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise LoadError(f"missing file: {path}") from None
+    except json.JSONDecodeError as exc:
+        raise LoadError(f"invalid JSON in {path}: {exc}") from None
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(read_json(index)["weight_map"].values()))
+        files = [path / s for s in shards]
+    elif (path / "model.safetensors").exists():
+        files = [path / "model.safetensors"]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    for f in files:
+        if not f.exists():
+            raise LoadError(f"missing weight shard: {f}")
+    return files
+
+
+def iter_tensors(files: list[Path], show_progress: bool) -> Iterator[tuple[str, Path, torch.Tensor]]:
+    bar = None
+    if show_progress and len(files) > 1:
+        from tqdm import tqdm
+        bar = tqdm(total=len(files), desc="loading shards", unit="shard")
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for name in handle.keys():
+                yield name, f, handle.get_tensor(name)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise LoadError(f"unknown dtype {dtype!r} (auto, float32, bfloat16, float16)")
+    return table[dtype]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise LoadError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def load_weights(model: nn.Module, files: list[Path], rename: Callable[[str], str | None],
+                 show_progress: bool = False) -> None:
+    """Copy every checkpoint tensor into the parameter of the same (renamed) name."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for raw_name, file, tensor in iter_tensors(files, show_progress):
+        name = rename(raw_name)
+        if name is None:
+            continue
+        if name not in params:
+            raise LoadError(f"{file.name}: tensor {raw_name!r} has no place in {type(model).__name__}")
+        param = params[name]
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise LoadError(f"{file.name}: {raw_name!r} has shape {tuple(tensor.shape)}, "
+                            f"the model expects {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor.to(param.dtype))
+        loaded.add(name)
+    tie_embeddings(model, params, loaded)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise LoadError(f"checkpoint lacks {len(missing)} tensors, first: {missing[0]!r}")
+
+
+def tie_embeddings(model: nn.Module, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+    config = getattr(model, "config", None)
+    if "lm_head.weight" in params and "lm_head.weight" not in loaded and getattr(config, "tie_word_embeddings", False):
+        model.lm_head.weight = model.model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+
+
+def build_empty(build: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Build on the meta device (no random init of billions of weights), then allocate."""
+    with torch.device("meta"):
+        model = build()
+    model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():  # buffers computed at init (RoPE tables) are lost by to_empty
+        reset = getattr(module, "reset_buffers", None)
+        if reset is not None:
+            reset()
+    return model.eval()
+
+
+def dense_spec() -> ArchSpec:
+    from blockspec.config import ModelConfig
+    from blockspec.models.qwen3 import Qwen3ForCausalLM
+    return ArchSpec(build=lambda d, arch: Qwen3ForCausalLM(ModelConfig.from_hf(d, arch)))
+
+
+def hybrid_spec() -> ArchSpec:
+    from blockspec.models import qwen3_5
+    return qwen3_5.ARCH_SPEC
+
+
+ARCHITECTURES: dict[str, Callable[[], ArchSpec]] = {
+    "Qwen3ForCausalLM": dense_spec,
+    "Qwen2ForCausalLM": dense_spec,
+    "LlamaForCausalLM": dense_spec,
+    "MistralForCausalLM": dense_spec,
+    "Qwen3_5ForCausalLM": hybrid_spec,
+    "Qwen3_5ForConditionalGeneration": hybrid_spec,
+    "Qwen3NextForCausalLM": hybrid_spec,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    path: Path
+    config: dict[str, Any]
+    architecture: str
+
+
+def architecture_of(config: dict[str, Any], path: Path) -> str:
+    archs = config.get("architectures") or []
+    if not archs:
+        raise LoadError(f"{path / 'config.json'} names no architectures")
+    arch = archs[0]
+    if arch not in ARCHITECTURES:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise LoadError(f"{path / 'config.json'}: architecture {arch!r} is not supported (supported: {supported})")
+    return arch
+
+
+def load_model(model: str, device: str = "auto", dtype: str = "auto",
+               show_progress: bool = False) -> LoadedModel:
+    """Load a target model from a checkpoint directory or hub id."""
+    path = resolve_model_path(model)
+    config = read_json(path / "config.json")
+    arch = architecture_of(config, path)
+    torch_device = resolve_device(device)
+    spec = ARCHITECTURES[arch]()
+    files = checkpoint_files(path)
+    try:
+        module = build_empty(lambda: spec.build(config, arch), torch_device, resolve_dtype(dtype, torch_device))
+    except (KeyError, ValueError) as exc:
+        raise LoadError(f"{path / 'config.json'}: cannot build {arch}: {exc}") from None
+    load_weights(module, files, spec.rename, show_progress)
+    return LoadedModel(module, path, config, arch)

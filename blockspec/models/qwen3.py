@@ -1,0 +1,131 @@
+"""Dense targets: Qwen3, Qwen2 and Llama (one file; they differ by qk-norm, biases and RoPE).
+
+Module and parameter names are Hugging Face's, so checkpoints load by name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from blockspec.cache import KVCache, ModelCache
+from blockspec.config import ModelConfig
+from blockspec.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, attend, causal_mask
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor                 # [B, num_logits, vocab]
+    features: torch.Tensor | None        # [B, T, len(capture_layers) · hidden] or None
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        if config.use_qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: KVCache, start: int) -> torch.Tensor:
+        batch, num_tokens, _ = x.shape
+        q = self.q_proj(x).view(batch, num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), *rope)                  # [B, H, T, D]
+        k = apply_rope(k.transpose(1, 2), *rope)
+        keys, values = cache.write(start, k, v.transpose(1, 2))   # [B, Hkv, start+T, D]
+        mask = causal_mask(num_tokens, keys.shape[2], x.device)
+        return self.o_proj(attend(q, keys, values, mask, self.scale))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: KVCache, start: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DenseModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 (qk-norm), Qwen2 (qkv bias) and Llama (llama3 RoPE scaling) targets."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DenseModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def make_cache(self, max_len: int, num_slots: int = 1) -> ModelCache:
+        weight = self.lm_head.weight
+        layers = [KVCache(num_slots, self.config.num_key_value_heads, max_len, self.config.head_dim,
+                          weight.dtype, weight.device) for _ in range(self.num_layers)]
+        return ModelCache(layers, max_len)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids: torch.Tensor, cache: ModelCache, *,
+                capture_layers: tuple[int, ...] = (), num_logits: int | None = None,
+                keep_steps: bool = False) -> ForwardOutput:
+        """Run T new tokens [B, T] after the cache's length.
+
+        capture_layers: decoder layers whose outputs are returned as features (transformers'
+        hidden_states[l + 1]); num_logits: logits of the last N positions only (None = all).
+        keep_steps is for recurrent layers (see cache.py); attention layers need nothing.
+        """
+        num_tokens = input_ids.shape[1]
+        start = cache.advance(num_tokens)
+        positions = torch.arange(start, start + num_tokens, device=input_ids.device)[None]
+        x = self.embed(input_ids)
+        rope = self.model.rotary_emb(positions, x.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, cache.layers[i], start)
+            if i in capture_layers:
+                captured[i] = x
+        if num_logits is not None:
+            x = x[:, num_tokens - num_logits:]
+        logits = self.compute_logits(self.model.norm(x))
+        features = torch.cat([captured[i] for i in capture_layers], dim=-1) if captured else None
+        return ForwardOutput(logits, features)
