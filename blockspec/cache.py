@@ -67,3 +67,49 @@ class ModelCache:
             layer.trim(length, self.last_forward_start)
         self.length = length
         self.last_forward_start = None
+
+
+class RecurrentCache:
+    """Conv window and delta-rule state of one Gated DeltaNet layer, with replay-free rollback.
+
+    conv: the last K−1 conv inputs [slots, conv_dim, K−1]; ssm: S [slots, Hv, Dk, Dv] in fp32.
+    A forward with keep_steps=True over T positions keeps the state after every one of them and
+    the conv inputs of the block behind the previous window; `trim(n)` then selects the state
+    after position n − 1 and the K−1 inputs ending there. Nothing is recomputed.
+    """
+
+    def __init__(self, num_slots: int, conv_dim: int, conv_kernel: int, num_v_heads: int,
+                 k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.conv = torch.zeros(num_slots, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
+        self.ssm = torch.zeros(num_slots, num_v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        self.step_states: torch.Tensor | None = None   # [slots, T, Hv, Dk, Dv] after each position
+        self.block_inputs: torch.Tensor | None = None  # [slots, conv_dim, K−1+T] window + block
+
+    @property
+    def window(self) -> int:
+        return self.conv.shape[-1]
+
+    def update(self, conv_inputs: torch.Tensor, state: torch.Tensor,
+               step_states: torch.Tensor | None) -> None:
+        """After a forward: conv_inputs [slots, conv_dim, K−1+T] (old window + new inputs), the
+        final state, and the per-step states when the forward kept them."""
+        self.conv.copy_(conv_inputs[..., conv_inputs.shape[-1] - self.window:])
+        self.ssm.copy_(state)
+        self.step_states = step_states
+        self.block_inputs = conv_inputs if step_states is not None else None
+
+    def trim(self, length: int, verify_start: int | None) -> None:
+        """Become the cache after position length − 1 of the last forward (which began at
+        verify_start): its saved state and the conv window ending there."""
+        if self.step_states is None or verify_start is None:
+            raise ValueError(f"cannot roll a recurrent layer back to {length}: the last forward kept "
+                             "no per-step states (run the verify forward with keep_steps=True)")
+        num_steps = self.step_states.shape[1]
+        kept = length - verify_start                    # positions of the block that stay, 1..T
+        if not 1 <= kept <= num_steps:
+            raise ValueError(f"cannot roll a recurrent layer back to {length}: the saved states cover "
+                             f"lengths {verify_start + 1}..{verify_start + num_steps}")
+        self.ssm.copy_(self.step_states[:, kept - 1])
+        # block_inputs[j] is position verify_start − (K−1) + j: the window ending at length − 1.
+        self.conv.copy_(self.block_inputs[..., kept:kept + self.window])
+        self.step_states = self.block_inputs = None

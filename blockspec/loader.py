@@ -199,3 +199,34 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto",
         raise LoadError(f"{path / 'config.json'}: cannot build {arch}: {exc}") from None
     load_weights(module, files, spec.rename, show_progress)
     return LoadedModel(module, path, config, arch)
+
+
+def load_draft(draft: str, target: nn.Module, show_progress: bool = False) -> nn.Module:
+    """Load a z-lab DFlash draft onto the target's device and dtype, checked against the target."""
+    from blockspec.config import ConfigError
+    from blockspec.models.dflash import DFlashDraftModel, DraftConfig, draft_rename
+    path = resolve_model_path(draft)
+    config = read_json(path / "config.json")
+    archs = config.get("architectures") or []
+    if archs and archs[0] not in ("DFlashDraftModel",):
+        raise LoadError(f"{path / 'config.json'}: {archs[0]!r} is not a DFlash draft (DFlashDraftModel)")
+    try:
+        draft_config = DraftConfig.from_hf(config, num_target_layers=target.num_layers)
+    except (ConfigError, KeyError) as exc:
+        raise LoadError(f"{path / 'config.json'}: {exc}") from None
+    check_draft_fits(draft_config, target, path)
+    weight = target.lm_head.weight
+    module = build_empty(lambda: DFlashDraftModel(draft_config), weight.device, weight.dtype)
+    load_weights(module, checkpoint_files(path), draft_rename, show_progress)
+    return module
+
+
+def check_draft_fits(config, target: nn.Module, path: Path) -> None:
+    if config.hidden_size != target.hidden_size:
+        raise LoadError(f"{path}: draft hidden_size {config.hidden_size} != target's {target.hidden_size}")
+    bad = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise LoadError(f"{path}: target_layer_ids {bad} outside the target's {target.num_layers} layers")
+    vocab = target.lm_head.weight.shape[0]
+    if not 0 <= config.mask_token_id < vocab:
+        raise LoadError(f"{path}: mask_token_id {config.mask_token_id} outside the target's vocabulary of {vocab}")

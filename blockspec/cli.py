@@ -1,0 +1,146 @@
+"""`blockspec serve | generate | bench`. Bad input: one line on stderr and a non-zero exit."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from typing import Any, Sequence
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class UsageError(ValueError):
+    """Bad command-line input; printed as one line."""
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face hub id")
+    p.add_argument("--draft", help="DFlash draft checkpoint (directory or hub id); omit for plain decoding")
+    p.add_argument("--block-size", type=int, help="DFlash block size (at most the draft's own)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + output tokens)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate once and print the result")
+    add_model_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print one JSON line (ARCHITECTURE.md §5)")
+    gen.add_argument("--enable-thinking", choices=["true", "false"], default=None,
+                     help="chat template switch for reasoning models")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="a user message, rendered with the chat template")
+    src.add_argument("--messages", help="a JSON list of chat messages")
+    src.add_argument("--prompt-token-ids", help="comma-separated token ids, fed as is")
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-queue", type=int, default=64)
+    serve.add_argument("--cors", default=None, help="comma-separated allowed origins (off by default)")
+    serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    bench = sub.add_parser("bench", help="GPU benchmark on random weights of real shapes")
+    bench.add_argument("--shape", default="qwen3-8b")
+    bench.add_argument("--out", default=None, help="write the results as JSON here")
+    bench.add_argument("--vs", action="append", default=[], choices=["transformers", "zlab"])
+    bench.add_argument("--device", default="auto")
+    return parser
+
+
+def parse_token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UsageError(f"--prompt-token-ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UsageError("--prompt-token-ids is empty")
+    return ids
+
+
+def parse_messages(text: str) -> list[dict[str, Any]]:
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--messages is not valid JSON: {exc}") from None
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise UsageError("--messages must be a non-empty JSON list of message objects")
+    return messages
+
+
+def check_generate_args(args: argparse.Namespace) -> None:
+    if args.max_tokens < 1:
+        raise UsageError("--max-tokens must be at least 1")
+    if not 0 <= args.temperature <= 2:
+        raise UsageError("--temperature must be in [0, 2]")
+    if not 0 < args.top_p <= 1:
+        raise UsageError("--top-p must be in (0, 1]")
+    if args.block_size is not None and args.block_size < 1:
+        raise UsageError("--block-size must be at least 1")
+
+
+def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
+    if args.prompt_token_ids is not None:
+        ids = parse_token_ids(args.prompt_token_ids)
+        bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
+        if bad:
+            raise UsageError(f"--prompt-token-ids: {bad[0]} is outside the vocabulary of {tokenizer.vocab_size}")
+        return ids
+    messages = parse_messages(args.messages) if args.messages is not None else [{"role": "user", "content": args.prompt}]
+    kwargs = {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking == "true"}
+    return tokenizer.encode_chat(messages, add_generation_prompt=True, **kwargs)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    check_generate_args(args)
+    from blockspec.llm import LLM
+    from blockspec.sampling import SamplingParams
+    llm = LLM(args.model, draft=args.draft, block_size=args.block_size, dtype=args.dtype,
+              device=args.device, max_model_len=args.max_model_len)
+    prompt_ids = prompt_ids_from_args(args, llm.tokenizer)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.seed)
+    result = llm.generate_ids(prompt_ids, params, request_id=f"gen-{uuid.uuid4().hex[:8]}")
+    if args.json:
+        print(json.dumps(result.as_json(), ensure_ascii=False))
+    else:
+        print(result.text)
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from blockspec.server.app import serve
+    return serve(args)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from blockspec.bench import main as bench_main
+    return bench_main(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from blockspec.loader import LoadError
+    try:
+        runner = {"generate": run_generate, "serve": run_serve, "bench": run_bench}[args.command]
+        return runner(args)
+    except (UsageError, LoadError, FileNotFoundError, ValueError) as exc:
+        print(f"blockspec {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""A request's state: prompt, limits, committed output, stats, abort flag.
+
+`commit` is the single place where new tokens become output, for plain and DFlash decoding
+alike: it cuts at the first stop id (kept), at max_tokens and at the context limit, and decides
+the finish reason. Nothing past the cut is emitted or counted (invariants 3, 4, 8).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from blockspec.sampling import SamplingParams
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cycles: int = 0                       # verify passes (DFlash) or decode steps (plain)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    draft_tokens: int = 0                 # proposed by the draft and verified
+    accepted_tokens: int = 0              # drafts the target agreed with (and that were kept)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    def as_dict(self) -> dict:
+        return {"cycles": self.cycles, "acceptance_lengths": list(self.acceptance_lengths),
+                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+                "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6)}
+
+
+@dataclass
+class TokenEvent:
+    """Tokens committed by one step; finish_reason is set on the request's last event only."""
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None      # stop | length | abort | error
+    stats: GenerationStats | None = None  # on the last event
+    error: str | None = None
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 stop_ids: frozenset[int], max_model_len: int) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context limit is "
+                             f"{max_model_len}, which leaves no room for output")
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.stop_ids = frozenset(stop_ids) | frozenset(params.stop_token_ids)
+        self.max_model_len = max_model_len
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        self.arrival_time = time.monotonic()
+        self._abort = threading.Event()
+
+    def abort(self) -> None:
+        """Thread-safe: the decoding loop stops at its next cycle boundary."""
+        self._abort.set()
+
+    @property
+    def is_aborted(self) -> bool:
+        return self._abort.is_set()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_allowed(self) -> int:
+        """Output tokens this request may still produce (max_tokens and context limit)."""
+        by_max_tokens = self.params.max_tokens - len(self.output_ids)
+        by_context = self.max_model_len - len(self.prompt_ids) - len(self.output_ids)
+        return max(0, min(by_max_tokens, by_context))
+
+    def commit(self, tokens: list[int]) -> list[int]:
+        """Append what may be emitted of `tokens`; return exactly that part."""
+        allowed = tokens[: self.num_allowed]
+        for i, token in enumerate(allowed):
+            if token in self.stop_ids:
+                allowed = allowed[: i + 1]
+                self.finish_reason = "stop"
+                break
+        self.output_ids.extend(allowed)
+        self.stats.output_tokens = len(self.output_ids)
+        if self.finish_reason is None and self.num_allowed == 0:
+            self.finish_reason = "length"
+        return allowed

@@ -1,0 +1,66 @@
+"""The in-process API: load a target (and optionally a DFlash draft) and generate."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from blockspec.engine.plain import generate_plain
+from blockspec.engine.request import GenerationStats, Request, TokenEvent
+from blockspec.engine.speculative import generate_dflash
+from blockspec.loader import load_draft, load_model
+from blockspec.sampling import SamplingParams
+from blockspec.tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+
+    def as_json(self) -> dict:
+        """The `generate --json` line of ARCHITECTURE.md §5."""
+        return {"token_ids": self.token_ids, "text": self.text, "finish_reason": self.finish_reason,
+                "prompt_token_ids": self.prompt_token_ids, "stats": self.stats.as_dict()}
+
+
+class LLM:
+    """Owns one target (+ draft) and runs one request at a time on the calling thread."""
+
+    def __init__(self, model: str, draft: str | None = None, block_size: int | None = None,
+                 dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
+                 show_progress: bool = True) -> None:
+        loaded = load_model(model, device=device, dtype=dtype, show_progress=show_progress)
+        self.target = loaded.model
+        self.model_path = loaded.path
+        self.tokenizer = Tokenizer.from_dir(loaded.path)
+        self.draft = load_draft(draft, self.target, show_progress) if draft else None
+        if block_size is not None and block_size < 1:
+            raise ValueError("block size must be at least 1")
+        if self.draft is not None and block_size is not None and block_size > self.draft.block_size:
+            raise ValueError(f"--block-size {block_size} exceeds the draft's block size {self.draft.block_size}")
+        self.block_size = block_size or (self.draft.block_size if self.draft else 1)
+        limit = self.target.config.max_position_embeddings
+        self.max_model_len = min(max_model_len or 4096, limit) if max_model_len is None else max_model_len
+        if self.max_model_len > limit:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's {limit} positions")
+        self.stop_ids = self.tokenizer.stop_token_ids | frozenset(self.target.config.eos_token_ids)
+
+    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)
+
+    def stream(self, request: Request) -> Iterator[TokenEvent]:
+        """Decode one request: DFlash when a draft is loaded, plain decoding otherwise."""
+        if self.draft is None:
+            return generate_plain(self.target, request)
+        return generate_dflash(self.target, self.draft, request, self.block_size)
+
+    def generate_ids(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "gen") -> GenerationResult:
+        request = self.make_request(request_id, prompt_ids, params)
+        for _ in self.stream(request):
+            pass
+        text = self.tokenizer.decode(request.output_ids)
+        return GenerationResult(list(prompt_ids), list(request.output_ids), text,
+                                request.finish_reason or "abort", request.stats)

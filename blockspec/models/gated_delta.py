@@ -1,0 +1,164 @@
+"""Gated DeltaNet core: a chunked form (prefill) and a token-by-token form (decode, verify).
+
+Per value head, with a state S [Dk, Dv] kept in fp32, for each token t:
+
+    q, k ← l2-normalised; q ← q · Dk^-½
+    S ← e^{g_t} · S                       # decay, g_t ≤ 0
+    u ← β_t · (v_t − Sᵀ k_t)              # delta rule: write only what S does not predict
+    S ← S + k_t u_tᵀ
+    o_t = Sᵀ q_t
+
+Value head j reads key head j // (Hv / Hk). Layout on both forms (and on fla's kernels):
+q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dk, Dv] fp32;
+output [B, T, Hv, Dv] in v's dtype. q and k come in raw: normalising is the kernel's job.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+CHUNK_SIZE = 64
+
+
+class GDNKernels(NamedTuple):
+    chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    recurrent: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+            ) -> tuple[torch.Tensor, ...]:
+    """fp32, head-major [B, Hv, T, ·] copies; q, k normalised and expanded to the value heads."""
+    group = v.shape[2] // k.shape[2]
+    q, k = (x.repeat_interleave(group, dim=2) if group > 1 else x for x in (q, k))
+    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))
+    q = l2_normalise(q) * q.shape[-1] ** -0.5
+    return q, l2_normalise(k), v, g, beta
+
+
+def initial_or_zeros(initial_state: torch.Tensor | None, v: torch.Tensor, k_dim: int) -> torch.Tensor:
+    batch, num_heads, _, v_dim = v.shape
+    if initial_state is None:
+        return v.new_zeros(batch, num_heads, k_dim, v_dim)
+    return initial_state.float()
+
+
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, initial_state: torch.Tensor | None = None,
+                               keep_steps: bool = False
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Token by token. keep_steps: also return the state after every position [B, T, Hv, Dk, Dv]."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = prepare(q, k, v, g, beta)            # [B, Hv, T, ·]
+    state = initial_or_zeros(initial_state, v, k.shape[-1])  # [B, Hv, Dk, Dv]
+    outputs, steps = [], []
+    for t in range(v.shape[2]):
+        state = state * g[:, :, t, None, None].exp()
+        k_t = k[:, :, t]                                                    # [B, Hv, Dk]
+        predicted = torch.einsum("bhkv,bhk->bhv", state, k_t)
+        update = beta[:, :, t, None] * (v[:, :, t] - predicted)            # [B, Hv, Dv]
+        state = state + k_t[..., :, None] * update[..., None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, :, t]))
+        if keep_steps:
+            steps.append(state)
+    out = torch.stack(outputs, dim=1).to(out_dtype)                         # [B, T, Hv, Dv]
+    return out, state, torch.stack(steps, dim=1) if keep_steps else None
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, initial_state: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunks of CHUNK_SIZE positions in parallel, the state carried from chunk to chunk.
+
+    Inside a chunk, with γ_t = Σ_{s≤t} g_s and S₀ the state before it, unrolling the recurrence:
+        S_t = e^{γ_t} S₀ + Σ_{s≤t} e^{γ_t−γ_s} k_s u_sᵀ
+        u_t + Σ_{s<t} β_t e^{γ_t−γ_s} (k_t·k_s) u_s = β_t (v_t − e^{γ_t} S₀ᵀ k_t)
+    a unit lower-triangular system (I + A) U = β(V − e^γ K S₀), solved once per chunk.
+    """
+    out_dtype, num_tokens = v.dtype, v.shape[1]
+    q, k, v, g, beta = prepare(q, k, v, g, beta)            # [B, Hv, T, ·]
+    state = initial_or_zeros(initial_state, v, k.shape[-1])
+    # Zero padding is inert: k = v = β = 0 writes nothing, g = 0 decays nothing.
+    pad = -num_tokens % CHUNK_SIZE
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+    outputs = []
+    for start in range(0, q.shape[2], CHUNK_SIZE):
+        part = slice(start, start + CHUNK_SIZE)
+        out, state = gated_delta_chunk(q[:, :, part], k[:, :, part], v[:, :, part],
+                                       g[:, :, part], beta[:, :, part], state)
+        outputs.append(out)
+    out = torch.cat(outputs, dim=2)[:, :, :num_tokens]
+    return out.transpose(1, 2).to(out_dtype), state
+
+
+def gated_delta_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: q, k [B, H, C, Dk], v [B, H, C, Dv], g, beta [B, H, C], state [B, H, Dk, Dv]."""
+    size = q.shape[2]
+    gamma = g.cumsum(-1)                                                    # [B, H, C]
+    lower = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    # e^{γ_t − γ_s} for s ≤ t; masked before exp so that s > t cannot overflow.
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    diagonal = torch.eye(size, dtype=torch.bool, device=q.device)
+    # I + A with A[t, s] = β_t e^{γ_t−γ_s} (k_t·k_s) for s < t; the solve reads only below the diagonal.
+    system = (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).masked_fill(diagonal, 1.0)
+    rhs = beta[..., None] * (v - (gamma.exp()[..., None] * k) @ state)     # β(V − e^γ K S₀)
+    u = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    out = (gamma.exp()[..., None] * q) @ state + ((q @ k.transpose(-1, -2)) * decay) @ u
+    to_end = (gamma[..., -1:] - gamma).exp()[..., None]                    # e^{γ_C − γ_s}
+    state = gamma[..., -1, None, None].exp() * state + (k * to_end).transpose(-1, -2) @ u
+    return out, state
+
+
+def select_kernels(device: torch.device) -> GDNKernels:
+    """fla's Triton kernels on CUDA when installed, else the torch forms above.
+
+    Decided by device type: fla imports fine on a CPU-only machine and fails only when called.
+    """
+    if device.type == "cuda":
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+        except ImportError:
+            return GDNKernels(chunk_gated_delta_rule, recurrent_gated_delta_rule)
+        return GDNKernels(make_fla_chunk(fla_chunk), make_fla_recurrent(fla_recurrent))
+    return GDNKernels(chunk_gated_delta_rule, recurrent_gated_delta_rule)
+
+
+def expand_key_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # fla versions differ on grouped value heads; repeating the key heads works on all of them.
+    group = num_v_heads // k.shape[2]
+    if group == 1:
+        return q, k
+    return q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+
+
+def make_fla_chunk(fla_chunk: Callable) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    def chunk(q, k, v, g, beta, initial_state=None):
+        q, k = expand_key_heads(q, k, v.shape[2])
+        state = None if initial_state is None else initial_state.float()
+        out, final = fla_chunk(q, k, v, g.float(), beta, initial_state=state,
+                               output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return out, final.float()
+    return chunk
+
+
+def make_fla_recurrent(fla_recurrent: Callable) -> Callable[..., tuple]:
+    def recurrent(q, k, v, g, beta, initial_state=None, keep_steps=False):
+        if keep_steps:
+            # fused_recurrent returns only the final state. A verify block needs the state after
+            # every position, so it takes the torch form (an fla kernel writing per-token states,
+            # like KDA's, is the fast path to add here).
+            return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, keep_steps=True)
+        q, k = expand_key_heads(q, k, v.shape[2])
+        state = None if initial_state is None else initial_state.float()
+        out, final = fla_recurrent(q, k, v, g.float(), beta, initial_state=state,
+                                   output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return out, final.float(), None
+    return recurrent

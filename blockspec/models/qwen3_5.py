@@ -1,0 +1,339 @@
+"""Hybrid targets: Qwen3.5 and Qwen3-Next (dense MLP), gated attention + Gated DeltaNet layers.
+
+Three checkpoint layouts load into one module tree with Hugging Face's names:
+- Qwen3_5ForCausalLM: `model.*`, `lm_head.weight`.
+- Qwen3_5ForConditionalGeneration (the released Qwen3.5 checkpoints): config under `text_config`,
+  text weights under `model.language_model.*`; `model.visual.*` and `mtp.*` are not ours.
+- Qwen3NextForCausalLM: as the first, with the GDN input projections fused per key head.
+
+Every `full_attention` layer keeps a KVCache, every `linear_attention` layer a RecurrentCache;
+verify forwards (keep_steps=True) leave per-step states so `ModelCache.trim` rolls back exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.cache import KVCache, ModelCache, RecurrentCache
+from blockspec.config import ConfigError, ModelConfig, eos_ids
+from blockspec.loader import ArchSpec
+from blockspec.models.gated_delta import select_kernels
+from blockspec.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, attend, causal_mask
+from blockspec.models.qwen3 import ForwardOutput
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class HybridConfig(ModelConfig):
+    """ModelConfig plus the hybrid fields; `layer_types[i]` says which mixer layer i has."""
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    attn_output_gate: bool = True
+    fused_gdn_projections: bool = False      # Qwen3-Next: in_proj_qkvz / in_proj_ba
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for "
+                              f"{self.num_hidden_layers} layers")
+        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        if unknown:
+            raise ConfigError(f"layer_types {sorted(unknown)} are not supported ({', '.join(LAYER_TYPES)} are)")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+    @staticmethod
+    def from_hf(d: dict[str, Any], architecture: str) -> "HybridConfig":
+        text = d.get("text_config") or d      # the multimodal layout nests the text model's config
+        check_dense_mlp(text)
+        if text.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ConfigError(f"hidden_act {text['hidden_act']!r} is not supported (silu is)")
+        base = ModelConfig.from_hf(with_text_rope(text), architecture)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
+        # transformers ties by the outermost config; the nested text_config may say otherwise.
+        fields["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
+        eos = text.get("eos_token_id")
+        fields["eos_token_ids"] = eos_ids(d.get("eos_token_id") if eos is None else eos)
+        fields["raw"] = d
+        return HybridConfig(
+            **fields,
+            layer_types=layer_types_of(text),
+            linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
+            linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            attn_output_gate=bool(text.get("attn_output_gate", True)),
+            fused_gdn_projections=architecture == "Qwen3NextForCausalLM" or text.get("model_type") == "qwen3_next",
+        )
+
+
+def check_dense_mlp(text: dict[str, Any]) -> None:
+    """Qwen3-Next's rule for a sparse layer: experts exist, i + 1 is a multiple of
+    decoder_sparse_step and i is not in mlp_only_layers."""
+    num_experts = int(text.get("num_experts") or 0)
+    step = int(text.get("decoder_sparse_step") or 1)
+    dense_only = set(text.get("mlp_only_layers") or ())
+    num_layers = int(text["num_hidden_layers"])
+    if num_experts > 0 and any((i + 1) % step == 0 and i not in dense_only for i in range(num_layers)):
+        raise ConfigError(f"config has num_experts={num_experts}: MoE variants are not supported yet "
+                          "(only dense-MLP Qwen3.5 / Qwen3-Next checkpoints load)")
+
+
+def with_text_rope(text: dict[str, Any]) -> dict[str, Any]:
+    """M-RoPE with text-only positions (all three sections equal) is plain 1-D RoPE."""
+    params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    if params.get("rope_type", params.get("type")) == "mrope":
+        params["rope_type"] = "default"
+        params.pop("type", None)
+        return {**text, "rope_parameters": params, "rope_scaling": None}
+    return text
+
+
+def layer_types_of(text: dict[str, Any]) -> tuple[str, ...]:
+    if text.get("layer_types"):
+        return tuple(text["layer_types"])
+    interval = int(text.get("full_attention_interval", 4))
+    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(int(text["num_hidden_layers"])))
+
+
+class GatedAttention(nn.Module):
+    """Attention whose q_proj also yields a per-head output gate: o_proj(attn · sigmoid(gate)).
+    q_norm / k_norm are zero-centred; RoPE rotates the first rot_dim dims of each head."""
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.is_gated = config.head_dim, config.attn_output_gate
+        self.scale = self.head_dim ** -0.5
+        hidden, bias = config.hidden_size, config.attention_bias
+        q_width = self.num_heads * self.head_dim * (2 if self.is_gated else 1)
+        self.q_proj = nn.Linear(hidden, q_width, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centred=True)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centred=True)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: KVCache, start: int) -> torch.Tensor:
+        batch, num_tokens, _ = x.shape
+        q = self.q_proj(x).view(batch, num_tokens, self.num_heads, -1)
+        if self.is_gated:
+            q, gate = q.chunk(2, dim=-1)                                  # each [B, T, H, D]
+        k = self.k_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rope(self.q_norm(q).transpose(1, 2), *rope)            # [B, H, T, D]
+        k = apply_rope(self.k_norm(k).transpose(1, 2), *rope)
+        keys, values = cache.write(start, k, v.transpose(1, 2))         # [B, Hkv, start+T, D]
+        out = attend(q, keys, values, causal_mask(num_tokens, keys.shape[2], x.device), self.scale)
+        if self.is_gated:
+            out = out * torch.sigmoid(gate.reshape(batch, num_tokens, -1))
+        return self.o_proj(out)
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm: w · rmsnorm(o) · silu(z), per value head (a plain weight, not zero-centred)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear-attention mixer: projections → causal depthwise conv + SiLU → delta rule → gated norm.
+
+    The conv runs over [q | k | v] channels (conv_dim); the conv cache holds its last K−1 inputs.
+    """
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_width, self.value_width = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
+        self.conv_dim = 2 * self.key_width + self.value_width
+        self.conv_kernel = config.linear_conv_kernel_dim
+        self.is_fused = config.fused_gdn_projections
+        hidden = config.hidden_size
+        if self.is_fused:
+            self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + self.value_width, bias=False)
+            self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden, self.value_width, bias=False)
+            self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_width, hidden, bias=False)
+
+    def make_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> RecurrentCache:
+        return RecurrentCache(num_slots, self.conv_dim, self.conv_kernel, self.num_v_heads,
+                              self.k_dim, self.v_dim, dtype, device)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, hidden] → mixed [B, T, conv_dim] (q | k | v), z [B, T, Hv, Dv], b, a [B, T, Hv]."""
+        batch, num_tokens, _ = x.shape
+        if not self.is_fused:
+            z = self.in_proj_z(x).view(batch, num_tokens, self.num_v_heads, self.v_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        # Fused: per key head [q (Dk) | k (Dk) | v (r·Dv) | z (r·Dv)] and [b (r) | a (r)], r = Hv / Hk;
+        # value head j = key head · r + i, so j // r is its key head as in the unfused layout.
+        ratio = self.num_v_heads // self.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(batch, num_tokens, self.num_k_heads, -1)
+        q, k, v, z = qkvz.split((self.k_dim, self.k_dim, ratio * self.v_dim, ratio * self.v_dim), dim=-1)
+        b, a = self.in_proj_ba(x).view(batch, num_tokens, self.num_k_heads, -1).split((ratio, ratio), dim=-1)
+        mixed = torch.cat((q.flatten(2), k.flatten(2), v.flatten(2)), dim=-1)
+        z = z.reshape(batch, num_tokens, self.num_v_heads, self.v_dim)
+        return mixed, z, b.flatten(2), a.flatten(2)
+
+    def convolve(self, mixed: torch.Tensor, cache: RecurrentCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal depthwise conv + SiLU over the cached window; returns (output [B, T, conv_dim],
+        conv inputs [B, conv_dim, K−1+T] for the cache)."""
+        conv_inputs = torch.cat((cache.conv, mixed.transpose(1, 2)), dim=-1)
+        out = F.conv1d(conv_inputs, self.conv1d.weight, groups=self.conv_dim)   # [B, conv_dim, T]
+        return F.silu(out).transpose(1, 2), conv_inputs
+
+    def forward(self, x: torch.Tensor, cache: RecurrentCache, keep_steps: bool) -> torch.Tensor:
+        batch, num_tokens, _ = x.shape
+        mixed, z, b, a = self.project(x)
+        mixed, conv_inputs = self.convolve(mixed, cache)
+        q, k, v = mixed.split((self.key_width, self.key_width, self.value_width), dim=-1)
+        q = q.reshape(batch, num_tokens, self.num_k_heads, self.k_dim)
+        k = k.reshape(batch, num_tokens, self.num_k_heads, self.k_dim)
+        v = v.reshape(batch, num_tokens, self.num_v_heads, self.v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())   # log decay ≤ 0
+        kernels = select_kernels(x.device)
+        if keep_steps or num_tokens == 1:
+            out, state, steps = kernels.recurrent(q, k, v, g, beta, cache.ssm, keep_steps)
+        else:
+            (out, state), steps = kernels.chunk(q, k, v, g, beta, cache.ssm), None
+        cache.update(conv_inputs, state, steps)
+        return self.out_proj(self.norm(out, z).flatten(2))                 # out [B, T, Hv, Dv]
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: HybridConfig, layer_type: str) -> None:
+        super().__init__()
+        self.is_linear = layer_type == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: KVCache | RecurrentCache, start: int, keep_steps: bool) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.is_linear:
+            x = x + self.linear_attn(h, cache, keep_steps)
+        else:
+            x = x + self.self_attn(h, rope, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, t) for t in config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
+        self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Qwen3.5 (text and multimodal layouts) and dense Qwen3-Next targets."""
+
+    def __init__(self, config: HybridConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = HybridModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def make_cache(self, max_len: int, num_slots: int = 1) -> ModelCache:
+        weight = self.lm_head.weight
+        layers = [layer.linear_attn.make_cache(num_slots, weight.dtype, weight.device) if layer.is_linear
+                  else KVCache(num_slots, self.config.num_key_value_heads, max_len, self.config.head_dim,
+                               weight.dtype, weight.device)
+                  for layer in self.model.layers]
+        return ModelCache(layers, max_len)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids: torch.Tensor, cache: ModelCache, *,
+                capture_layers: tuple[int, ...] = (), num_logits: int | None = None,
+                keep_steps: bool = False) -> ForwardOutput:
+        """Run T new tokens [B, T] after the cache's length (see qwen3.Qwen3ForCausalLM.forward).
+
+        keep_steps: recurrent layers keep the state after every position, so that
+        `cache.trim(n)` afterwards selects the one after position n − 1 (a verify forward).
+        """
+        num_tokens = input_ids.shape[1]
+        start = cache.advance(num_tokens)
+        positions = torch.arange(start, start + num_tokens, device=input_ids.device)[None]
+        x = self.embed(input_ids)
+        rope = self.model.rotary_emb(positions, x.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, cache.layers[i], start, keep_steps)
+            if i in capture_layers:
+                captured[i] = x
+        if num_logits is not None:
+            x = x[:, num_tokens - num_logits:]
+        logits = self.compute_logits(self.model.norm(x))
+        features = torch.cat([captured[i] for i in capture_layers], dim=-1) if captured else None
+        return ForwardOutput(logits, features)
+
+
+# One class serves both: the config says whether the GDN projections are fused.
+Qwen3NextForCausalLM = Qwen3_5ForCausalLM
+
+IGNORED_PREFIXES = ("model.visual.", "mtp.")
+
+
+def rename(name: str) -> str | None:
+    """Checkpoint name → ours: the multimodal text prefix becomes `model.`; vision and MTP go."""
+    if name.startswith(IGNORED_PREFIXES):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name[len("model.language_model."):]
+    return name
+
+
+ARCH_SPEC = ArchSpec(build=lambda config_dict, arch: Qwen3_5ForCausalLM(HybridConfig.from_hf(config_dict, arch)),
+                     rename=rename)

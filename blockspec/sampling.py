@@ -1,0 +1,104 @@
+"""Sampling parameters, logits → probabilities, and the lossless rejection rule of speculative
+decoding (Leviathan et al. 2023; Chen et al. 2023), stated once here with its math."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0          # 0 (or -1) = off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError("temperature must be in [0, 2]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError("top_k must be -1, 0 (off) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A per-request generator: a fixed seed gives a fixed output, whatever ran before."""
+    if params.is_greedy:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+    return gen
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] → the distribution sampled from, after temperature/top-k/top-p/min-p (fp32).
+
+    The same function shapes both the target's p and the draft's q, so the rejection rule
+    preserves exactly this distribution.
+    """
+    scores = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.min_p > 0.0:
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep a token while the mass before it is < top_p (the first token is always kept)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """probs [..., V] → ids [...] (one draw per row)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """logits [..., V] → token ids [...]: argmax at temperature 0, else a seeded draw."""
+    if params.is_greedy:
+        return logits.argmax(dim=-1)
+    return sample_from_probs(probs_from_logits(logits, params), generator)
+
+
+def rejection_sample(draft_ids: torch.Tensor, p: torch.Tensor, q: torch.Tensor,
+                     generator: torch.Generator | None) -> tuple[int, int]:
+    """The lossless rule for one sequence: returns (number of accepted drafts a, next token).
+
+    draft_ids [n] were drawn from q [n, V]; p [n + 1, V] is the target's distribution at each
+    draft position plus one more. Draft i is kept with probability min(1, p_i(d_i) / q_i(d_i));
+    at the first rejection the token is drawn from normalize(max(p_i − q_i, 0)); if every draft
+    is kept, a bonus token is drawn from p_n. Each emitted token is then distributed exactly as
+    p (the residual makes up for the mass that acceptance under-covers).
+    """
+    n = draft_ids.shape[0]
+    rows = torch.arange(n, device=p.device)
+    p_d, q_d = p[rows, draft_ids], q[rows, draft_ids]
+    u = torch.rand(n, device=p.device, generator=generator)
+    # u · q < p  ⇔  u < p / q, without dividing by a zero q.
+    rejected = (u * q_d >= p_d).nonzero()
+    if rejected.numel() == 0:
+        return n, int(sample_from_probs(p[n], generator))
+    a = int(rejected[0, 0])
+    residual = (p[a] - q[a]).clamp_min(0.0)
+    total = residual.sum()
+    # p == q on the support leaves no residual: then any draw from p is exact.
+    dist = residual / total if total > 0 else p[a]
+    return a, int(sample_from_probs(dist, generator))

@@ -1,0 +1,555 @@
+"""OpenAI wire format: request validation, response/chunk models, the error object.
+
+Everything rejectable is rejected here, before any work: the app turns a pydantic
+ValidationError into one 400 answer with `validation_error_message` (never 422).
+Unknown request fields are ignored (clients send vendor extensions freely).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
+
+MAX_STOP_STRINGS = 16
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI sends it this way)
+
+    @field_validator("arguments", mode="before")
+    @classmethod
+    def _arguments_as_text(cls, value: Any) -> Any:
+        # Some clients echo arguments back as an object; keep one representation.
+        return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else value
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCall] | None = None  # before content: content's validator reads it
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
+    tool_call_id: str | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            role = info.data.get("role")
+            if role == "assistant" and info.data.get("tool_calls"):
+                return value
+            raise ValueError(
+                f"a {role or 'chat'} message needs content (only an assistant message with "
+                "tool_calls may omit it)"
+            )
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("content must be a string or a list of text parts")
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"only text content parts {{'type': 'text', 'text': ...}} are supported "
+                    f"(got type {kind!r})"
+                )
+        return value
+
+    @property
+    def text(self) -> str | None:
+        """The content as one string (text parts joined), or None."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+def _validate_stop(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise ValueError("stop must be a string or a list of strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings (got {len(value)})")
+    return value
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+
+
+def _reject_unless(value: Any, accepted: Any, name: str) -> Any:
+    if value is not None and value != accepted:
+        raise ValueError(f"{name}={value!r} is not supported by this server (only {accepted!r})")
+    return value
+
+
+class _SamplingFields(_Request):
+    """Fields shared by chat and text completions, validated the same way."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    return_meta_info: bool = False
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        return _validate_stop(value)
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, value: int | None) -> int | None:
+        return _reject_unless(value, 1, "n")
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
+        return _reject_unless(value, 0.0, str(info.field_name))
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, value: float | None) -> float | None:
+        return _reject_unless(value, 1.0, "repetition_penalty")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported by this server")
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list, empty strings dropped."""
+        return _stop_strings(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None  # declared before tool_choice: its validator reads it
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, value: list[ChatMessage]) -> list[ChatMessage]:
+        if not value:
+            raise ValueError("messages must contain at least one message")
+        return value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_tool_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None or value in ("none", "auto"):
+            return value
+        if isinstance(value, str) and value != "required":
+            raise ValueError(
+                f"tool_choice must be 'none', 'auto', 'required' or "
+                f"{{'type': 'function', 'function': {{'name': ...}}}} (got {value!r})"
+            )
+        tools = info.data.get("tools")
+        if not tools:
+            raise ValueError("tool_choice requires 'tools' to be given")
+        if isinstance(value, dict):
+            name = (value.get("function") or {}).get("name")
+            known = [t.function.name for t in tools]
+            if name not in known:
+                raise ValueError(f"tool_choice names function {name!r}, which is not in tools {known}")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("logprobs is not supported by this server")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError("top_logprobs is not supported by this server")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "text") != "text":
+            raise ValueError(
+                f"response_format {value.get('type')!r} is not supported by this server "
+                "(only 'text')"
+            )
+        return value
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """max_completion_tokens (the current OpenAI name) wins over the deprecated max_tokens."""
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def tools_enabled(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int]
+    max_tokens: int = Field(16, ge=1)  # OpenAI's default for /v1/completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+            if len(value) != 1:
+                raise ValueError(
+                    f"prompt holds {len(value)} prompts; send one prompt per request"
+                )
+            value = value[0]
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("prompt must not be empty")
+            return value
+        if not isinstance(value, list) or not value:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+            raise ValueError("prompt token ids must be non-negative integers")
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("logprobs is not supported by this server")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported by this server")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported by this server")
+        return value
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------------
+
+
+def _drop_none(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if not (k in keys and v is None)}
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+class MetaInfo(BaseModel):
+    """SGLang's speculative-decoding stats (z-lab's benchmark client reads them)."""
+
+    model_config = ConfigDict(extra="allow")
+    spec_verify_ct: int = 0
+    spec_accept_length: float = 0.0
+    spec_accept_histogram: list[int] = Field(default_factory=list)
+
+
+class ChatCompletionMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self), ("reasoning_content", "tool_calls"))
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: ChatCompletionMessage
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str = Field(default_factory=lambda: _new_id("chatcmpl-"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    meta_info: MetaInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self), ("meta_info",))
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self), ("name", "arguments"))
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self), ("id", "type"))
+
+
+class DeltaMessage(BaseModel):
+    """One chunk's increment; absent fields are left out of the JSON, as OpenAI does."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self), ("role", "content", "reasoning_content", "tool_calls"))
+
+
+class ChatCompletionChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChunkChoice]
+    usage: UsageInfo | None = None
+    meta_info: MetaInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self), ("usage", "meta_info"))
+
+    @staticmethod
+    def new_id() -> str:
+        return _new_id("chatcmpl-")
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """A /v1/completions body; streamed chunks use the same shape (usage only on the last)."""
+
+    id: str = Field(default_factory=lambda: _new_id("cmpl-"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    meta_info: MetaInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_absent(self, handler: Any) -> dict[str, Any]:
+        return _drop_none(handler(self), ("usage", "meta_info"))
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "blockspec"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | int | None = None
+) -> dict[str, Any]:
+    """The OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {
+        "error": {
+            "message": message,
+            "type": kind,
+            "param": param,
+            "code": status if code is None else code,
+        }
+    }
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_union_tag(part: str) -> bool:
+    """pydantic names union members in `loc` ('str', 'list[str]', 'NamedToolChoice', ...)."""
+    return part in _UNION_TAGS or part[:1].isupper() or any(c in part for c in "[](),-")
+
+
+def _param_name(loc: tuple[int | str, ...]) -> str | None:
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif not _is_union_tag(part):
+            name += f".{part}" if name else part
+    return name or None
+
+
+def _shown_input(value: Any) -> str:
+    if isinstance(value, (bool, int, float)) or (isinstance(value, str) and len(value) <= 40):
+        return f" (got {value!r})"
+    return ""
+
+
+def validation_error_message(exc: pydantic.ValidationError) -> tuple[str, str | None]:
+    """One clear message and the offending parameter for a 400 answer (the first error wins)."""
+    error = exc.errors(include_url=False)[0]
+    kind, param = error["type"], _param_name(tuple(error["loc"]))
+    if kind == "json_invalid":
+        detail = error["msg"].removeprefix("Invalid JSON: ")
+        return f"The request body is not valid JSON: {detail}.", None
+    if kind in ("model_type", "model_attributes_type") and param is None:
+        return "The request body must be a JSON object.", None
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'.", param
+    if kind == "value_error":
+        return f"Invalid '{param}': {error['ctx']['error']}." if param else f"{error['ctx']['error']}.", param
+    msg = error["msg"][:1].lower() + error["msg"][1:]
+    return f"Invalid '{param}': {msg}{_shown_input(error.get('input'))}.", param

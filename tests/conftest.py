@@ -1,0 +1,46 @@
+"""Session-wide tiny checkpoints (built once per test session)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import fixtures  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """Dense targets by kind, written lazily and cached for the session."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    cache: dict[str, Path] = {}
+
+    class Lazy(dict):
+        def __missing__(self, kind: str) -> Path:
+            cache[kind] = fixtures.write_dense_checkpoint(root / kind, kind)
+            self[kind] = cache[kind]
+            return cache[kind]
+
+    return Lazy()
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(checkpoints) -> Path:
+    return checkpoints["qwen3"]
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoints) -> Path:
+    return checkpoints["llama"]
+
+
+@pytest.fixture(scope="session")
+def qwen3_draft_dir(tmp_path_factory, qwen3_dir) -> Path:
+    return fixtures.write_dflash_draft(tmp_path_factory.mktemp("draft") / "qwen3-dflash", qwen3_dir)
+
+
+@pytest.fixture(scope="session")
+def llama_draft_dir(tmp_path_factory, llama_dir) -> Path:
+    return fixtures.write_dflash_draft(tmp_path_factory.mktemp("draft") / "llama-dflash", llama_dir)
