@@ -72,7 +72,8 @@ class ModelCache:
 class RecurrentCache:
     """Conv window and delta-rule state of one Gated DeltaNet layer, with replay-free rollback.
 
-    conv: the last K−1 conv inputs [slots, conv_dim, K−1]; ssm: S [slots, Hv, Dk, Dv] in fp32.
+    conv: the last K−1 conv inputs [slots, conv_dim, K−1]; ssm: S [slots, Hv, Dk, Dv] in fp32
+    (fp64 for an fp64 model).
     A forward with keep_steps=True over T positions keeps the state after every one of them and
     the conv inputs of the block behind the previous window; `trim(n)` then selects the state
     after position n − 1 and the K−1 inputs ending there. Nothing is recomputed.
@@ -81,7 +82,8 @@ class RecurrentCache:
     def __init__(self, num_slots: int, conv_dim: int, conv_kernel: int, num_v_heads: int,
                  k_dim: int, v_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.conv = torch.zeros(num_slots, conv_dim, conv_kernel - 1, dtype=dtype, device=device)
-        self.ssm = torch.zeros(num_slots, num_v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
+        state_dtype = torch.promote_types(dtype, torch.float32)      # fp32, or fp64 for fp64 models
+        self.ssm = torch.zeros(num_slots, num_v_heads, k_dim, v_dim, dtype=state_dtype, device=device)
         self.step_states: torch.Tensor | None = None   # [slots, T, Hv, Dk, Dv] after each position
         self.block_inputs: torch.Tensor | None = None  # [slots, conv_dim, K−1+T] window + block
 

@@ -55,7 +55,8 @@ class ModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool                  # on q/k/v projections
+    attention_out_bias: bool              # on o_proj (Llama's attention_bias; never Qwen2's)
     mlp_bias: bool
     use_qk_norm: bool
     eos_token_ids: tuple[int, ...] = ()
@@ -86,6 +87,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             # Qwen2 has q/k/v biases without saying so in config.json.
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            attention_out_bias=model_type != "qwen2" and bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
             use_qk_norm=model_type in ("qwen3",) or architecture == "Qwen3ForCausalLM",
             eos_token_ids=eos_ids(d.get("eos_token_id")),

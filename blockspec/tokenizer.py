@@ -241,8 +241,8 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
+def _strftime_now(date_format: str) -> str:
+    return datetime.now().strftime(date_format)
 
 
 def _normalize_message(message: Message) -> dict[str, Any]:
@@ -313,10 +313,11 @@ def _pick_template_name(templates: Mapping[str, str], has_tools: bool) -> str:
         return "default"
     if len(templates) == 1:
         return next(iter(templates))
-    raise ValueError(
-        "the model has no chat template (no chat_template.jinja, and none in tokenizer_config.json) "
-        f"{'' if not templates else f'and no default among {sorted(templates)} '}"
-        "- use /v1/completions with a raw prompt, or add a chat_template.jinja to the model directory")
+    if not templates:
+        raise ValueError(
+            "the model has no chat template (no chat_template.jinja, none in tokenizer_config.json): "
+            "use /v1/completions with a raw prompt, or add a chat_template.jinja to the model directory")
+    raise ValueError(f"the model's chat templates {sorted(templates)} include no 'default' one to use")
 
 
 def _read_chat_template(path: Path, config: Mapping[str, Any]) -> str | dict[str, str] | None:

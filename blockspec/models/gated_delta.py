@@ -11,6 +11,8 @@ Per value head, with a state S [Dk, Dv] kept in fp32, for each token t:
 Value head j reads key head j // (Hv / Hk). Layout on both forms (and on fla's kernels):
 q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dk, Dv] fp32;
 output [B, T, Hv, Dv] in v's dtype. q and k come in raw: normalising is the kernel's job.
+The torch forms compute in fp32, or in fp64 for an fp64 model (so tests can compare paths
+without rounding noise).
 """
 from __future__ import annotations
 
@@ -30,12 +32,19 @@ def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for fp32 / bf16 / fp16 models, fp64 for fp64 ones."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
             ) -> tuple[torch.Tensor, ...]:
-    """fp32, head-major [B, Hv, T, ·] copies; q, k normalised and expanded to the value heads."""
+    """Head-major [B, Hv, T, ·] copies in the state dtype; q, k normalised and expanded to the
+    value heads."""
     group = v.shape[2] // k.shape[2]
     q, k = (x.repeat_interleave(group, dim=2) if group > 1 else x for x in (q, k))
-    q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))
+    dtype = state_dtype(v.dtype)
+    q, k, v, g, beta = (x.transpose(1, 2).to(dtype) for x in (q, k, v, g, beta))
     q = l2_normalise(q) * q.shape[-1] ** -0.5
     return q, l2_normalise(k), v, g, beta
 
@@ -44,7 +53,7 @@ def initial_or_zeros(initial_state: torch.Tensor | None, v: torch.Tensor, k_dim:
     batch, num_heads, _, v_dim = v.shape
     if initial_state is None:
         return v.new_zeros(batch, num_heads, k_dim, v_dim)
-    return initial_state.float()
+    return initial_state.to(v.dtype)
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -22,7 +22,7 @@ from torch import nn
 from blockspec.cache import KVCache, ModelCache, RecurrentCache
 from blockspec.config import ConfigError, ModelConfig, eos_ids
 from blockspec.loader import ArchSpec
-from blockspec.models.gated_delta import select_kernels
+from blockspec.models.gated_delta import select_kernels, state_dtype
 from blockspec.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, attend, causal_mask
 from blockspec.models.qwen3 import ForwardOutput
 
@@ -223,7 +223,8 @@ class GatedDeltaNet(nn.Module):
         k = k.reshape(batch, num_tokens, self.num_k_heads, self.k_dim)
         v = v.reshape(batch, num_tokens, self.num_v_heads, self.v_dim)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())   # log decay ≤ 0
+        dtype = state_dtype(a.dtype)
+        g = -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))  # log decay ≤ 0
         kernels = select_kernels(x.device)
         if keep_steps or num_tokens == 1:
             out, state, steps = kernels.recurrent(q, k, v, g, beta, cache.ssm, keep_steps)

@@ -77,23 +77,23 @@ class ReasoningParser:
         text, self._buffer = self._buffer, ""
         if self._mode == "reasoning":
             return self._section(text).rstrip("\n"), ""
-        return "", self._section(text) if self._mode == "content" else text
+        return "", (self._section(text) if self._mode == "content" else text)
 
     def _step(self, reasoning: list[str], content: list[str]) -> bool:
         """Consume what the buffer can decide; True when the mode changed (run again)."""
-        if self._mode == "detect" or (self._mode == "reasoning" and self._at_section_start):
+        if self._mode == "content":
+            content.append(self._section(self._buffer))
+            self._buffer = ""
+            return False
+        if self._at_section_start:  # detecting, or reasoning that has not begun yet
             opened = self._open_tag()
             if opened is None:
                 return False  # only whitespace or part of the start tag so far
-            if opened or self._mode == "reasoning":
-                self._mode = "reasoning"
-            else:
+            if not opened and self._mode == "detect":
                 self._mode, self._at_section_start = "content", False
-        if self._mode == "reasoning":
-            return self._step_reasoning(reasoning)
-        content.append(self._section(self._buffer))
-        self._buffer = ""
-        return False
+                return True
+            self._mode = "reasoning"
+        return self._step_reasoning(reasoning)
 
     def _open_tag(self) -> bool | None:
         """Strip a leading start tag: True if stripped, False if absent, None if undecided."""
@@ -366,7 +366,8 @@ def _schema_types(schema: Mapping[str, Any] | None) -> list[str]:
         return [kind]
     if isinstance(kind, list):
         return [k for k in kind if isinstance(k, str)]
-    return [t for option in schema.get("anyOf") or schema.get("oneOf") or [] for t in _schema_types(option)]
+    options = schema.get("anyOf") or schema.get("oneOf") or []
+    return [t for option in options for t in _schema_types(option)]
 
 
 _NOT_CONVERTED = object()

@@ -231,7 +231,9 @@ class ChatCompletionRequest(_SamplingFields):
             name = (value.get("function") or {}).get("name")
             known = [t.function.name for t in tools]
             if name not in known:
-                raise ValueError(f"tool_choice names function {name!r}, which is not in tools {known}")
+                raise ValueError(
+                    f"tool_choice names function {name!r}, which is not in tools {known}"
+                )
         return value
 
     @field_validator("logprobs")
@@ -550,6 +552,7 @@ def validation_error_message(exc: pydantic.ValidationError) -> tuple[str, str | 
     if kind == "missing":
         return f"Missing required parameter: '{param}'.", param
     if kind == "value_error":
-        return f"Invalid '{param}': {error['ctx']['error']}." if param else f"{error['ctx']['error']}.", param
+        reason = error["ctx"]["error"]
+        return (f"Invalid '{param}': {reason}." if param else f"{reason}."), param
     msg = error["msg"][:1].lower() + error["msg"][1:]
     return f"Invalid '{param}': {msg}{_shown_input(error.get('input'))}.", param
