@@ -16,6 +16,7 @@ without rounding noise).
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable, NamedTuple
 
 import torch
@@ -130,14 +131,25 @@ def select_kernels(device: torch.device) -> GDNKernels:
 
     Decided by device type: fla imports fine on a CPU-only machine and fails only when called.
     """
-    if device.type == "cuda":
-        try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
-            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
-        except ImportError:
-            return GDNKernels(chunk_gated_delta_rule, recurrent_gated_delta_rule)
-        return GDNKernels(make_fla_chunk(fla_chunk), make_fla_recurrent(fla_recurrent))
-    return GDNKernels(chunk_gated_delta_rule, recurrent_gated_delta_rule)
+    if device.type != "cuda":
+        return GDNKernels(chunk_gated_delta_rule, recurrent_gated_delta_rule)
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+    except ImportError:
+        return GDNKernels(chunk_gated_delta_rule, recurrent_gated_delta_rule)
+    return GDNKernels(make_fla_chunk(fla_chunk), make_fla_recurrent(fla_recurrent, fla_step_kernel()))
+
+
+def fla_step_kernel() -> Callable | None:
+    """fla's KDA decode kernel, if this fla has the form that writes the state after every token
+    into slots of a pool (`ssm_state_indices`, fla >= 0.5); None otherwise."""
+    try:
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except ImportError:
+        return None
+    parameters = inspect.signature(fused_recurrent_kda_fwd).parameters
+    return fused_recurrent_kda_fwd if {"ssm_state_indices", "inplace_final_state"} <= set(parameters) else None
 
 
 def expand_key_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,16 +170,40 @@ def make_fla_chunk(fla_chunk: Callable) -> Callable[..., tuple[torch.Tensor, tor
     return chunk
 
 
-def make_fla_recurrent(fla_recurrent: Callable) -> Callable[..., tuple]:
+def make_fla_recurrent(fla_recurrent: Callable, step_kernel: Callable | None) -> Callable[..., tuple]:
     def recurrent(q, k, v, g, beta, initial_state=None, keep_steps=False):
         if keep_steps:
-            # fused_recurrent returns only the final state. A verify block needs the state after
-            # every position, so it takes the torch form (an fla kernel writing per-token states,
-            # like KDA's, is the fast path to add here).
-            return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, keep_steps=True)
+            # fused_recurrent_gated_delta_rule returns only the final state; a verify block needs
+            # the state after every position: KDA's kernel writes them, else the torch form.
+            if step_kernel is None:
+                return recurrent_gated_delta_rule(q, k, v, g, beta, initial_state, keep_steps=True)
+            return recurrent_with_steps(step_kernel, q, k, v, g, beta, initial_state)
         q, k = expand_key_heads(q, k, v.shape[2])
         state = None if initial_state is None else initial_state.float()
         out, final = fla_recurrent(q, k, v, g.float(), beta, initial_state=state,
                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
         return out, final.float(), None
     return recurrent
+
+
+def recurrent_with_steps(step_kernel: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDN through KDA's kernel: GDN is KDA with its decay broadcast over the key dim.
+
+    With ssm_state_indices [B, T] and the pool as both initial and final state, the kernel reads
+    sequence n's initial state from pool[indices[n, 0]] and stores the state after token t in
+    pool[indices[n, t]]; indices n·T + t make the pool the per-step states [B, T, Hv, Dk, Dv].
+    """
+    batch, num_tokens, num_v_heads, v_dim = v.shape
+    k_dim = k.shape[-1]
+    steps = torch.zeros(batch, num_tokens, num_v_heads, k_dim, v_dim, dtype=torch.float32, device=v.device)
+    if initial_state is not None:
+        steps[:, 0] = initial_state
+    indices = torch.arange(batch * num_tokens, dtype=torch.int32, device=v.device).view(batch, num_tokens)
+    decay = g.float()[..., None].expand(-1, -1, -1, k_dim).contiguous()         # [B, T, Hv, Dk]
+    out, _ = step_kernel(q.contiguous(), k.contiguous(), v.contiguous(), decay, beta.contiguous(),
+                         initial_state=steps.view(batch * num_tokens, num_v_heads, k_dim, v_dim),
+                         inplace_final_state=True, ssm_state_indices=indices,
+                         use_qk_l2norm_in_kernel=True)
+    return out, steps[:, -1], steps

@@ -1,0 +1,260 @@
+"""Hybrid targets (Qwen3.5, Qwen3-Next): agreement with transformers, GDN kernels, exact rollback.
+
+Checkpoints are tiny random models written by transformers' own save_pretrained (fp32, CPU).
+The multimodal layout is a real Qwen3_5ForConditionalGeneration with a tiny vision tower, saved
+by transformers, plus dummy `mtp.*` tensors added to its safetensors file (released checkpoints
+carry them; transformers drops them on load, and so must we).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from blockspec.cache import RecurrentCache
+from blockspec.config import ConfigError
+from blockspec.loader import LoadError, load_model
+from blockspec.models.gated_delta import (chunk_gated_delta_rule, recurrent_gated_delta_rule,
+                                          select_kernels)
+from blockspec.models.qwen3_5 import HybridConfig
+
+VOCAB = 256
+TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4, max_position_embeddings=1024,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+              patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+
+
+def randomise(model: torch.nn.Module) -> None:
+    """Move every weight off its init (zero-centred norms start at 0, gated norms at 1, which
+    would hide a wrong norm) and sharpen the logits so greedy choices are clear-cut."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=gen))
+        model.get_decoder().norm.weight.add_(8.0)
+
+
+def hf_model(kind: str):
+    from transformers import (Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration,
+                              Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM)
+    torch.manual_seed(0)
+    if kind == "qwen3_5":
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT))
+    if kind == "qwen3_5_mm":
+        config = Qwen3_5Config(text_config=TEXT, vision_config=VISION, tie_word_embeddings=True)
+        return Qwen3_5ForConditionalGeneration(config)
+    if kind == "qwen3_next":
+        return Qwen3NextForCausalLM(Qwen3NextConfig(**TEXT, num_experts=0))
+    raise ValueError(kind)
+
+
+def add_mtp_tensors(directory: Path) -> None:
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["mtp.fc.weight"] = torch.randn(32, 64)
+    tensors["mtp.layers.0.input_layernorm.weight"] = torch.zeros(32)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
+    """kind → (transformers model, our model loaded from its checkpoint)."""
+    root = tmp_path_factory.mktemp("hybrid")
+    pairs = {}
+    for kind in ("qwen3_5", "qwen3_5_mm", "qwen3_next"):
+        ref = hf_model(kind)
+        randomise(ref)
+        ref.save_pretrained(root / kind)
+        if kind == "qwen3_5_mm":
+            add_mtp_tensors(root / kind)
+        ours = load_model(str(root / kind), device="cpu", dtype="float32").model
+        pairs[kind] = (ref.eval(), ours)
+    return pairs
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def prefill(model, ids: torch.Tensor, max_len: int = 512):
+    cache = model.make_cache(max_len)
+    return cache, model(ids, cache).logits
+
+
+# ── agreement with transformers ────────────────────────────────────────────────────────────────
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_5_mm", "qwen3_next"])
+def test_logits_and_features_match_transformers(hybrids, kind):
+    ref, ours = hybrids[kind]
+    ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(ids, output_hidden_states=True)
+        out = ours(ids, ours.make_cache(256), capture_layers=(0, 2))
+    assert relative_error(out.logits, expected.logits) < 1e-4
+    features = torch.cat((expected.hidden_states[1], expected.hidden_states[3]), dim=-1)
+    assert relative_error(out.features, features) < 1e-4
+
+
+def test_multimodal_layout_config(hybrids):
+    _, ours = hybrids["qwen3_5_mm"]
+    assert ours.config.tie_word_embeddings                 # from the outer config, not text_config
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    assert ours.config.layer_types == tuple(TEXT["layer_types"])
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_prefill_then_decode_equals_one_forward(hybrids, kind):
+    _, ours = hybrids[kind]
+    ids = torch.randint(0, VOCAB, (1, 90), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, full = prefill(ours, ids)
+        cache, first = prefill(ours, ids[:, :70])
+        steps = [ours(ids[:, t:t + 1], cache).logits for t in range(70, 90)]
+    assert relative_error(torch.cat([first, *steps], dim=1), full) < 1e-5
+
+
+def greedy(model, prompt: list[int], num_new: int) -> list[int]:
+    cache = model.make_cache(len(prompt) + num_new)
+    logits = model(torch.tensor([prompt]), cache, num_logits=1).logits
+    tokens = []
+    for _ in range(num_new):
+        tokens.append(int(logits[0, -1].argmax()))
+        logits = model(torch.tensor([[tokens[-1]]]), cache).logits
+    return tokens
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_greedy_matches_transformers_generate(hybrids, kind):
+    ref, ours = hybrids[kind]
+    gen = torch.Generator().manual_seed(3)
+    for length in (5, 37, 300):
+        prompt = torch.randint(0, VOCAB, (1, length), generator=gen)
+        with torch.no_grad():
+            expected = ref.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                    max_new_tokens=40, min_new_tokens=40, pad_token_id=0)
+            tokens = greedy(ours, prompt[0].tolist(), 40)
+        assert tokens == expected[0, length:].tolist(), f"prompt of {length} tokens"
+
+
+# ── GDN kernels ────────────────────────────────────────────────────────────────────────────────
+
+def gdn_inputs(num_tokens: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    batch, k_heads, v_heads, k_dim, v_dim = 2, 2, 4, 8, 6
+    q = torch.randn(batch, num_tokens, k_heads, k_dim, generator=gen)
+    k = torch.randn(batch, num_tokens, k_heads, k_dim, generator=gen)
+    v = torch.randn(batch, num_tokens, v_heads, v_dim, generator=gen)
+    g = -2 * torch.rand(batch, num_tokens, v_heads, generator=gen)
+    beta = torch.rand(batch, num_tokens, v_heads, generator=gen)
+    state = torch.randn(batch, v_heads, k_dim, v_dim, generator=gen)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 150])
+def test_chunked_equals_recurrent(num_tokens):
+    q, k, v, g, beta, state = gdn_inputs(num_tokens)
+    out, final, steps = recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_steps=True)
+    chunk_out, chunk_final = chunk_gated_delta_rule(q, k, v, g, beta, state)
+    assert (chunk_out - out).abs().max() < 1e-5
+    assert (chunk_final - final).abs().max() < 1e-5
+    assert steps.shape == (2, num_tokens, 4, 8, 6) and steps.dtype == torch.float32
+    assert torch.equal(steps[:, -1], final)
+
+
+def test_recurrent_follows_the_stated_rule():
+    """One token by hand: S ← e^g S; u = β(v − Sᵀk); S ← S + k uᵀ; o = Sᵀq (q, k normalised)."""
+    q, k, v, g, beta, state = gdn_inputs(1)
+    out, final, _ = recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    b, j = 1, 3                                        # value head 3 reads key head 3 // 2 = 1
+    qk, kk = q[b, 0, 1] / q[b, 0, 1].norm() / 8 ** 0.5, k[b, 0, 1] / k[b, 0, 1].norm()
+    s = state[b, j] * g[b, 0, j].exp()
+    s = s + torch.outer(kk, beta[b, 0, j] * (v[b, 0, j] - s.T @ kk))
+    assert torch.allclose(final[b, j], s, atol=1e-5)
+    assert torch.allclose(out[b, 0, j], s.T @ qk, atol=1e-5)
+
+
+def test_select_kernels_on_cpu_is_torch():
+    kernels = select_kernels(torch.device("cpu"))
+    assert kernels.chunk is chunk_gated_delta_rule and kernels.recurrent is recurrent_gated_delta_rule
+
+
+# ── replay-free rollback ───────────────────────────────────────────────────────────────────────
+
+def recurrent_layers(cache) -> list[RecurrentCache]:
+    return [layer for layer in cache.layers if isinstance(layer, RecurrentCache)]
+
+
+@pytest.mark.parametrize("kind,dtype,tolerance", [
+    ("qwen3_5", torch.float64, 1e-6),
+    ("qwen3_next", torch.float64, 1e-6),
+    ("qwen3_5", torch.float32, 1e-5),
+])
+def test_rollback_selects_the_committed_state(hybrids, kind, dtype, tolerance):
+    """Verify 6 tokens with keep_steps, keep n of them: the recurrent states (SSM and conv window)
+    and the next logits equal a fresh prefill over exactly the committed tokens.
+
+    In fp64 (states too) the two paths differ only by rounding, so 1e-6 is a tight bound; in fp32
+    a different forward shape alone (one prefill vs prefill + verify) moves conv inputs by ~1e-6.
+    """
+    ours = copy.deepcopy(hybrids[kind][1]).to(dtype)
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, VOCAB, (1, 21), generator=gen)
+    block = torch.randint(0, VOCAB, (1, 6), generator=gen)
+    next_token = torch.randint(0, VOCAB, (1, 1), generator=gen)
+    start = prompt.shape[1]
+    with torch.no_grad():
+        for kept in range(1, 7):
+            cache, _ = prefill(ours, prompt)
+            ours(block, cache, keep_steps=True)
+            cache.trim(start + kept)
+            fresh, _ = prefill(ours, torch.cat((prompt, block[:, :kept]), dim=1))
+            assert cache.length == fresh.length == start + kept
+            for rolled, expected in zip(recurrent_layers(cache), recurrent_layers(fresh), strict=True):
+                assert rolled.ssm.dtype == torch.promote_types(dtype, torch.float32)
+                assert (rolled.ssm - expected.ssm).abs().max() <= tolerance, f"ssm, kept {kept}"
+                assert (rolled.conv - expected.conv).abs().max() <= tolerance, f"conv, kept {kept}"
+            after = ours(next_token, cache).logits
+            assert relative_error(after, ours(next_token, fresh).logits) < tolerance
+
+
+def test_rollback_refuses_what_the_saved_steps_cannot_give(hybrids):
+    _, ours = hybrids["qwen3_5"]
+    prompt = torch.arange(10)[None]
+    with torch.no_grad():
+        cache, _ = prefill(ours, prompt)
+        ours(torch.arange(10, 14)[None], cache)          # no keep_steps: only the final state
+        with pytest.raises(ValueError, match="keep_steps"):
+            cache.trim(12)
+        cache, _ = prefill(ours, prompt)
+        ours(torch.arange(10, 14)[None], cache, keep_steps=True)
+        with pytest.raises(ValueError, match="saved states cover"):
+            cache.trim(10)                                # before the block's first position
+        with pytest.raises(ValueError, match="saved states cover"):
+            cache.trim(5)
+
+
+# ── configs we do not serve ────────────────────────────────────────────────────────────────────
+
+def test_moe_config_is_a_clear_error(tmp_path):
+    from transformers import Qwen3NextConfig
+    config = Qwen3NextConfig(**TEXT, num_experts=4).to_dict()
+    config["architectures"] = ["Qwen3NextForCausalLM"]
+    with pytest.raises(ConfigError, match="MoE variants are not supported yet"):
+        HybridConfig.from_hf(config, "Qwen3NextForCausalLM")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({"lm_head.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(LoadError, match="MoE variants are not supported yet"):
+        load_model(str(tmp_path), device="cpu")
+
+
+def test_dense_layers_of_a_sparse_config_are_allowed():
+    config = {**TEXT, "model_type": "qwen3_next", "num_experts": 4, "mlp_only_layers": [0, 1, 2, 3]}
+    assert HybridConfig.from_hf(config, "Qwen3NextForCausalLM").fused_gdn_projections
