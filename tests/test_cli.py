@@ -1,0 +1,65 @@
+"""`blockspec generate`: the documented JSON line, and one-line errors with a non-zero exit."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def blockspec(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "blockspec.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_contract(qwen3_dir, qwen3_draft_dir):
+    plain = blockspec("generate", "--model", str(qwen3_dir), "--prompt-token-ids", "9707,11,1879",
+                      "--max-tokens", "9", "--json")
+    assert plain.returncode == 0, plain.stderr
+    spec = blockspec("generate", "--model", str(qwen3_dir), "--draft", str(qwen3_draft_dir), "--block-size", "4",
+                     "--prompt-token-ids", "9707,11,1879", "--max-tokens", "9", "--json")
+    assert spec.returncode == 0, spec.stderr
+    line = spec.stdout.strip().splitlines()
+    assert len(line) == 1
+    out = json.loads(line[0])
+    assert set(out) == {"token_ids", "text", "finish_reason", "prompt_token_ids", "stats"}
+    assert {"cycles", "acceptance_lengths", "draft_tokens", "accepted_tokens", "prefill_s", "decode_s"} <= set(out["stats"])
+    assert out["prompt_token_ids"] == [9707, 11, 1879]
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 9
+    assert out["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    assert sum(out["stats"]["acceptance_lengths"]) == 8 == len(out["token_ids"]) - 1
+    assert len(out["stats"]["acceptance_lengths"]) == out["stats"]["cycles"]
+
+
+def test_generate_renders_the_chat_template(qwen3_dir):
+    out = blockspec("generate", "--model", str(qwen3_dir), "--prompt", "Hi", "--max-tokens", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    prompt = json.loads(out.stdout)["prompt_token_ids"]
+    assert prompt[:3] == [151644, 872, 198] and prompt[-3:] == [151644, 77091, 198]  # <|im_start|>user\n … assistant\n
+    messages = json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    out2 = blockspec("generate", "--model", str(qwen3_dir), "--messages", messages, "--max-tokens", "2", "--json")
+    assert out2.returncode == 0 and len(json.loads(out2.stdout)["prompt_token_ids"]) > len(prompt)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/dir", "--prompt", "x"], "not a directory"),
+    (["--model", "{qwen3}", "--draft", "/nonexistent/draft", "--prompt", "x"], "not a directory"),
+    (["--model", "{qwen3}", "--prompt-token-ids", "1,a"], "comma-separated integers"),
+    (["--model", "{qwen3}", "--prompt-token-ids", "99999999"], "outside the vocabulary"),
+    (["--model", "{qwen3}", "--messages", "[not json"], "not valid JSON"),
+    (["--model", "{qwen3}", "--messages", "[]"], "non-empty JSON list"),
+    (["--model", "{qwen3}", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
+    (["--model", "{qwen3}", "--prompt", "x", "--temperature", "-1"], "--temperature"),
+    (["--model", "{qwen3}", "--prompt", "x", "--draft", "{draft}", "--block-size", "64"], "exceeds the draft"),
+])
+def test_bad_input_is_one_line_and_nonzero(qwen3_dir, qwen3_draft_dir, args, message):
+    args = [a.format(qwen3=qwen3_dir, draft=qwen3_draft_dir) for a in args]
+    out = blockspec("generate", *args)
+    assert out.returncode != 0
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr
+
+
+def test_unknown_dtype_is_rejected_by_the_parser(qwen3_dir):
+    out = blockspec("generate", "--model", str(qwen3_dir), "--prompt", "x", "--dtype", "int3")
+    assert out.returncode == 2 and "invalid choice" in out.stderr
