@@ -30,6 +30,15 @@ class KVCache:
         self.v[:, :, start:end] = v
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def write_at(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Graph-safe write: positions [T] on the device; returns the whole buffers.
+
+        No host integer decides a shape, so a CUDA graph captured once serves every length;
+        the attention mask hides positions past the sequence."""
+        self.k.index_copy_(2, positions, k)
+        self.v.index_copy_(2, positions, v)
+        return self.k, self.v
+
     def trim(self, length: int, verify_start: int | None) -> None:
         """Nothing to do: the model cache's length is the truth for attention layers."""
 

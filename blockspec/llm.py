@@ -26,12 +26,21 @@ class GenerationResult:
                 "prompt_token_ids": self.prompt_token_ids, "stats": self.stats.as_dict()}
 
 
+def graphed(target, max_len: int, max_width: int, capture_layers: tuple[int, ...]):
+    """Dense targets on CUDA run as graph replays; other models stay eager for now."""
+    from blockspec.models.qwen3 import Qwen3ForCausalLM
+    if not isinstance(target, Qwen3ForCausalLM):
+        return target
+    from blockspec.engine.cuda_graphs import GraphedTarget
+    return GraphedTarget(target, max_len, max_width, capture_layers)
+
+
 class LLM:
     """Owns one target (+ draft) and runs one request at a time on the calling thread."""
 
     def __init__(self, model: str, draft: str | None = None, block_size: int | None = None,
                  dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
-                 show_progress: bool = True) -> None:
+                 show_progress: bool = True, cuda_graphs: bool = True) -> None:
         loaded = load_model(model, device=device, dtype=dtype, show_progress=show_progress)
         self.target = loaded.model
         self.model_path = loaded.path
@@ -47,6 +56,9 @@ class LLM:
         if self.max_model_len > limit:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's {limit} positions")
         self.stop_ids = self.tokenizer.stop_token_ids | frozenset(self.target.config.eos_token_ids)
+        if cuda_graphs and self.target.lm_head.weight.device.type == "cuda":
+            self.target = graphed(self.target, self.max_model_len, self.block_size,
+                                  self.draft.target_layer_ids if self.draft else ())
 
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)

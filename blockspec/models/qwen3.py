@@ -39,7 +39,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: KVCache, start: int) -> torch.Tensor:
+                cache: KVCache, start: int | torch.Tensor) -> torch.Tensor:
+        """start: the first position (eager), or the positions [T] on the device (static path)."""
         batch, num_tokens, _ = x.shape
         q = self.q_proj(x).view(batch, num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
@@ -48,8 +49,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), *rope)                  # [B, H, T, D]
         k = apply_rope(k.transpose(1, 2), *rope)
-        keys, values = cache.write(start, k, v.transpose(1, 2))   # [B, Hkv, start+T, D]
-        mask = causal_mask(num_tokens, keys.shape[2], x.device)
+        if isinstance(start, torch.Tensor):
+            keys, values = cache.write_at(start, k, v.transpose(1, 2))    # [B, Hkv, max_len, D]
+            mask = torch.arange(cache.max_len, device=x.device)[None, :] <= start[:, None]
+        else:
+            keys, values = cache.write(start, k, v.transpose(1, 2))   # [B, Hkv, start+T, D]
+            mask = causal_mask(num_tokens, keys.shape[2], x.device)
         return self.o_proj(attend(q, keys, values, mask, self.scale))
 
 
@@ -62,7 +67,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: KVCache, start: int) -> torch.Tensor:
+                cache: KVCache, start: int | torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, start)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -107,18 +112,23 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: ModelCache, *,
                 capture_layers: tuple[int, ...] = (), num_logits: int | None = None,
-                keep_steps: bool = False) -> ForwardOutput:
+                keep_steps: bool = False, positions: torch.Tensor | None = None) -> ForwardOutput:
         """Run T new tokens [B, T] after the cache's length.
 
         capture_layers: decoder layers whose outputs are returned as features (transformers'
         hidden_states[l + 1]); num_logits: logits of the last N positions only (None = all).
         keep_steps is for recurrent layers (see cache.py); attention layers need nothing.
+        positions [T] on the device selects the static path (CUDA graphs): the caller owns
+        cache.length, and attention reads the whole static cache under a mask.
         """
         num_tokens = input_ids.shape[1]
-        start = cache.advance(num_tokens)
-        positions = torch.arange(start, start + num_tokens, device=input_ids.device)[None]
+        if positions is None:
+            start = cache.advance(num_tokens)
+            positions_2d = torch.arange(start, start + num_tokens, device=input_ids.device)[None]
+        else:
+            start, positions_2d = positions, positions[None]
         x = self.embed(input_ids)
-        rope = self.model.rotary_emb(positions, x.dtype)
+        rope = self.model.rotary_emb(positions_2d, x.dtype)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, cache.layers[i], start)
