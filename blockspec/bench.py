@@ -22,6 +22,9 @@ from blockspec.models.qwen3 import Qwen3ForCausalLM
 from blockspec.sampling import SamplingParams
 
 SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=256,
+                 intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, rope_theta=1e6, max_position_embeddings=40960, draft_layers=2),
     "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
                      intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, rope_theta=1e6, max_position_embeddings=40960, draft_layers=5),
