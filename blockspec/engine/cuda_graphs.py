@@ -27,7 +27,9 @@ class GraphedTarget:
         self.cache = target.make_cache(max_len)
         self.start = torch.zeros((), dtype=torch.long, device=self.device)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, ForwardOutput]] = {}
+        # width → (graph, its input ids, its position offsets, its outputs); every tensor a graph
+        # reads must stay referenced here, or the allocator hands its memory to someone else
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, ForwardOutput]] = {}
         with torch.inference_mode():
             for width in range(1, max_width + 1):
                 self.graphs[width] = self._capture(width)
@@ -56,7 +58,7 @@ class GraphedTarget:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self._static_forward(input_ids, offsets)
-        return graph, input_ids, out
+        return graph, input_ids, offsets, out
 
     def make_cache(self, max_len: int, num_slots: int = 1) -> ModelCache:
         """The one persistent cache, reset (a single engine thread runs one sequence at a time)."""
@@ -73,7 +75,7 @@ class GraphedTarget:
         start = cache.advance(width)
         self.start.fill_(start)
         if width in self.graphs:
-            graph, static_ids, out = self.graphs[width]
+            graph, static_ids, _, out = self.graphs[width]
             static_ids.copy_(input_ids)
             graph.replay()
             # outputs live in graph memory that the next replay overwrites: hand out copies
