@@ -164,7 +164,7 @@ def make_fla_chunk(fla_chunk: Callable) -> Callable[..., tuple[torch.Tensor, tor
     def chunk(q, k, v, g, beta, initial_state=None):
         q, k = expand_key_heads(q, k, v.shape[2])
         state = None if initial_state is None else initial_state.float()
-        out, final = fla_chunk(q, k, v, g.float(), beta, initial_state=state,
+        out, final = fla_chunk(q=q, k=k, v=v, g=g.float(), beta=beta, initial_state=state,
                                output_final_state=True, use_qk_l2norm_in_kernel=True)
         return out, final.float()
     return chunk
@@ -180,7 +180,8 @@ def make_fla_recurrent(fla_recurrent: Callable, step_kernel: Callable | None) ->
             return recurrent_with_steps(step_kernel, q, k, v, g, beta, initial_state)
         q, k = expand_key_heads(q, k, v.shape[2])
         state = None if initial_state is None else initial_state.float()
-        out, final = fla_recurrent(q, k, v, g.float(), beta, initial_state=state,
+        # Keywords throughout: fused_recurrent's positional order is q, k, v, g, gk, gv, beta.
+        out, final = fla_recurrent(q=q, k=k, v=v, g=g.float(), beta=beta, initial_state=state,
                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
         return out, final.float(), None
     return recurrent
@@ -202,7 +203,7 @@ def recurrent_with_steps(step_kernel: Callable, q: torch.Tensor, k: torch.Tensor
         steps[:, 0] = initial_state
     indices = torch.arange(batch * num_tokens, dtype=torch.int32, device=v.device).view(batch, num_tokens)
     decay = g.float()[..., None].expand(-1, -1, -1, k_dim).contiguous()         # [B, T, Hv, Dk]
-    out, _ = step_kernel(q.contiguous(), k.contiguous(), v.contiguous(), decay, beta.contiguous(),
+    out, _ = step_kernel(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=decay, beta=beta.contiguous(),
                          initial_state=steps.view(batch * num_tokens, num_v_heads, k_dim, v_dim),
                          inplace_final_state=True, ssm_state_indices=indices,
                          use_qk_l2norm_in_kernel=True)

@@ -1,0 +1,817 @@
+"""The HTTP front end: FastAPI routes, SSE, auth, CORS, limits, metrics, lifespan.
+
+A request's way through this file (ARCHITECTURE.md §1):
+
+    read body (413) → JSON (400) → pydantic (400, never 422) → model name (404)
+    → queue room (503 + Retry-After, before tokenizing) → chat template / tokenize (400)
+    → engine.submit → events cross from the engine thread with call_soon_threadsafe
+    → OutputProcessor (the one output path for plain and DFlash) → SSE chunks or one body
+
+Every rejection happens before the first byte of a response. The engine thread is the only
+code that touches the models; this file never does. A request that ends here for any reason
+(stop string, client gone, error) is aborted in the engine, which stops it within one cycle:
+nothing generates for a request nobody reads (seeds #224).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
+
+from blockspec.engine.engine import Engine, QueueFullError
+from blockspec.engine.request import GenerationStats, TokenEvent
+from blockspec.engine.request import Request as EngineRequest
+from blockspec.sampling import SamplingParams
+from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
+from blockspec.server.protocol import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
+                                       ChatCompletionChunkChoice, ChatCompletionMessage,
+                                       ChatCompletionRequest, Completion, CompletionChoice,
+                                       CompletionRequest, DeltaMessage, DeltaToolCall, FunctionCall,
+                                       MetaInfo, ModelCard, ModelList, ToolCall, UsageInfo, error_body,
+                                       validation_error_message)
+from blockspec.tokenizer import IncrementalDetokenizer
+
+RETRY_AFTER_S = 1
+GRACEFUL_SHUTDOWN_S = 30
+# torch.Generator.manual_seed takes seeds in [-2**63, 2**64); outside it the engine would fail.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+# chat_template_kwargs may not replace the arguments the server itself passes to the template.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
+DONE = b"data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings and errors
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model: str
+    draft: str | None = None
+    block_size: int | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queue: int = 64
+    cors: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"--block-size must be at least 1 (got {self.block_size})")
+        if self.max_queue < 0:
+            raise ValueError(f"--max-queue must be 0 or more (got {self.max_queue})")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be at least 1 (got {self.max_body_bytes})")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerSettings:
+        names = cls.__dataclass_fields__
+        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+
+    @property
+    def model_name(self) -> str:
+        """--served-model-name, else the last part of the model path or hub id."""
+        return self.served_model_name or os.path.basename(self.model.rstrip("/\\")) or self.model
+
+    @property
+    def cors_origins(self) -> list[str]:
+        return [origin.strip() for origin in (self.cors or "").split(",") if origin.strip()]
+
+
+class ApiError(Exception):
+    """An answer other than 200, sent as the OpenAI error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.message, self.param), self.status, self.headers)
+
+
+class GenerationFailed(Exception):
+    """The engine ended a request with an error, or dropped it at shutdown."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def retry_later(message: str) -> ApiError:
+    return ApiError(503, message, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+# ---------------------------------------------------------------------------------------------
+# Server state: loading, the engine, metrics
+# ---------------------------------------------------------------------------------------------
+
+
+class EngineCollector:
+    """Gauges and counters read from the engine at scrape time (its counters grow per event)."""
+
+    def __init__(self, state: ServerState) -> None:
+        self._state = state
+
+    def collect(self):
+        engine = self._state.engine
+        counters = engine.counters if engine is not None else None
+        yield GaugeMetricFamily("blockspec_requests_running", "Requests being decoded",
+                                value=engine.num_running if engine else 0)
+        yield GaugeMetricFamily("blockspec_requests_waiting", "Requests queued for the engine",
+                                value=engine.num_waiting if engine else 0)
+        for name, field, doc in (
+            ("blockspec_prompt_tokens", "prompt_tokens", "Prompt tokens prefilled"),
+            ("blockspec_generation_tokens", "generation_tokens", "Output tokens committed"),
+            ("blockspec_spec_verify", "spec_verify", "DFlash verify passes"),
+            ("blockspec_spec_draft_tokens", "spec_draft_tokens", "Draft tokens proposed and verified"),
+            ("blockspec_spec_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted"),
+        ):
+            yield CounterMetricFamily(name, doc, value=getattr(counters, field) if counters else 0)
+
+
+class Metrics:
+    """One registry per app, so several apps (tests) never share or clash."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(state))
+        self.requests = Counter("blockspec_requests", "Requests ended, by finish reason",
+                                ["finish_reason"], registry=self.registry)
+        self.time_to_first_token = Histogram(
+            "blockspec_time_to_first_token_seconds", "Arrival to the first output token",
+            registry=self.registry)
+        self.e2e_latency = Histogram(
+            "blockspec_e2e_request_latency_seconds", "Arrival to the end of the request",
+            registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+LLMFactory = Callable[[], Any]
+
+
+class ServerState:
+    """What the routes share: settings, the loaded model and engine (None while loading)."""
+
+    def __init__(self, settings: ServerSettings, llm_factory: LLMFactory) -> None:
+        self.settings = settings
+        self.llm_factory = llm_factory
+        self.llm: Any = None
+        self.engine: Engine | None = None
+        self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[BaseException], None] | None = None
+        self.started_at = time.monotonic()
+        self.metrics = Metrics(self)
+
+    def start_loading(self) -> None:
+        """Load in a daemon thread, so /health answers "loading" meanwhile."""
+        threading.Thread(target=self._load, name="blockspec-loader", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            llm = self.llm_factory()
+            engine = Engine(llm, max_queue=self.settings.max_queue)
+            engine.start()
+        except BaseException as exc:  # noqa: BLE001 - reported on /health and by serve()
+            traceback.print_exc()
+            self.load_error = exc
+            if self.on_load_error is not None:
+                self.on_load_error(exc)
+            return
+        self.llm = llm
+        self.engine = engine  # set last: a non-None engine means ready
+
+    def ready(self) -> tuple[Any, Engine]:
+        if self.engine is None:
+            if self.load_error is not None:
+                raise ApiError(500, f"the model failed to load: {self.load_error}")
+            raise retry_later("the model is still loading; retry shortly")
+        return self.llm, self.engine
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def default_llm_factory(settings: ServerSettings) -> LLMFactory:
+    def load() -> Any:
+        from blockspec.llm import LLM
+        return LLM(settings.model, draft=settings.draft, block_size=settings.block_size,
+                   dtype=settings.dtype, device=settings.device, max_model_len=settings.max_model_len)
+    return load
+
+
+def memory_info() -> dict[str, int]:
+    """Resident memory of the process and, when CUDA is in use, the allocator's view."""
+    info: dict[str, int] = {}
+    try:
+        with open("/proc/self/statm") as statm:
+            info["rss_bytes"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+        info["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        info["cuda_allocated_bytes"] = int(torch.cuda.memory_allocated())
+        info["cuda_reserved_bytes"] = int(torch.cuda.memory_reserved())
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# Request parsing
+# ---------------------------------------------------------------------------------------------
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object: 413 beyond max_bytes (declared or actual), else 400."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"The request body has {int(declared)} bytes; the limit is {max_bytes}.")
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise ApiError(413, f"The request body exceeds the limit of {max_bytes} bytes.")
+    except ClientDisconnect:
+        raise ApiError(400, "The client went away while sending the request body.") from None
+    try:
+        value = json.loads(bytes(body), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"The request body is not valid JSON: {exc}.") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    return value
+
+
+def validate(model: type[pydantic.BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        message, param = validation_error_message(exc)
+        raise ApiError(400, message, param) from None
+    except Exception as exc:  # a validator tripped on an odd shape: still the input's fault
+        raise ApiError(400, f"Invalid request: {exc}.") from None
+
+
+def check_model_name(settings: ServerSettings, name: str | None) -> None:
+    if name and name not in (settings.model_name, settings.model):
+        raise ApiError(404, f"The model '{name}' does not exist; this server serves "
+                            f"'{settings.model_name}'.", "model")
+
+
+def check_queue_room(engine: Engine) -> None:
+    """503 while the queue is full, decided before any tokenizing."""
+    if engine.num_waiting >= engine.max_queue:
+        raise retry_later(f"the server is busy ({engine.num_waiting} requests waiting); retry shortly")
+
+
+def check_seed(seed: int | None) -> None:
+    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
+        raise ApiError(400, f"Invalid 'seed': must be in [{MIN_SEED}, {MAX_SEED}] (got {seed}).", "seed")
+
+
+def sampling_params(body: Any, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(0, body.top_k or 0),
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+        )
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    reasoning: bool = False             # parse <think> … </think> out of the output
+    reasoning_started: bool = False     # the template opened <think> in the prompt
+
+
+def template_message(message: Any) -> dict[str, Any]:
+    data = message.model_dump(exclude_none=True)
+    if data["role"] == "developer":  # OpenAI's newer name for the system role
+        data["role"] = "system"
+    return data
+
+
+def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> Prompt:
+    """Chat template → prompt ids; a template that refuses the conversation is a 400."""
+    kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items()
+              if k not in RESERVED_TEMPLATE_KWARGS}
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools_enabled else None
+    messages = [template_message(message) for message in body.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True, **kwargs)
+    except Exception as exc:  # template errors, bad tool-call arguments: the request's fault
+        raise ApiError(400, f"The chat template could not render these messages: {exc}", "messages") from None
+    has_think = tokenizer.token_to_id("</think>") is not None
+    reasoning = has_think and kwargs.get("enable_thinking") is not False
+    started = text.rstrip().endswith("<think>")
+    return Prompt(tokenizer.encode(text, add_special_tokens=False), reasoning, reasoning and started)
+
+
+def completion_prompt(tokenizer: Any, body: CompletionRequest) -> Prompt:
+    if isinstance(body.prompt, str):
+        return Prompt(tokenizer.encode(body.prompt, add_special_tokens=True))
+    too_big = [t for t in body.prompt if t >= tokenizer.vocab_size]
+    if too_big:
+        raise ApiError(400, f"Invalid 'prompt': token id {too_big[0]} is outside the vocabulary "
+                            f"of {tokenizer.vocab_size}.", "prompt")
+    return Prompt(list(body.prompt))
+
+
+def make_engine_request(llm: Any, request_id: str, prompt: Prompt, body: Any) -> EngineRequest:
+    max_tokens = body.max_new_tokens or max(1, llm.max_model_len - len(prompt.token_ids))
+    params = sampling_params(body, max_tokens)
+    try:
+        return llm.make_request(request_id, prompt.token_ids, params)
+    except ValueError as exc:  # too long for --max-model-len, or empty
+        param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        raise ApiError(400, f"Invalid prompt: {exc}.", param) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# One generation, seen from the event loop
+# ---------------------------------------------------------------------------------------------
+
+
+class Generation:
+    """Submits one engine request and turns its events into OutputDeltas.
+
+    Events are produced on the engine thread and cross to the event loop through
+    call_soon_threadsafe into this request's own asyncio.Queue. The request ends here exactly
+    once: finished (stop / length / tool_calls), aborted (stop string hit, client gone), or
+    failed; `close` aborts the engine request unless it finished, so its compute stops.
+    """
+
+    def __init__(self, state: ServerState, engine: Engine, request: EngineRequest,
+                 processor: OutputProcessor, arrival: float) -> None:
+        self.state, self.engine, self.request, self.processor = state, engine, request, processor
+        self.arrival = arrival
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._has_first_token = False
+        self._ended = False
+
+    @property
+    def usage(self) -> UsageInfo:
+        return UsageInfo.of(len(self.request.prompt_ids), self.processor.completion_tokens)
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.request.stats
+
+    def submit(self) -> None:
+        try:
+            self.engine.submit(self.request, self._on_event)
+        except QueueFullError as exc:
+            raise retry_later(f"the server is busy: {exc}; retry shortly") from None
+
+    def _on_event(self, event: TokenEvent) -> None:  # engine thread
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.request.abort()
+
+    async def deltas(self) -> AsyncIterator[OutputDelta]:
+        try:
+            while not self.processor.is_finished:
+                event = await self._events.get()
+                self._check(event)
+                self._observe_first_token(event)
+                delta = self.processor.process(event.token_ids, event.finish_reason)
+                if delta.stop_hit:
+                    self.request.abort()  # the engine stops within one cycle
+                if not delta.is_empty:
+                    yield delta
+            self._end(self.processor.finish_reason or "stop")
+        finally:
+            self.close()
+
+    async def collect(self) -> OutputAccumulator:
+        accumulator = OutputAccumulator()
+        async for delta in self.deltas():
+            accumulator.add(delta)
+        return accumulator
+
+    def close(self) -> None:
+        """Idempotent: abort what did not finish (client gone, error) and count it once."""
+        if not self.processor.is_finished:
+            self.request.abort()
+        self._end("abort")
+
+    def _check(self, event: TokenEvent) -> None:
+        if event.finish_reason == "error":
+            self._end("error")
+            raise GenerationFailed(500, f"generation failed: {event.error or 'engine error'}")
+        if event.finish_reason == "abort":  # not ours: the engine dropped it (shutdown)
+            self._end("abort")
+            raise GenerationFailed(503, "the server is shutting down; retry on another server")
+
+    def _observe_first_token(self, event: TokenEvent) -> None:
+        if event.token_ids and not self._has_first_token:
+            self._has_first_token = True
+            self.state.metrics.time_to_first_token.observe(time.monotonic() - self.arrival)
+
+    def _end(self, reason: str) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self.state.metrics.requests.labels(finish_reason=reason).inc()
+        self.state.metrics.e2e_latency.observe(time.monotonic() - self.arrival)
+
+
+def meta_info(stats: GenerationStats) -> MetaInfo:
+    """SGLang's spec stats; histogram index i counts verify passes that committed i tokens."""
+    lengths = list(stats.acceptance_lengths)
+    histogram = [0] * (max(lengths) + 1) if lengths else []
+    for length in lengths:
+        histogram[length] += 1
+    mean = sum(lengths) / len(lengths) if lengths else 0.0
+    return MetaInfo(spec_verify_ct=len(lengths), spec_accept_length=mean, spec_accept_histogram=histogram)
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses: SSE with abort on disconnect, or one body
+# ---------------------------------------------------------------------------------------------
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(Response):
+    """Server-sent events that stop the generation when the client goes away.
+
+    The body and a watcher for http.disconnect run side by side; whichever ends first ends
+    the other, and `on_close` (the Generation's abort) always runs.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.chunks, self.on_close = chunks, on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = asyncio.ensure_future(self._send_body(send))
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            await asyncio.wait({body, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (body, watcher):
+                task.cancel()
+            self.on_close()
+            results = await asyncio.gather(body, watcher, return_exceptions=True)
+            await self.chunks.aclose()
+        if isinstance(results[0], Exception):  # a bug, not a disconnect: show it
+            traceback.print_exception(results[0])
+
+    async def _send_body(self, send: Send) -> None:
+        headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
+        try:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except OSError:  # the client went away mid-send
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def until_disconnect(generation: Generation, request: Request) -> OutputAccumulator | None:
+    """Collect the whole output, or abort and return None if the client leaves first."""
+    collect = asyncio.ensure_future(generation.collect())
+    watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself was cancelled (server stopping)
+        collect.cancel()
+        generation.close()
+        raise
+    finally:
+        watcher.cancel()
+    if not collect.done():  # the client left first
+        collect.cancel()
+        generation.close()
+        return None
+    return collect.result()
+
+
+def sse(payload: pydantic.BaseModel | dict[str, Any]) -> bytes:
+    text = payload.model_dump_json() if isinstance(payload, pydantic.BaseModel) else json.dumps(payload)
+    return b"data: " + text.encode() + b"\n\n"
+
+
+def delta_message(delta: OutputDelta) -> DeltaMessage | None:
+    calls = [DeltaToolCall.model_validate(call.to_openai()) for call in delta.tool_calls]
+    if not (delta.content or delta.reasoning or calls):
+        return None
+    return DeltaMessage(content=delta.content or None, reasoning_content=delta.reasoning or None,
+                        tool_calls=calls or None)
+
+
+async def chat_chunks(generation: Generation, response_id: str, model: str,
+                      body: ChatCompletionRequest) -> AsyncIterator[bytes]:
+    def chunk(delta: DeltaMessage, finish_reason: Any = None, **extra: Any) -> bytes:
+        choice = ChatCompletionChunkChoice(delta=delta, finish_reason=finish_reason)
+        return sse(ChatCompletionChunk(id=response_id, model=model, choices=[choice], **extra))
+
+    yield chunk(DeltaMessage(role="assistant", content=""))
+    try:
+        async for delta in generation.deltas():
+            message = delta_message(delta)
+            if message is not None:
+                yield chunk(message)
+            if delta.finish_reason is not None:
+                meta = meta_info(generation.stats) if body.return_meta_info else None
+                yield chunk(DeltaMessage(), delta.finish_reason, meta_info=meta)
+    except GenerationFailed as exc:
+        yield sse(error_body(exc.status, exc.message))
+    else:
+        if body.include_usage:
+            yield sse(ChatCompletionChunk(id=response_id, model=model, choices=[], usage=generation.usage))
+    yield DONE
+
+
+async def completion_chunks(generation: Generation, response_id: str, model: str,
+                            body: CompletionRequest) -> AsyncIterator[bytes]:
+    try:
+        async for delta in generation.deltas():
+            if delta.content:
+                yield sse(Completion(id=response_id, model=model,
+                                     choices=[CompletionChoice(text=delta.content)]))
+            if delta.finish_reason is not None:
+                meta = meta_info(generation.stats) if body.return_meta_info else None
+                choice = CompletionChoice(text="", finish_reason=delta.finish_reason)
+                yield sse(Completion(id=response_id, model=model, choices=[choice], meta_info=meta))
+    except GenerationFailed as exc:
+        yield sse(error_body(exc.status, exc.message))
+    else:
+        if body.include_usage:
+            yield sse(Completion(id=response_id, model=model, choices=[], usage=generation.usage))
+    yield DONE
+
+
+def chat_body(generation: Generation, output: OutputAccumulator, response_id: str, model: str,
+              body: ChatCompletionRequest) -> ChatCompletion:
+    calls = [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+             for call in output.tool_calls]
+    message = ChatCompletionMessage(content=output.content if output.content or not calls else None,
+                                    reasoning_content=output.reasoning or None, tool_calls=calls or None)
+    choice = ChatCompletionChoice(message=message, finish_reason=output.finish_reason)
+    return ChatCompletion(id=response_id, model=model, choices=[choice], usage=generation.usage,
+                          meta_info=meta_info(generation.stats) if body.return_meta_info else None)
+
+
+def completion_body(generation: Generation, output: OutputAccumulator, response_id: str, model: str,
+                    body: CompletionRequest) -> Completion:
+    choice = CompletionChoice(text=output.content, finish_reason=output.finish_reason)
+    return Completion(id=response_id, model=model, choices=[choice], usage=generation.usage,
+                      meta_info=meta_info(generation.stats) if body.return_meta_info else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routes
+# ---------------------------------------------------------------------------------------------
+
+
+def api_key_check(settings: ServerSettings) -> Callable[[Request], None]:
+    expected = settings.api_key.encode() if settings.api_key else None
+
+    def check(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("x-api-key")
+        authorization = request.headers.get("authorization", "")
+        scheme, _, token = authorization.partition(" ")
+        if given is None and scheme.lower() == "bearer":
+            given = token.strip()
+        if given is None or not hmac.compare_digest(given.encode(), expected):
+            raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' "
+                                "or 'x-api-key: <key>'.")
+    return check
+
+
+async def generate(state: ServerState, request: Request, kind: str) -> Response:
+    """The shared path of both completion routes, from raw body to response."""
+    arrival = time.monotonic()
+    settings = state.settings
+    raw = await read_json_object(request, settings.max_body_bytes)
+    body = validate(ChatCompletionRequest if kind == "chat" else CompletionRequest, raw)
+    check_model_name(settings, body.model)
+    check_seed(body.seed)
+    llm, engine = state.ready()
+    check_queue_room(engine)
+    render = render_chat if kind == "chat" else completion_prompt
+    prompt = await asyncio.to_thread(render, llm.tokenizer, body)
+    response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+    engine_request = make_engine_request(llm, response_id, prompt, body)
+    processor = make_processor(llm.tokenizer, prompt, body, kind)
+    generation = Generation(state, engine, engine_request, processor, arrival)
+    generation.submit()  # last: every rejection above came before any work
+    model = settings.model_name
+    if body.stream:
+        chunks = chat_chunks if kind == "chat" else completion_chunks
+        return SSEResponse(chunks(generation, response_id, model, body), generation.close)
+    try:
+        output = await until_disconnect(generation, request)
+    except GenerationFailed as exc:
+        return ApiError(exc.status, exc.message).response()
+    if output is None:
+        return Response(status_code=499)  # nobody is there to read it
+    build = chat_body if kind == "chat" else completion_body
+    return JSONResponse(build(generation, output, response_id, model, body).model_dump(mode="json"))
+
+
+def make_processor(tokenizer: Any, prompt: Prompt, body: Any, kind: str) -> OutputProcessor:
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt.token_ids, skip_special_tokens=True)
+    if kind != "chat":
+        return OutputProcessor(detokenizer, body.stop_strings)
+    return OutputProcessor(detokenizer, body.stop_strings, reasoning=prompt.reasoning,
+                           reasoning_started_in_prompt=prompt.reasoning_started,
+                           tools_enabled=body.tools_enabled, tools=body.tools)
+
+
+def health(state: ServerState) -> JSONResponse:
+    if state.engine is None:
+        if state.load_error is not None:
+            return JSONResponse({"status": "error", "message": str(state.load_error)}, 503)
+        return JSONResponse({"status": "loading"}, 503, {"Retry-After": str(RETRY_AFTER_S)})
+    llm, engine, settings = state.llm, state.engine, state.settings
+    return JSONResponse({
+        "status": "ok", "model": settings.model_name, "draft": settings.draft,
+        "block_size": llm.block_size if llm.draft is not None else None,
+        "running": engine.num_running, "waiting": engine.num_waiting,
+        "uptime_s": round(time.monotonic() - state.started_at, 3), "memory": memory_info(),
+    })
+
+
+def model_list(state: ServerState) -> ModelList:
+    max_model_len = state.llm.max_model_len if state.llm is not None else None
+    return ModelList(data=[ModelCard(id=state.settings.model_name, max_model_len=max_model_len)])
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    api = APIRouter(dependencies=[Depends(api_key_check(state.settings))])
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(state, request, "chat")
+
+    @api.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(state, request, "completion")
+
+    @api.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(model_list(state).model_dump(mode="json"))
+
+    @app.get("/health")
+    async def health_route() -> JSONResponse:
+        return health(state)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(api)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error is the OpenAI error object; invalid input is 400, never 422."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, f"Invalid request: {exc.errors()[:1]}"), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = 400 if exc.status_code == 422 else exc.status_code
+        return JSONResponse(error_body(status, str(exc.detail)), status, getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises after answering, so uvicorn logs the traceback.
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), 500)
+
+
+def create_app(llm: Any = None, settings: ServerSettings | None = None) -> FastAPI:
+    """The app. `llm`: a loaded LLM, a zero-argument factory returning one (called in a
+    background thread at startup), or None to load from `settings`."""
+    if settings is None:
+        raise ValueError("create_app needs ServerSettings")
+    if llm is None:
+        factory = default_llm_factory(settings)
+    elif callable(llm) and not hasattr(llm, "make_request"):
+        factory = llm
+    else:
+        factory = lambda: llm  # noqa: E731
+    state = ServerState(settings, factory)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        state.start_loading()
+        yield
+        await asyncio.to_thread(state.shutdown)  # after uvicorn's drain of open requests
+
+    app = FastAPI(title="blockspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    add_error_handlers(app)
+    add_routes(app, state)
+    if settings.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# `blockspec serve`
+# ---------------------------------------------------------------------------------------------
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run uvicorn until SIGINT/SIGTERM; those drain open requests, then stop the engine."""
+    import uvicorn
+    settings = ServerSettings.from_args(args)
+    app = create_app(None, settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    server = uvicorn.Server(config)
+    failures: list[BaseException] = []
+
+    def on_load_error(exc: BaseException) -> None:
+        failures.append(exc)
+        server.should_exit = True
+
+    app.state.server.on_load_error = on_load_error
+    with _sigterm_as_clean_exit():
+        server.run()
+    if failures:
+        print(f"blockspec serve: error: {failures[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+class _sigterm_as_clean_exit:
+    """uvicorn drains on SIGTERM, then re-raises it to the handler it found: make that a no-op,
+    so a drained server exits 0 rather than dying by the signal."""
+
+    def __enter__(self) -> None:
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, lambda *_: None)
+
+    def __exit__(self, *_: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)

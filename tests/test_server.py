@@ -1,0 +1,705 @@
+"""The HTTP server end to end: a real `blockspec serve` in a subprocess, driven with the official
+`openai` client and raw httpx (translating SwiftLM's DFlash/server test scripts), plus an
+in-process server over a scripted fake model for what a real tiny model can't stage on demand
+(loading, a full queue, an engine failure).
+
+Two subprocess servers share the module: DFlash (draft loaded) and plain (no draft, with
+--api-key and --cors). Random tiny models write random text, so every expectation is a
+reference taken from the server itself (or the plain server) first.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from blockspec.engine.request import Request, TokenEvent
+from blockspec.server.app import ServerSettings, create_app
+from blockspec.tokenizer import Tokenizer
+
+API_KEY = "test-key-123"
+ALLOWED_ORIGIN = "http://allowed.example"
+MAX_BODY_BYTES = 64 * 1024
+DFLASH_NAME = "tiny-dflash"
+START_TIMEOUT_S = 180
+HELLO = [{"role": "user", "content": "Hello, who are you?"}]
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m blockspec.cli serve …` in a subprocess, its log in a file."""
+
+    def __init__(self, log_path: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        command = [sys.executable, "-m", "blockspec.cli", "serve", "--host", "127.0.0.1",
+                   "--port", str(self.port), "--max-body-bytes", str(MAX_BODY_BYTES), *args]
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.startup_answers: list[tuple[int, dict]] = []  # /health answers before ready
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"server exited early:\n{self.log()}"
+            try:
+                response = httpx.get(self.url + "/health", timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.1)
+                continue
+            if response.status_code == 200:
+                return
+            self.startup_answers.append((response.status_code, response.json()))
+            time.sleep(0.05)
+        raise AssertionError(f"server not ready in {START_TIMEOUT_S} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def servers(qwen3_dir, qwen3_draft_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("server-logs")
+    dflash = ServerProcess(logs / "dflash.log", "--model", str(qwen3_dir), "--draft", str(qwen3_draft_dir),
+                           "--served-model-name", DFLASH_NAME)
+    plain = ServerProcess(logs / "plain.log", "--model", str(qwen3_dir), "--api-key", API_KEY,
+                          "--cors", ALLOWED_ORIGIN)
+    try:
+        dflash.wait_ready()
+        plain.wait_ready()
+        yield {"dflash": dflash, "plain": plain}
+    finally:
+        dflash.stop()
+        plain.stop()
+
+
+@pytest.fixture(scope="module")
+def dflash(servers) -> ServerProcess:
+    return servers["dflash"]
+
+
+@pytest.fixture(scope="module")
+def plain(servers) -> ServerProcess:
+    return servers["plain"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_dir) -> Tokenizer:
+    return Tokenizer.from_dir(qwen3_dir)
+
+
+def client_for(server: ServerProcess) -> openai.OpenAI:
+    key = API_KEY if server.process.args and "--api-key" in server.process.args else "unused"
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def headers_for(server: ServerProcess) -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"} if "--api-key" in server.process.args else {}
+
+
+def model_of(server: ServerProcess) -> str:
+    return DFLASH_NAME if "--draft" in server.process.args else "qwen3"
+
+
+def post(server: ServerProcess, path: str, body, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    headers = {"Content-Type": "application/json", **headers_for(server), **kwargs.pop("headers", {})}
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=120, **kwargs)
+
+
+def chat(server: ServerProcess, messages=HELLO, **fields) -> dict:
+    body = {"model": model_of(server), "messages": messages, "temperature": 0, "max_tokens": 16, **fields}
+    response = post(server, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def chat_text(server: ServerProcess, messages=HELLO, **fields) -> str:
+    return chat(server, messages, **fields)["choices"][0]["message"]["content"]
+
+
+def stream_events(server: ServerProcess, path: str, body: dict) -> list:
+    """Every SSE payload of a streamed answer (dicts, and the final "[DONE]")."""
+    events = []
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True},
+                      headers=headers_for(server), timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def streamed_chat_text(events: list) -> str:
+    return "".join(choice["delta"].get("content") or ""
+                   for event in events[:-1] if isinstance(event, dict) for choice in event["choices"])
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == name]
+    return values[0] if values else 0.0
+
+
+def wait_until(condition, timeout: float = 20.0, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
+def assert_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert {"type", "param", "code"} <= set(error)
+    return error
+
+
+# ---------------------------------------------------------------------------------------------
+# Health, models, metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def test_health_shape_and_startup_answers(dflash, plain, qwen3_draft_dir):
+    for server in (dflash, plain):
+        for status, body in server.startup_answers:  # before ready: only "loading"
+            assert (status, body) == (503, {"status": "loading"})
+    health = httpx.get(dflash.url + "/health").json()
+    assert health["status"] == "ok"
+    assert health["model"] == DFLASH_NAME and health["draft"] == str(qwen3_draft_dir)
+    assert health["block_size"] == 16
+    assert health["running"] == 0 and health["waiting"] == 0
+    assert health["uptime_s"] > 0 and health["memory"]["rss_bytes"] > 0
+    assert httpx.get(plain.url + "/health").json()["draft"] is None
+
+
+def test_models_and_metric_names(dflash):
+    models = client_for(dflash).models.list()
+    assert [m.id for m in models.data] == [DFLASH_NAME]
+    chat(dflash, max_tokens=2)
+    text = httpx.get(dflash.url + "/metrics").text
+    for name in ("blockspec_requests_running", "blockspec_requests_waiting", "blockspec_prompt_tokens_total",
+                 "blockspec_generation_tokens_total", 'blockspec_requests_total{finish_reason="length"}',
+                 "blockspec_spec_verify_total", "blockspec_spec_draft_tokens_total",
+                 "blockspec_spec_accepted_tokens_total", "blockspec_time_to_first_token_seconds_count",
+                 "blockspec_e2e_request_latency_seconds_count"):
+        assert name in text, name
+    assert metric(dflash, "blockspec_generation_tokens_total") >= 2
+    assert metric(dflash, "blockspec_spec_verify_total") >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat and completions
+# ---------------------------------------------------------------------------------------------
+
+
+def test_streaming_format_usage_and_meta_info(dflash):
+    body = {"model": DFLASH_NAME, "messages": HELLO, "temperature": 0, "max_tokens": 12,
+            "stream_options": {"include_usage": True}, "return_meta_info": True}
+    events = stream_events(dflash, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert len({chunk["id"] for chunk in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == ["length"]
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
+    meta = next(c["meta_info"] for c in chunks if "meta_info" in c)
+    assert sum(meta["spec_accept_histogram"]) == meta["spec_verify_ct"] > 0
+    # every token after the prefill's first one was committed by a verify pass
+    assert sum(i * n for i, n in enumerate(meta["spec_accept_histogram"])) == 12 - 1
+    whole = chat(dflash, max_tokens=12, return_meta_info=True)
+    assert streamed_chat_text(events) == whole["choices"][0]["message"]["content"]
+    assert whole["usage"] == usage_chunk["usage"]
+    assert whole["meta_info"]["spec_accept_histogram"] == meta["spec_accept_histogram"]
+
+
+@pytest.mark.parametrize("messages", [HELLO, [{"role": "user", "content": "Write a poem about the sea."}]])
+def test_stream_equals_nonstream_and_dflash_equals_plain(dflash, plain, messages):
+    texts = {}
+    for name, server in (("dflash", dflash), ("plain", plain)):
+        client = client_for(server)
+        stream = client.chat.completions.create(model=model_of(server), messages=messages, temperature=0,
+                                                max_tokens=24, stream=True)
+        texts[name + "-stream"] = "".join(chunk.choices[0].delta.content or ""
+                                          for chunk in stream if chunk.choices)
+        texts[name] = client.chat.completions.create(model=model_of(server), messages=messages, temperature=0,
+                                                     max_tokens=24).choices[0].message.content
+    assert texts["dflash"], texts
+    assert len(set(texts.values())) == 1, texts
+
+
+def test_early_stop_string_then_next_request(dflash):
+    """Seeds #224: a stream ended early by a stop string must not leave work behind that
+    the next request runs into; the next answer is exactly its own reference."""
+    other = [{"role": "user", "content": "Name three colours."}]
+    reference = chat_text(dflash, max_tokens=32)
+    other_reference = chat_text(dflash, other, max_tokens=16)
+    assert len(reference) >= 10, reference
+    stop = reference[len(reference) // 2: len(reference) // 2 + 3]
+    expected = reference[: reference.index(stop)]
+    body = {"model": DFLASH_NAME, "messages": HELLO, "temperature": 0, "max_tokens": 32, "stop": [stop],
+            "stream_options": {"include_usage": True}}
+    generated_before = metric(dflash, "blockspec_generation_tokens_total")
+    events = stream_events(dflash, "/v1/chat/completions", body)
+    assert streamed_chat_text(events) == expected
+    assert wait_until(lambda: metric(dflash, "blockspec_requests_running") == 0)
+    # the stop string aborted the engine request: it did not run on to max_tokens
+    assert metric(dflash, "blockspec_generation_tokens_total") - generated_before < 32
+    assert [c["choices"][0]["finish_reason"] for c in events[:-1]
+            if c["choices"] and c["choices"][0]["finish_reason"]] == ["stop"]
+    assert 0 < events[-2]["usage"]["completion_tokens"] < 32
+    assert chat_text(dflash, other, max_tokens=16) == other_reference  # at once, no overlap
+    stopped = chat(dflash, max_tokens=32, stop=stop)
+    assert stopped["choices"][0]["message"]["content"] == expected
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == events[-2]["usage"]["completion_tokens"]
+    assert httpx.get(dflash.url + "/health").json()["status"] == "ok"
+
+
+def test_three_sequential_requests_and_system_message(dflash):
+    prompts = ["What is 2 + 2?", "Tell me a joke.", "Translate 'cat' to French."]
+    answers = [chat(dflash, [{"role": "user", "content": p}], max_tokens=8) for p in prompts]
+    assert all(a["choices"][0]["message"]["content"] for a in answers)
+    assert len({a["id"] for a in answers}) == 3
+    with_system = chat(dflash, [{"role": "system", "content": "You are terse."}, *HELLO], max_tokens=8)
+    assert with_system["usage"]["prompt_tokens"] > chat(dflash, max_tokens=1)["usage"]["prompt_tokens"]
+    assert with_system["choices"][0]["message"]["content"]
+
+
+def test_usage_is_exact(dflash, tokenizer):
+    answer = chat(dflash, max_tokens=5)
+    usage = answer["usage"]
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] == len(tokenizer.encode_chat(HELLO))
+    assert usage["completion_tokens"] == 5
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_completions_endpoint(dflash, tokenizer):
+    client = client_for(dflash)
+    result = client.completions.create(model=DFLASH_NAME, prompt="The capital of France is", max_tokens=8,
+                                       temperature=0)
+    assert result.id.startswith("cmpl-") and result.object == "text_completion"
+    assert result.choices[0].finish_reason == "length" and result.usage.completion_tokens == 8
+    assert result.usage.prompt_tokens == len(tokenizer.encode("The capital of France is"))
+    stream = client.completions.create(model=DFLASH_NAME, prompt="The capital of France is", max_tokens=8,
+                                       temperature=0, stream=True)
+    chunks = list(stream)
+    assert all(chunk.id.startswith("cmpl-") and chunk.object == "text_completion" for chunk in chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == result.choices[0].text
+    by_ids = client.completions.create(model=DFLASH_NAME, prompt=tokenizer.encode("The capital of France is"),
+                                       max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == result.choices[0].text
+
+
+def test_seed_reproducibility(dflash):
+    def sample(seed: int) -> str:
+        return chat_text(dflash, temperature=0.8, seed=seed, max_tokens=12)
+    first = sample(7)
+    assert sample(7) == first
+    assert sample(8) != first
+
+
+def test_multipart_content_equals_string(dflash):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello,"}, {"type": "text", "text": "who?"}]}]
+    joined = [{"role": "user", "content": "Hello,\nwho?"}]
+    a, b = chat(dflash, parts, max_tokens=8), chat(dflash, joined, max_tokens=8)
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert a["usage"] == b["usage"]
+
+
+def test_tools_and_template_kwargs_are_rendered(dflash):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    plain_tokens = chat(dflash, max_tokens=1)["usage"]["prompt_tokens"]
+    with_tools = chat(dflash, max_tokens=4, tools=tools)
+    assert with_tools["usage"]["prompt_tokens"] > plain_tokens + 20
+    assert with_tools["choices"][0]["finish_reason"] in ("length", "stop", "tool_calls")
+    assert chat(dflash, max_tokens=1, tools=tools, tool_choice="none")["usage"]["prompt_tokens"] == plain_tokens
+    no_thinking = chat(dflash, max_tokens=1, chat_template_kwargs={"enable_thinking": False})
+    assert no_thinking["usage"]["prompt_tokens"] > plain_tokens  # the template's empty <think></think>
+
+
+def test_concurrent_requests_equal_sequential_references(dflash):
+    prompts = [[{"role": "user", "content": f"Question number {i}: what is {i} + {i}?"}] for i in range(5)]
+    references = [chat_text(dflash, p, max_tokens=10) for p in prompts]
+    with ThreadPoolExecutor(5) as pool:
+        answers = list(pool.map(lambda p: chat_text(dflash, p, max_tokens=10), prompts))
+    assert answers == references
+
+
+# ---------------------------------------------------------------------------------------------
+# Security: auth, CORS
+# ---------------------------------------------------------------------------------------------
+
+
+def test_api_key(plain):
+    models = plain.url + "/v1/models"
+    assert_error(httpx.get(models), 401)
+    assert_error(httpx.get(models, headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(httpx.post(plain.url + "/v1/chat/completions", json={"messages": HELLO}), 401)
+    assert httpx.get(models, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    assert httpx.get(models, headers={"x-api-key": API_KEY}).status_code == 200
+    assert httpx.get(plain.url + "/health").status_code == 200
+    assert httpx.get(plain.url + "/metrics").status_code == 200
+    bad_client = openai.OpenAI(base_url=plain.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_client.chat.completions.create(model="qwen3", messages=HELLO, max_tokens=1)
+
+
+def test_cors_on_and_off(dflash, plain):
+    preflight = {"Origin": ALLOWED_ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    allowed = httpx.options(plain.url + "/v1/chat/completions", headers=preflight)
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    simple = httpx.get(plain.url + "/health", headers={"Origin": ALLOWED_ORIGIN})
+    assert simple.headers["access-control-allow-origin"] == ALLOWED_ORIGIN
+    other = httpx.get(plain.url + "/health", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in other.headers
+    off = httpx.options(dflash.url + "/v1/chat/completions", headers=preflight)
+    assert "access-control-allow-origin" not in off.headers
+    assert "access-control-allow-origin" not in httpx.get(dflash.url + "/health",
+                                                          headers={"Origin": ALLOWED_ORIGIN}).headers
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: the right status and the error object, never 422 or 500
+# ---------------------------------------------------------------------------------------------
+
+BAD_CHAT_BODIES = {
+    "malformed json": (b'{"messages": [', 400),
+    "not an object": ([1, 2], 400),
+    "nan": (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400),
+    "no messages": ({"max_tokens": 4}, 400),
+    "empty messages": ({"messages": []}, 400),
+    "messages wrong type": ({"messages": "hello"}, 400),
+    "bad role": ({"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    "content wrong type": ({"messages": [{"role": "user", "content": 5}]}, 400),
+    "max_tokens 0": ({"messages": HELLO, "max_tokens": 0}, 400),
+    "max_tokens text": ({"messages": HELLO, "max_tokens": "many"}, 400),
+    "temperature 3": ({"messages": HELLO, "temperature": 3}, 400),
+    "top_p 0": ({"messages": HELLO, "top_p": 0}, 400),
+    "stop int": ({"messages": HELLO, "stop": 5}, 400),
+    "n 2": ({"messages": HELLO, "n": 2}, 400),
+    "seed too big": ({"messages": HELLO, "seed": 2**70}, 400),
+    "tool_choice odd shape": ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}],
+                               "tool_choice": {"type": "function", "function": "f"}}, 400),
+    "bad tool arguments": ({"messages": [*HELLO, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, 400),
+    "template kwargs not a dict": ({"messages": HELLO, "chat_template_kwargs": [1]}, 400),
+    "prompt too long": ({"messages": [{"role": "user", "content": "hello " * 5000}]}, 400),
+    "unknown model": ({"model": "gpt-17", "messages": HELLO}, 404),
+    "body too large": ({"messages": [{"role": "user", "content": "x" * (MAX_BODY_BYTES + 10)}]}, 413),
+}
+
+BAD_COMPLETION_BODIES = {
+    "no prompt": ({"max_tokens": 2}, 400),
+    "empty prompt": ({"prompt": ""}, 400),
+    "token id outside vocabulary": ({"prompt": [1, 10**9]}, 400),
+    "two prompts": ({"prompt": ["a", "b"]}, 400),
+    "echo": ({"prompt": "a", "echo": True}, 400),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHAT_BODIES))
+def test_bad_chat_input(dflash, case):
+    body, status = BAD_CHAT_BODIES[case]
+    assert_error(post(dflash, "/v1/chat/completions", body), status)
+
+
+@pytest.mark.parametrize("case", list(BAD_COMPLETION_BODIES))
+def test_bad_completion_input(dflash, case):
+    body, status = BAD_COMPLETION_BODIES[case]
+    assert_error(post(dflash, "/v1/completions", body), status)
+
+
+def test_bad_input_rejected_before_the_stream_starts(dflash):
+    response = post(dflash, "/v1/chat/completions", {"messages": [], "stream": True})
+    assert not response.headers["content-type"].startswith("text/event-stream")
+    assert_error(response, 400)
+
+
+
+def test_declared_content_length_over_the_limit_is_413_unread(dflash):
+    """The declared length alone decides: the server answers before reading a byte of the body."""
+    with socket.create_connection(("127.0.0.1", dflash.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000000\r\n\r\n{")
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            data = sock.recv(65536)
+            if not data:
+                break
+            reply += data
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), reply
+    assert json.loads(payload)["error"]["message"]
+
+
+_leaf = st.none() | st.booleans() | st.integers(-(10**20), 10**20) | st.floats(allow_nan=False) | st.text(max_size=12)
+_json = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                         max_size=3), max_leaves=8)
+_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "bard"]) | _json,
+                                  "content": st.text(max_size=16) | _json})
+# max_tokens is always small or invalid: a valid fuzzed request must stay cheap.
+_max_tokens = st.integers(-2, 3) | st.text(max_size=3) | st.lists(st.integers(), max_size=2)
+_chat_body = st.fixed_dictionaries(
+    {"messages": st.lists(_message, max_size=3) | _json, "max_tokens": _max_tokens},
+    optional={"temperature": _json | st.floats(0, 2), "top_p": _json, "top_k": _json, "stop": _json,
+              "stream": st.booleans(), "n": _json, "seed": _json, "tools": _json, "tool_choice": _json,
+              "chat_template_kwargs": _json, "stop_token_ids": _json, "model": st.text(max_size=10),
+              "stream_options": _json, "response_format": _json, "logit_bias": _json})
+_fuzz_body = _chat_body.map(json.dumps) | _json.map(json.dumps) | st.binary(max_size=48)
+
+
+@settings(max_examples=50, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(body=_fuzz_body)
+def test_fuzzed_bodies_never_5xx(dflash, body):
+    with httpx.Client(timeout=60) as client:
+        response = client.post(dflash.url + "/v1/chat/completions", content=body,
+                               headers={"Content-Type": "application/json"})
+        response.read()
+    assert response.status_code < 500 and response.status_code != 422, (body, response.text)
+    if response.status_code >= 400:
+        assert_error(response, response.status_code)
+
+
+def test_normal_request_after_fuzzing(dflash):
+    assert chat(dflash, max_tokens=2)["choices"][0]["finish_reason"] == "length"
+
+
+# ---------------------------------------------------------------------------------------------
+# Client disconnect stops the work (seeds #224)
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_generation_stops(server: ServerProcess) -> None:
+    assert wait_until(lambda: metric(server, "blockspec_requests_running") == 0), "the engine kept running"
+    before = metric(server, "blockspec_generation_tokens_total")
+    time.sleep(0.5)
+    assert metric(server, "blockspec_generation_tokens_total") == before
+
+
+def test_disconnect_mid_stream_aborts(dflash):
+    reference = chat_text(dflash, max_tokens=8)
+    aborted_before = metric(dflash, 'blockspec_requests_total{finish_reason="abort"}')
+    body = {"model": DFLASH_NAME, "messages": [{"role": "user", "content": "Go on forever."}],
+            "temperature": 0, "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", dflash.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        content_chunks = 0
+        while content_chunks < 2:
+            line = next(lines)
+            content_chunks += line.startswith("data: ") and '"content":"' in line and '"role"' not in line
+    assert_generation_stops(dflash)
+    assert metric(dflash, "blockspec_generation_tokens_total") < 3000
+    assert metric(dflash, 'blockspec_requests_total{finish_reason="abort"}') == aborted_before + 1
+    assert chat_text(dflash, max_tokens=8) == reference
+
+
+def test_disconnect_while_waiting_non_streaming_aborts(dflash):
+    body = {"model": DFLASH_NAME, "messages": [{"role": "user", "content": "Go on forever."}],
+            "temperature": 0, "max_tokens": 3000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(dflash.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    assert_generation_stops(dflash)
+    assert httpx.get(dflash.url + "/health").json()["running"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process server over a scripted model: loading, a full queue, engine errors
+# ---------------------------------------------------------------------------------------------
+
+
+class ScriptedLLM:
+    """Stands in for LLM: the real tokenizer, decoding scripted. Each request emits the ids of
+    " ok" up to max_tokens once `release` is set; a prompt containing FAIL raises mid-decode."""
+
+    draft = None
+    block_size = 1
+    max_model_len = 512
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.stop_ids = tokenizer.stop_token_ids
+        self.release = threading.Event()
+        self.word = tokenizer.encode(" ok")
+
+    def make_request(self, request_id, prompt_ids, params) -> Request:
+        return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)
+
+    def stream(self, request: Request):
+        while not self.release.wait(0.01):
+            if request.is_aborted:
+                request.finish_reason = "abort"
+                yield TokenEvent(request.request_id, [], "abort", request.stats)
+                return
+        if "FAIL" in self.tokenizer.decode(request.prompt_ids):
+            yield TokenEvent(request.request_id, request.commit(self.word))
+            raise RuntimeError("scripted failure")
+        while not request.is_finished:
+            emitted = request.commit(self.word)
+            yield TokenEvent(request.request_id, emitted, request.finish_reason,
+                             request.stats if request.is_finished else None)
+
+
+class InProcessServer:
+    def __init__(self, llm_factory, settings: ServerSettings) -> None:
+        import uvicorn
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(llm_factory, settings)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> InProcessServer:
+        self.thread.start()
+        assert wait_until(lambda: self.server.started, timeout=20)
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def scripted_chat(url: str, content: str = "hi", **fields) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 3, **fields}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def test_health_is_loading_until_the_model_is_ready(tokenizer):
+    loaded = threading.Event()
+    llm = ScriptedLLM(tokenizer)
+    llm.release.set()
+
+    def factory():
+        loaded.wait(30)
+        return llm
+
+    with InProcessServer(factory, ServerSettings(model="/models/scripted")) as server:
+        health = httpx.get(server.url + "/health")
+        assert (health.status_code, health.json()) == (503, {"status": "loading"})
+        waiting = scripted_chat(server.url)
+        assert_error(waiting, 503)
+        assert waiting.headers["Retry-After"]
+        loaded.set()
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200)
+        assert httpx.get(server.url + "/health").json()["model"] == "scripted"
+        answer = scripted_chat(server.url).json()
+        assert answer["choices"][0]["message"]["content"] == " ok ok ok"
+
+
+def test_queue_full_is_503_with_retry_after(tokenizer):
+    llm = ScriptedLLM(tokenizer)
+    with InProcessServer(lambda: llm, ServerSettings(model="scripted", max_queue=1)) as server:
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200)
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(scripted_chat, server.url, "first")
+            assert wait_until(lambda: httpx.get(server.url + "/health").json()["running"] == 1)
+            waiting = pool.submit(scripted_chat, server.url, "second")
+            assert wait_until(lambda: httpx.get(server.url + "/health").json()["waiting"] == 1)
+            rejected = scripted_chat(server.url, "third")
+            assert_error(rejected, 503)
+            assert rejected.headers["Retry-After"] == "1"
+            streamed = scripted_chat(server.url, "fourth", stream=True)  # rejected before any byte
+            assert_error(streamed, 503)
+            llm.release.set()
+            assert running.result().status_code == waiting.result().status_code == 200
+        assert scripted_chat(server.url).status_code == 200
+
+
+def test_engine_error_is_500_and_the_server_keeps_serving(tokenizer):
+    llm = ScriptedLLM(tokenizer)
+    llm.release.set()
+    with InProcessServer(lambda: llm, ServerSettings(model="scripted")) as server:
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200)
+        failed = scripted_chat(server.url, "please FAIL")
+        assert "scripted failure" in assert_error(failed, 500)["message"]
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=30, json={
+                "messages": [{"role": "user", "content": "FAIL again"}], "max_tokens": 3, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert "scripted failure" in json.loads(lines[-2][len("data: "):])["error"]["message"]
+        assert scripted_chat(server.url).json()["choices"][0]["message"]["content"] == " ok ok ok"
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'blockspec_requests_total{finish_reason="error"} 2.0' in metrics
+
+
+def test_server_logs_show_no_tracebacks(dflash, plain):
+    for server in (dflash, plain):
+        log = server.log_path.read_text(errors="replace")
+        assert "Traceback" not in log and "Exception in ASGI" not in log, log[-5000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGTERM drains (last: it stops the plain server)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_open_streams_then_exits(plain):
+    body = {"model": "qwen3", "messages": HELLO, "temperature": 0, "max_tokens": 200}
+    first_chunk = threading.Event()
+    events: list[str] = []
+
+    def read_stream() -> None:
+        with httpx.stream("POST", plain.url + "/v1/chat/completions", json={**body, "stream": True},
+                          headers=headers_for(plain), timeout=60) as response:
+            for line in response.iter_lines():
+                if line:
+                    events.append(line)
+                    first_chunk.set()
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    assert first_chunk.wait(30)
+    plain.process.send_signal(signal.SIGTERM)
+    reader.join(60)
+    assert events[-1] == "data: [DONE]"
+    assert any('"finish_reason":"length"' in line for line in events)
+    assert plain.process.wait(30) == 0
