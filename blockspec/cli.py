@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="GPU benchmark on random weights of real shapes")
     bench.add_argument("--shape", default="qwen3-8b")
     bench.add_argument("--out", default=None, help="write the results as JSON here")
-    bench.add_argument("--vs", action="append", default=[], choices=["transformers", "zlab"])
+    bench.add_argument("--vs", action="append", default=[], choices=["transformers", "zlab", "hybrid"])
     bench.add_argument("--device", default="auto")
     return parser
 

@@ -258,31 +258,3 @@ def test_moe_config_is_a_clear_error(tmp_path):
 def test_dense_layers_of_a_sparse_config_are_allowed():
     config = {**TEXT, "model_type": "qwen3_next", "num_experts": 4, "mlp_only_layers": [0, 1, 2, 3]}
     assert HybridConfig.from_hf(config, "Qwen3NextForCausalLM").fused_gdn_projections
-
-
-def has_fla_on_cuda() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import fla.ops.gated_delta_rule  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not has_fla_on_cuda(), reason="fla kernels need CUDA and flash-linear-attention")
-@pytest.mark.parametrize("num_tokens", [1, 6, 200])
-def test_fla_kernels_agree_with_torch(num_tokens):
-    """The fast paths against the torch reference (chunk in TF32: looser)."""
-    cuda = torch.device("cuda")
-    q, k, v, g, beta, state = (x.to(cuda) for x in gdn_inputs(num_tokens, k_dim=128, v_dim=128))
-    state = 0.1 * state
-    kernels = select_kernels(cuda)
-    out, final, steps = recurrent_gated_delta_rule(q, k, v, g, beta, state, keep_steps=True)
-    chunk_out, chunk_final = kernels.chunk(q, k, v, g, beta, state)
-    fused_out, fused_final, no_steps = kernels.recurrent(q, k, v, g, beta, state, False)
-    step_out, step_final, fla_steps = kernels.recurrent(q, k, v, g, beta, state, True)
-    assert no_steps is None and fla_steps.shape == steps.shape
-    assert (chunk_out - out).abs().max() < 1e-2 and (chunk_final - final).abs().max() < 1e-2
-    for a, b in ((fused_out, out), (fused_final, final), (step_out, out), (fla_steps, steps)):
-        assert (a - b).abs().max() < 1e-5
