@@ -129,10 +129,12 @@ def forward_ms(target, context: int, width: int) -> float:
 
 
 def draft_ms(target, draft, block_size: int) -> float:
-    device = draft.fc.weight.device
+    """One draft of a block after 8 newly committed positions (eager model or static runner)."""
+    weight = target.lm_head.weight
+    device = weight.device
     cache = draft.make_cache(4096)
     with torch.inference_mode():
-        feats = torch.randn(1, 512, draft.fc.weight.shape[1], device=device, dtype=draft.fc.weight.dtype)
+        feats = torch.randn(1, 512, len(draft.target_layer_ids) * target.hidden_size, device=device, dtype=weight.dtype)
         draft(target.embed(torch.zeros(1, block_size, dtype=torch.long, device=device)), feats, cache)
         new = feats[:, :block_size // 2]
         block = target.embed(torch.zeros(1, block_size, dtype=torch.long, device=device))
@@ -163,13 +165,14 @@ def main(args) -> int:
     results = run(args.shape, device, args.vs)
     print_table(results)
     if args.out:
+        write_profiles(args.shape, device, args.out)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
     return 0
 
 
 def run(shape_name: str, device: torch.device, vs: list[str]) -> dict[str, Any]:
-    from blockspec.engine.cuda_graphs import GraphedTarget
+    from blockspec.engine.cuda_graphs import StaticDraft, StaticTarget
     torch.manual_seed(0)
     shape = SHAPES[shape_name]
     target_cfg, draft_cfg, target, draft = build_models(shape, device, torch.bfloat16)
@@ -181,21 +184,25 @@ def run(shape_name: str, device: torch.device, vs: list[str]) -> dict[str, Any]:
     r["floor_ms_per_token"] = r["target_weight_GB"] / r["copy_bandwidth_TBps"]
     r["prefill_tok_s_2k"] = prefill_tokens_per_s(target)
     r["eager_decode_ms_ctx512"] = decode_ms(target, 512, 16)
-    graphed = GraphedTarget(target, max_len=8192, max_width=16, capture_layers=draft.target_layer_ids)
+    graphed = StaticTarget(target, max_len=8192, max_width=16, capture_layers=draft.target_layer_ids)
+    graphed_draft = StaticDraft(draft, max_len=8192, max_block=16)
+    r["draft_graph_check"] = draft_graph_check(target, draft, graphed_draft)
     r["graph_check"] = graph_check(target, graphed)
     for ctx in (512, 4096):
         r[f"decode_ms_ctx{ctx}"] = decode_ms(graphed, ctx, 64)
     for width in (1, 4, 8, 16):
         r[f"forward_ms_w{width}_ctx512"] = forward_ms(graphed, 512, width)
-    r["draft_ms_block16"] = draft_ms(target, draft, 16)
+    r["draft_ms_block16_eager"] = draft_ms(target, draft, 16)
+    r["draft_ms_block16"] = draft_ms(target, graphed_draft, 16)
+    r["dflash_cycle_ms_b16_eager_draft"] = dflash_cycle_ms(graphed, draft, 512, 16, 24)
     for block in (8, 16):
-        r[f"dflash_cycle_ms_b{block}"] = dflash_cycle_ms(graphed, draft, 512, block, 24)
+        r[f"dflash_cycle_ms_b{block}"] = dflash_cycle_ms(graphed, graphed_draft, 512, block, 24)
     step = r["decode_ms_ctx512"]
     r["ratio_floor_over_decode"] = r["floor_ms_per_token"] / step
     r["ratio_verify16_over_step"] = r["forward_ms_w16_ctx512"] / r["forward_ms_w1_ctx512"]
     r["projected_tok_s_b16"] = {str(tau): tau * 1e3 / r["dflash_cycle_ms_b16"] for tau in (2, 4, 6.5, 8)}
     r["peak_memory_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
-    del graphed
+    del graphed, graphed_draft
     torch.cuda.empty_cache()
     if "transformers" in vs:
         r["transformers"] = bench_transformers(target_cfg, target, device)
@@ -331,3 +338,41 @@ def bench_hybrid(device: torch.device) -> dict[str, Any]:
     del model
     torch.cuda.empty_cache()
     return out
+
+
+def draft_graph_check(target, draft, graphed_draft) -> dict[str, Any]:
+    """The replayed draft equals the eager draft over a sequence of cycles (bf16)."""
+    weight = target.lm_head.weight
+    gen = torch.Generator(weight.device).manual_seed(1)
+    dim = len(draft.target_layer_ids) * target.hidden_size
+    diff = 0.0
+    with torch.inference_mode():
+        block = target.embed(torch.full((1, 16), 151669, device=weight.device))
+        eager_cache, static_cache = draft.make_cache(1024), graphed_draft.make_cache(1024)
+        for num in (100, 3, 16, 1, 9):
+            feats = torch.randn(1, num, dim, device=weight.device, dtype=weight.dtype, generator=gen)
+            a, b = draft(block, feats, eager_cache), graphed_draft(block, feats, static_cache)
+            diff = max(diff, float((a.float() - b.float()).abs().max()))
+    return {"hidden_max_abs_diff": diff}
+
+
+def write_profiles(shape_name: str, device: torch.device, out_path: str) -> None:
+    """Kernel-time breakdown of one eager static forward of 1 and of 16 tokens, for whoever
+    speeds this up next (graph replays hide kernels from the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    _, _, target, _ = build_models(SHAPES[shape_name], device, torch.bfloat16)
+    cache = target.make_cache(1024)
+    with torch.inference_mode():
+        target(torch.randint(0, 1000, (1, 512), device=device), cache)
+        for width in (1, 16):
+            ids = torch.randint(0, 1000, (1, width), device=device)
+            positions = torch.arange(512, 512 + width, device=device)
+            for _ in range(2):
+                target(ids, cache, positions=positions)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                target(ids, cache, positions=positions)
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+            with open(out_path.replace(".json", f"_profile_w{width}.txt"), "w") as f:
+                f.write(table)

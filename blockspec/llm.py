@@ -26,13 +26,15 @@ class GenerationResult:
                 "prompt_token_ids": self.prompt_token_ids, "stats": self.stats.as_dict()}
 
 
-def graphed(target, max_len: int, max_width: int, capture_layers: tuple[int, ...]):
-    """Dense targets on CUDA run as graph replays; other models stay eager for now."""
+def static_runners(target, draft, max_len: int, block_size: int):
+    """On CUDA, dense targets and drafts run as graph replays; hybrid targets stay eager for now."""
+    from blockspec.engine.cuda_graphs import StaticDraft, StaticTarget
     from blockspec.models.qwen3 import Qwen3ForCausalLM
-    if not isinstance(target, Qwen3ForCausalLM):
-        return target
-    from blockspec.engine.cuda_graphs import GraphedTarget
-    return GraphedTarget(target, max_len, max_width, capture_layers)
+    if isinstance(target, Qwen3ForCausalLM):
+        target = StaticTarget(target, max_len, block_size, draft.target_layer_ids if draft else ())
+    if draft is not None and block_size > 1:
+        draft = StaticDraft(draft, max_len, block_size)
+    return target, draft
 
 
 class LLM:
@@ -57,8 +59,7 @@ class LLM:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's {limit} positions")
         self.stop_ids = self.tokenizer.stop_token_ids | frozenset(self.target.config.eos_token_ids)
         if cuda_graphs and self.target.lm_head.weight.device.type == "cuda":
-            self.target = graphed(self.target, self.max_model_len, self.block_size,
-                                  self.draft.target_layer_ids if self.draft else ())
+            self.target, self.draft = static_runners(self.target, self.draft, self.max_model_len, self.block_size)
 
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)

@@ -12,7 +12,7 @@ from blockspec.engine.plain import generate_plain
 from blockspec.engine.request import Request
 from blockspec.engine.speculative import generate_dflash
 from blockspec.loader import LoadError, load_draft, load_model
-from blockspec.models.dflash import default_target_layer_ids
+from blockspec.models.dflash import default_target_layer_ids, draft_mask
 from blockspec.sampling import SamplingParams, rejection_sample
 
 import fixtures
@@ -346,11 +346,12 @@ def test_sliding_window_draft_layers_are_causal_and_windowed(tmp_path, qwen3_dir
             h = target.embed(ids)
             layer0 = draft.layers[0]
             context_start = cache.advance(10)
-            pos = torch.arange(0, 14)[None]
-            cos, sin = draft.rotary_emb(pos, h.dtype)
+            pos = torch.arange(0, 14)
+            cos, sin = draft.rotary_emb(pos[None], h.dtype)
             ctx = draft.hidden_norm(draft.fc(feats))
+            masks = {(True, 4): draft_mask(pos[10:], pos, None, True, 4)}
             outs.append(layer0(h, ctx, (cos[..., 10:, :], sin[..., 10:, :]), (cos[..., :10, :], sin[..., :10, :]),
-                               cache.layers[0], context_start))
+                               cache.layers[0], context_start, masks))
     assert torch.equal(outs[0][:, :3], outs[1][:, :3]) and not torch.equal(outs[0][:, 3], outs[1][:, 3])
     reference = plain(target, SHORT).output_ids
     assert dflash(target, draft, SHORT, 8).output_ids == reference
@@ -361,3 +362,36 @@ def test_draft_that_does_not_fit_the_target_is_refused(tmp_path, qwen3_dir, pair
     path = fixtures.write_dflash_draft(tmp_path / "bad", qwen3_dir, target_layer_ids=[0, 9])
     with pytest.raises(LoadError, match="target_layer_ids"):
         load_draft(str(path), target)
+
+
+def test_static_runners_equal_eager(pairs):
+    """The graph-capturable runners (positions on the device, padded draft context, persistent
+    caches) decode exactly like the eager models; on CUDA the same path is replayed as graphs."""
+    from blockspec.engine.cuda_graphs import StaticDraft, StaticTarget
+    target, draft = pairs["qwen3"]
+    reference = plain(target, LONG, max_tokens=30).output_ids
+    static_target = StaticTarget(target, 4096, 8, draft.target_layer_ids, use_graphs=False)
+    static_draft = StaticDraft(draft, 4096, 8, use_graphs=False)
+    assert plain(static_target, LONG, max_tokens=30).output_ids == reference
+    for block_size in (2, 8):
+        oracle = OracleDraft(static_draft, LONG, reference)
+        request = dflash(static_target, oracle, LONG, block_size, max_tokens=30)
+        assert request.output_ids == reference
+        assert set(request.stats.acceptance_lengths[:-1]) == {block_size}
+        assert dflash(static_target, static_draft, LONG, block_size, max_tokens=30).output_ids == reference
+
+
+def test_static_draft_equals_eager_draft(pairs):
+    from blockspec.engine.cuda_graphs import StaticDraft
+    target, draft = pairs["qwen3"]
+    static = StaticDraft(draft, 256, 8, use_graphs=False)
+    gen = torch.Generator().manual_seed(3)
+    contexts = [torch.randn(1, n, 128, generator=gen) for n in (20, 3, 1, 8, 5)]
+    block = target.embed(torch.tensor([[77091] + [fixtures.QWEN3_MASK_TOKEN_ID] * 7]))
+    with torch.no_grad():
+        eager_cache, static_cache = draft.make_cache(256), static.make_cache(256)
+        for context in contexts:
+            expected = draft(block, context, eager_cache)
+            got = static(block, context, static_cache)
+            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
+        assert static_cache.length == eager_cache.length == 37

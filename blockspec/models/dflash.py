@@ -93,20 +93,24 @@ class DraftConfig:
         )
 
 
-def draft_mask(num_queries: int, num_keys: int, is_causal: bool, window: int | None,
-               device: torch.device) -> torch.Tensor | None:
-    """Bool mask [T, L]: queries are the last T of L absolute positions."""
-    if not is_causal and window is None:
+def draft_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor | None,
+               is_causal: bool, window: int | None) -> torch.Tensor | None:
+    """Bool mask [T, L] from absolute positions: query_pos [T], key_pos [L], key_valid [L] or None.
+
+    Full-attention layers see every valid key (the block is non-causal); sliding layers see
+    keys at or before the query, within the window."""
+    if not is_causal and window is None and key_valid is None:
         return None
-    query_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
-    key_pos = torch.arange(num_keys, device=device)[None, :]
-    visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
+    q, k = query_pos[:, None], key_pos[None, :]
+    visible = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=query_pos.device)
+    if key_valid is not None:
+        visible = visible & key_valid[None, :]
     if is_causal:
-        visible &= key_pos <= query_pos
+        visible = visible & (k <= q)
     if window is not None:
-        visible &= query_pos - key_pos < window
+        visible = visible & (q - k < window)
         if not is_causal:
-            visible &= key_pos - query_pos < window
+            visible = visible & (k - q < window)
     return visible
 
 
@@ -134,15 +138,21 @@ class DraftAttention(nn.Module):
         return apply_rope(k.transpose(1, 2), *rope), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, block_rope: tuple[torch.Tensor, torch.Tensor],
-                context_rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, context_start: int) -> torch.Tensor:
+                context_rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                context_at: int | torch.Tensor, masks: dict) -> torch.Tensor:
+        """context_at: first context position (eager: keys are the cache up to the context's
+        end) or context positions [C] on the device (static: keys are the whole cache)."""
         batch, num_tokens, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, num_tokens, self.num_heads, self.head_dim))
         q = apply_rope(q.transpose(1, 2), *block_rope)
         context_k, context_v = self.project_kv(context, context_rope)
-        cached_k, cached_v = cache.write(context_start, context_k, context_v)  # committed only
-        block_k, block_v = self.project_kv(x, block_rope)                      # never cached
+        if isinstance(context_at, torch.Tensor):
+            cached_k, cached_v = cache.write_at(context_at, context_k, context_v)
+        else:
+            cached_k, cached_v = cache.write(context_at, context_k, context_v)   # committed only
+        block_k, block_v = self.project_kv(x, block_rope)                          # never cached
         keys, values = torch.cat((cached_k, block_k), dim=2), torch.cat((cached_v, block_v), dim=2)
-        mask = draft_mask(num_tokens, keys.shape[2], self.is_causal, self.window, x.device)
+        mask = masks[(self.is_causal, self.window)]
         return self.o_proj(attend(q, keys, values, mask, self.scale))
 
 
@@ -155,8 +165,8 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, block_rope, context_rope,
-                cache: KVCache, context_start: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, cache, context_start)
+                cache: KVCache, context_at: int | torch.Tensor, masks: dict) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, cache, context_at, masks)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -199,14 +209,44 @@ class DFlashDraftModel(nn.Module):
         num_context, num_block = new_features.shape[1], block_embeds.shape[1]
         context_start = cache.advance(num_context)
         device = block_embeds.device
-        positions = torch.arange(context_start, context_start + num_context + num_block, device=device)[None]
-        cos, sin = self.rotary_emb(positions, block_embeds.dtype)
+        positions = torch.arange(context_start, context_start + num_context + num_block, device=device)
+        num_keys = context_start + num_context + num_block
+        return self._run(block_embeds, new_features, cache, context_at=context_start, positions=positions,
+                         key_pos=torch.arange(num_keys, device=device), key_valid=None)
+
+    def forward_static(self, block_embeds: torch.Tensor, new_features: torch.Tensor, cache: ModelCache,
+                       context_start: torch.Tensor, num_context: torch.Tensor) -> torch.Tensor:
+        """The graph-capturable draft: new_features [B, Cmax, K·H] of which the first
+        `num_context` (a device scalar) are real; the rest are written past the context's end,
+        hidden by the mask and overwritten by the next draft's context. The caller owns
+        cache.length; the cache needs Cmax positions of slack."""
+        num_padded, num_block = new_features.shape[1], block_embeds.shape[1]
+        device = block_embeds.device
+        context_pos = context_start + torch.arange(num_padded, device=device)
+        context_end = context_start + num_context
+        block_pos = context_end + torch.arange(num_block, device=device)
+        max_len = cache.layers[0].max_len
+        cache_pos = torch.arange(max_len, device=device)
+        return self._run(block_embeds, new_features, cache, context_at=context_pos,
+                         positions=torch.cat((context_pos, block_pos)),
+                         key_pos=torch.cat((cache_pos, block_pos)),
+                         key_valid=torch.cat((cache_pos < context_end,
+                                              torch.ones(num_block, dtype=torch.bool, device=device))))
+
+    def _run(self, block_embeds: torch.Tensor, new_features: torch.Tensor, cache: ModelCache,
+             context_at: int | torch.Tensor, positions: torch.Tensor, key_pos: torch.Tensor,
+             key_valid: torch.Tensor | None) -> torch.Tensor:
+        num_context = new_features.shape[1]
+        cos, sin = self.rotary_emb(positions[None], block_embeds.dtype)
         context_rope = (cos[..., :num_context, :], sin[..., :num_context, :])
         block_rope = (cos[..., num_context:, :], sin[..., num_context:, :])
+        query_pos = positions[num_context:]
+        masks = {kind: draft_mask(query_pos, key_pos, key_valid, *kind)
+                 for kind in set(zip(self.config.layer_is_causal, self.config.layer_window))}
         context = self.hidden_norm(self.fc(new_features))
         x = block_embeds * self.config.input_embedding_scale
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x = layer(x, context, block_rope, context_rope, layer_cache, context_start)
+            x = layer(x, context, block_rope, context_rope, layer_cache, context_at, masks)
         return self.norm(x)
 
     def read_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:

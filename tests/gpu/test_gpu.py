@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.engine.cuda_graphs import GraphedTarget
+from blockspec.engine.cuda_graphs import StaticDraft, StaticTarget
 from blockspec.engine.plain import generate_plain
 from blockspec.engine.request import Request
 from blockspec.engine.speculative import generate_dflash
@@ -47,8 +47,10 @@ def test_cuda_graphs_equal_eager(qwen3_dir, qwen3_draft_dir):
     target = load_model(str(qwen3_dir), device="cuda", dtype="float32").model
     draft = load_draft(str(qwen3_draft_dir), target)
     reference = decode(target)
-    graphed = GraphedTarget(target, max_len=1024, max_width=16, capture_layers=draft.target_layer_ids)
+    graphed = StaticTarget(target, max_len=1024, max_width=16, capture_layers=draft.target_layer_ids)
+    graphed_draft = StaticDraft(draft, max_len=1024, max_block=16)
+    assert graphed.graphs.enabled and graphed_draft.graphs.enabled
     assert decode(graphed) == reference
     for block_size in (1, 4, 16):
-        assert decode(graphed, draft, block_size) == reference, block_size
+        assert decode(graphed, graphed_draft, block_size) == reference, block_size
         assert decode(target, draft, block_size) == reference, block_size
