@@ -57,7 +57,7 @@ def scale_up_logits(model: torch.nn.Module) -> None:
 def write_dflash_draft(directory: Path, target_dir: Path, num_layers: int = 2, block_size: int = 16,
                        layer_types: list[str] | None = None, sliding_window: int | None = None,
                        target_layer_ids: list[int] | None = None, seed: int = 1,
-                       rope_theta: float = 10_000.0) -> Path:
+                       rope_theta: float = 10_000.0, mask_token_id: int = QWEN3_MASK_TOKEN_ID) -> Path:
     """A random draft in z-lab's DFlashDraftModel format (their config keys and weight names)."""
     target = json.loads((target_dir / "config.json").read_text())
     hidden, head_dim = target["hidden_size"], 16
@@ -71,7 +71,7 @@ def write_dflash_draft(directory: Path, target_dir: Path, num_layers: int = 2, b
         "vocab_size": target["vocab_size"], "block_size": block_size, "num_target_layers": target["num_hidden_layers"],
         "layer_types": layer_types or ["full_attention"] * num_layers,
         "sliding_window": sliding_window,
-        "dflash_config": {"mask_token_id": QWEN3_MASK_TOKEN_ID, "target_layer_ids": layer_ids},
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": layer_ids},
     }
     gen = torch.Generator().manual_seed(seed)
 
