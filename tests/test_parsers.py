@@ -496,7 +496,7 @@ def test_full_chat_request_accepted_and_extras_ignored() -> None:
     assert request.max_new_tokens == 20
     assert request.stop_strings == ["END"]
     assert request.include_usage and request.tools_enabled
-    assert request.messages[1].text == "ab"
+    assert request.messages[1].text == "a\nb"
     assert request.messages[3].tool_calls[0].function.arguments == '{"city": "Rome"}'
     assert not hasattr(request, "some_vendor_extension")
 
@@ -588,3 +588,14 @@ def test_responses_parse_with_the_openai_client_types() -> None:
     assert text["id"].startswith("cmpl-") and text["object"] == "text_completion"
     assert text["meta_info"]["spec_verify_ct"] == 2
     openai_types.Completion.model_validate(text)
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": "f"}, {"type": "function"},
+                                    {"type": "other", "function": {"name": "f"}}, {"function": {"name": "f"}}])
+def test_malformed_named_tool_choice_is_a_validation_error(choice):
+    import pydantic
+    from blockspec.server.protocol import ChatCompletionRequest
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(pydantic.ValidationError):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                              "tools": tools, "tool_choice": choice})

@@ -85,10 +85,11 @@ class ChatMessage(_Request):
 
     @property
     def text(self) -> str | None:
-        """The content as one string (text parts joined), or None."""
+        """The content as one string (text parts joined by newlines, as the tokenizer renders
+        them and as vLLM does), or None."""
         if self.content is None or isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)
 
 
 class FunctionDefinition(_Request):
@@ -228,7 +229,10 @@ class ChatCompletionRequest(_SamplingFields):
         if not tools:
             raise ValueError("tool_choice requires 'tools' to be given")
         if isinstance(value, dict):
-            name = (value.get("function") or {}).get("name")
+            function = value.get("function")
+            if value.get("type") != "function" or not isinstance(function, dict):
+                raise ValueError("a named tool_choice must be {'type': 'function', 'function': {'name': ...}}")
+            name = function.get("name")
             known = [t.function.name for t in tools]
             if name not in known:
                 raise ValueError(
