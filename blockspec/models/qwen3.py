@@ -5,6 +5,7 @@ Module and parameter names are Hugging Face's, so checkpoints load by name.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -81,14 +82,13 @@ class DenseModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
 
 
-class Qwen3ForCausalLM(nn.Module):
-    """Qwen3 (qk-norm), Qwen2 (qkv bias) and Llama (llama3 RoPE scaling) targets."""
+class CausalLM(nn.Module):
+    """What the decoding loops use of a target, shared by the dense and the hybrid families.
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = DenseModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    Subclasses build `self.model` (embed_tokens, layers, norm, rotary_emb), `self.lm_head`,
+    `make_cache` and `forward`; `run_layers` is the common body of every forward."""
+
+    config: ModelConfig
 
     @property
     def num_layers(self) -> int:
@@ -98,25 +98,53 @@ class Qwen3ForCausalLM(nn.Module):
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
-    def make_cache(self, max_len: int, num_slots: int = 1) -> ModelCache:
-        weight = self.lm_head.weight
-        layers = [KVCache(num_slots, self.config.num_key_value_heads, max_len, self.config.head_dim,
-                          weight.dtype, weight.device) for _ in range(self.num_layers)]
-        return ModelCache(layers, max_len)
-
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                   call_layer: Callable[[nn.Module, torch.Tensor, tuple, int], torch.Tensor],
+                   capture_layers: tuple[int, ...], num_logits: int | None) -> ForwardOutput:
+        """Embed, run every decoder layer (call_layer(layer, x, rope, i)), read out logits.
+
+        positions [1, T]; capture_layers: decoder layers whose outputs are returned as features
+        (transformers' hidden_states[l + 1]); num_logits: logits of the last N positions only."""
+        x = self.embed(input_ids)
+        rope = self.model.rotary_emb(positions, x.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = call_layer(layer, x, rope, i)
+            if i in capture_layers:
+                captured[i] = x
+        if num_logits is not None:
+            x = x[:, x.shape[1] - num_logits:]
+        logits = self.compute_logits(self.model.norm(x))
+        features = torch.cat([captured[i] for i in capture_layers], dim=-1) if captured else None
+        return ForwardOutput(logits, features)
+
+
+class Qwen3ForCausalLM(CausalLM):
+    """Qwen3 (qk-norm), Qwen2 (qkv bias) and Llama (llama3 RoPE scaling) targets."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DenseModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def make_cache(self, max_len: int, num_slots: int = 1) -> ModelCache:
+        weight = self.lm_head.weight
+        layers = [KVCache(num_slots, self.config.num_key_value_heads, max_len, self.config.head_dim,
+                          weight.dtype, weight.device) for _ in range(self.num_layers)]
+        return ModelCache(layers, max_len)
+
     def forward(self, input_ids: torch.Tensor, cache: ModelCache, *,
                 capture_layers: tuple[int, ...] = (), num_logits: int | None = None,
                 keep_steps: bool = False, positions: torch.Tensor | None = None) -> ForwardOutput:
-        """Run T new tokens [B, T] after the cache's length.
+        """Run T new tokens [B, T] after the cache's length (see CausalLM.run_layers).
 
-        capture_layers: decoder layers whose outputs are returned as features (transformers'
-        hidden_states[l + 1]); num_logits: logits of the last N positions only (None = all).
         keep_steps is for recurrent layers (see cache.py); attention layers need nothing.
         positions [T] on the device selects the static path (CUDA graphs): the caller owns
         cache.length, and attention reads the whole static cache under a mask.
@@ -124,18 +152,9 @@ class Qwen3ForCausalLM(nn.Module):
         num_tokens = input_ids.shape[1]
         if positions is None:
             start = cache.advance(num_tokens)
-            positions_2d = torch.arange(start, start + num_tokens, device=input_ids.device)[None]
+            positions = torch.arange(start, start + num_tokens, device=input_ids.device)
         else:
-            start, positions_2d = positions, positions[None]
-        x = self.embed(input_ids)
-        rope = self.model.rotary_emb(positions_2d, x.dtype)
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, cache.layers[i], start)
-            if i in capture_layers:
-                captured[i] = x
-        if num_logits is not None:
-            x = x[:, num_tokens - num_logits:]
-        logits = self.compute_logits(self.model.norm(x))
-        features = torch.cat([captured[i] for i in capture_layers], dim=-1) if captured else None
-        return ForwardOutput(logits, features)
+            start = positions
+        return self.run_layers(input_ids, positions[None],
+                               lambda layer, x, rope, i: layer(x, rope, cache.layers[i], start),
+                               capture_layers, num_logits)

@@ -24,7 +24,7 @@ from blockspec.config import ConfigError, ModelConfig, eos_ids
 from blockspec.loader import ArchSpec
 from blockspec.models.gated_delta import select_kernels, state_dtype
 from blockspec.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, attend, causal_mask
-from blockspec.models.qwen3 import ForwardOutput
+from blockspec.models.qwen3 import CausalLM, ForwardOutput
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -265,7 +265,7 @@ class HybridModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(CausalLM):
     """Qwen3.5 (text and multimodal layouts) and dense Qwen3-Next targets."""
 
     def __init__(self, config: HybridConfig) -> None:
@@ -273,14 +273,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.config = config
         self.model = HybridModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
 
     def make_cache(self, max_len: int, num_slots: int = 1) -> ModelCache:
         weight = self.lm_head.weight
@@ -290,16 +282,10 @@ class Qwen3_5ForCausalLM(nn.Module):
                   for layer in self.model.layers]
         return ModelCache(layers, max_len)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
     def forward(self, input_ids: torch.Tensor, cache: ModelCache, *,
                 capture_layers: tuple[int, ...] = (), num_logits: int | None = None,
                 keep_steps: bool = False) -> ForwardOutput:
-        """Run T new tokens [B, T] after the cache's length (see qwen3.Qwen3ForCausalLM.forward).
+        """Run T new tokens [B, T] after the cache's length (see qwen3.CausalLM.run_layers).
 
         keep_steps: recurrent layers keep the state after every position, so that
         `cache.trim(n)` afterwards selects the one after position n − 1 (a verify forward).
@@ -307,18 +293,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         num_tokens = input_ids.shape[1]
         start = cache.advance(num_tokens)
         positions = torch.arange(start, start + num_tokens, device=input_ids.device)[None]
-        x = self.embed(input_ids)
-        rope = self.model.rotary_emb(positions, x.dtype)
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, cache.layers[i], start, keep_steps)
-            if i in capture_layers:
-                captured[i] = x
-        if num_logits is not None:
-            x = x[:, num_tokens - num_logits:]
-        logits = self.compute_logits(self.model.norm(x))
-        features = torch.cat([captured[i] for i in capture_layers], dim=-1) if captured else None
-        return ForwardOutput(logits, features)
+        return self.run_layers(input_ids, positions,
+                               lambda layer, x, rope, i: layer(x, rope, cache.layers[i], start, keep_steps),
+                               capture_layers, num_logits)
 
 
 # One class serves both: the config says whether the GDN projections are fused.
