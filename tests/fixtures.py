@@ -100,3 +100,12 @@ def write_dflash_draft(directory: Path, target_dir: Path, num_layers: int = 2, b
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
     return directory
+
+
+if __name__ == "__main__":
+    # `python tests/fixtures.py DIR`: a demo pair (tiny random Qwen3 target + DFlash draft) in DIR.
+    import sys
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/blockspec-demo")
+    write_dense_checkpoint(root / "target", "qwen3")
+    write_dflash_draft(root / "draft", root / "target")
+    print(f"wrote {root / 'target'} and {root / 'draft'}")
