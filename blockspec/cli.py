@@ -105,11 +105,11 @@ def run_generate(args: argparse.Namespace) -> int:
     check_generate_args(args)
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.seed)   # bad values fail before loading
     llm = LLM(args.model, draft=args.draft, block_size=args.block_size, dtype=args.dtype,
               device=args.device, max_model_len=args.max_model_len)
     prompt_ids = prompt_ids_from_args(args, llm.tokenizer)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.seed)
     result = llm.generate_ids(prompt_ids, params, request_id=f"gen-{uuid.uuid4().hex[:8]}")
     if args.json:
         print(json.dumps(result.as_json(), ensure_ascii=False))
@@ -119,6 +119,10 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if args.max_queue < 1:
+        raise UsageError("--max-queue must be at least 1")
+    if not 0 < args.port < 65536:
+        raise UsageError("--port must be in 1..65535")
     from blockspec.server.app import serve
     return serve(args)
 

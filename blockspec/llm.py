@@ -1,6 +1,7 @@
 """The in-process API: load a target (and optionally a DFlash draft) and generate."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -55,8 +56,11 @@ class LLM:
         self.block_size = block_size or (self.draft.block_size if self.draft else 1)
         limit = self.target.config.max_position_embeddings
         self.max_model_len = min(max_model_len or 4096, limit) if max_model_len is None else max_model_len
+        if self.max_model_len < 2:
+            raise ValueError("--max-model-len must be at least 2")
         if self.max_model_len > limit:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's {limit} positions")
+        self._busy = threading.Lock()
         self.stop_ids = self.tokenizer.stop_token_ids | frozenset(self.target.config.eos_token_ids)
         if cuda_graphs and self.target.lm_head.weight.device.type == "cuda":
             self.target, self.draft = static_runners(self.target, self.draft, self.max_model_len, self.block_size)
@@ -65,15 +69,25 @@ class LLM:
         return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)
 
     def stream(self, request: Request) -> Iterator[TokenEvent]:
-        """Decode one request: DFlash when a draft is loaded, plain decoding otherwise."""
-        if self.draft is None:
-            return generate_plain(self.target, request)
-        return generate_dflash(self.target, self.draft, request, self.block_size)
+        """Decode one request: DFlash when a draft is loaded, plain decoding otherwise.
+
+        One stream at a time: on CUDA the static runners hold one cache per model, so a second
+        stream interleaved with a live one would overwrite its state (invariant 2). Starting
+        one while another is open raises instead; closing a stream frees the models."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this LLM is already generating; close the running stream first")
+        try:
+            if self.draft is None:
+                yield from generate_plain(self.target, request)
+            else:
+                yield from generate_dflash(self.target, self.draft, request, self.block_size)
+        finally:
+            self._busy.release()
 
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "gen") -> GenerationResult:
         request = self.make_request(request_id, prompt_ids, params)
         for _ in self.stream(request):
             pass
-        text = self.tokenizer.decode(request.output_ids)
+        text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
         return GenerationResult(list(prompt_ids), list(request.output_ids), text,
                                 request.finish_reason or "abort", request.stats)

@@ -31,7 +31,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below 1e-5 the scaled logits overflow fp32; the distribution is argmax anyway (vLLM too).
+        return self.temperature < 1e-5
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

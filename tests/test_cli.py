@@ -63,3 +63,11 @@ def test_bad_input_is_one_line_and_nonzero(qwen3_dir, qwen3_draft_dir, args, mes
 def test_unknown_dtype_is_rejected_by_the_parser(qwen3_dir):
     out = blockspec("generate", "--model", str(qwen3_dir), "--prompt", "x", "--dtype", "int3")
     assert out.returncode == 2 and "invalid choice" in out.stderr
+
+
+@pytest.mark.parametrize("flag, value, message", [("--max-queue", "0", "--max-queue"), ("--port", "70000", "--port")])
+def test_serve_rejects_bad_flags_before_loading(qwen3_dir, flag, value, message):
+    out = blockspec("serve", "--model", str(qwen3_dir), flag, value)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]

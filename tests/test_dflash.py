@@ -373,6 +373,9 @@ def test_static_runners_equal_eager(pairs):
     static_target = StaticTarget(target, 4096, 8, draft.target_layer_ids, use_graphs=False)
     static_draft = StaticDraft(draft, 4096, 8, use_graphs=False)
     assert plain(static_target, LONG, max_tokens=30).output_ids == reference
+    with torch.no_grad():   # a prefill through the static path computes only the logits asked for
+        out = static_target(torch.tensor([LONG]), static_target.make_cache(4096), num_logits=1)
+    assert out.logits.shape[1] == 1
     for block_size in (2, 8):
         oracle = OracleDraft(static_draft, LONG, reference)
         request = dflash(static_target, oracle, LONG, block_size, max_tokens=30)

@@ -599,3 +599,27 @@ def test_malformed_named_tool_choice_is_a_validation_error(choice):
     with pytest.raises(pydantic.ValidationError):
         ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                               "tools": tools, "tool_choice": choice})
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": {"x": "integer"}},
+    {"type": "object", "properties": ["x"]},
+    {"type": "object", "properties": {"x": {"anyOf": {"type": "integer"}}}},
+    "not a schema",
+])
+def test_malformed_client_schemas_never_break_xml_parsing(parameters):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    content, calls = parse_tool_calls_complete(
+        "<tool_call>\n<function=f>\n<parameter=x>\n5\n</parameter>\n</function>\n</tool_call>", tools)
+    assert [c.name for c in calls] == ["f"] and json.loads(calls[0].arguments) == {"x": "5"}
+
+
+def test_unparseable_model_values_stay_text():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "object"}}}}}]
+    content, calls = parse_tool_calls_complete(
+        "<tool_call>\n<function=f>\n<parameter=x>\n{[1]: 2}\n</parameter>\n</function>\n</tool_call>", tools)
+    assert json.loads(calls[0].arguments) == {"x": "{[1]: 2}"}
+    deep = "<tool_call>" + "[" * 100_000 + "</tool_call>"
+    content, calls = parse_tool_calls_complete(deep, None)
+    assert calls == [] and content == deep

@@ -66,7 +66,7 @@ class StaticTarget:
         self.start = torch.zeros((), dtype=torch.long, device=self.device)
         self.graphs = GraphSet(self.device, use_graphs)
         with torch.inference_mode():
-            for width in range(1, max_width + 1):
+            for width in range(1, min(max_width, max_len) + 1):
                 self.graphs.capture(width, self._static_forward,
                                     torch.zeros((1, width), dtype=torch.long, device=self.device))
 
@@ -79,9 +79,10 @@ class StaticTarget:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.target.compute_logits(hidden)
 
-    def _static_forward(self, input_ids: torch.Tensor) -> ForwardOutput:
+    def _static_forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> ForwardOutput:
         positions = self.start + torch.arange(input_ids.shape[1], device=self.device)
-        return self.target(input_ids, self.cache, capture_layers=self.capture_layers, positions=positions)
+        return self.target(input_ids, self.cache, capture_layers=self.capture_layers, positions=positions,
+                           num_logits=num_logits)
 
     def make_cache(self, max_len: int, num_slots: int = 1) -> ModelCache:
         """The one persistent cache, reset (one engine thread runs one sequence at a time)."""
@@ -97,9 +98,11 @@ class StaticTarget:
         width = input_ids.shape[1]
         self.start.fill_(cache.advance(width))
         out = self.graphs.replay(width, input_ids)
-        if out is None:
-            out = self._static_forward(input_ids)
-        logits = out.logits if num_logits is None else out.logits[:, width - num_logits:]
+        if out is None:   # a prefill: logits of the last positions only (a long prompt × vocab is GBs)
+            out = self._static_forward(input_ids, num_logits)
+        elif num_logits is not None:
+            out = ForwardOutput(out.logits[:, width - num_logits:], out.features)
+        logits = out.logits
         # graph outputs are overwritten by the next replay: hand out copies
         features = out.features.clone() if out.features is not None else None
         return ForwardOutput(logits.clone(), features)

@@ -86,26 +86,39 @@ class Engine:
                 self._running = None
 
     def _run(self, request: Request, on_event: EventCallback) -> None:
-        if request.is_aborted:  # gone before it started: no prefill for nobody
-            request.finish_reason = "abort"
-            self._emit(on_event, TokenEvent(request.request_id, [], "abort", request.stats))
-            return
-        self.counters.prompt_tokens += len(request.prompt_ids)
+        try:
+            if request.is_aborted:  # gone before it started: no prefill for nobody
+                request.finish_reason = "abort"
+                self._emit(on_event, TokenEvent(request.request_id, [], "abort", request.stats))
+                return
+            self.counters.prompt_tokens += len(request.prompt_ids)
+            self._decode(request, on_event)
+        finally:
+            if self.on_finish is not None:
+                self.on_finish(request)
+
+    def _decode(self, request: Request, on_event: EventCallback) -> None:
+        """Run the request's iterator to its final event; exactly one final event is emitted."""
         events = self.llm.stream(request)
+        finished = False
         try:
             for event in events:
                 self._count(event)
+                finished = event.finish_reason is not None
                 self._emit(on_event, event)
-                if event.finish_reason is not None:
+                if finished:
                     break
         except Exception as exc:  # a failed request must not take the engine down with it
             traceback.print_exc()
+            finished = True
             request.finish_reason = "error"
             self._emit(on_event, TokenEvent(request.request_id, [], "error", request.stats, error=str(exc)))
         finally:
             events.close()  # no compute outlives the request (seeds #224)
-            if self.on_finish is not None:
-                self.on_finish(request)
+        if not finished:
+            request.finish_reason = "error"
+            self._emit(on_event, TokenEvent(request.request_id, [], "error", request.stats,
+                                            error="the decoding loop ended without a finish reason"))
 
     def _count(self, event: TokenEvent) -> None:
         self.counters.generation_tokens += len(event.token_ids)
@@ -132,3 +145,5 @@ class Engine:
                 request, on_event = item
                 request.finish_reason = "abort"
                 self._emit(on_event, TokenEvent(request.request_id, [], "abort", request.stats))
+                if self.on_finish is not None:
+                    self.on_finish(request)

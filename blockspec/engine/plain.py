@@ -43,4 +43,5 @@ def generate_plain(target: nn.Module, request: Request) -> Iterator[TokenEvent]:
             return
         logits = target(torch.tensor([[token]], device=device), cache, num_logits=1).logits[:, -1]
         request.stats.cycles += 1
+        request.stats.acceptance_lengths.append(1)   # each step commits one token
         token = int(sample(logits, request.params, generator))

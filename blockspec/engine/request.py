@@ -23,6 +23,7 @@ class GenerationStats:
     accepted_tokens: int = 0              # drafts the target agreed with (and that were kept)
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    speculative: bool = False             # DFlash decoding (acceptance lengths are verify passes)
 
     @property
     def mean_acceptance_length(self) -> float:

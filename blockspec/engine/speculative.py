@@ -62,10 +62,12 @@ def generate_dflash(target: nn.Module, draft: nn.Module, request: Request,
     The abort flag is checked at the top of every cycle; a closed iterator runs nothing more.
     """
     block_size = min(block_size or draft.block_size, draft.block_size)
+    request.stats.speculative = True
     params = request.params
     device = target.lm_head.weight.device
     generator = make_generator(params, device)
-    layer_ids = draft.target_layer_ids
+    # block size 1 never drafts: no features to capture or keep
+    layer_ids = draft.target_layer_ids if block_size > 1 else ()
     target_cache = target.make_cache(request.max_model_len)
     draft_cache = draft.make_cache(request.max_model_len)
 
@@ -95,8 +97,9 @@ def generate_dflash(target: nn.Module, draft: nn.Module, request: Request,
         emitted = request.commit(new_tokens)
         # x and d_1 … d_a stay in the target cache; the bonus is fed by the next verify.
         target_cache.trim(verify_start + a + 1)
-        committed = out.features[:, : a + 1]
-        pending = committed if pending is None else torch.cat((pending, committed), dim=1)
+        if layer_ids:
+            committed = out.features[:, : a + 1]
+            pending = committed if pending is None else torch.cat((pending, committed), dim=1)
         anchor = bonus
         record_cycle(request, num_drafts=block_len - 1, num_accepted=min(a, len(emitted)), committed=len(emitted))
         request.stats.decode_s = time.perf_counter() - decode_started

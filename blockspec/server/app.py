@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
 import json
 import os
@@ -397,6 +398,7 @@ class Generation:
         self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._has_first_token = False
         self._ended = False
+        self._final_stats: GenerationStats | None = None
 
     @property
     def usage(self) -> UsageInfo:
@@ -404,7 +406,9 @@ class Generation:
 
     @property
     def stats(self) -> GenerationStats:
-        return self.request.stats
+        """Frozen when the output finished: after a stop string the engine may still finish
+        the cycle in flight, which must not change what this response reports."""
+        return self._final_stats or self.request.stats
 
     def submit(self) -> None:
         try:
@@ -424,14 +428,25 @@ class Generation:
                 event = await self._events.get()
                 self._check(event)
                 self._observe_first_token(event)
-                delta = self.processor.process(event.token_ids, event.finish_reason)
+                delta = self._process(event)
                 if delta.stop_hit:
                     self.request.abort()  # the engine stops within one cycle
                 if not delta.is_empty:
                     yield delta
+            stats = self.request.stats
+            self._final_stats = dataclasses.replace(stats, acceptance_lengths=list(stats.acceptance_lengths))
             self._end(self.processor.finish_reason or "stop")
         finally:
             self.close()
+
+    def _process(self, event: TokenEvent) -> OutputDelta:
+        try:
+            return self.processor.process(event.token_ids, event.finish_reason)
+        except Exception as exc:  # a parser bug must cost one request, never the connection
+            traceback.print_exc()
+            self.request.abort()
+            self._end("error")
+            raise GenerationFailed(500, f"output processing failed: {type(exc).__name__}") from None
 
     async def collect(self) -> OutputAccumulator:
         accumulator = OutputAccumulator()
@@ -468,7 +483,7 @@ class Generation:
 
 def meta_info(stats: GenerationStats) -> MetaInfo:
     """SGLang's spec stats; histogram index i counts verify passes that committed i tokens."""
-    lengths = list(stats.acceptance_lengths)
+    lengths = list(stats.acceptance_lengths) if stats.speculative else []   # plain: no verify passes
     histogram = [0] * (max(lengths) + 1) if lengths else []
     for length in lengths:
         histogram[length] += 1

@@ -316,7 +316,7 @@ def _reject_constant(name: str) -> Any:
 def _parse_hermes(body: str) -> tuple[str, dict[str, Any]] | None:
     try:
         call = json.loads(body, parse_constant=_reject_constant)
-    except ValueError:
+    except (ValueError, RecursionError):  # model output: any malformed body stays content
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return None
@@ -324,7 +324,7 @@ def _parse_hermes(body: str) -> tuple[str, dict[str, Any]] | None:
     if isinstance(arguments, str):  # some models encode the object a second time
         try:
             arguments = json.loads(arguments, parse_constant=_reject_constant)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return (call["name"], arguments) if isinstance(arguments, dict) else None
 
@@ -344,7 +344,10 @@ def _parse_xml(
     name = match.group(1).strip()
     if not name:
         return None
-    properties = (schemas.get(name) or {}).get("properties") or {}
+    schema = schemas.get(name)
+    # client-given schemas are only loosely validated: anything not a mapping is "unknown type"
+    properties = schema.get("properties") if isinstance(schema, Mapping) else None
+    properties = properties if isinstance(properties, Mapping) else {}
     arguments: dict[str, Any] = {}
     for parameter in _PARAMETER.finditer(match.group(2)):
         key = parameter.group(1).strip()
@@ -358,8 +361,8 @@ def _strip_one_newline(value: str) -> str:
     return value[:-1] if value.endswith("\n") else value
 
 
-def _schema_types(schema: Mapping[str, Any] | None) -> list[str]:
-    if not schema:
+def _schema_types(schema: Any) -> list[str]:
+    if not isinstance(schema, Mapping):
         return []
     kind = schema.get("type")
     if isinstance(kind, str):
@@ -367,6 +370,8 @@ def _schema_types(schema: Mapping[str, Any] | None) -> list[str]:
     if isinstance(kind, list):
         return [k for k in kind if isinstance(k, str)]
     options = schema.get("anyOf") or schema.get("oneOf") or []
+    if not isinstance(options, list):
+        return []
     return [t for option in options for t in _schema_types(option)]
 
 
@@ -404,9 +409,9 @@ def _load_literal(text: str) -> Any:
     """JSON, or failing that a Python literal (models sometimes write {'a': 1} or True)."""
     try:
         return json.loads(text, parse_constant=_reject_constant)
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return _NOT_CONVERTED
