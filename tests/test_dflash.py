@@ -398,3 +398,18 @@ def test_static_draft_equals_eager_draft(pairs):
             got = static(block, context, static_cache)
             assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
         assert static_cache.length == eager_cache.length == 37
+
+
+def test_context_features_are_transformers_hidden_states_of_the_layer_ids(pairs, qwen3_dir):
+    """target_layer_ids mean "output of decoder layer l" = transformers' hidden_states[l + 1];
+    an off-by-one here silently lowers acceptance while staying lossless, so pin it."""
+    from transformers import AutoModelForCausalLM
+    target, draft = pairs["qwen3"]
+    reference = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([LONG[:40]])
+    with torch.no_grad():
+        hidden = reference(ids, output_hidden_states=True).hidden_states
+        ours = target(ids, target.make_cache(64), capture_layers=draft.target_layer_ids).features
+    expected = torch.cat([hidden[layer + 1] for layer in draft.target_layer_ids], dim=-1)
+    assert draft.target_layer_ids == (0, 2)
+    assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-4)
