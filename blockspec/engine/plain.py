@@ -27,11 +27,12 @@ def generate_plain(target: nn.Module, request: Request) -> Iterator[TokenEvent]:
     cache = target.make_cache(request.max_model_len)
     started = time.perf_counter()
     logits = target(prompt_tensor(request, device), cache, num_logits=1).logits[:, -1]
-    token = int(sample(logits, request.params, generator))
+    token = sample(logits, request.params, generator)                  # [1], stays on the device
+    token_ids = token.tolist()                                          # waits for the prefill to finish
     request.stats.prefill_s = time.perf_counter() - started
     decode_started = time.perf_counter()
     while True:
-        emitted = request.commit([token])
+        emitted = request.commit(token_ids)
         request.stats.decode_s = time.perf_counter() - decode_started
         if request.is_finished:
             yield TokenEvent(request.request_id, emitted, request.finish_reason, request.stats)
@@ -41,7 +42,8 @@ def generate_plain(target: nn.Module, request: Request) -> Iterator[TokenEvent]:
             request.finish_reason = "abort"
             yield TokenEvent(request.request_id, [], "abort", request.stats)
             return
-        logits = target(torch.tensor([[token]], device=device), cache, num_logits=1).logits[:, -1]
+        logits = target(token[None], cache, num_logits=1).logits[:, -1]
         request.stats.cycles += 1
         request.stats.acceptance_lengths.append(1)   # each step commits one token
-        token = int(sample(logits, request.params, generator))
+        token = sample(logits, request.params, generator)
+        token_ids = token.tolist()                                      # the step's one device→host read

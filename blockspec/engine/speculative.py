@@ -27,12 +27,11 @@ from blockspec.sampling import (SamplingParams, make_generator, probs_from_logit
                                 sample, sample_from_probs)
 
 
-def propose(draft: nn.Module, target: nn.Module, anchor: int, block_len: int, features: torch.Tensor,
+def propose(draft: nn.Module, target: nn.Module, anchor: torch.Tensor, block_len: int, features: torch.Tensor,
             draft_cache, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Draft block_len − 1 tokens after `anchor` → (draft ids [B − 1], q [B − 1, V] or None)."""
-    device = features.device
-    block = torch.full((1, block_len), draft.mask_token_id, dtype=torch.long, device=device)
-    block[0, 0] = anchor
+    """Draft block_len − 1 tokens after `anchor` [1] → (draft ids [B − 1], q [B − 1, V] or None)."""
+    block = torch.full((1, block_len), draft.mask_token_id, dtype=torch.long, device=features.device)
+    block[0, :1] = anchor                                                # stays on the device
     hidden = draft(target.embed(block), features, draft_cache)          # [1, B, H]
     logits = draft.read_logits(hidden[0, 1:], target.lm_head)            # [B − 1, V]: slot i predicts d_i
     if params.is_greedy:
@@ -42,16 +41,22 @@ def propose(draft: nn.Module, target: nn.Module, anchor: int, block_len: int, fe
 
 
 def accept(drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, params: SamplingParams,
-           generator) -> tuple[int, int]:
-    """drafts [n], target logits [n + 1, V] → (accepted a, bonus token)."""
+           generator) -> tuple[int, list[int], torch.Tensor]:
+    """drafts [n], target logits [n + 1, V] → (accepted a, the a + 1 new tokens, bonus [1] on the device)."""
     if params.is_greedy:
-        # d_i is kept while it equals the target's argmax after [x, d_1 … d_{i−1}].
+        # d_i is kept while it equals the target's argmax after [x, d_1 … d_{i−1}]; the kept
+        # drafts then equal the target's own tokens, so the new tokens are target_ids[: a + 1].
         target_ids = logits.argmax(-1)                                   # [n + 1]
-        a = int((drafts == target_ids[:-1]).long().cumprod(0).sum())
-        return a, int(target_ids[a])
+        a = (drafts == target_ids[:-1]).long().cumprod(0).sum()
+        host = torch.cat((a[None], target_ids)).tolist()                 # the cycle's one device→host read
+        num_accepted = host[0]
+        return num_accepted, host[1: num_accepted + 2], target_ids[num_accepted: num_accepted + 1]
     if drafts.numel() == 0:
-        return 0, int(sample(logits[0], params, generator))
-    return rejection_sample(drafts, probs_from_logits(logits, params), q, generator)
+        bonus = int(sample(logits[0], params, generator))
+        return 0, [bonus], torch.tensor([bonus], device=logits.device)
+    num_accepted, bonus = rejection_sample(drafts, probs_from_logits(logits, params), q, generator)
+    new_tokens = drafts[:num_accepted].tolist() + [bonus]
+    return num_accepted, new_tokens, torch.tensor([bonus], device=logits.device)
 
 
 @torch.inference_mode()
@@ -73,11 +78,12 @@ def generate_dflash(target: nn.Module, draft: nn.Module, request: Request,
 
     started = time.perf_counter()
     out = target(prompt_tensor(request, device), target_cache, capture_layers=layer_ids, num_logits=1)
-    anchor = int(sample(out.logits[:, -1], params, generator))
+    anchor = sample(out.logits[:, -1], params, generator)              # x: [1], on the device
     pending = out.features                                              # [1, P, K·H], not yet in the draft
+    first = anchor.tolist()                                             # waits for the prefill to finish
     request.stats.prefill_s = time.perf_counter() - started
     decode_started = time.perf_counter()
-    emitted = request.commit([anchor])
+    emitted = request.commit(first)
     while not request.is_finished:
         yield TokenEvent(request.request_id, emitted)
         if request.is_aborted:
@@ -90,17 +96,14 @@ def generate_dflash(target: nn.Module, draft: nn.Module, request: Request,
             drafts, q = propose(draft, target, anchor, block_len, pending, draft_cache, params, generator)
             pending = None
         verify_start = target_cache.length
-        verify_ids = torch.cat((torch.tensor([anchor], device=device), drafts))[None]
-        out = target(verify_ids, target_cache, capture_layers=layer_ids, keep_steps=True)
-        a, bonus = accept(drafts, q, out.logits[0], params, generator)
-        new_tokens = drafts[:a].tolist() + [bonus]
+        out = target(torch.cat((anchor, drafts))[None], target_cache, capture_layers=layer_ids, keep_steps=True)
+        a, new_tokens, anchor = accept(drafts, q, out.logits[0], params, generator)
         emitted = request.commit(new_tokens)
-        # x and d_1 … d_a stay in the target cache; the bonus is fed by the next verify.
+        # x and d_1 … d_a stay in the target cache; the bonus (the next x) is fed by the next verify.
         target_cache.trim(verify_start + a + 1)
         if layer_ids:
             committed = out.features[:, : a + 1]
             pending = committed if pending is None else torch.cat((pending, committed), dim=1)
-        anchor = bonus
         record_cycle(request, num_drafts=block_len - 1, num_accepted=min(a, len(emitted)), committed=len(emitted))
         request.stats.decode_s = time.perf_counter() - decode_started
     yield TokenEvent(request.request_id, emitted, request.finish_reason, request.stats)
