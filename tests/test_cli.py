@@ -71,3 +71,25 @@ def test_serve_rejects_bad_flags_before_loading(qwen3_dir, flag, value, message)
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+def test_hub_id_resolves_through_the_local_hub_cache(qwen3_dir, tmp_path):
+    """A hub id is looked up in huggingface_hub's cache (offline here); a missing one is one line."""
+    import os
+    import shutil
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-qwen3"
+    shutil.copytree(qwen3_dir, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    args = ["generate", "--prompt-token-ids", "9707,11", "--max-tokens", "3", "--json"]
+    by_id = subprocess.run([sys.executable, "-m", "blockspec.cli", *args, "--model", "tiny-org/tiny-qwen3"],
+                           capture_output=True, text=True, timeout=300, env=env)
+    by_dir = blockspec(*args, "--model", str(qwen3_dir))
+    assert by_id.returncode == 0, by_id.stderr
+    assert json.loads(by_id.stdout)["token_ids"] == json.loads(by_dir.stdout)["token_ids"]
+    missing = subprocess.run([sys.executable, "-m", "blockspec.cli", *args, "--model", "tiny-org/absent"],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert missing.returncode == 2
+    lines = missing.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tiny-org/absent" in lines[0] and "download" in lines[0]
