@@ -102,10 +102,11 @@ class StaticTarget:
             out = self._static_forward(input_ids, num_logits)
         elif num_logits is not None:
             out = ForwardOutput(out.logits[:, width - num_logits:], out.features)
-        logits = out.logits
-        # graph outputs are overwritten by the next replay: hand out copies
+        # Graph outputs are overwritten by the next replay. Logits (up to 16 × vocab) are read
+        # before the next call by every caller, so they are not copied: valid until the next
+        # call. Features are copied: DFlash keeps them across calls until the next draft.
         features = out.features.clone() if out.features is not None else None
-        return ForwardOutput(logits.clone(), features)
+        return ForwardOutput(out.logits, features)
 
 
 class StaticDraft:
