@@ -15,16 +15,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from blockspec.models.registry import ARCHITECTURES
+
 
 class LoadError(RuntimeError):
     """A checkpoint that cannot be loaded; the message says which file/key and what to do."""
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """How to build one architecture and map its checkpoint names onto our modules."""
-    build: Callable[[dict[str, Any], str], nn.Module]
-    rename: Callable[[str], str | None] = lambda name: name   # None = ignore this tensor
 
 
 def resolve_model_path(model: str) -> Path:
@@ -39,7 +34,7 @@ def resolve_model_path(model: str) -> Path:
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"]))
     except Exception as exc:  # offline, unknown repo, no network: all the same to the user
         raise LoadError(f"cannot fetch {model!r} from the Hugging Face hub ({type(exc).__name__}); "
-                        f"download it first (huggingface-cli download {model}) or pass a local directory") from None
+                        f"download it first (hf download {model}) or pass a local directory") from None
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -141,28 +136,6 @@ def build_empty(build: Callable[[], nn.Module], device: torch.device, dtype: tor
         if reset is not None:
             reset()
     return model.eval()
-
-
-def dense_spec() -> ArchSpec:
-    from blockspec.config import ModelConfig
-    from blockspec.models.qwen3 import Qwen3ForCausalLM
-    return ArchSpec(build=lambda d, arch: Qwen3ForCausalLM(ModelConfig.from_hf(d, arch)))
-
-
-def hybrid_spec() -> ArchSpec:
-    from blockspec.models import qwen3_5
-    return qwen3_5.ARCH_SPEC
-
-
-ARCHITECTURES: dict[str, Callable[[], ArchSpec]] = {
-    "Qwen3ForCausalLM": dense_spec,
-    "Qwen2ForCausalLM": dense_spec,
-    "LlamaForCausalLM": dense_spec,
-    "MistralForCausalLM": dense_spec,
-    "Qwen3_5ForCausalLM": hybrid_spec,
-    "Qwen3_5ForConditionalGeneration": hybrid_spec,
-    "Qwen3NextForCausalLM": hybrid_spec,
-}
 
 
 @dataclass
