@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--max-queue", type=int, default=64)
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running batch")
+    serve.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together in one batch")
     serve.add_argument("--cors", default=None, help="comma-separated allowed origins (off by default)")
     serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     bench = sub.add_parser("bench", help="GPU benchmark on random weights of real shapes")
@@ -85,8 +86,6 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise UsageError("--temperature must be in [0, 2]")
     if not 0 < args.top_p <= 1:
         raise UsageError("--top-p must be in (0, 1]")
-    if args.block_size is not None and args.block_size < 1:
-        raise UsageError("--block-size must be at least 1")
 
 
 def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
@@ -103,6 +102,7 @@ def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
 
 def run_generate(args: argparse.Namespace) -> int:
     check_generate_args(args)
+    check_engine_args(args)
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -118,9 +118,15 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Engine limits are validated by EngineConfig (the one place), before anything loads."""
+    from blockspec.config import EngineConfig
+    EngineConfig(max_model_len=args.max_model_len or 4096, block_size=args.block_size or 1,
+                 max_queue=getattr(args, "max_queue", 64), max_num_seqs=getattr(args, "max_num_seqs", 32))
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    if args.max_queue < 1:
-        raise UsageError("--max-queue must be at least 1")
+    check_engine_args(args)
     if not 0 < args.port < 65536:
         raise UsageError("--port must be in 1..65535")
     from blockspec.server.app import serve
