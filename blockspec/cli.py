@@ -54,8 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="GPU benchmark on random weights of real shapes")
     bench.add_argument("--shape", default="qwen3-8b")
     bench.add_argument("--out", default=None, help="write the results as JSON here")
-    bench.add_argument("--vs", action="append", default=[], choices=["transformers", "zlab", "hybrid"])
+    bench.add_argument("--vs", action="append", default=[], choices=["transformers", "zlab"])
     bench.add_argument("--device", default="auto")
+    bench.add_argument("--concurrency", default="1", help="comma-separated numbers of concurrent requests")
+    bench.add_argument("--accept-len", type=float, default=None,
+                       help="force this mean acceptance length (random weights accept no drafts)")
+    bench.add_argument("--block-size", type=int, default=16)
+    bench.add_argument("--prompt-len", type=int, default=512)
+    bench.add_argument("--max-tokens", type=int, default=128)
     return parser
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from blockspec.cache import KVPool, PageAllocator, StatePool
 from blockspec.config import EngineConfig
+from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.spec.dflash import Proposal, accept, sample_drafts
 from blockspec.layers import AttentionMetadata
@@ -52,6 +53,15 @@ class ModelRunner:
         shapes = target.recurrent_shapes
         self.states = StatePool(config.max_num_seqs + 1, shapes, self.dtype, self.device) if shapes else None
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
+        self.graphs = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.graphs = self.make_graphs(capture=True)
+
+    def make_graphs(self, capture: bool) -> GraphedForwards:
+        """The decode cycle through fixed-shape buffers: CUDA graphs, or (capture=False) the
+        same padded path run eagerly, which CPU tests hold to the eager one."""
+        return GraphedForwards(self.width, self.config.max_num_seqs, self.config.pages_per_seq,
+                               self.page_size, self.device, capture)
 
     @property
     def is_hybrid(self) -> bool:
@@ -122,17 +132,30 @@ class ModelRunner:
         block[:, 0] = anchors
         draft_meta = dataclasses.replace(meta, kv=self.draft_kv.layers, context_lens=meta.context_lens - width,
                                          states=None, state_slots=None, keep_steps=False)
-        hidden = self.draft(self.target.embed(block.view(-1)), meta.positions, draft_meta)
-        self.num_forwards += 1
-        hidden = hidden.view(len(seqs), width, -1)[:, 1:]                               # slot i predicts d_i
-        return sample_drafts(self.draft.read_logits(hidden, self.target.lm_head), seqs)
+        logits = self.run_forward("propose", self.draft_logits, block.view(-1), draft_meta)
+        return sample_drafts(logits, seqs)
 
     def verify(self, block_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Target forward over every sequence's block → logits [B·T, V]; the features of all T
-        positions join the draft's context (those past the accepted prefix are past the
-        sequence's length: masked, then overwritten)."""
-        out = self.target(block_ids, meta.positions, meta)
+        """Target logits [B·T, V] of every sequence's block."""
+        return self.run_forward("verify", self.target_logits, block_ids, meta)
+
+    def run_forward(self, kind: str, fn, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self.num_forwards += 1
+        if self.graphs is None:
+            return fn(ids, meta)
+        return self.graphs.run(kind, fn, ids, meta)
+
+    def draft_logits(self, block_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """[B·T] block ids → draft logits [B, T − 1, V] (slot i predicts d_i)."""
+        hidden = self.draft(self.target.embed(block_ids), meta.positions, meta)
+        hidden = hidden.view(meta.num_seqs, meta.width, -1)[:, 1:]
+        return self.draft.read_logits(hidden, self.target.lm_head)
+
+    def target_logits(self, block_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Target forward → logits [B·T, V]; the features of all T positions join the draft's
+        context (those past the accepted prefix lie past the sequence's length: masked, then
+        overwritten)."""
+        out = self.target(block_ids, meta.positions, meta)
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         return self.target.compute_logits(out.hidden)
