@@ -5,11 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.engine.cuda_graphs import StaticDraft, StaticTarget
-from blockspec.engine.plain import generate_plain
-from blockspec.engine.request import Request
-from blockspec.engine.speculative import generate_dflash
-from blockspec.loader import load_draft, load_model
+from blockspec.llm import LLM
 from blockspec.models.gated_delta import recurrent_gated_delta_rule, select_kernels
 from blockspec.sampling import SamplingParams
 
@@ -35,22 +31,24 @@ def test_fla_kernels_agree_with_torch(num_tokens):
         assert (a - b).abs().max() < 1e-5
 
 
-def decode(model, draft=None, block_size=None, max_tokens=40) -> list[int]:
-    request = Request("r", PROMPT, SamplingParams(max_tokens=max_tokens), frozenset(), 1024)
-    events = generate_plain(model, request) if draft is None else generate_dflash(model, draft, request, block_size)
-    for _ in events:
-        pass
-    return request.output_ids
+def run(llm, prompts, max_tokens=40) -> list[list[int]]:
+    return [r.token_ids for r in llm.generate(prompts, SamplingParams(max_tokens=max_tokens))]
 
 
-def test_cuda_graphs_equal_eager(qwen3_dir, qwen3_draft_dir):
-    target = load_model(str(qwen3_dir), device="cuda", dtype="float32").model
-    draft = load_draft(str(qwen3_draft_dir), target)
-    reference = decode(target)
-    graphed = StaticTarget(target, max_len=1024, max_width=16, capture_layers=draft.target_layer_ids)
-    graphed_draft = StaticDraft(draft, max_len=1024, max_block=16)
-    assert graphed.graphs.enabled and graphed_draft.graphs.enabled
-    assert decode(graphed) == reference
-    for block_size in (1, 4, 16):
-        assert decode(graphed, graphed_draft, block_size) == reference, block_size
-        assert decode(target, draft, block_size) == reference, block_size
+PROMPTS = [PROMPT, PROMPT[:7], PROMPT[:33] * 2, [5, 6, 7]]
+
+
+def test_cuda_graphs_equal_eager_for_batches(qwen3_dir, qwen3_draft_dir):
+    """fp32 on the GPU: every graphed batch (plain and DFlash at several block sizes) decodes
+    what the eager engine decodes, and what each prompt decodes alone."""
+    eager = LLM(str(qwen3_dir), device="cuda", dtype="float32", cuda_graphs=False, show_progress=False)
+    alone = [run(eager, [p])[0] for p in PROMPTS]
+    assert run(eager, PROMPTS) == alone
+    graphed = LLM(str(qwen3_dir), device="cuda", dtype="float32", show_progress=False)
+    assert graphed.engine.runner.graphs is not None
+    assert run(graphed, PROMPTS) == alone
+    for block_size in (2, 4, 16):
+        spec = LLM(str(qwen3_dir), draft=str(qwen3_draft_dir), block_size=block_size, device="cuda",
+                   dtype="float32", show_progress=False)
+        assert run(spec, PROMPTS) == alone, block_size
+        assert len(spec.engine.runner.graphs.forwards) >= 2
