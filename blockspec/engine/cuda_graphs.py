@@ -5,7 +5,9 @@ The host launches kernels far slower than an H200 runs them, so each cycle is tw
 replays. A graph has fixed shapes: the batch is padded to the next captured size (padding rows
 read and write page 0 and state slot 0, which no sequence owns), and attention gathers a fixed
 number of keys per sequence — the live length rounded up to a power of two (at least 256), so a
-short context never pays for the pool's whole capacity. Graphs are captured on first use.
+short context never pays for the pool's whole capacity. Graphs are captured on first use. Both
+graphs of a shape read one static packed metadata buffer, filled by one copy per cycle; the
+verify reads the drafts the runner writes into its input ids after the propose.
 
 With capture=False the same padded, fixed-shape path runs eagerly: CPU tests hold it to the
 eager path, and graph replay adds nothing to it but the replay.
@@ -13,12 +15,13 @@ eager path, and graph replay adds nothing to it but the replay.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from blockspec.layers import AttentionMetadata
+from blockspec.layers.attention import unpack
 
 MIN_KEYS = 256
 
@@ -33,14 +36,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 @dataclass
-class StaticForward:
-    """The buffers one graph reads and writes. Every tensor a graph touches stays referenced
-    here: a freed buffer would hand its memory to someone else while the graph still uses it."""
-    ids: torch.Tensor                   # [B·T]
-    meta: AttentionMetadata             # positions, slot_mapping, block_tables, context_lens, state_slots
-    output: torch.Tensor | None = None
-    graph: torch.cuda.CUDAGraph | None = None
-    stashed: list | None = None         # recurrent per-step states the graph writes (verify)
+class StaticBatch:
+    """The buffers the graphs of one (rows, keys) shape read: one packed int tensor whose views
+    are the metadata (one host→device copy per cycle fills it), plus the graphs and their outputs.
+    Every tensor a graph touches stays referenced here: a freed buffer would hand its memory to
+    someone else while the graph still uses it."""
+    meta: AttentionMetadata
+    padding: torch.Tensor                                   # the packed buffer with padding rows only
+    graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    stashed: dict[str, list] = field(default_factory=dict)  # recurrent per-step states a verify graph writes
 
 
 class GraphedForwards:
@@ -51,78 +56,64 @@ class GraphedForwards:
         self.sizes = capture_sizes(max_num_seqs)
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.forwards: dict[tuple[str, int, int], StaticForward] = {}
+        self.batches: dict[tuple[int, int], StaticBatch] = {}
 
-    def num_keys(self, live: int) -> int:
-        capacity = self.pages_per_seq * self.page_size
+    def shape(self, num_seqs: int, live_keys: int) -> tuple[int, int, int]:
+        """(rows, block-table columns, keys) of the graph that serves this batch."""
         keys = MIN_KEYS
-        while keys < live:
+        while keys < live_keys:
             keys *= 2
-        return min(keys, capacity)
+        return padded_size(num_seqs, self.sizes), self.pages_per_seq, min(keys, self.pages_per_seq * self.page_size)
 
-    def run(self, kind: str, fn: Callable[[torch.Tensor, AttentionMetadata], torch.Tensor],
-            ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """fn(ids [B·T], meta) → output [B·T, ...] (or [B, ...]), through the static buffers of
-        (kind, padded B, keys); returns the output of the B real rows."""
-        num_seqs = meta.num_seqs
-        key = (kind, padded_size(num_seqs, self.sizes), self.num_keys(meta.max_context_len))
-        static = self.forwards.get(key)
+    def bind(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Copy a batch prepared in this shape into its static buffer; return the static metadata."""
+        key = (meta.num_seqs, meta.max_context_len)
+        static = self.batches.get(key)
         if static is None:
-            static = self.forwards[key] = self.make_static(key[1], key[2], meta)
-            self.record(static, fn)
-        self.fill(static, ids, meta)
-        if static.graph is None:
-            static.output = fn(static.ids, static.meta)
-        else:
-            static.graph.replay()
-            if meta.states is not None:
-                meta.states.stashed = list(static.stashed)
-        rows = num_seqs * self.width if static.output.shape[0] == static.ids.shape[0] else num_seqs
-        return static.output[:rows]
+            static = self.batches[key] = self.make_static(meta)
+        static.meta.packed.copy_(meta.packed)
+        return static.meta
 
-    def make_static(self, num_seqs: int, num_keys: int, meta: AttentionMetadata) -> StaticForward:
-        """Buffers holding padding rows: page 0, slot 0, positions 0 … T − 1."""
-        width, device = self.width, self.device
-        positions = torch.arange(width, device=device).repeat(num_seqs)
-        static_meta = dataclasses.replace(
-            meta, num_seqs=num_seqs, positions=positions, slot_mapping=positions.clone(),
-            block_tables=torch.zeros(num_seqs, self.pages_per_seq, dtype=torch.long, device=device),
-            context_lens=torch.full((num_seqs,), width, dtype=torch.long, device=device),
-            max_context_len=num_keys,
-            state_slots=None if meta.state_slots is None else torch.zeros(num_seqs, dtype=torch.long, device=device))
-        return StaticForward(torch.zeros(num_seqs * width, dtype=torch.long, device=device), static_meta)
+    def make_static(self, meta: AttentionMetadata) -> StaticBatch:
+        packed = torch.zeros_like(meta.packed)
+        views = unpack(packed, meta.num_seqs, self.width, self.pages_per_seq)
+        if meta.state_slots is None:
+            views["state_slots"] = None
+        static_meta = dataclasses.replace(meta, **views, packed=packed, shared={})
+        padding = packed.clone()
+        padding_views = unpack(padding, meta.num_seqs, self.width, self.pages_per_seq)
+        padding_views["positions"].copy_(torch.arange(self.width, device=self.device).repeat(meta.num_seqs))
+        padding_views["slot_mapping"].copy_(padding_views["positions"])
+        padding_views["context_lens"].fill_(self.width)
+        return StaticBatch(static_meta, padding)
 
-    def record(self, static: StaticForward, fn: Callable) -> None:
-        """Warm up and capture on padding-only inputs (touching nobody's pages or state)."""
+    def run(self, kind: str, fn: Callable[[AttentionMetadata], torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """fn(meta) through the graph of (kind, meta's shape): meta is a bound static metadata."""
+        static = self.batches[(meta.num_seqs, meta.max_context_len)]
         if not self.capture:
-            return
+            return fn(meta)
+        if kind not in static.graphs:
+            self.record(static, kind, fn)
+        static.graphs[kind].replay()
+        if meta.states is not None and kind in static.stashed:
+            meta.states.stashed = list(static.stashed[kind])
+        return static.outputs[kind]
+
+    def record(self, static: StaticBatch, kind: str, fn: Callable[[AttentionMetadata], torch.Tensor]) -> None:
+        """Warm up and capture on padding-only inputs (touching nobody's pages or state), then
+        put the batch back."""
+        batch = static.meta.packed.clone()
+        static.meta.packed.copy_(static.padding)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):
-                fn(static.ids, static.meta)
+                fn(static.meta)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        static.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(static.graph, pool=self.pool):
-            static.output = fn(static.ids, static.meta)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static.outputs[kind] = fn(static.meta)
+        static.graphs[kind] = graph
         if static.meta.states is not None:
-            static.stashed = list(static.meta.states.stashed)
-
-    def fill(self, static: StaticForward, ids: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Copy the batch into the first rows; reset the rest to padding."""
-        rows, tokens = meta.num_seqs, meta.num_seqs * self.width
-        m = static.meta
-        static.ids[:tokens].copy_(ids)
-        static.ids[tokens:].zero_()
-        m.positions[:tokens].copy_(meta.positions)
-        m.slot_mapping[:tokens].copy_(meta.slot_mapping)
-        padding = torch.arange(self.width, device=self.device).repeat(m.num_seqs - rows)
-        m.positions[tokens:].copy_(padding)
-        m.slot_mapping[tokens:].copy_(padding)
-        m.block_tables.zero_()
-        m.block_tables[:rows, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        m.context_lens.fill_(self.width)
-        m.context_lens[:rows].copy_(meta.context_lens)
-        if m.state_slots is not None:
-            m.state_slots.zero_()
-            m.state_slots[:rows].copy_(meta.state_slots)
+            static.stashed[kind] = list(static.meta.states.stashed)
+        static.meta.packed.copy_(batch)

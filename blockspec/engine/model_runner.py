@@ -20,8 +20,9 @@ from blockspec.cache import KVPool, PageAllocator, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.spec.dflash import Proposal, accept, sample_drafts
+from blockspec.engine.spec.dflash import accept, sample_drafts
 from blockspec.layers import AttentionMetadata
+from blockspec.layers.attention import unpack
 from blockspec.sampling import sample
 
 
@@ -67,25 +68,49 @@ class ModelRunner:
     def is_hybrid(self) -> bool:
         return self.states is not None
 
-    # -- metadata ---------------------------------------------------------------------------
+    # -- batches ----------------------------------------------------------------------------
 
-    def metadata(self, seqs: list[Sequence], width: int, starts: list[int]) -> AttentionMetadata:
-        """The target's metadata for B sequences feeding `width` tokens from starts[b]."""
+    def prepare(self, seqs: list[Sequence], width: int, starts: list[int], tokens: list[list[int]],
+                padded: bool = False) -> AttentionMetadata:
+        """The target's metadata for sequences feeding tokens[b] (width each) from starts[b],
+        packed on the host and moved to the device in one copy. padded: rows and keys rounded
+        up to a captured graph's shape (the real sequences are the first rows)."""
+        live_keys = max(starts) + width
+        if padded:
+            rows, cols, keys = self.graphs.shape(len(seqs), live_keys)
+        else:
+            rows, cols, keys = len(seqs), max(len(seq.block_table) for seq in seqs), live_keys
+        host = self.pack(seqs, width, starts, tokens, rows, cols)
+        is_cuda = self.device.type == "cuda"
+        packed = torch.tensor(host, dtype=torch.long, pin_memory=is_cuda).to(self.device, non_blocking=is_cuda)
+        views = unpack(packed, rows, width, cols)
+        if not self.is_hybrid:
+            views["state_slots"] = None
+        return AttentionMetadata(num_seqs=rows, width=width, **views, max_context_len=keys, page_size=self.page_size,
+                                 kv=self.target_kv.layers, states=self.states,
+                                 keep_steps=self.is_hybrid and width > 1, packed=packed)
+
+    def pack(self, seqs: list[Sequence], width: int, starts: list[int], tokens: list[list[int]],
+             rows: int, cols: int) -> list[int]:
+        """Host ints in `unpack`'s layout; padding rows use page 0 and state slot 0."""
         page = self.page_size
-        positions = [start + j for start in starts for j in range(width)]
-        slots = []
-        for seq, start in zip(seqs, starts):
+        ids, positions, slots, tables, context_lens, state_slots = [], [], [], [], [], []
+        for seq, start, row in zip(seqs, starts, tokens):
             table = seq.block_table
+            ids += row
+            positions += range(start, start + width)
             slots += [table[p // page] * page + p % page for p in range(start, start + width)]
-        max_pages = max(len(seq.block_table) for seq in seqs)
-        tables = [seq.block_table + [0] * (max_pages - len(seq.block_table)) for seq in seqs]
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)   # noqa: E731
-        state_slots = as_tensor([seq.state_slot for seq in seqs]) if self.is_hybrid else None
-        return AttentionMetadata(
-            num_seqs=len(seqs), width=width, positions=as_tensor(positions), slot_mapping=as_tensor(slots),
-            block_tables=as_tensor(tables), context_lens=as_tensor([s + width for s in starts]),
-            max_context_len=max(starts) + width, page_size=page, kv=self.target_kv.layers,
-            states=self.states, state_slots=state_slots, keep_steps=self.is_hybrid and width > 1)
+            tables += table + [0] * (cols - len(table))
+            context_lens.append(start + width)
+            state_slots.append(seq.state_slot or 0)
+        for _ in range(rows - len(seqs)):
+            ids += [0] * width
+            positions += range(width)
+            slots += range(width)
+            tables += [0] * cols
+            context_lens.append(width)
+            state_slots.append(0)
+        return ids + positions + slots + tables + context_lens + state_slots
 
     # -- prefill ----------------------------------------------------------------------------
 
@@ -94,10 +119,9 @@ class ModelRunner:
         """Compute the next num_tokens positions of seq; return its first output token when the
         prompt is done and nothing was generated yet (else None)."""
         start = seq.num_cached
-        meta = self.metadata([seq], num_tokens, [start])
+        meta = self.prepare([seq], num_tokens, [start], [seq.tokens[start: start + num_tokens]])
         meta.keep_steps = False
-        ids = torch.tensor(seq.tokens[start: start + num_tokens], dtype=torch.long, device=self.device)
-        out = self.target(ids, meta.positions, meta)
+        out = self.target(meta.input_ids, meta.positions, meta)
         self.num_forwards += 1
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
@@ -112,50 +136,46 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> DecodeResult:
         """One cycle for every sequence: propose T − 1 drafts, verify T tokens, accept."""
-        width = self.width
-        meta = self.metadata(seqs, width, [seq.num_cached for seq in seqs])
-        anchors = torch.tensor([seq.anchor for seq in seqs], dtype=torch.long, device=self.device)
-        proposal = self.propose(seqs, anchors, meta) if self.draft is not None else None
-        block = anchors[:, None] if proposal is None else torch.cat((anchors[:, None], proposal.drafts), dim=1)
-        logits = self.verify(block.reshape(-1), meta).view(len(seqs), width, -1)   # [B, T, V]
-        num_accepted, new_tokens = accept(seqs, proposal, logits)
+        num_seqs, width = len(seqs), self.width
+        mask = self.draft.mask_token_id if self.draft is not None else 0
+        blocks = [[seq.anchor] + [mask] * (width - 1) for seq in seqs]          # [x, MASK × (T − 1)]
+        meta = self.prepare(seqs, width, [seq.num_cached for seq in seqs], blocks, padded=self.graphs is not None)
+        if self.graphs is not None:
+            meta = self.graphs.bind(meta)
+        proposal = None
+        if self.draft is not None:
+            logits = self.run_forward("propose", self.draft_logits, meta)[:num_seqs]     # [B, T − 1, V]
+            proposal = sample_drafts(logits, seqs)
+            meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts  # [x, d1 … dT−1]
+        logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
+        num_accepted, new_tokens = accept(seqs, proposal, logits.view(num_seqs, width, -1))
         if meta.keep_steps:
             kept = torch.tensor(num_accepted, device=self.device) + 1
-            self.states.select(meta.state_slots, kept)
+            self.states.select(meta.state_slots[:num_seqs], kept)
         return DecodeResult(num_accepted, new_tokens)
 
-    def propose(self, seqs: list[Sequence], anchors: torch.Tensor, meta: AttentionMetadata) -> Proposal:
-        """The draft's block [x, MASK × (T − 1)] per sequence, at the verify's positions, seeing
-        the committed context (num_cached positions) of the draft pool."""
-        width = meta.width
-        block = torch.full((len(seqs), width), self.draft.mask_token_id, dtype=torch.long, device=self.device)
-        block[:, 0] = anchors
-        draft_meta = dataclasses.replace(meta, kv=self.draft_kv.layers, context_lens=meta.context_lens - width,
-                                         states=None, state_slots=None, keep_steps=False)
-        logits = self.run_forward("propose", self.draft_logits, block.view(-1), draft_meta)
-        return sample_drafts(logits, seqs)
-
-    def verify(self, block_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Target logits [B·T, V] of every sequence's block."""
-        return self.run_forward("verify", self.target_logits, block_ids, meta)
-
-    def run_forward(self, kind: str, fn, ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run_forward(self, kind: str, fn, meta: AttentionMetadata) -> torch.Tensor:
         self.num_forwards += 1
         if self.graphs is None:
-            return fn(ids, meta)
-        return self.graphs.run(kind, fn, ids, meta)
+            return fn(meta)
+        return self.graphs.run(kind, fn, meta)
 
-    def draft_logits(self, block_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """[B·T] block ids → draft logits [B, T − 1, V] (slot i predicts d_i)."""
-        hidden = self.draft(self.target.embed(block_ids), meta.positions, meta)
-        hidden = hidden.view(meta.num_seqs, meta.width, -1)[:, 1:]
+    def draft_logits(self, meta: AttentionMetadata) -> torch.Tensor:
+        """The draft's B blocks [x, MASK × (T − 1)] at the verify's positions, seeing the
+        committed context (num_cached positions) of the draft pool → logits [B, T − 1, V]
+        (slot i predicts d_i)."""
+        width = meta.width
+        draft_meta = dataclasses.replace(meta, kv=self.draft_kv.layers, context_lens=meta.context_lens - width,
+                                         states=None, state_slots=None, keep_steps=False, shared={})
+        hidden = self.draft(self.target.embed(meta.input_ids), meta.positions, draft_meta)
+        hidden = hidden.view(meta.num_seqs, width, -1)[:, 1:]
         return self.draft.read_logits(hidden, self.target.lm_head)
 
-    def target_logits(self, block_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def target_logits(self, meta: AttentionMetadata) -> torch.Tensor:
         """Target forward → logits [B·T, V]; the features of all T positions join the draft's
         context (those past the accepted prefix lie past the sequence's length: masked, then
         overwritten)."""
-        out = self.target(block_ids, meta.positions, meta)
+        out = self.target(meta.input_ids, meta.positions, meta)
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         return self.target.compute_logits(out.hidden)

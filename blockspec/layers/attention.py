@@ -23,13 +23,15 @@ from blockspec.layers.common import RMSNorm, apply_rope
 class AttentionMetadata:
     """Everything a model needs to know about the sequences of one forward (nothing of requests).
 
-    positions, slot_mapping: [B·T]; block_tables [B, max_pages]; context_lens [B]: keys each
-    sequence sees in the pool (for targets: its start + T, the new tokens included; for the
-    draft: its committed context). max_context_len: keys gathered per sequence — the batch's
-    longest eagerly, the pool's per-sequence capacity under a CUDA graph (fixed shapes).
+    input_ids, positions, slot_mapping: [B·T]; block_tables [B, max_pages]; context_lens [B]:
+    keys each sequence sees in the pool (for targets: its start + T, the new tokens included; for
+    the draft: its committed context). max_context_len: keys gathered per sequence — the batch's
+    longest eagerly, a fixed bucket under a CUDA graph. The integer fields are views of one
+    packed tensor (`packed`), so a batch crosses to the device in one copy.
     """
     num_seqs: int
     width: int
+    input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
@@ -40,18 +42,36 @@ class AttentionMetadata:
     states: Any = None                                    # StatePool of a hybrid target
     state_slots: torch.Tensor | None = None               # [B]
     keep_steps: bool = False                              # verify: recurrent layers keep every step
-    extra: dict = field(default_factory=dict)
+    # Per-forward values every layer shares (gather indices, masks): computed by the first layer
+    # that needs them, cleared at the start of each forward (so a captured graph computes them once).
+    shared: dict = field(default_factory=dict)
+
+    packed: torch.Tensor | None = None
 
     @property
     def query_positions(self) -> torch.Tensor:
         return self.positions.view(self.num_seqs, self.width)
 
 
-def gather_pages(pool: torch.Tensor, block_tables: torch.Tensor, num_keys: int, page_size: int) -> torch.Tensor:
-    """pool [slots, Hkv, D] → the first num_keys positions of each sequence [B, num_keys, Hkv, D]."""
-    key_pos = torch.arange(num_keys, device=pool.device)
-    slots = block_tables[:, key_pos // page_size] * page_size + key_pos % page_size   # [B, L]
-    return pool[slots]
+def packed_size(num_seqs: int, width: int, num_pages: int) -> int:
+    return 3 * num_seqs * width + num_seqs * num_pages + 2 * num_seqs
+
+
+def unpack(packed: torch.Tensor, num_seqs: int, width: int, num_pages: int) -> dict[str, torch.Tensor]:
+    """Views of a packed batch: [input_ids | positions | slot_mapping (B·T each) | block_tables
+    (B·pages) | context_lens (B) | state_slots (B)]."""
+    tokens = num_seqs * width
+    parts = packed.split([tokens, tokens, tokens, num_seqs * num_pages, num_seqs, num_seqs])
+    names = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "state_slots")
+    views = dict(zip(names, parts))
+    views["block_tables"] = views["block_tables"].view(num_seqs, num_pages)
+    return views
+
+
+def key_slots(block_tables: torch.Tensor, num_keys: int, page_size: int) -> torch.Tensor:
+    """Pool slots of the first num_keys positions of each sequence [B, num_keys]."""
+    key_pos = torch.arange(num_keys, device=block_tables.device)
+    return block_tables[:, key_pos // page_size] * page_size + key_pos % page_size
 
 
 def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor,
@@ -80,22 +100,36 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     pages, plus block_kv ([B·T, Hkv, D] each, at the query positions) when given (the draft's
     own block, never cached).
     """
-    num_seqs, width, num_keys = meta.num_seqs, meta.width, meta.max_context_len
-    keys = gather_pages(k_pool, meta.block_tables, num_keys, meta.page_size)         # [B, L, Hkv, D]
-    values = gather_pages(v_pool, meta.block_tables, num_keys, meta.page_size)
-    key_pos = torch.arange(num_keys, device=q.device)[None].expand(num_seqs, -1)      # [B, L]
-    key_valid = key_pos < context_lens[:, None]
-    query_pos = meta.query_positions
+    num_seqs, width = meta.num_seqs, meta.width
+    slots = shared(meta, "slots", lambda: key_slots(meta.block_tables, meta.max_context_len, meta.page_size))
+    keys, values = k_pool[slots], v_pool[slots]                                       # [B, L, Hkv, D]
     if block_kv is not None:
         keys = torch.cat((keys, block_kv[0].view(num_seqs, width, *block_kv[0].shape[1:])), dim=1)
         values = torch.cat((values, block_kv[1].view(num_seqs, width, *block_kv[1].shape[1:])), dim=1)
-        key_pos = torch.cat((key_pos, query_pos), dim=1)
-        key_valid = torch.cat((key_valid, torch.ones_like(query_pos, dtype=torch.bool)), dim=1)
-    mask = visible_keys(query_pos, key_pos, key_valid, is_causal, window)             # [B, T, L']
+    mask = shared(meta, ("mask", is_causal, window, block_kv is not None),
+                  lambda: attention_mask(meta, context_lens, is_causal, window, block_kv is not None))
     q = q.view(num_seqs, width, q.shape[1], q.shape[2]).transpose(1, 2)                # [B, H, T, D]
-    out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None],
+    out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != keys.shape[2])
     return out.transpose(1, 2).reshape(num_seqs * width, -1)
+
+
+def shared(meta: AttentionMetadata, key: Any, make) -> torch.Tensor:
+    if key not in meta.shared:
+        meta.shared[key] = make()
+    return meta.shared[key]
+
+
+def attention_mask(meta: AttentionMetadata, context_lens: torch.Tensor, is_causal: bool, window: int | None,
+                   with_block: bool) -> torch.Tensor:
+    """Bool [B, 1, T, L (+ T with the block)]: which keys each query sees."""
+    query_pos = meta.query_positions
+    key_pos = torch.arange(meta.max_context_len, device=query_pos.device)[None].expand(meta.num_seqs, -1)
+    key_valid = key_pos < context_lens[:, None]
+    if with_block:
+        key_pos = torch.cat((key_pos, query_pos), dim=1)
+        key_valid = torch.cat((key_valid, torch.ones_like(query_pos, dtype=torch.bool)), dim=1)
+    return visible_keys(query_pos, key_pos, key_valid, is_causal, window)[:, None]
 
 
 def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor,

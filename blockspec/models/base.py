@@ -50,6 +50,7 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> ForwardOutput:
+        meta.shared.clear()
         x = self.embed(input_ids)                                           # [N, hidden]
         rope = self.model.rotary_emb(positions, x.dtype)                   # cos, sin [N, 1, rot]
         captured: dict[int, torch.Tensor] = {}

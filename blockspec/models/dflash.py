@@ -168,6 +168,7 @@ class DFlashDraftModel(nn.Module):
         """Denoise B blocks: block_embeds [B·T, H] — the target's embedding of [anchor, MASK × (T − 1)]
         at positions [B·T] right after each sequence's committed context (meta.context_lens).
         Returns hidden states [B·T, H] after the final norm (read out with the target's head)."""
+        meta.shared.clear()
         rope = self.rotary_emb(positions, block_embeds.dtype)
         x = block_embeds * self.config.input_embedding_scale
         for layer in self.layers:

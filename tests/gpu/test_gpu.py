@@ -51,4 +51,4 @@ def test_cuda_graphs_equal_eager_for_batches(qwen3_dir, qwen3_draft_dir):
         spec = LLM(str(qwen3_dir), draft=str(qwen3_draft_dir), block_size=block_size, device="cuda",
                    dtype="float32", show_progress=False)
         assert run(spec, PROMPTS) == alone, block_size
-        assert len(spec.engine.runner.graphs.forwards) >= 2
+        assert any(len(batch.graphs) == 2 for batch in spec.engine.runner.graphs.batches.values())
