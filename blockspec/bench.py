@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from unittest import mock
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -117,15 +118,10 @@ def throughput(target, draft, block_size: int, concurrency: int, prompt_len: int
     config = EngineConfig(max_model_len=prompt_len + max_tokens + 8, block_size=block_size if draft else 1,
                           max_num_seqs=concurrency, max_queue=concurrency, max_prefill_tokens=prompt_len)
     engine = Engine(target, draft, config)
-    if accept_len is not None and draft is not None:
-        engine.runner_accept = model_runner.accept
-        model_runner.accept = forced_accept(accept_len)
-    try:
+    forcing = accept_len is not None and draft is not None
+    with mock.patch.object(model_runner, "accept", forced_accept(accept_len) if forcing else model_runner.accept):
         run_batch(engine, concurrency, prompt_len, 8)                                   # warm-up
         return run_batch(engine, concurrency, prompt_len, max_tokens)
-    finally:
-        if accept_len is not None and draft is not None:
-            model_runner.accept = engine.runner_accept
 
 
 def run_batch(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int) -> dict[str, float]:
@@ -136,11 +132,10 @@ def run_batch(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int
                 for i in range(concurrency)]
     for request in requests:
         engine.submit(request, lambda event: None)
-    while any(not s.request.output_ids for s in [*engine.scheduler.waiting, *engine.scheduler.running]) \
-            or engine._num_inbox:
+    while not all(r.output_ids for r in requests):
         engine.step()                                   # prefill everyone first: decode is measured alone
     synchronize()
-    started, cycles = time.perf_counter(), sum(r.stats.cycles for r in requests)
+    started = time.perf_counter()
     tokens_before = sum(len(r.output_ids) for r in requests)
     batch_cycles = 0
     while not all(r.is_finished for r in requests):

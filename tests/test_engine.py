@@ -131,3 +131,15 @@ def test_engine_thread_serves_and_shutdown_aborts_what_is_open(qwen3_dir):
     llm.engine.submit(make(llm, "long", max_tokens=400), long_events.append)
     llm.engine.shutdown()
     assert [e.finish_reason for e in long_events if e.finish_reason] == ["abort"]
+
+
+def test_a_sequence_larger_than_the_whole_pool_ends_with_a_clear_error(qwen3_dir):
+    llm = LLM(str(qwen3_dir), max_model_len=100, num_pages=3, page_size=8, show_progress=False)
+    events: list[TokenEvent] = []
+    request = llm.make_request("huge", list(range(1, 40)), SamplingParams(max_tokens=5))
+    llm.engine.submit(request, events.append)
+    for _ in range(3):
+        llm.engine.step()
+    assert [e.finish_reason for e in events] == ["error"]
+    assert "more KV-cache pages than the pool has" in events[0].error
+    assert llm.generate_ids([1, 2, 3], SamplingParams(max_tokens=4)).finish_reason == "length"

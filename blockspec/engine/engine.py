@@ -108,6 +108,10 @@ class Engine:
         self._take_inbox()
         self._drop_aborted()
         batch = self.scheduler.schedule()
+        for seq in list(self.scheduler.unservable):
+            self._end(seq, "error", error=f"the sequence needs more KV-cache pages than the pool has "
+                                          f"({self.runner.allocator.num_pages - 1}); raise the pool size "
+                                          f"or lower --max-model-len")
         if batch.is_empty:
             return
         try:

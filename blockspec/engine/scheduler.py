@@ -44,6 +44,7 @@ class Scheduler:
         self.config, self.runner = config, runner
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.unservable: list[Sequence] = []        # too long for the whole pool: the engine ends them
         self._last_was_prefill = False
 
     @property
@@ -70,6 +71,10 @@ class Scheduler:
             seq = self.waiting[0]
             need = self.runner.pages_needed(seq, seq.prefill_len + self.runner.width)
             if need > self.runner.allocator.num_free or not self.runner.has_free_state_slot:
+                if not self.running and need > self.runner.allocator.num_free:
+                    self.waiting.popleft()
+                    self.unservable.append(seq)        # would not fit even in an empty pool
+                    continue
                 return
             self.waiting.popleft()
             self.runner.claim_state_slot(seq)
@@ -79,26 +84,38 @@ class Scheduler:
     def _chunks(self, prefilling: list[Sequence]) -> list[tuple[Sequence, int]]:
         budget, chunks = self.config.max_prefill_tokens, []
         for seq in prefilling:
-            if budget == 0:
-                break
+            if budget == 0 or seq not in self.running:
+                continue
             length = min(budget, seq.prefill_len - seq.num_cached)
-            self.runner.grow(seq, seq.num_cached + length)
-            chunks.append((seq, length))
-            budget -= length
-        return chunks
+            if self._make_room(seq, seq.num_cached + length):
+                chunks.append((seq, length))
+                budget -= length
+        return [(seq, length) for seq, length in chunks if seq in self.running]
 
     def _reserve_blocks(self, decoding: list[Sequence]) -> list[Sequence]:
-        """Pages for every decoding sequence's next block, preempting the newest when short."""
-        width = self.runner.width
-        batch = list(decoding)
-        while batch:
-            need = sum(self.runner.pages_needed(s, s.num_cached + width) for s in batch)
-            if need <= self.runner.allocator.num_free:
-                break
-            self.preempt(batch.pop())          # the newest admitted: the running list is in admission order
-        for seq in batch:
-            self.runner.grow(seq, seq.num_cached + width)
-        return batch
+        """Pages for every decoding sequence's next block, oldest first; when the pool runs dry
+        the newest running sequences are preempted."""
+        batch = []
+        for seq in decoding:
+            if seq in self.running and self._make_room(seq, seq.num_cached + self.runner.width):
+                batch.append(seq)
+        return [seq for seq in batch if seq in self.running]
+
+    def _make_room(self, seq: Sequence, num_positions: int) -> bool:
+        """Pages for seq's first num_positions. Short of pages, the newest running sequence is
+        preempted — seq itself when it is the newest (as vLLM does): older sequences keep going."""
+        while self.runner.pages_needed(seq, num_positions) > self.runner.allocator.num_free:
+            if self.running == [seq]:
+                self.running.remove(seq)
+                self.runner.release(seq)
+                self.unservable.append(seq)            # would not fit even alone
+                return False
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.runner.grow(seq, num_positions)
+        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Free its pages and state; it waits at the front and recomputes from its tokens."""
@@ -111,10 +128,9 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         self.runner.release(seq)
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.unservable):
+            if seq in queue:
+                queue.remove(seq)
 
     def postprocess_prefill(self, seq: Sequence, first_token: int | None) -> Emitted | None:
         if first_token is None:
