@@ -135,7 +135,8 @@ class CandidateSelector(nn.Module):
 
     def forward(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> CandidateWalk:
         """hidden [B, L, H], logits [B, L, V] of the draft slots, anchors [B] → CandidateWalk."""
-        unary, ids = logits.float().topk(self.top_k, dim=-1)                            # [B, L, k]
+        unary, ids = logits.topk(self.top_k, dim=-1)                                    # [B, L, k]
+        unary = unary.float()
         projected = self.hidden_projection(hidden)                                      # [B, L, r]
         previous = torch.cat((anchors[:, None, None].expand(-1, 1, self.top_k), ids[:, :-1]), dim=1)
         left = self.predecessor_codebook[previous] * projected[:, :, None]              # [B, L, k, r]
