@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from scipy.stats import chisquare
+from scipy.stats import chi2_contingency, chisquare
 from torch import nn
 
 from blockspec.cache import KVPool
@@ -422,6 +422,30 @@ def test_greedy_walk_follows_the_chosen_row():
     edges[0, 1, 0] = torch.tensor([0.0, 9.0])         # (a row the walk must not read)
     edges[0, 2, 0] = torch.tensor([0.0, 3.0])         # slot 2 from index 0: pick 1
     assert greedy_walk(edges).tolist() == [[1, 0, 1]]
+
+
+def test_sampled_dflash2_matches_plain_token_distribution(qwen3_dir, qwen3_draft2_dir):
+    """Through the engine at temperature 1 (top-k 4): the tokens at positions 1 and 2 under a
+    DFlash 2 draft (the oracle bonus gets drafts accepted often, not always) follow plain
+    sampling's; chi-square contingency p-value > 1e-3 per position."""
+    runs, max_tokens = 96, 3
+    plain = LLM(str(qwen3_dir), max_model_len=64, max_num_seqs=32, show_progress=False)
+    greedy = plain.generate_ids(PROMPTS[0], SamplingParams(max_tokens=8)).token_ids
+    spec = LLM(str(qwen3_dir), draft=str(qwen3_draft2_dir), block_size=4, max_model_len=64, max_num_seqs=32,
+               show_progress=False)
+    install_oracle(spec.draft, [PROMPTS[0] + greedy])
+    outputs = []
+    for llm, offset in ((plain, 0), (spec, 10_000)):
+        params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, top_k=4, seed=offset + s) for s in range(runs)]
+        outputs.append([r.token_ids for r in llm.generate([PROMPTS[0]] * runs, params)])
+    accepted = sum(r.stats.accepted_tokens for r in spec.generate([PROMPTS[0]] * 8, SamplingParams(
+        max_tokens=max_tokens, temperature=1.0, top_k=4, seed=1)))
+    assert accepted > 0
+    for position in (1, 2):
+        a, b = ([o[position] for o in out] for out in outputs)
+        support = sorted(set(a) | set(b))
+        table = np.array([[a.count(t) for t in support], [b.count(t) for t in support]])
+        assert chi2_contingency(table[:, table.sum(0) >= 5]).pvalue > 1e-3
 
 
 def test_sampling_with_a_dflash2_draft_is_seeded_and_batch_independent(qwen3_dir, qwen3_draft2_dir):
