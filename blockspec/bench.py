@@ -5,6 +5,10 @@ bytes / measured copy bandwidth), plain decoding, transformers' forward, z-lab's
 Throughput is measured through the real engine (scheduler, batched cycle, pools) at each
 concurrency. Random weights accept no drafts, so `--accept-len` forces the acceptance length
 (the forwards are the same; only the bookkeeping of what is kept changes).
+
+DFlash 1 and DFlash 2 drafts of the same shape run side by side: the DFlash 2 cycle (its convs
+and the selector's walk inside the propose graph) against the DFlash 1 cycle, and the readout
+alone (DFlash 1: logits; DFlash 2: logits, top-k, edge scores, greedy walk) replayed as a graph.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from blockspec.engine.engine import Engine
 from blockspec.engine.request import Request
 from blockspec.loader import build_empty, resolve_device
 from blockspec.models.dflash import DFlashDraftModel, DraftConfig, default_target_layer_ids
+from blockspec.models.dflash2 import DFlash2DraftModel
 from blockspec.models.qwen3 import Qwen3ForCausalLM
 from blockspec.sampling import SamplingParams
 
@@ -87,6 +92,42 @@ def build_models(shape: dict[str, Any], device: torch.device, dtype: torch.dtype
                      dflash_config={"mask_token_id": 151669, "target_layer_ids": layer_ids})
     draft = random_init(build_empty(lambda: DFlashDraftModel(DraftConfig.from_hf(draft_cfg)), device, dtype))
     return target_cfg, draft_cfg, target, draft
+
+
+def build_dflash2(draft_cfg: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """A DFlash 2 draft of the DFlash 1 draft's shape, with the selector and convolution sizes of
+    z-lab's released DFlash 2 config (kernel 2, groups of 16, rank 256, top-16)."""
+    extra = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16,
+                 output_multiplier=0.196, final_logit_softcapping=20.0)
+    cfg = dict(draft_cfg, architectures=["DFlash2DraftModel"], is_causal=False,
+               dflash_config=dict(draft_cfg["dflash_config"], **extra))
+    return random_init(build_empty(lambda: DFlash2DraftModel(DraftConfig.from_hf(cfg)), device, dtype))
+
+
+def graphed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
+    """fn as one CUDA graph replay (how the propose graph runs it); fn itself off CUDA."""
+    if device.type != "cuda":
+        return fn
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+@torch.inference_mode()
+def readout_ms(drafts: dict[str, torch.nn.Module], lm_head: torch.nn.Module, num_seqs: int, block_size: int,
+               device: torch.device) -> dict[str, float]:
+    """Milliseconds of each draft's `propose` on random hidden states [num_seqs, T, H]."""
+    weight = lm_head.weight
+    hidden = torch.randn(num_seqs, block_size, weight.shape[1], device=device, dtype=weight.dtype)
+    anchors = torch.randint(0, weight.shape[0], (num_seqs,), device=device)
+    return {f"{name}_readout_ms": timed(graphed(lambda d=draft: d.propose(hidden, anchors, lm_head), device))
+            for name, draft in drafts.items()}
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
@@ -176,6 +217,8 @@ def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[
                          "prompt_len": prompt_len, "max_tokens": max_tokens}
     r["target_weight_GB"] = weight_bytes(target) / 1e9
     r["draft_weight_GB"] = weight_bytes(draft) / 1e9
+    draft2 = build_dflash2(draft_cfg, device, dtype)
+    r["draft2_weight_GB"] = weight_bytes(draft2) / 1e9
     if device.type == "cuda":
         r["copy_bandwidth_TBps"] = copy_bandwidth(device) / 1e12
         r["floor_ms_per_token"] = r["target_weight_GB"] / r["copy_bandwidth_TBps"]
@@ -186,6 +229,10 @@ def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[
                       "dflash_tok_s": spec["tok_s"], "dflash_ms_per_cycle": spec["ms_per_cycle"],
                       "dflash_acceptance_length": spec["mean_acceptance_length"],
                       "dflash_over_plain": spec["tok_s"] / plain["tok_s"]}
+        spec2 = throughput(target, draft2, block_size, c, prompt_len, max_tokens, accept_len)
+        r[f"c{c}"].update({"dflash2_tok_s": spec2["tok_s"], "dflash2_ms_per_cycle": spec2["ms_per_cycle"],
+                           "dflash2_cycle_over_dflash1": spec2["ms_per_cycle"] / spec["ms_per_cycle"]})
+        r[f"c{c}"].update(readout_ms({"dflash1": draft, "dflash2": draft2}, target.lm_head, c, block_size, device))
     first, last = f"c{concurrency[0]}", f"c{concurrency[-1]}"
     r["plain_throughput_ratio_last_over_first"] = r[last]["plain_tok_s"] / r[first]["plain_tok_s"]
     r["dflash_throughput_ratio_last_over_first"] = r[last]["dflash_tok_s"] / r[first]["dflash_tok_s"]

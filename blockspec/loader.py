@@ -175,22 +175,26 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto",
 
 
 def load_draft(draft: str, target: nn.Module, show_progress: bool = False) -> nn.Module:
-    """Load a z-lab DFlash draft onto the target's device and dtype, checked against the target."""
+    """Load a z-lab DFlash draft (DFlash 1 or 2) onto the target's device and dtype, checked
+    against the target."""
     from blockspec.config import ConfigError
     from blockspec.models.dflash import DFlashDraftModel, DraftConfig, draft_rename
+    from blockspec.models.dflash2 import DFlash2DraftModel, dflash2_rename
+    kinds = {"DFlashDraftModel": (DFlashDraftModel, draft_rename), "DFlash2DraftModel": (DFlash2DraftModel, dflash2_rename)}
     path = resolve_model_path(draft)
     config = read_json(path / "config.json")
-    archs = config.get("architectures") or []
-    if archs and archs[0] not in ("DFlashDraftModel",):
-        raise LoadError(f"{path / 'config.json'}: {archs[0]!r} is not a DFlash draft (DFlashDraftModel)")
+    arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
+    if arch not in kinds:
+        raise LoadError(f"{path / 'config.json'}: {arch!r} is not a DFlash draft ({', '.join(kinds)})")
+    build, rename = kinds[arch]
     try:
         draft_config = DraftConfig.from_hf(config, num_target_layers=target.num_layers)
+        check_draft_fits(draft_config, target, path)
+        weight = target.lm_head.weight
+        module = build_empty(lambda: build(draft_config), weight.device, weight.dtype)
     except (ConfigError, KeyError) as exc:
         raise LoadError(f"{path / 'config.json'}: {exc}") from None
-    check_draft_fits(draft_config, target, path)
-    weight = target.lm_head.weight
-    module = build_empty(lambda: DFlashDraftModel(draft_config), weight.device, weight.dtype)
-    load_weights(module, checkpoint_files(path), draft_rename, show_progress)
+    load_weights(module, checkpoint_files(path), rename, show_progress)
     return module
 
 
@@ -203,3 +207,6 @@ def check_draft_fits(config, target: nn.Module, path: Path) -> None:
     vocab = target.lm_head.weight.shape[0]
     if not 0 <= config.mask_token_id < vocab:
         raise LoadError(f"{path}: mask_token_id {config.mask_token_id} outside the target's vocabulary of {vocab}")
+    if config.selector_rank is not None and config.vocab_size != vocab:
+        raise LoadError(f"{path}: draft vocab_size {config.vocab_size} != the target's {vocab} "
+                        "(DFlash 2's codebooks index the target's vocabulary)")

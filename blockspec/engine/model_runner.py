@@ -20,7 +20,7 @@ from blockspec.cache import KVPool, PageAllocator, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.spec.dflash import accept, sample_drafts
+from blockspec.engine.spec.dflash import accept, propose
 from blockspec.layers import AttentionMetadata
 from blockspec.layers.attention import unpack
 from blockspec.sampling import sample
@@ -144,8 +144,7 @@ class ModelRunner:
             meta = self.graphs.bind(meta)
         proposal = None
         if self.draft is not None:
-            logits = self.run_forward("propose", self.draft_logits, meta)[:num_seqs]     # [B, T − 1, V]
-            proposal = sample_drafts(logits, seqs)
+            proposal = propose(self.run_forward("propose", self.draft_proposal, meta), seqs)
             meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts  # [x, d1 … dT−1]
         logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
         num_accepted, new_tokens = accept(seqs, proposal, logits.view(num_seqs, width, -1))
@@ -160,16 +159,17 @@ class ModelRunner:
             return fn(meta)
         return self.graphs.run(kind, fn, meta)
 
-    def draft_logits(self, meta: AttentionMetadata) -> torch.Tensor:
+    def draft_proposal(self, meta: AttentionMetadata):
         """The draft's B blocks [x, MASK × (T − 1)] at the verify's positions, seeing the
-        committed context (num_cached positions) of the draft pool → logits [B, T − 1, V]
-        (slot i predicts d_i)."""
+        committed context (num_cached positions) of the draft pool → what the draft proposes
+        from: DFlash 1 logits [B, T − 1, V] (slot i predicts d_i), or DFlash 2's CandidateWalk
+        (candidates, edge scores, greedy drafts)."""
         width = meta.width
         draft_meta = dataclasses.replace(meta, kv=self.draft_kv.layers, context_lens=meta.context_lens - width,
                                          states=None, state_slots=None, keep_steps=False, shared={})
         hidden = self.draft(self.target.embed(meta.input_ids), meta.positions, draft_meta)
-        hidden = hidden.view(meta.num_seqs, width, -1)[:, 1:]
-        return self.draft.read_logits(hidden, self.target.lm_head)
+        anchors = meta.input_ids.view(meta.num_seqs, width)[:, 0]
+        return self.draft.propose(hidden.view(meta.num_seqs, width, -1), anchors, self.target.lm_head)
 
     def target_logits(self, meta: AttentionMetadata) -> torch.Tensor:
         """Target forward → logits [B·T, V]; the features of all T positions join the draft's

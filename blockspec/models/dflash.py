@@ -11,7 +11,9 @@ position depends on that position's features alone, so positions a verify reject
 past the sequence's length: masked, then overwritten.
 
 Attention: full-attention layers are non-causal (every block slot sees the whole context and
-the whole block); `sliding_attention` layers are causal, and windowed over the context.
+the whole block); `sliding_attention` layers are causal, and windowed over the context. A
+top-level `is_causal` overrides both (DFlash 2 drafts set it false: their sliding layers see the
+block both ways, the window limiting the distance in either direction).
 The draft's RoPE is its own config's, never the target's.
 """
 from __future__ import annotations
@@ -54,6 +56,12 @@ class DraftConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # DFlash 2 only (models/dflash2.py); None in DFlash 1 drafts.
+    vocab_size: int | None = None
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
 
     @staticmethod
     def from_hf(d: dict[str, Any], num_target_layers: int | None = None) -> "DraftConfig":
@@ -61,6 +69,10 @@ class DraftConfig:
 
         def value(name: str, default: Any = None) -> Any:
             return dflash.get(name, d.get(name, default))
+
+        def optional_int(name: str) -> int | None:
+            found = value(name)
+            return None if found is None else int(found)
 
         num_layers = int(d["num_hidden_layers"])
         mask_token_id = value("mask_token_id")
@@ -92,6 +104,9 @@ class DraftConfig:
             input_embedding_scale=float(value("input_embedding_scale", 1.0)),
             output_multiplier=float(value("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,
+            vocab_size=optional_int("vocab_size"), conv_kernel_size=optional_int("conv_kernel_size"),
+            conv_group_size=optional_int("conv_group_size"), selector_rank=optional_int("selector_rank"),
+            selector_top_k=optional_int("selector_top_k"),
         )
 
 
@@ -129,10 +144,12 @@ class DraftLayer(nn.Module):
 
 
 class DFlashDraftModel(nn.Module):
+    layer_class: type[nn.Module] = DraftLayer
+
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList(DraftLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -179,6 +196,12 @@ class DFlashDraftModel(nn.Module):
         logits = lm_head(hidden) * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
+
+    def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Hidden states of B blocks [B, T, H] → logits [B, T − 1, V] of the draft slots (slot i
+        predicts d_i; sampling happens per sequence, in engine/spec/dflash.py). anchors [B] are
+        unused here: DFlash 2's selector needs them."""
+        return self.read_logits(hidden[:, 1:], lm_head)
 
 
 def draft_rename(name: str) -> str | None:

@@ -79,3 +79,20 @@ def test_hybrid_graphs_equal_eager_and_transformers(tmp_path):
                       dtype="float32", cuda_graphs=graphs, show_progress=False)
             got = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_tokens=24))]
             assert got == expected, (block_size, graphs)
+
+
+def test_dflash2_graphs_equal_eager(qwen3_dir, tmp_path):
+    """A DFlash 2 draft on the GPU (fp32): the propose graph (convs, selector, greedy walk on the
+    device) decodes what plain decoding does, batched, at block sizes 2, 3 and 16; a sampling
+    sequence walks outside the graph and runs too."""
+    import fixtures
+    draft_dir = fixtures.write_dflash2_draft(tmp_path / "d2", qwen3_dir)
+    plain = LLM(str(qwen3_dir), device="cuda", dtype="float32", show_progress=False)
+    alone = [run(plain, [p])[0] for p in PROMPTS]
+    for block_size in (2, 3, 16):
+        spec = LLM(str(qwen3_dir), draft=str(draft_dir), block_size=block_size, device="cuda", dtype="float32",
+                   show_progress=False)
+        assert run(spec, PROMPTS) == alone, block_size
+        assert any(len(batch.graphs) == 2 for batch in spec.engine.runner.graphs.batches.values())
+    sampled = spec.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.8, seed=3))
+    assert all(r.token_ids for r in sampled)

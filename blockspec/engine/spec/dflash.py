@@ -1,7 +1,8 @@
 """The DFlash cycle for a batch of B sequences (ARCHITECTURE.md §4), as three steps:
 
     propose: h = draft([x, MASK × (T − 1)])      one forward for all B blocks, non-causal within
-             d[1..T−1] = sample(lm_head(h[1:]))  each, read out by the target's head
+             d[1..T−1] = sample(lm_head(h[1:]))  each, read out by the target's head (DFlash 2:
+                                                 a walk over the selector's candidates)
     verify:  y = target([x, d1..dT−1])           one forward for all B blocks (model_runner)
     accept:  a_b = accepted prefix of sequence b  greedy: d_i == argmax y_{i−1}; sampling: the
              new tokens = x's successors d1..da, bonus   rejection rule; ragged across the batch
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.engine.sequence import Sequence
+from blockspec.models.dflash2 import CandidateWalk
 from blockspec.sampling import probs_from_logits, rejection_sample, sample_from_probs
 
 
@@ -23,6 +25,13 @@ from blockspec.sampling import probs_from_logits, rejection_sample, sample_from_
 class Proposal:
     drafts: torch.Tensor                       # [B, T − 1] on the device
     probs: list[torch.Tensor | None]           # per sequence: q [T − 1, V] when it samples, else None
+
+
+def propose(out: torch.Tensor | CandidateWalk, seqs: list[Sequence]) -> Proposal:
+    """The draft's output for the (possibly padded) batch → the drafts of its first len(seqs) rows."""
+    if isinstance(out, CandidateWalk):
+        return walk_drafts(out.rows(len(seqs)), seqs)
+    return sample_drafts(out[: len(seqs)], seqs)
 
 
 def sample_drafts(logits: torch.Tensor, seqs: list[Sequence]) -> Proposal:
@@ -36,6 +45,39 @@ def sample_drafts(logits: torch.Tensor, seqs: list[Sequence]) -> Proposal:
             probs[b] = probs_from_logits(logits[b], params)
             drafts[b] = sample_from_probs(probs[b], seq.generator)
     return Proposal(drafts, probs)
+
+
+def walk_drafts(walk: CandidateWalk, seqs: list[Sequence]) -> Proposal:
+    """DFlash 2: greedy sequences take the greedy walk (already done on the device for every
+    row); a sampling sequence walks again, drawing each slot from its own generator."""
+    drafts = walk.drafts.clone()
+    probs: list[torch.Tensor | None] = [None] * len(seqs)
+    for b, seq in enumerate(seqs):
+        params = seq.request.params
+        if not params.is_greedy:
+            drafts[b], probs[b] = sample_walk(walk, b, params.temperature, seq.generator)
+    return Proposal(drafts, probs)
+
+
+def sample_walk(walk: CandidateWalk, row: int, temperature: float,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's sampled walk → (drafts [L], q [L, V]).
+
+    At slot i, given the candidate index p chosen at slot i − 1 (row 0 for the first slot, whose
+    predecessor is the anchor), q_i = softmax(edge_scores[i, p] / temperature) over the k
+    candidates (z-lab's rule) and zero elsewhere. The drafts are drawn from exactly these q_i,
+    so rejection_sample with this q keeps the target's distribution: a token outside the
+    candidates has q = 0 and comes only from the residual max(p − q, 0)."""
+    ids, scores = walk.candidate_ids[row], walk.edge_scores[row]                 # [L, k], [L, k, k]
+    chosen = torch.zeros(1, dtype=torch.long, device=ids.device)
+    q_rows, path = [], []
+    for i in range(ids.shape[0]):
+        q = torch.softmax(scores[i].index_select(0, chosen)[0] / temperature, dim=-1)   # [k]
+        chosen = torch.multinomial(q, 1, generator=generator)
+        q_rows.append(q)
+        path.append(chosen)
+    q_full = torch.zeros(ids.shape[0], walk.vocab_size, device=ids.device).scatter_(1, ids, torch.stack(q_rows))
+    return ids.gather(1, torch.stack(path)).view(-1), q_full
 
 
 def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor) -> tuple[list[int], list[list[int]]]:
