@@ -80,7 +80,7 @@ class OneSequence:
         if self.states is not None:
             assert length > start
             slots = torch.tensor([self.state_slot], device=self.device)
-            self.states.select(slots, torch.tensor([length - start], device=self.device))
+            self.states.select(slots, [length - start])
         self.length = length
 
     def recurrent_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

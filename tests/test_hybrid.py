@@ -236,14 +236,13 @@ def test_rollback_refuses_what_the_saved_steps_cannot_give(hybrids):
         seq.rollback(11)                              # the stash is spent by the first select
 
 
-@pytest.mark.xfail(strict=True, reason="StatePool.select does not check num_kept ∈ 1…T: 0 silently "
-                                       "selects the block's last state (index −1); the engine never passes 0")
 def test_select_refuses_keeping_nothing_of_the_block(hybrids):
     _, ours = hybrids["qwen3_5"]
     seq, _ = prefill(ours, torch.arange(10)[None])
     seq.forward(torch.arange(10, 14), keep_steps=True)
-    with pytest.raises((ValueError, RuntimeError, IndexError)):
-        seq.states.select(torch.tensor([seq.state_slot]), torch.tensor([0]))
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="keeps 1..4 positions"):
+            seq.states.select(torch.tensor([seq.state_slot]), [bad])
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])

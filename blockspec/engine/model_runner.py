@@ -149,8 +149,7 @@ class ModelRunner:
         logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
         num_accepted, new_tokens = accept(seqs, proposal, logits.view(num_seqs, width, -1))
         if meta.keep_steps:
-            kept = torch.tensor(num_accepted, device=self.device) + 1
-            self.states.select(meta.state_slots[:num_seqs], kept)
+            self.states.select(meta.state_slots[:num_seqs], [a + 1 for a in num_accepted])
         return DecodeResult(num_accepted, new_tokens)
 
     def run_forward(self, kind: str, fn, meta: AttentionMetadata) -> torch.Tensor:
