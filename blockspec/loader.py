@@ -106,9 +106,9 @@ def load_weights(model: nn.Module, files: list[Path], rename: Rename, show_progr
         where = rename(raw_name)
         if where is None:
             continue
-        if where in placed:
-            raise LoadError(f"{file.name}: {raw_name!r} is given twice (as another name or in another shard)")
         name, target = destination(params, where, raw_name, file, model)
+        if where in placed or filled.get(name, 0) + target.numel() > params[name].numel():
+            raise LoadError(f"{file.name}: {raw_name!r} is given twice (per expert and fused, or in two shards)")
         if tuple(target.shape) != tuple(tensor.shape):
             raise LoadError(f"{file.name}: {raw_name!r} has shape {tuple(tensor.shape)}, "
                             f"the model expects {tuple(target.shape)}")
