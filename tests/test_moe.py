@@ -21,7 +21,8 @@ from blockspec.config import ConfigError, EngineConfig, MoeConfig
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.request import Request
 from blockspec.engine.sequence import Sequence
-from blockspec.layers.moe import grouped_experts, reference_experts, route, select_experts_kernel
+from blockspec.layers.moe import (gathered_experts, grouped_experts, reference_experts, route,
+                                  select_experts_kernel)
 from blockspec.llm import LLM
 from blockspec.loader import LoadError, load_model
 from blockspec.sampling import SamplingParams
@@ -202,12 +203,13 @@ def random_experts(num_tokens: int, seed: int = 0):
     return x, x @ router.T, gate_up, down
 
 
+@pytest.mark.parametrize("kernel", [grouped_experts, gathered_experts])
 @pytest.mark.parametrize("num_tokens", [1, 5, 16, 64])
-def test_grouped_experts_equal_the_reference(num_tokens):
+def test_fixed_shape_kernels_equal_the_reference(kernel, num_tokens):
     x, logits, gate_up, down = random_experts(num_tokens)
     weights, experts = route(logits, 3, normalize=True)
     expected = reference_experts(x, weights, experts, gate_up, down)
-    assert (grouped_experts(x, weights, experts, gate_up, down) - expected).abs().max() < 1e-5
+    assert (kernel(x, weights, experts, gate_up, down) - expected).abs().max() < 1e-5
 
 
 def test_reference_experts_follow_the_stated_math():
@@ -226,8 +228,10 @@ def test_reference_experts_follow_the_stated_math():
 
 
 def test_cpu_uses_the_reference_kernel():
-    assert select_experts_kernel(torch.device("cpu")) is reference_experts
-    assert select_experts_kernel(torch.device("cuda")) is grouped_experts
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert select_experts_kernel(cpu, torch.float32) is select_experts_kernel(cpu, torch.bfloat16) is reference_experts
+    assert select_experts_kernel(cuda, torch.bfloat16) is grouped_experts
+    assert select_experts_kernel(cuda, torch.float32) is gathered_experts
 
 
 # ── loading ────────────────────────────────────────────────────────────────────────────────────

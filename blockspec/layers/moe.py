@@ -6,11 +6,15 @@ output is Σ_k p_k · expert_k(x), plus sigmoid(x · w_gate) · shared_expert(x)
 shared expert.
 
 Experts are held stacked, in the fused checkpoint layout: gate_up_proj [E, 2I, H] (gate rows
-first, then up rows) and down_proj [E, H, I]. Two kernels, same signature:
+first, then up rows) and down_proj [E, H, I]. Three kernels, one signature:
 - `reference_experts`: a loop over the experts some token chose (transformers' order of sums);
-  data-dependent shapes, so never under a CUDA graph. The CPU default.
-- `grouped_experts`: rows sorted by expert, two `torch._grouped_mm` calls, fixed shapes and no
-  host sync, so it can be captured. The CUDA default; tests hold it to the reference on CPU.
+  data-dependent shapes and host syncs, so never under a CUDA graph. The CPU default.
+- `grouped_experts`: rows sorted by expert, two `torch._grouped_mm` calls; fixed shapes, no host
+  sync, so the decode cycle can be captured. The CUDA default in bf16.
+- `gathered_experts`: every (token, expert) row multiplies its own gathered copy of the expert's
+  weights (N·k copies: fine for tests and small batches); fixed shapes in any dtype. The CUDA
+  fallback where `_grouped_mm` does not serve (fp32, older torch).
+Tests hold the other two to the reference on CPU.
 """
 from __future__ import annotations
 
@@ -78,10 +82,25 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     return (unsorted * weights[..., None]).sum(dim=1)
 
 
-def select_experts_kernel(device: torch.device) -> ExpertsKernel:
-    """The reference on CPU (exact, fast enough for tiny models); the grouped GEMMs on CUDA,
-    where the decode cycle is graph-captured and the reference's host syncs cannot be."""
-    return grouped_experts if device.type == "cuda" else reference_experts
+def gathered_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                     gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """Same result as reference_experts, one batched matmul per projection over the N·k rows."""
+    num_tokens, top_k = experts.shape
+    flat = experts.flatten()                                                    # [N·k]
+    rows = x.repeat_interleave(top_k, dim=0)[:, :, None]                        # [N·k, H, 1]
+    gate, up = torch.bmm(gate_up_proj[flat], rows).squeeze(-1).chunk(2, dim=-1)     # [N·k, I] each
+    y = torch.bmm(down_proj[flat], (F.silu(gate) * up)[:, :, None]).squeeze(-1)      # [N·k, H]
+    return (y.view(num_tokens, top_k, -1) * weights[..., None]).sum(dim=1)
+
+
+def select_experts_kernel(device: torch.device, dtype: torch.dtype) -> ExpertsKernel:
+    """The reference on CPU (exact, fast enough for tiny models); on CUDA, where the decode cycle
+    is graph-captured and the reference's host syncs cannot be, a fixed-shape kernel."""
+    if device.type != "cuda":
+        return reference_experts
+    if dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        return grouped_experts
+    return gathered_experts
 
 
 class SparseMoE(nn.Module):
@@ -96,12 +115,12 @@ class SparseMoE(nn.Module):
         if self.has_shared_expert:
             self.shared_expert = MLP(hidden_size, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
-        self.kernel: ExpertsKernel | None = None       # chosen on first use, by device
+        self.kernel: ExpertsKernel | None = None       # chosen on first use, by device and dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] → [N, H]."""
         if self.kernel is None:
-            self.kernel = select_experts_kernel(x.device)
+            self.kernel = select_experts_kernel(x.device, x.dtype)
         weights, experts = route(self.gate(x), self.top_k, self.normalize)          # [N, k] each
         out = self.kernel(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
         if self.has_shared_expert:
