@@ -1,7 +1,8 @@
 """`blockspec bench`: speed on random weights of real shapes, side by side with peers in one run.
 
-Everything is a ratio to something measured in the same process: the bandwidth floor (bytes a
-plain step reads — for MoE targets only the chosen experts — / measured copy bandwidth), plain decoding, transformers' forward, z-lab's reference loop.
+Everything is a ratio to something measured in the same process: the bandwidth floor (weight
+bytes a plain step reads, for MoE targets only the chosen experts, / measured copy bandwidth),
+plain decoding, transformers' forward, z-lab's reference loop.
 Throughput is measured through the real engine (scheduler, batched cycle, pools) at each
 concurrency. Random weights accept no drafts, so `--accept-len` forces the acceptance length
 (the forwards are the same; only the bookkeeping of what is kept changes).

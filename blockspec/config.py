@@ -159,7 +159,8 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             attention_out_bias=model_type != "qwen2" and bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
-            use_qk_norm=model_type in ("qwen3", "qwen3_moe") or architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            use_qk_norm=(model_type in ("qwen3", "qwen3_moe")
+                         or architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
             eos_token_ids=eos_ids(d.get("eos_token_id")),
             moe=MoeConfig.from_hf(d, architecture),
             raw=d,

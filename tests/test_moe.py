@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import fixtures
@@ -220,7 +221,7 @@ def test_reference_experts_follow_the_stated_math():
     out = reference_experts(x, weights, experts, gate_up, down)
     for t in range(4):
         chosen = probs[t].argsort(descending=True)[:2]
-        expected = sum(probs[t, e] * down[e] @ (torch.nn.functional.silu(gate_up[e, :16] @ x[t]) * (gate_up[e, 16:] @ x[t]))
+        expected = sum(probs[t, e] * down[e] @ (F.silu(gate_up[e, :16] @ x[t]) * (gate_up[e, 16:] @ x[t]))
                        for e in chosen.tolist())
         assert torch.allclose(out[t], expected, atol=1e-5)
     normalised, _ = route(logits, 2, normalize=True)
@@ -259,11 +260,13 @@ EXPERT_0 = "model.layers.0.mlp.experts.0.gate_proj.weight"
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda t: t.__setitem__(EXPERT_0.replace(".0.gate", ".8.gate"), t.pop(EXPERT_0)), "names expert 8, but the config has 8"),
+    (lambda t: t.__setitem__(EXPERT_0.replace(".0.gate", ".8.gate"), t.pop(EXPERT_0)),
+     "names expert 8, but the config has 8"),
     (lambda t: t.__setitem__(EXPERT_0.replace("gate_proj", "gate"), t.pop(EXPERT_0)), "has no place"),
     (lambda t: t.pop(EXPERT_0), "lacks 1 tensors, first: 'model.layers.0.mlp.experts.gate_up_proj' "
                                 "\\(some of its experts are missing\\)"),
-    (lambda t: t.__setitem__(EXPERT_0, t[EXPERT_0][:, :8].contiguous()), r"has shape \(16, 8\), the model expects \(16, 32\)"),
+    (lambda t: t.__setitem__(EXPERT_0, t[EXPERT_0][:, :8].contiguous()),
+     r"has shape \(16, 8\), the model expects \(16, 32\)"),
 ])
 def test_bad_expert_tensors_are_clear_errors(moe, tmp_path, edit, message):
     path = rewrite(moe["qwen3_moe"][1], tmp_path / "bad", edit)

@@ -33,8 +33,10 @@ class ArchSpec:
 # Per-expert tensors (what save_pretrained writes) → our stacked experts, the fused layout:
 # gate_proj [I, H] and up_proj [I, H] are the halves of gate_up_proj[e] [2I, H]; down_proj [H, I]
 # is down_proj[e]. Fused checkpoints (`mlp.experts.gate_up_proj` [E, 2I, H]) load by name.
-EXPERT_TENSOR = re.compile(r"(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
-EXPERT_PIECES = {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2), "down_proj": ("down_proj", 0, 1)}
+EXPERT_TENSOR = re.compile(r"(?P<experts>.+\.mlp\.experts)\.(?P<index>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                           r"\.weight")
+EXPERT_PIECES = {"gate_proj": ("gate_up_proj", 0, 2), "up_proj": ("gate_up_proj", 1, 2),    # (param, part, parts)
+                 "down_proj": ("down_proj", 0, 1)}
 
 
 def expert_slice(name: str) -> ParamSlice | None:
