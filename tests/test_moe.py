@@ -192,6 +192,42 @@ def test_dflash_equals_plain_alone_and_in_a_batch(moe, kind, tmp_path):
         assert [r.token_ids for r in llm.generate(prompts, params)] == reference, block_size
 
 
+def oracle_drafts(references: dict[tuple[int, ...], list[int]], wrong_every: int):
+    """A stand-in for sample_drafts that proposes each sequence's plain continuation, with every
+    `wrong_every`-th output position wrong: whole blocks and partial ones get accepted."""
+    from blockspec.engine.spec.dflash import Proposal
+
+    def propose(logits: torch.Tensor, seqs: list[Sequence]) -> Proposal:
+        rows = []
+        for seq in seqs:
+            reference = references[tuple(seq.request.prompt_ids)] + [0] * logits.shape[1]
+            start = len(seq.request.output_ids)                 # output[-1] is the anchor x
+            rows.append([(t + 1) % (VOCAB - 1) if (start + i) % wrong_every == wrong_every - 1 else t
+                         for i, t in enumerate(reference[start: start + logits.shape[1]])])
+        return Proposal(torch.tensor(rows, device=logits.device), [None] * len(seqs))
+    return propose
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe"])
+def test_partial_acceptance_rolls_back_exactly(moe, kind, tmp_path, monkeypatch):
+    """Drafts right for a few tokens then wrong: every partial rollback (K/V by length, the
+    recurrent state picked at a_b) leaves the output equal to plain decoding, alone and batched."""
+    from blockspec.engine import model_runner
+    _, target_dir, _ = moe[kind]
+    draft_dir = fixtures.write_dflash_draft(tmp_path / "draft", target_dir, target_layer_ids=[0, 2],
+                                            mask_token_id=VOCAB - 1)
+    prompts = [PROMPT[:7], PROMPT[20:40]]
+    params = SamplingParams(max_tokens=30)
+    plain = LLM(str(target_dir), max_model_len=256, show_progress=False)
+    references = {tuple(p): plain.generate_ids(p, params).token_ids for p in prompts}
+    monkeypatch.setattr(model_runner, "sample_drafts", oracle_drafts(references, wrong_every=5))
+    llm = LLM(str(target_dir), draft=str(draft_dir), block_size=8, max_model_len=256, show_progress=False)
+    alone = [llm.generate_ids(p, params) for p in prompts]
+    assert [r.token_ids for r in alone] == list(references.values())
+    assert all(1 < n < 8 for r in alone for n in r.stats.acceptance_lengths[1:])     # partial blocks
+    assert [r.token_ids for r in llm.generate(prompts, params)] == list(references.values())
+
+
 # ── the experts kernels ────────────────────────────────────────────────────────────────────────
 
 def random_experts(num_tokens: int, seed: int = 0):
