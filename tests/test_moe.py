@@ -98,7 +98,7 @@ def moe(tmp_path_factory) -> dict[str, tuple[torch.nn.Module, Path, Path]]:
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def one_tokenizer(moe):
     """Every checkpoint here carries the same tokenizer files: read them once (most of an LLM's
     construction time), so the tests can build one LLM per configuration."""
@@ -166,7 +166,7 @@ def test_sparse_layers_follow_the_config(moe):
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_next", "qwen3_5_moe"])
 @pytest.mark.parametrize("layout", ["per_expert", "fused"])
-def test_greedy_equals_transformers_generate(moe, expected_greedy, kind, layout):
+def test_greedy_equals_transformers_generate(moe, one_tokenizer, expected_greedy, kind, layout):
     _, per_expert, fused = moe[kind]
     llm = LLM(str(per_expert if layout == "per_expert" else fused), max_model_len=256, show_progress=False)
     for prompt, expected in zip(GREEDY_PROMPTS, expected_greedy[kind], strict=True):
@@ -176,7 +176,7 @@ def test_greedy_equals_transformers_generate(moe, expected_greedy, kind, layout)
 # ── DFlash on MoE targets ──────────────────────────────────────────────────────────────────────
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe"])
-def test_dflash_equals_plain_alone_and_in_a_batch(moe, kind, tmp_path):
+def test_dflash_equals_plain_alone_and_in_a_batch(moe, one_tokenizer, kind, tmp_path):
     _, target_dir, _ = moe[kind]
     draft_dir = fixtures.write_dflash_draft(tmp_path / "draft", target_dir, target_layer_ids=[0, 2],
                                             mask_token_id=VOCAB - 1)
@@ -209,7 +209,7 @@ def oracle_drafts(references: dict[tuple[int, ...], list[int]], wrong_every: int
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe"])
-def test_partial_acceptance_rolls_back_exactly(moe, kind, tmp_path, monkeypatch):
+def test_partial_acceptance_rolls_back_exactly(moe, one_tokenizer, kind, tmp_path, monkeypatch):
     """Drafts right for a few tokens then wrong: every partial rollback (K/V by length, the
     recurrent state picked at a_b) leaves the output equal to plain decoding, alone and batched."""
     from blockspec.engine import model_runner
