@@ -269,20 +269,18 @@ def test_graph_shaped_metadata_equals_eager_on_hybrids(hybrids, kind):
 
 # ── configs we do not serve ────────────────────────────────────────────────────────────────────
 
-def test_moe_config_is_a_clear_error(tmp_path):
+def test_moe_config_gives_sparse_layers():
+    """MoE variants load now (tests/test_moe.py); the config says which layers are sparse."""
     from transformers import Qwen3NextConfig
-    config = Qwen3NextConfig(**TEXT, num_experts=4).to_dict()
-    config["architectures"] = ["Qwen3NextForCausalLM"]
-    with pytest.raises(ConfigError, match="MoE variants are not supported yet"):
-        HybridConfig.from_hf(config, "Qwen3NextForCausalLM")
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    save_file({"lm_head.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(LoadError, match="MoE variants are not supported yet"):
-        load_model(str(tmp_path), device="cpu")
+    config = Qwen3NextConfig(**TEXT, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2).to_dict()
+    moe = HybridConfig.from_hf(config, "Qwen3NextForCausalLM").moe
+    assert moe.num_experts == 4 and moe.shared_expert_intermediate_size > 0
+    assert [moe.is_sparse(i) for i in range(4)] == [False, True, False, True]
 
 
 def test_dense_layers_of_a_sparse_config_are_allowed():
-    config = {**TEXT, "model_type": "qwen3_next", "num_experts": 4, "mlp_only_layers": [0, 1, 2, 3]}
+    config = {**TEXT, "model_type": "qwen3_next", "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 16, "mlp_only_layers": [0, 1, 2, 3]}
     assert HybridConfig.from_hf(config, "Qwen3NextForCausalLM").fused_gdn_projections
 
 
