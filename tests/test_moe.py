@@ -193,7 +193,7 @@ def test_dflash_equals_plain_alone_and_in_a_batch(moe, one_tokenizer, kind, tmp_
 
 
 def oracle_drafts(references: dict[tuple[int, ...], list[int]], wrong_every: int):
-    """A stand-in for sample_drafts that proposes each sequence's plain continuation, with every
+    """A stand-in for spec.dflash.propose that proposes each sequence's plain continuation, with every
     `wrong_every`-th output position wrong: whole blocks and partial ones get accepted."""
     from blockspec.engine.spec.dflash import Proposal
 
@@ -220,7 +220,7 @@ def test_partial_acceptance_rolls_back_exactly(moe, one_tokenizer, kind, tmp_pat
     params = SamplingParams(max_tokens=30)
     plain = LLM(str(target_dir), max_model_len=256, show_progress=False)
     references = {tuple(p): plain.generate_ids(p, params).token_ids for p in prompts}
-    monkeypatch.setattr(model_runner, "sample_drafts", oracle_drafts(references, wrong_every=5))
+    monkeypatch.setattr(model_runner, "propose", oracle_drafts(references, wrong_every=5))
     llm = LLM(str(target_dir), draft=str(draft_dir), block_size=8, max_model_len=256, show_progress=False)
     alone = [llm.generate_ids(p, params) for p in prompts]
     assert [r.token_ids for r in alone] == list(references.values())
