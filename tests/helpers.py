@@ -59,13 +59,12 @@ class OneSequence:
         ids = torch.as_tensor(ids, dtype=torch.long, device=self.device).reshape(-1)
         assert self.length + ids.numel() <= self.capacity
         meta = self.metadata(ids, keep_steps)
-        self.model.capture_layers = self.capture_layers
         if shape is None:
-            out = self.model(ids, meta.positions, meta)
+            out = self.model(ids, meta.positions, meta, self.capture_layers)
             hidden, features = out.hidden, out.features
         else:                         # a reshaped (e.g. graph-shaped, padded) batch: keep row 0
             padded = shape(meta)
-            out = self.model(padded.input_ids, padded.positions, padded)
+            out = self.model(padded.input_ids, padded.positions, padded, self.capture_layers)
             hidden = out.hidden[: ids.numel()]
             features = None if out.features is None else out.features[: ids.numel()]
         self._last_start = self.length
@@ -129,8 +128,7 @@ def padded(engine: Engine) -> Engine:
 
 
 def make_engine(target, draft=None, **config) -> Engine:
-    """An engine over already-loaded models. Each ModelRunner sets target.capture_layers, so build
-    an engine right before running it (never two live engines of one target at once)."""
+    """An engine over already-loaded models (several engines may share them)."""
     return Engine(target, draft, engine_config(**config))
 
 

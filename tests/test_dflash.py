@@ -488,4 +488,4 @@ def test_context_features_are_transformers_hidden_states_of_the_layer_ids(pairs,
     assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-4)
     # and the engine's runner captures exactly these layers for the draft
     engine = dflash_engine(target, draft, 4)
-    assert engine.runner.target.capture_layers == (0, 2)
+    assert engine.runner.capture_layers == (0, 2)

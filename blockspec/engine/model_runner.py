@@ -39,7 +39,8 @@ class ModelRunner:
         self.width = config.block_size if self.draft is not None else 1
         weight = target.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
-        target.capture_layers = tuple(self.draft.target_layer_ids) if self.draft is not None else ()
+        # Target layers whose outputs feed the draft (none without a draft).
+        self.capture_layers = tuple(self.draft.target_layer_ids) if self.draft is not None else ()
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.total_pages)
         num_slots = config.total_pages * config.page_size
@@ -121,7 +122,7 @@ class ModelRunner:
         start = seq.num_cached
         meta = self.prepare([seq], num_tokens, [start], [seq.tokens[start: start + num_tokens]])
         meta.keep_steps = False
-        out = self.target(meta.input_ids, meta.positions, meta)
+        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
         self.num_forwards += 1
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
@@ -174,7 +175,7 @@ class ModelRunner:
         """Target forward → logits [B·T, V]; the features of all T positions join the draft's
         context (those past the accepted prefix lie past the sequence's length: masked, then
         overwritten)."""
-        out = self.target(meta.input_ids, meta.positions, meta)
+        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         return self.target.compute_logits(out.hidden)
