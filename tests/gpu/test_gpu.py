@@ -54,31 +54,29 @@ def test_cuda_graphs_equal_eager_for_batches(qwen3_dir, qwen3_draft_dir):
         assert any(len(batch.graphs) == 2 for batch in spec.engine.runner.graphs.batches.values())
 
 
-def test_hybrid_graphs_equal_eager_and_transformers(tmp_path):
-    """A tiny Qwen3.5 (fp32) on the GPU: graphed batches (plain, DFlash) decode what eager does
-    and what transformers' greedy generate does, prompt by prompt."""
-    import json
-
+def test_hybrid_graphs_equal_eager(tmp_path):
+    """A tiny Qwen3.5 (fp32) on the GPU: graphed batches (plain, DFlash 4 and 16) decode what the
+    eager plain engine decodes, prompt by prompt (fla's kernels on both sides)."""
     import fixtures
     from test_hybrid import HYBRID_PROMPTS, VOCAB, hf_model, randomise
     ref = hf_model("qwen3_5")
     randomise(ref)
     ref.save_pretrained(tmp_path / "target")
     fixtures.write_tokenizer_files(tmp_path / "target", "qwen3")
-    config = json.loads((tmp_path / "target" / "config.json").read_text())
     draft_dir = fixtures.write_dflash_draft(tmp_path / "draft", tmp_path / "target", target_layer_ids=[0, 2],
                                             mask_token_id=VOCAB - 1)
     prompts = [HYBRID_PROMPTS["short"], HYBRID_PROMPTS["long"], [3, 4, 5]]
-    with torch.no_grad():
-        expected = [ref.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p):].tolist()
-                    for p in prompts]
-    assert config["num_hidden_layers"] == 4
+    params = SamplingParams(max_tokens=24)
+
+    def decode(draft, block_size, graphs):
+        llm = LLM(str(tmp_path / "target"), draft=draft, block_size=block_size, device="cuda",
+                  dtype="float32", cuda_graphs=graphs, show_progress=False)
+        return [r.token_ids for r in llm.generate(prompts, params)]
+    expected = decode(None, None, False)
+    assert len({t for row in expected for t in row}) > 3
     for draft, block_size in ((None, None), (str(draft_dir), 4), (str(draft_dir), 16)):
         for graphs in (False, True):
-            llm = LLM(str(tmp_path / "target"), draft=draft, block_size=block_size, device="cuda",
-                      dtype="float32", cuda_graphs=graphs, show_progress=False)
-            got = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_tokens=24))]
-            assert got == expected, (block_size, graphs)
+            assert decode(draft, block_size, graphs) == expected, (block_size, graphs)
 
 
 def test_dflash2_graphs_equal_eager(qwen3_dir, tmp_path):
