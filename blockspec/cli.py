@@ -55,7 +55,34 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, help="write the results as JSON here")
     bench.add_argument("--vs", action="append", default=[], choices=["transformers", "zlab", "hybrid"])
     bench.add_argument("--device", default="auto")
+    add_train_args(sub.add_parser("train-draft", help="train a DFlash draft for a target (DFlash recipe)"))
     return parser
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="the frozen target: checkpoint directory or hub id")
+    p.add_argument("--out", required=True, help="output directory: the draft, checkpoints/, train_log.jsonl")
+    p.add_argument("--data", default=None, help="text file, directory of text files, or JSONL "
+                   "(token_ids | messages | prompt records; prompts are answered by the target); "
+                   "default: the Python standard library's source")
+    p.add_argument("--eval-data", default=None, help="held-out data (same formats); default: the tail of --data")
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--target-layer-ids", default=None, help="comma-separated target layers (default: z-lab's rule)")
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all processes")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--num-anchors", type=int, default=None, help="anchors per sequence (default seq_len / block size)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (under torchrun: one GPU per process)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--eval-every", type=int, default=200, help="steps between acceptance evaluations (0: at the end)")
+    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation (0: none)")
+    p.add_argument("--eval-tokens", type=int, default=128)
+    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -132,12 +159,31 @@ def run_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def run_train_draft(args: argparse.Namespace) -> int:
+    from blockspec.train.loop import TrainConfig, train
+    try:
+        layer_ids = tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids else None
+    except ValueError:
+        raise UsageError(f"--target-layer-ids must be comma-separated integers, got {args.target_layer_ids!r}") from None
+    config = TrainConfig(
+        target=args.target, out=args.out, data=args.data, eval_data=args.eval_data,
+        num_layers=args.num_layers, block_size=args.block_size, target_layer_ids=layer_ids,
+        mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        seq_len=args.seq_len, num_anchors=args.num_anchors, device=args.device, resume=args.resume,
+        eval_every=args.eval_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
+        save_every=args.save_every, seed=args.seed, show_progress=not args.quiet)
+    summary = train(config)
+    print(json.dumps(summary))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     from blockspec.loader import LoadError
     try:
-        runner = {"generate": run_generate, "serve": run_serve, "bench": run_bench}[args.command]
+        runner = {"generate": run_generate, "serve": run_serve, "bench": run_bench,
+                  "train-draft": run_train_draft}[args.command]
         return runner(args)
     except (UsageError, LoadError, FileNotFoundError, ValueError) as exc:
         print(f"blockspec {args.command}: error: {exc}", file=sys.stderr)
