@@ -304,7 +304,8 @@ class Trainer:
             return None
         if self.ranks.rank == 0:
             checkpoint.save_draft(self.draft, self.draft_config, self.out, self.save_dtype)
-            mean = measure_acceptance(self.target_path, str(self.out), self.eval_data, self.config, self.device)
+            max_len = min(self.config.seq_len + self.config.eval_tokens, self.target.config.max_position_embeddings)
+            mean = measure_acceptance(self.target_path, str(self.out), self.eval_data, self.config, self.device, max_len)
         self.ranks.barrier()
         return mean
 
@@ -316,15 +317,16 @@ def eval_prompt(ids: torch.Tensor, length: int, prompt_len: int) -> list[int]:
 
 
 def measure_acceptance(target: str, draft: str, examples: data.Examples, config: TrainConfig,
-                       device: torch.device) -> float:
+                       device: torch.device, max_len: int) -> float:
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams
     llm = LLM(target, draft=draft, block_size=config.block_size, device=str(device), show_progress=False,
-              max_model_len=config.seq_len + config.eval_tokens)
+              max_model_len=max_len)
     lengths: list[int] = []
     for i in range(min(config.eval_prompts, len(examples))):
-        prompt = eval_prompt(examples.ids[i], int(examples.lengths[i]), int(examples.prompt_lens[i]))
-        result = llm.generate_ids(prompt, SamplingParams(max_tokens=config.eval_tokens, temperature=0.0))
+        prompt = eval_prompt(examples.ids[i], int(examples.lengths[i]), int(examples.prompt_lens[i]))[: max_len - 2]
+        max_tokens = min(config.eval_tokens, max_len - len(prompt))
+        result = llm.generate_ids(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
         lengths += result.stats.acceptance_lengths
     return sum(lengths) / max(1, len(lengths))
 
@@ -377,6 +379,8 @@ def run(trainer: Trainer) -> dict[str, Any]:
             summary["acceptance_length"] = record["acceptance_length"] = trainer.evaluate()
         if is_main:
             log_line(log, record)
+            if not config.show_progress and ("acceptance_length" in record or trainer.step % max(1, config.steps // 10) == 0):
+                print(json.dumps(record), flush=True)          # logs without a progress bar still show progress
     bar.close()
     if is_main:
         checkpoint.save_draft(trainer.draft, trainer.draft_config, trainer.out, trainer.save_dtype)
