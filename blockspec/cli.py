@@ -1,4 +1,4 @@
-"""`blockspec serve | generate | bench`. Bad input: one line on stderr and a non-zero exit."""
+"""`blockspec serve | generate | bench | train-draft`. Bad input: one line on stderr and a non-zero exit."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +15,8 @@ class UsageError(ValueError):
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face hub id")
+    p.add_argument("--model", default=None, help="checkpoint directory or Hugging Face hub id "
+                   "(default: the shipped demo target with its draft, on CPU)")
     p.add_argument("--draft", help="DFlash draft checkpoint (directory or hub id); omit for plain decoding")
     p.add_argument("--block-size", type=int, help="DFlash block size (at most the draft's own)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -37,8 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON line (ARCHITECTURE.md §5)")
     gen.add_argument("--enable-thinking", choices=["true", "false"], default=None,
                      help="chat template switch for reasoning models")
-    src = gen.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="a user message, rendered with the chat template")
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="a user message, rendered with the chat template "
+                     "(required with --model; the demo has a default)")
     src.add_argument("--messages", help="a JSON list of chat messages")
     src.add_argument("--prompt-token-ids", help="comma-separated token ids, fed as is")
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -105,7 +107,23 @@ def parse_messages(text: str) -> list[dict[str, Any]]:
     return messages
 
 
+def use_demo_without_model(args: argparse.Namespace) -> None:
+    """No --model: the demo target with its DFlash draft, on CPU unless --device says otherwise."""
+    if args.model is not None:
+        return
+    from blockspec import demo
+    target, draft = demo.require_built()
+    args.model, args.draft = str(target), args.draft or str(draft)
+    args.device = "cpu" if args.device == "auto" else args.device
+    if getattr(args, "served_model_name", "") is None:
+        args.served_model_name = "blockspec-demo"
+    if getattr(args, "prompt", "") is None and args.messages is None and args.prompt_token_ids is None:
+        args.raw_prompt = demo.DEFAULT_PROMPT     # code to continue, fed without the chat template
+
+
 def check_generate_args(args: argparse.Namespace) -> None:
+    if args.model is not None and args.prompt is None and args.messages is None and args.prompt_token_ids is None:
+        raise UsageError("one of --prompt, --messages or --prompt-token-ids is required with --model")
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be at least 1")
     if not 0 <= args.temperature <= 2:
@@ -117,6 +135,8 @@ def check_generate_args(args: argparse.Namespace) -> None:
 
 
 def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
+    if getattr(args, "raw_prompt", None) is not None:
+        return tokenizer.encode(args.raw_prompt)
     if args.prompt_token_ids is not None:
         ids = parse_token_ids(args.prompt_token_ids)
         bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
@@ -130,6 +150,7 @@ def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
 
 def run_generate(args: argparse.Namespace) -> int:
     check_generate_args(args)
+    use_demo_without_model(args)
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -141,7 +162,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.as_json(), ensure_ascii=False))
     else:
-        print(result.text)
+        print((getattr(args, "raw_prompt", None) or "") + result.text)   # the demo's code prompt reads with its continuation
     return 0
 
 
@@ -150,6 +171,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError("--max-queue must be at least 1")
     if not 0 < args.port < 65536:
         raise UsageError("--port must be in 1..65535")
+    use_demo_without_model(args)
     from blockspec.server.app import serve
     return serve(args)
 

@@ -13,7 +13,10 @@ DRAFT_DIR = ROOT / "draft"
 # Standard-library modules the demo never trains on (tokenizer, target or draft): acceptance
 # is measured on them. All exist in Python 3.10 … 3.13.
 HELD_OUT_MODULES = ("textwrap", "shlex", "fractions", "graphlib", "heapq", "calendar")
-DEFAULT_PROMPT = "Write the Python module textwrap."
+# What `blockspec generate` continues with no --model and no prompt: code, not a chat turn (a
+# model this small writes plausible code but no useful chat answers). It ends mid-line: a prompt
+# ending in whitespace would cut a BPE token (newline + indentation) in half.
+DEFAULT_PROMPT = 'def merge_sorted(a, b):\n    """Merge two sorted lists into one sorted list."""\n    result'
 
 
 def is_built() -> bool:
