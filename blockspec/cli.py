@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, help="write the results as JSON here")
     bench.add_argument("--vs", action="append", default=[], choices=["transformers", "zlab", "hybrid"])
     bench.add_argument("--device", default="auto")
+    bench.add_argument("--demo", action="store_true", help="the shipped demo pair on held-out code: plain vs DFlash (CPU by default)")
     add_train_args(sub.add_parser("train-draft", help="train a DFlash draft for a target (DFlash recipe)"))
     return parser
 
@@ -177,6 +178,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.demo:
+        from blockspec.demo.measure import main as measure_demo
+        return measure_demo(args.device, args.out)
     from blockspec.bench import main as bench_main
     return bench_main(args)
 
