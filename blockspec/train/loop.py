@@ -212,7 +212,7 @@ class Trainer:
     def read_data(self) -> tuple[data.Examples, data.Examples]:
         config = self.config
         examples = load_examples(config.data, self.tokenizer, config, self.ranks, self.out / "data.generated.jsonl")
-        data.check_vocab(examples, self.vocab_size, f"--data {config.data}")
+        data.check_vocab(examples, self.vocab_size, f"--data {config.data or 'the standard library'}")
         if config.eval_data:
             held_out = load_examples(config.eval_data, self.tokenizer, config, self.ranks, self.out / "eval.generated.jsonl")
             data.check_vocab(held_out, self.vocab_size, f"--eval-data {config.eval_data}")
@@ -355,7 +355,8 @@ def run(trainer: Trainer) -> dict[str, Any]:
         trainer.resume()
     elif is_main:
         log.unlink(missing_ok=True)
-    summary: dict[str, Any] = {"step": trainer.step}
+    summary: dict[str, Any] = {"step": trainer.step, "mask_token_id": trainer.mask_token_id,
+                               "target_layer_ids": list(trainer.layer_ids)}
     if trainer.step == 0 and config.eval_every:
         summary["acceptance_length"] = trainer.evaluate()
         if is_main:
