@@ -148,8 +148,9 @@ def write_token_jsonl(examples: data.Examples, path: Path) -> None:
 
 
 def load_examples(source: str | None, tokenizer, config: TrainConfig, ranks: Ranks, cache: Path) -> data.Examples:
-    """None reads the standard library. JSONL prompts are answered once, on rank 0, and kept in `cache` (other ranks and a
-    resumed run read the answers from there); text and token data are read by every rank."""
+    """None reads the standard library. JSONL prompts are answered once, on rank 0, and kept in
+    `cache` (other ranks and a resumed run read the answers from there); text and token data are
+    read by every rank."""
     if source is None:
         from blockspec.train.corpus import read_sources, stdlib_files
         return data.pack(data.text_examples(read_sources(stdlib_files()), tokenizer, config.seq_len,
@@ -179,6 +180,8 @@ class Trainer:
     def __init__(self, config: TrainConfig, ranks: Ranks) -> None:
         from blockspec.loader import load_model
         from blockspec.tokenizer import Tokenizer
+        if config.batch_size % ranks.world:
+            raise TrainError(f"--batch-size {config.batch_size} (global) does not split over {ranks.world} processes")
         self.config, self.ranks, self.device = config, ranks, ranks.device
         self.out = Path(config.out).expanduser()
         loaded = load_model(config.target, device=str(self.device), dtype="auto", show_progress=False)
@@ -204,7 +207,9 @@ class Trainer:
         bad = [i for i in layer_ids if not 0 <= i < target.num_layers]
         if bad:
             raise TrainError(f"--target-layer-ids {bad} outside the target's {target.num_layers} layers")
-        mask_id = config.mask_token_id if config.mask_token_id is not None else choose_mask_token(self.tokenizer, self.vocab_size)
+        mask_id = config.mask_token_id
+        if mask_id is None:
+            mask_id = choose_mask_token(self.tokenizer, self.vocab_size)
         if not 0 <= mask_id < self.vocab_size:
             raise TrainError(f"--mask-token-id {mask_id} is outside the target's vocabulary of {self.vocab_size}")
         return checkpoint.draft_config_dict(target.config, config.num_layers, config.block_size, layer_ids, mask_id)
