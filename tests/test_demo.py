@@ -30,8 +30,12 @@ def prompts(pair) -> list[list[int]]:
 
 
 def test_demo_is_small_bf16_and_in_zlab_format():
+    from safetensors.torch import load_file
     sizes = sum(f.stat().st_size for d in (demo.TARGET_DIR, demo.DRAFT_DIR) for f in d.iterdir())
     assert sizes <= 24 * 2**20
+    for directory in (demo.TARGET_DIR, demo.DRAFT_DIR):
+        tensors = load_file(str(directory / "model.safetensors"))
+        assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     draft = json.loads((demo.DRAFT_DIR / "config.json").read_text())
     assert draft["architectures"] == ["DFlashDraftModel"] and draft["block_size"] == 8
     assert draft["dflash_config"]["mask_token_id"] == 3                         # <|mask|>
