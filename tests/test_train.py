@@ -163,11 +163,8 @@ def test_prompts_are_answered_by_the_target_through_the_engine(qwen3_dir, tmp_pa
     assert json.loads((out / "config.json").read_text())["dflash_config"]["mask_token_id"] == 151669
 
 
-def blockspec(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "blockspec", *args], capture_output=True, text=True, timeout=300)
-
-
-def test_cli_errors_are_one_line(tiny_target, tmp_path):
+def test_cli_errors_are_one_line(tiny_target, tmp_path, capsys):
+    from blockspec.cli import main
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"token_ids": [1, 2, 3]}\nnot json\n')
     cases = [
@@ -179,7 +176,6 @@ def test_cli_errors_are_one_line(tiny_target, tmp_path):
          "--block-size"),
     ]
     for args, needle in cases:
-        out = blockspec("train-draft", *args, "--device", "cpu", "--mask-token-id", str(MASK_ID), "--quiet")
-        assert out.returncode == 2, out.stderr
-        lines = out.stderr.strip().splitlines()
+        assert main(["train-draft", *args, "--device", "cpu", "--mask-token-id", str(MASK_ID), "--quiet"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("blockspec train-draft: error:") and needle in lines[0], lines
