@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import uuid
 from typing import Any, Sequence
@@ -199,7 +200,8 @@ def run_train_draft(args: argparse.Namespace) -> int:
         eval_every=args.eval_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
         save_every=args.save_every, seed=args.seed, show_progress=not args.quiet)
     summary = train(config)
-    print(json.dumps(summary))
+    if os.environ.get("RANK", "0") == "0":                  # under torchrun, one summary line
+        print(json.dumps(summary))
     return 0
 
 
