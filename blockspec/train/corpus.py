@@ -25,6 +25,11 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def is_in(name: str, modules: tuple[str, ...]) -> bool:
+    """`name` is one of `modules` or a submodule of one."""
+    return any(name == m or name.startswith(m + ".") for m in modules)
+
+
 def stdlib_files(exclude: tuple[str, ...] = (), only: tuple[str, ...] | None = None) -> list[Path]:
     """Sorted .py files of the standard library; a module name in `exclude` drops the module
     and its submodules, `only` keeps just those."""
@@ -34,8 +39,7 @@ def stdlib_files(exclude: tuple[str, ...] = (), only: tuple[str, ...] | None = N
         if is_test_or_package(path, root):
             continue
         name = module_name(path, root)
-        in_list = lambda names: any(name == m or name.startswith(m + ".") for m in names)  # noqa: E731
-        if in_list(exclude) or (only is not None and not in_list(only)):
+        if is_in(name, exclude) or (only is not None and not is_in(name, only)):
             continue
         selected.append(path)
     return selected
