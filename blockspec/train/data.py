@@ -15,9 +15,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from blockspec.tokenizer import Tokenizer
 
 Generate = Callable[[list[list[int]], int], list[list[int]]]   # (prompts, seq_len) → responses
 
@@ -63,7 +66,7 @@ def read_text_files(path: Path) -> list[str]:
     return docs
 
 
-def text_examples(docs: list[str], tokenizer, seq_len: int, eos_id: int | None) -> list[tuple[list[int], int]]:
+def text_examples(docs: list[str], tokenizer: Tokenizer, seq_len: int, eos_id: int | None) -> list[tuple[list[int], int]]:
     """Documents joined by EOS into one stream, cut into seq_len pieces (the tail is dropped)."""
     stream: list[int] = []
     for encoding in tokenizer.backend.encode_batch(docs, add_special_tokens=False):
@@ -73,7 +76,7 @@ def text_examples(docs: list[str], tokenizer, seq_len: int, eos_id: int | None) 
     return [(stream[i: i + seq_len], 0) for i in range(0, len(stream) - seq_len + 1, seq_len)]
 
 
-def parse_record(line: str, where: str, tokenizer) -> tuple[list[int], int, bool]:
+def parse_record(line: str, where: str, tokenizer: Tokenizer) -> tuple[list[int], int, bool]:
     """One JSONL line → (token ids, prompt length, needs a response from the target)."""
     try:
         record = json.loads(line)
@@ -93,7 +96,7 @@ def parse_record(line: str, where: str, tokenizer) -> tuple[list[int], int, bool
     raise DataError(f"{where}: a record needs token_ids, messages or prompt")
 
 
-def jsonl_examples(path: Path, tokenizer, seq_len: int, generate: Generate | None) -> list[tuple[list[int], int]]:
+def jsonl_examples(path: Path, tokenizer: Tokenizer, seq_len: int, generate: Generate | None) -> list[tuple[list[int], int]]:
     rows, prompts = [], []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -115,7 +118,7 @@ def jsonl_examples(path: Path, tokenizer, seq_len: int, generate: Generate | Non
     return rows
 
 
-def read_examples(data: str, tokenizer, seq_len: int, generate: Generate | None = None) -> Examples:
+def read_examples(data: str, tokenizer: Tokenizer, seq_len: int, generate: Generate | None = None) -> Examples:
     path = Path(data).expanduser()
     if not path.exists():
         raise DataError(f"--data {data}: no such file or directory")

@@ -13,13 +13,16 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from blockspec.train import blockwise, checkpoint, data, features
+
+if TYPE_CHECKING:
+    from blockspec.tokenizer import Tokenizer
 
 MASK_TOKEN_NAMES = ("<|mask|>", "<mask>", "[MASK]", "<|MASK|>")
 PAD_TOKEN_NAMES = ("<|fim_pad|>", "<|pad|>", "<pad>", "[PAD]")
@@ -103,7 +106,7 @@ def init_ranks(device: str) -> Ranks:
     return Ranks(dist.get_rank(), world, torch_device)
 
 
-def choose_mask_token(tokenizer, vocab_size: int) -> int:
+def choose_mask_token(tokenizer: Tokenizer, vocab_size: int) -> int:
     """The tokenizer's own mask token; else the first embedding row past the tokenizer (a
     reserved row: z-lab's choice, 151669 for Qwen3); else a pad token."""
     for name in MASK_TOKEN_NAMES:
@@ -147,7 +150,7 @@ def write_token_jsonl(examples: data.Examples, path: Path) -> None:
     os.replace(path.with_suffix(".tmp"), path)
 
 
-def load_examples(source: str | None, tokenizer, config: TrainConfig, ranks: Ranks, cache: Path) -> data.Examples:
+def load_examples(source: str | None, tokenizer: Tokenizer, config: TrainConfig, ranks: Ranks, cache: Path) -> data.Examples:
     """None reads the standard library. JSONL prompts are answered once, on rank 0, and kept in
     `cache` (other ranks and a resumed run read the answers from there); text and token data are
     read by every rank."""
