@@ -50,14 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None)
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--max-queue", type=int, default=64)
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running batch")
+    serve.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together in one batch")
     serve.add_argument("--cors", default=None, help="comma-separated allowed origins (off by default)")
     serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     bench = sub.add_parser("bench", help="GPU benchmark on random weights of real shapes")
     bench.add_argument("--shape", default="qwen3-8b")
     bench.add_argument("--out", default=None, help="write the results as JSON here")
-    bench.add_argument("--vs", action="append", default=[], choices=["transformers", "zlab", "hybrid"])
+    bench.add_argument("--vs", action="append", default=[], choices=["transformers", "zlab"])
     bench.add_argument("--device", default="auto")
+    bench.add_argument("--concurrency", default="1", help="comma-separated numbers of concurrent requests")
+    bench.add_argument("--accept-len", type=float, default=None,
+                       help="force this mean acceptance length (random weights accept no drafts)")
+    bench.add_argument("--block-size", type=int, default=16)
+    bench.add_argument("--prompt-len", type=int, default=512)
+    bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--demo", action="store_true", help="the shipped demo pair on held-out code: plain vs DFlash (CPU by default)")
     add_train_args(sub.add_parser("train-draft", help="train a DFlash draft for a target (DFlash recipe)"))
     return parser
@@ -132,8 +139,6 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise UsageError("--temperature must be in [0, 2]")
     if not 0 < args.top_p <= 1:
         raise UsageError("--top-p must be in (0, 1]")
-    if args.block_size is not None and args.block_size < 1:
-        raise UsageError("--block-size must be at least 1")
 
 
 def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
@@ -153,6 +158,7 @@ def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
 def run_generate(args: argparse.Namespace) -> int:
     check_generate_args(args)
     use_demo_without_model(args)
+    check_engine_args(args)
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -168,9 +174,15 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Engine limits are validated by EngineConfig (the one place), before anything loads."""
+    from blockspec.config import EngineConfig
+    EngineConfig(max_model_len=args.max_model_len or 4096, block_size=args.block_size or 1,
+                 max_queue=getattr(args, "max_queue", 64), max_num_seqs=getattr(args, "max_num_seqs", 32))
+
+
 def run_serve(args: argparse.Namespace) -> int:
-    if args.max_queue < 1:
-        raise UsageError("--max-queue must be at least 1")
+    check_engine_args(args)
     if not 0 < args.port < 65536:
         raise UsageError("--port must be in 1..65535")
     use_demo_without_model(args)

@@ -1,6 +1,7 @@
 """Frozen configuration dataclasses, parsed from Hugging Face config.json dicts."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,3 +102,59 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs, validated once here (block size, limits, pool sizes).
+
+    block_size 1 is plain decoding (no draft forward); num_pages None sizes the KV pool for
+    max_num_seqs sequences of max_model_len tokens (plus one block of verify slack each)."""
+    max_model_len: int = 4096
+    block_size: int = 1
+    max_num_seqs: int = 32
+    max_queue: int = 64
+    page_size: int = 16
+    num_pages: int | None = None
+    max_prefill_tokens: int = 2048       # prompt tokens per prefill chunk (a long prompt never stalls decoding)
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [(self.max_model_len >= 2, "--max-model-len must be at least 2"),
+                  (self.block_size >= 1, "--block-size must be at least 1"),
+                  (self.max_num_seqs >= 1, "--max-num-seqs must be at least 1"),
+                  (self.max_queue >= 1, "--max-queue must be at least 1"),
+                  (self.page_size >= 1, "the page size must be at least 1"),
+                  (self.num_pages is None or self.num_pages >= 2, "the KV pool needs at least 2 pages"),
+                  (self.max_prefill_tokens >= 1, "the prefill chunk must be at least 1 token")]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    @property
+    def max_positions_per_seq(self) -> int:
+        """A verify may write one block past the context limit before its tokens are cut."""
+        return self.max_model_len + self.block_size
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_positions_per_seq // self.page_size)
+
+    @property
+    def total_pages(self) -> int:
+        return self.num_pages if self.num_pages is not None else self.max_num_seqs * self.pages_per_seq + 1
+
+
+def resolve_engine_config(config: EngineConfig, max_positions: int, draft_block_size: int | None,
+                          block_size_given: bool, max_model_len_given: bool) -> EngineConfig:
+    """Check the engine config against the loaded models (the one place that does):
+    block size within the draft's, the context within the model's positions."""
+    if draft_block_size is None and block_size_given and config.block_size > 1:
+        raise ConfigError("--block-size needs a draft (--draft); plain decoding has no blocks")
+    if draft_block_size is not None and config.block_size > draft_block_size:
+        raise ConfigError(f"--block-size {config.block_size} exceeds the draft's block size {draft_block_size}")
+    if config.max_model_len > max_positions:
+        if max_model_len_given:
+            raise ConfigError(f"--max-model-len {config.max_model_len} exceeds the model's {max_positions} positions")
+        config = dataclasses.replace(config, max_model_len=max_positions)
+    return config

@@ -1,16 +1,20 @@
-"""The in-process API: load a target (and optionally a DFlash draft) and generate."""
+"""The in-process API: load a target (and optionally a DFlash draft) and generate, many prompts
+as one batch. A thin layer over the engine: it loads, configures once, and steps the engine on
+the calling thread (the server instead runs the same engine on its own thread)."""
 from __future__ import annotations
 
-import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
 
-from blockspec.engine.plain import generate_plain
+from blockspec.config import EngineConfig, resolve_engine_config
+from blockspec.engine.engine import Engine, QueueFullError
 from blockspec.engine.request import GenerationStats, Request, TokenEvent
-from blockspec.engine.speculative import generate_dflash
 from blockspec.loader import load_draft, load_model
 from blockspec.sampling import SamplingParams
 from blockspec.tokenizer import Tokenizer
+
+DEFAULT_MAX_MODEL_LEN = 4096
 
 
 @dataclass
@@ -27,67 +31,95 @@ class GenerationResult:
                 "prompt_token_ids": self.prompt_token_ids, "stats": self.stats.as_dict()}
 
 
-def static_runners(target, draft, max_len: int, block_size: int):
-    """On CUDA, dense targets and drafts run as graph replays; hybrid targets stay eager for now."""
-    from blockspec.engine.cuda_graphs import StaticDraft, StaticTarget
-    from blockspec.models.qwen3 import Qwen3ForCausalLM
-    if isinstance(target, Qwen3ForCausalLM):
-        target = StaticTarget(target, max_len, block_size, draft.target_layer_ids if draft else ())
-    if draft is not None and block_size > 1:
-        draft = StaticDraft(draft, max_len, block_size)
-    return target, draft
-
-
 class LLM:
-    """Owns one target (+ draft) and runs one request at a time on the calling thread."""
+    """Owns one engine (target + optional draft, their pools) and runs it on the calling thread."""
 
     def __init__(self, model: str, draft: str | None = None, block_size: int | None = None,
                  dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
-                 show_progress: bool = True, cuda_graphs: bool = True) -> None:
+                 show_progress: bool = True, cuda_graphs: bool = True, max_num_seqs: int = 32,
+                 max_queue: int = 64, num_pages: int | None = None, page_size: int = 16,
+                 max_prefill_tokens: int = 2048) -> None:
         loaded = load_model(model, device=device, dtype=dtype, show_progress=show_progress)
-        self.target = loaded.model
+        target = loaded.model
         self.model_path = loaded.path
         self.tokenizer = Tokenizer.from_dir(loaded.path)
-        self.draft = load_draft(draft, self.target, show_progress) if draft else None
-        if block_size is not None and block_size < 1:
-            raise ValueError("block size must be at least 1")
-        if self.draft is not None and block_size is not None and block_size > self.draft.block_size:
-            raise ValueError(f"--block-size {block_size} exceeds the draft's block size {self.draft.block_size}")
-        self.block_size = block_size or (self.draft.block_size if self.draft else 1)
-        limit = self.target.config.max_position_embeddings
-        self.max_model_len = min(max_model_len or 4096, limit) if max_model_len is None else max_model_len
-        if self.max_model_len < 2:
-            raise ValueError("--max-model-len must be at least 2")
-        if self.max_model_len > limit:
-            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's {limit} positions")
-        self._busy = threading.Lock()
-        self.stop_ids = self.tokenizer.stop_token_ids | frozenset(self.target.config.eos_token_ids)
-        if cuda_graphs and self.target.lm_head.weight.device.type == "cuda":
-            self.target, self.draft = static_runners(self.target, self.draft, self.max_model_len, self.block_size)
+        draft_model = load_draft(draft, target, show_progress) if draft else None
+        default_block = draft_model.block_size if draft_model is not None else 1
+        config = EngineConfig(max_model_len=max_model_len or DEFAULT_MAX_MODEL_LEN,
+                              block_size=block_size if block_size is not None else default_block,
+                              max_num_seqs=max_num_seqs, max_queue=max_queue, num_pages=num_pages,
+                              page_size=page_size, max_prefill_tokens=max_prefill_tokens, cuda_graphs=cuda_graphs)
+        self.config = resolve_engine_config(config, target.config.max_position_embeddings,
+                                            draft_model.block_size if draft_model is not None else None,
+                                            block_size_given=block_size is not None,
+                                            max_model_len_given=max_model_len is not None)
+        self.engine = Engine(target, draft_model, self.config)
+        self.stop_ids = self.tokenizer.stop_token_ids | frozenset(target.config.eos_token_ids)
+        self._events: dict[str, deque[TokenEvent]] = {}
+
+    @property
+    def target(self):
+        return self.engine.runner.target
+
+    @property
+    def draft(self):
+        return self.engine.runner.draft
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
 
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)
 
     def stream(self, request: Request) -> Iterator[TokenEvent]:
-        """Decode one request: DFlash when a draft is loaded, plain decoding otherwise.
-
-        One stream at a time: on CUDA the static runners hold one cache per model, so a second
-        stream interleaved with a live one would overwrite its state (invariant 2). Starting
-        one while another is open raises instead; closing a stream frees the models."""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("this LLM is already generating; close the running stream first")
+        """Decode one request, yielding its events; other open streams advance in the same steps
+        (each keeps its own events). Closing the iterator aborts the request: the next step
+        drops it before any compute."""
+        events = self._events[request.request_id] = deque()
+        self.engine.submit(request, events.append)
         try:
-            if self.draft is None:
-                yield from generate_plain(self.target, request)
-            else:
-                yield from generate_dflash(self.target, self.draft, request, self.block_size)
+            while True:
+                while events:
+                    event = events.popleft()
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+                self.engine.step()
         finally:
-            self._busy.release()
+            self._events.pop(request.request_id, None)
+            if not request.is_finished:
+                request.abort()
+
+    def generate_requests(self, requests: list[Request]) -> None:
+        """Run requests together as one batch until every one has finished."""
+        for request in requests:
+            while True:
+                try:
+                    self.engine.submit(request, lambda event: None)
+                    break
+                except QueueFullError:     # more prompts than the queue holds: make room first
+                    self.engine.step()
+        while not all(r.is_finished for r in requests):
+            self.engine.step()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[GenerationResult]:
+        """Several prompts (token ids) at once, like vLLM's LLM.generate(list)."""
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        requests = [self.make_request(f"gen-{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts, all_params))]
+        self.generate_requests(requests)
+        return [self.result(r) for r in requests]
 
     def generate_ids(self, prompt_ids: list[int], params: SamplingParams, request_id: str = "gen") -> GenerationResult:
         request = self.make_request(request_id, prompt_ids, params)
-        for _ in self.stream(request):
-            pass
+        self.generate_requests([request])
+        return self.result(request)
+
+    def result(self, request: Request) -> GenerationResult:
         text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True)
-        return GenerationResult(list(prompt_ids), list(request.output_ids), text,
+        return GenerationResult(list(request.prompt_ids), list(request.output_ids), text,
                                 request.finish_reason or "abort", request.stats)

@@ -15,16 +15,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from blockspec.models.registry import ARCHITECTURES
+
 
 class LoadError(RuntimeError):
     """A checkpoint that cannot be loaded; the message says which file/key and what to do."""
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """How to build one architecture and map its checkpoint names onto our modules."""
-    build: Callable[[dict[str, Any], str], nn.Module]
-    rename: Callable[[str], str | None] = lambda name: name   # None = ignore this tensor
 
 
 def resolve_model_path(model: str) -> Path:
@@ -39,7 +34,7 @@ def resolve_model_path(model: str) -> Path:
         return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt"]))
     except Exception as exc:  # offline, unknown repo, no network: all the same to the user
         raise LoadError(f"cannot fetch {model!r} from the Hugging Face hub ({type(exc).__name__}); "
-                        f"download it first (huggingface-cli download {model}) or pass a local directory") from None
+                        f"download it first (hf download {model}) or pass a local directory") from None
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -143,28 +138,6 @@ def build_empty(build: Callable[[], nn.Module], device: torch.device, dtype: tor
     return model.eval()
 
 
-def dense_spec() -> ArchSpec:
-    from blockspec.config import ModelConfig
-    from blockspec.models.qwen3 import Qwen3ForCausalLM
-    return ArchSpec(build=lambda d, arch: Qwen3ForCausalLM(ModelConfig.from_hf(d, arch)))
-
-
-def hybrid_spec() -> ArchSpec:
-    from blockspec.models import qwen3_5
-    return qwen3_5.ARCH_SPEC
-
-
-ARCHITECTURES: dict[str, Callable[[], ArchSpec]] = {
-    "Qwen3ForCausalLM": dense_spec,
-    "Qwen2ForCausalLM": dense_spec,
-    "LlamaForCausalLM": dense_spec,
-    "MistralForCausalLM": dense_spec,
-    "Qwen3_5ForCausalLM": hybrid_spec,
-    "Qwen3_5ForConditionalGeneration": hybrid_spec,
-    "Qwen3NextForCausalLM": hybrid_spec,
-}
-
-
 @dataclass
 class LoadedModel:
     model: nn.Module
@@ -202,22 +175,26 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto",
 
 
 def load_draft(draft: str, target: nn.Module, show_progress: bool = False) -> nn.Module:
-    """Load a z-lab DFlash draft onto the target's device and dtype, checked against the target."""
+    """Load a z-lab DFlash draft (DFlash 1 or 2) onto the target's device and dtype, checked
+    against the target."""
     from blockspec.config import ConfigError
     from blockspec.models.dflash import DFlashDraftModel, DraftConfig, draft_rename
+    from blockspec.models.dflash2 import DFlash2DraftModel, dflash2_rename
+    kinds = {"DFlashDraftModel": (DFlashDraftModel, draft_rename), "DFlash2DraftModel": (DFlash2DraftModel, dflash2_rename)}
     path = resolve_model_path(draft)
     config = read_json(path / "config.json")
-    archs = config.get("architectures") or []
-    if archs and archs[0] not in ("DFlashDraftModel",):
-        raise LoadError(f"{path / 'config.json'}: {archs[0]!r} is not a DFlash draft (DFlashDraftModel)")
+    arch = (config.get("architectures") or ["DFlashDraftModel"])[0]
+    if arch not in kinds:
+        raise LoadError(f"{path / 'config.json'}: {arch!r} is not a DFlash draft ({', '.join(kinds)})")
+    build, rename = kinds[arch]
     try:
         draft_config = DraftConfig.from_hf(config, num_target_layers=target.num_layers)
+        check_draft_fits(draft_config, target, path)
+        weight = target.lm_head.weight
+        module = build_empty(lambda: build(draft_config), weight.device, weight.dtype)
     except (ConfigError, KeyError) as exc:
         raise LoadError(f"{path / 'config.json'}: {exc}") from None
-    check_draft_fits(draft_config, target, path)
-    weight = target.lm_head.weight
-    module = build_empty(lambda: DFlashDraftModel(draft_config), weight.device, weight.dtype)
-    load_weights(module, checkpoint_files(path), draft_rename, show_progress)
+    load_weights(module, checkpoint_files(path), rename, show_progress)
     return module
 
 
@@ -230,3 +207,6 @@ def check_draft_fits(config, target: nn.Module, path: Path) -> None:
     vocab = target.lm_head.weight.shape[0]
     if not 0 <= config.mask_token_id < vocab:
         raise LoadError(f"{path}: mask_token_id {config.mask_token_id} outside the target's vocabulary of {vocab}")
+    if config.selector_rank is not None and config.vocab_size != vocab:
+        raise LoadError(f"{path}: draft vocab_size {config.vocab_size} != the target's {vocab} "
+                        "(DFlash 2's codebooks index the target's vocabulary)")

@@ -59,6 +59,58 @@ def write_dflash_draft(directory: Path, target_dir: Path, num_layers: int = 2, b
                        target_layer_ids: list[int] | None = None, seed: int = 1,
                        rope_theta: float = 10_000.0, mask_token_id: int = QWEN3_MASK_TOKEN_ID) -> Path:
     """A random draft in z-lab's DFlashDraftModel format (their config keys and weight names)."""
+    config, weights = dflash_config_and_weights(target_dir, num_layers, block_size, layer_types, sliding_window,
+                                                target_layer_ids, seed, mask_token_id)
+    config.update({"rope_theta": rope_theta, "block_size": block_size})
+    return save_draft(directory, config, weights)
+
+
+def write_dflash2_draft(directory: Path, target_dir: Path, num_layers: int = 2, block_size: int = 16,
+                        layer_types: list[str] | None = None, sliding_window: int | None = None,
+                        target_layer_ids: list[int] | None = None, seed: int = 2,
+                        mask_token_id: int = QWEN3_MASK_TOKEN_ID, conv_kernel_size: int = 3,
+                        conv_group_size: int = 16, selector_rank: int = 8, selector_top_k: int = 4,
+                        output_multiplier: float = 0.25, final_logit_softcapping: float | None = 20.0,
+                        input_embedding_scale: float | None = None, codebook_keys_with_weight: bool = False) -> Path:
+    """A random draft as z-lab's DFlash2DraftModel saves it: `is_causal: false`, the DFlash 2
+    keys in `dflash_config`, transformers 5's `rope_parameters`; per layer `attention_conv` and
+    `mlp_conv` (`base_kernel` [2, taps, H], `kernel_projection.weight` [2·taps·G, H]); the
+    selector's codebooks saved without `.weight` (codebook_keys_with_weight: with it, as a
+    re-save through their nn.Embedding modules would name them)."""
+    config, weights = dflash_config_and_weights(target_dir, num_layers, block_size, layer_types, sliding_window,
+                                                target_layer_ids, seed, mask_token_id)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    config["architectures"] = ["DFlash2DraftModel"]
+    config["is_causal"] = False
+    config["use_sliding_window"] = sliding_window is not None
+    config["rope_parameters"] = {"rope_theta": 10_000.0, "rope_type": "default"}
+    config["dflash_config"].update({
+        "block_size": block_size, "conv_group_size": conv_group_size, "conv_kernel_size": conv_kernel_size,
+        "final_logit_softcapping": final_logit_softcapping, "output_multiplier": output_multiplier,
+        "selector_rank": selector_rank, "selector_top_k": selector_top_k})
+    if input_embedding_scale is not None:
+        config["dflash_config"]["input_embedding_scale"] = input_embedding_scale
+    gen = torch.Generator().manual_seed(seed + 100)
+    num_groups = hidden // conv_group_size
+    for i in range(num_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            base = 0.3 * torch.randn(2, conv_kernel_size, hidden, generator=gen)
+            base[:, 0] += 1.0                      # the current position passes through, the rest mixes in
+            weights[f"layers.{i}.{conv}.base_kernel"] = base
+            weights[f"layers.{i}.{conv}.kernel_projection.weight"] = (
+                0.3 * torch.randn(2 * conv_kernel_size * num_groups, hidden, generator=gen) / hidden ** 0.5)
+    suffix = ".weight" if codebook_keys_with_weight else ""
+    # codebooks large enough that the pairwise term changes the walk's choices against the unary logits
+    weights["candidate_selector.predecessor_codebook" + suffix] = 2.0 * torch.randn(vocab, selector_rank, generator=gen)
+    weights["candidate_selector.successor_codebook" + suffix] = 2.0 * torch.randn(vocab, selector_rank, generator=gen)
+    weights["candidate_selector.hidden_projection.weight"] = torch.randn(selector_rank, hidden, generator=gen) / hidden ** 0.5
+    return save_draft(directory, config, weights)
+
+
+def dflash_config_and_weights(target_dir: Path, num_layers: int, block_size: int, layer_types: list[str] | None,
+                              sliding_window: int | None, target_layer_ids: list[int] | None, seed: int,
+                              mask_token_id: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    """What DFlash 1 and 2 drafts share: the config's common keys, fc/norms and Qwen3-style layers."""
     target = json.loads((target_dir / "config.json").read_text())
     hidden, head_dim = target["hidden_size"], 16
     heads, kv_heads, inter = 4, 2, 96
@@ -67,8 +119,8 @@ def write_dflash_draft(directory: Path, target_dir: Path, num_layers: int = 2, b
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": num_layers,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
-        "rms_norm_eps": 1e-6, "rope_theta": rope_theta, "max_position_embeddings": 4096,
-        "vocab_size": target["vocab_size"], "block_size": block_size, "num_target_layers": target["num_hidden_layers"],
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096,
+        "vocab_size": target["vocab_size"], "num_target_layers": target["num_hidden_layers"],
         "layer_types": layer_types or ["full_attention"] * num_layers,
         "sliding_window": sliding_window,
         "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": layer_ids},
@@ -96,9 +148,38 @@ def write_dflash_draft(directory: Path, target_dir: Path, num_layers: int = 2, b
             p + "input_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
             p + "post_attention_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
         })
+    return config, weights
+
+
+def save_draft(directory: Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+HYBRID_VOCAB = 256
+HYBRID_TEXT = dict(vocab_size=HYBRID_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                   linear_conv_kernel_dim=4, max_position_embeddings=1024,
+                   layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+
+
+def write_hybrid_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3.5 hybrid (gated attention + Gated DeltaNet) saved by transformers,
+    every weight moved off its init and the logits sharpened (as tests/test_hybrid.py does),
+    plus tokenizer files."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**HYBRID_TEXT))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=gen))
+        model.model.norm.weight.add_(8.0)
+    model.save_pretrained(directory)
+    write_tokenizer_files(directory, "qwen3")
     return directory
 
 

@@ -1,12 +1,10 @@
-"""The engine thread and the in-process LLM: one owner of model state, every request ends once."""
+"""The engine and the in-process LLM: one owner of model state, every request ends exactly once,
+streams interleave in one batch, configuration is validated in one place."""
 from __future__ import annotations
 
-import threading
-
 import pytest
-import torch
 
-from blockspec.engine.engine import Engine
+from blockspec.config import ConfigError
 from blockspec.engine.request import Request, TokenEvent
 from blockspec.llm import LLM
 from blockspec.sampling import SamplingParams
@@ -17,15 +15,29 @@ def llm(qwen3_dir, qwen3_draft_dir):
     return LLM(str(qwen3_dir), draft=str(qwen3_draft_dir), block_size=4, max_model_len=512, show_progress=False)
 
 
-def test_a_second_stream_cannot_start_while_one_is_live(llm):
+def test_two_live_streams_share_the_batch_and_each_equals_its_run_alone(llm):
+    alone_a = llm.generate_ids([9707, 11], SamplingParams(max_tokens=20)).token_ids
+    alone_b = llm.generate_ids([9707, 11, 1879, 0], SamplingParams(max_tokens=13)).token_ids
     first = llm.stream(llm.make_request("a", [9707, 11], SamplingParams(max_tokens=20)))
-    next(first)
-    second = llm.stream(llm.make_request("b", [9707, 11], SamplingParams(max_tokens=20)))
-    with pytest.raises(RuntimeError, match="already generating"):
-        next(second)
-    first.close()
-    result = llm.generate_ids([9707, 11], SamplingParams(max_tokens=5))
-    assert len(result.token_ids) == 5
+    second = llm.stream(llm.make_request("b", [9707, 11, 1879, 0], SamplingParams(max_tokens=13)))
+    tokens_a = next(first).token_ids
+    tokens_b = [t for event in second for t in event.token_ids]     # steps the engine for both
+    tokens_a += [t for event in first for t in event.token_ids]
+    assert (tokens_a, tokens_b) == (alone_a, alone_b)
+
+
+def test_closing_a_stream_frees_its_pages_and_the_next_request_is_exact(llm):
+    reference = llm.generate_ids([9707, 11], SamplingParams(max_tokens=12)).token_ids
+    free_before = llm.engine.runner.allocator.num_free
+    stream = llm.stream(llm.make_request("gone", [9707, 11], SamplingParams(max_tokens=200)))
+    next(stream)
+    next(stream)
+    stream.close()
+    forwards = llm.engine.runner.num_forwards
+    llm.engine.step()                                 # the abort is seen before any compute
+    assert llm.engine.runner.num_forwards == forwards
+    assert llm.engine.runner.allocator.num_free == free_before
+    assert llm.generate_ids([9707, 11], SamplingParams(max_tokens=12)).token_ids == reference
 
 
 def test_generate_json_stats_are_consistent_for_plain_and_dflash(qwen3_dir, llm):
@@ -44,64 +56,90 @@ def test_tiny_temperature_is_greedy(llm):
     assert tiny == greedy
 
 
-def test_context_limit_below_two_is_refused(qwen3_dir):
-    with pytest.raises(ValueError, match="at least 2"):
-        LLM(str(qwen3_dir), max_model_len=1, show_progress=False)
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_model_len=1), "at least 2"),
+    (dict(block_size=0), "at least 1"),
+    (dict(max_num_seqs=0), "at least 1"),
+    (dict(max_queue=0), "at least 1"),
+    (dict(max_model_len=10**9), "exceeds the model's"),
+])
+def test_engine_config_is_validated_in_one_place(qwen3_dir, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(qwen3_dir), show_progress=False, **kwargs)
 
 
-class ScriptedLLM:
-    """Streams whatever script it is given; counts how many streams run at once."""
-    draft = None
-
-    def __init__(self, script):
-        self.script = script
-        self.running = 0
-        self.max_running = 0
-
-    def stream(self, request):
-        self.running += 1
-        self.max_running = max(self.max_running, self.running)
-        try:
-            yield from self.script(request)
-        finally:
-            self.running -= 1
+def test_block_size_needs_a_draft_and_fits_it(qwen3_dir, qwen3_draft_dir):
+    with pytest.raises(ConfigError, match="needs a draft"):
+        LLM(str(qwen3_dir), block_size=4, show_progress=False)
+    with pytest.raises(ConfigError, match="exceeds the draft's block size 16"):
+        LLM(str(qwen3_dir), draft=str(qwen3_draft_dir), block_size=17, show_progress=False)
 
 
-def run_engine(llm, requests):
-    finished, events, done = [], {}, threading.Event()
+def make(llm, request_id: str, max_tokens: int = 6) -> Request:
+    return llm.make_request(request_id, [9707, 11, 1879], SamplingParams(max_tokens=max_tokens))
+
+
+def run_until_done(engine, requests: list[Request], finished: list[Request]) -> dict[str, list[TokenEvent]]:
+    events: dict[str, list[TokenEvent]] = {}
+    for request in requests:
+        engine.submit(request, lambda event: events.setdefault(event.request_id, []).append(event))
+    for _ in range(200):
+        if len(finished) == len(requests):
+            break
+        engine.step()
+    return events
+
+
+def test_every_request_ends_exactly_once_even_when_a_step_fails(llm, monkeypatch):
+    engine = llm.engine
+    finished: list[Request] = []
+    monkeypatch.setattr(engine, "on_finish", finished.append)
+    real_decode, calls = engine.runner.decode, []
+
+    def failing_once(seqs):
+        calls.append(len(seqs))
+        if len(calls) == 2:
+            raise RuntimeError("kernel fault")
+        return real_decode(seqs)
+    monkeypatch.setattr(engine.runner, "decode", failing_once)
+    gone = make(llm, "gone")
+    gone.abort()
+    events = run_until_done(engine, [make(llm, "x"), make(llm, "y"), gone], finished)
+    reasons = {rid: [e.finish_reason for e in evs if e.finish_reason] for rid, evs in events.items()}
+    assert reasons == {"x": ["error"], "y": ["error"], "gone": ["abort"]}
+    assert "kernel fault" in events["x"][-1].error
+    assert sorted(r.request_id for r in finished) == ["gone", "x", "y"]
+    assert engine.runner.allocator.usage == 0.0 and not engine.scheduler.has_work
+    after = run_until_done(engine, [make(llm, "next")], finished)       # the engine keeps serving
+    assert [e.finish_reason for e in after["next"] if e.finish_reason] == ["length"]
+
+
+def test_engine_thread_serves_and_shutdown_aborts_what_is_open(qwen3_dir):
+    import threading
+    llm = LLM(str(qwen3_dir), max_model_len=512, show_progress=False)
+    done, events = threading.Event(), []
 
     def on_event(event: TokenEvent) -> None:
-        events.setdefault(event.request_id, []).append(event)
-        if len([e for es in events.values() for e in es if e.finish_reason]) == len(requests):
+        events.append(event)
+        if event.finish_reason:
             done.set()
-    engine = Engine(llm, max_queue=8, on_finish=finished.append)
-    for request in requests:
-        engine.submit(request, on_event)
-    engine.start()
+    llm.engine.start()
+    llm.engine.submit(make(llm, "one", max_tokens=5), on_event)
     assert done.wait(30)
-    engine.shutdown()
-    return events, finished
+    assert [e.finish_reason for e in events if e.finish_reason] == ["length"]
+    long_events: list[TokenEvent] = []
+    llm.engine.submit(make(llm, "long", max_tokens=400), long_events.append)
+    llm.engine.shutdown()
+    assert [e.finish_reason for e in long_events if e.finish_reason] == ["abort"]
 
 
-def make(request_id: str) -> Request:
-    return Request(request_id, [1, 2, 3], SamplingParams(max_tokens=4), frozenset(), 64)
-
-
-def test_every_request_ends_exactly_once_one_at_a_time():
-    def script(request):
-        yield TokenEvent(request.request_id, [7])
-        if request.request_id == "silent":
-            return                                   # a loop that forgot its finish event
-        if request.request_id == "boom":
-            raise RuntimeError("kernel fault")
-        request.finish_reason = "length"
-        yield TokenEvent(request.request_id, [8], "length", request.stats)
-    llm = ScriptedLLM(script)
-    aborted = make("gone")
-    aborted.abort()
-    requests = [make("ok"), make("silent"), make("boom"), aborted, make("ok2")]
-    events, finished = run_engine(llm, requests)
-    reasons = {rid: [e.finish_reason for e in evs if e.finish_reason] for rid, evs in events.items()}
-    assert reasons == {"ok": ["length"], "silent": ["error"], "boom": ["error"], "gone": ["abort"], "ok2": ["length"]}
-    assert sorted(r.request_id for r in finished) == sorted(r.request_id for r in requests)
-    assert llm.max_running == 1
+def test_a_sequence_larger_than_the_whole_pool_ends_with_a_clear_error(qwen3_dir):
+    llm = LLM(str(qwen3_dir), max_model_len=100, num_pages=3, page_size=8, show_progress=False)
+    events: list[TokenEvent] = []
+    request = llm.make_request("huge", list(range(1, 40)), SamplingParams(max_tokens=5))
+    llm.engine.submit(request, events.append)
+    for _ in range(3):
+        llm.engine.step()
+    assert [e.finish_reason for e in events] == ["error"]
+    assert "more KV-cache pages than the pool has" in events[0].error
+    assert llm.generate_ids([1, 2, 3], SamplingParams(max_tokens=4)).finish_reason == "length"

@@ -557,36 +557,80 @@ def test_disconnect_while_waiting_non_streaming_aborts(dflash):
 # ---------------------------------------------------------------------------------------------
 
 
+class ScriptedEngine:
+    """Stands in for the engine: one request at a time on its own thread, decoding scripted.
+    Each request emits the ids of " ok" up to max_tokens once `release` is set; a prompt
+    containing FAIL fails mid-decode (an error event, as the engine sends)."""
+
+    def __init__(self, llm: "ScriptedLLM", max_queue: int) -> None:
+        import queue
+        from blockspec.engine.engine import EngineCounters
+        self.llm, self.max_queue, self.counters = llm, max_queue, EngineCounters()
+        self.kv_cache_usage = 0.0
+        self.num_running = 0
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._queue.qsize()
+
+    def submit(self, request: Request, on_event) -> None:
+        from blockspec.engine.engine import QueueFullError
+        if self.num_waiting >= self.max_queue:
+            raise QueueFullError(f"{self.num_waiting} requests are waiting (limit {self.max_queue})")
+        self._queue.put((request, on_event))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            request, on_event = item
+            self.num_running = 1
+            try:
+                for event in self._decode(request):
+                    on_event(event)
+            finally:
+                self.num_running = 0
+
+    def _decode(self, request: Request):
+        while not self.llm.release.wait(0.01):
+            if request.is_aborted:
+                request.finish_reason = "abort"
+                yield TokenEvent(request.request_id, [], "abort", request.stats)
+                return
+        if "FAIL" in self.llm.tokenizer.decode(request.prompt_ids):
+            yield TokenEvent(request.request_id, request.commit(self.llm.word))
+            request.finish_reason = "error"
+            yield TokenEvent(request.request_id, [], "error", request.stats, error="scripted failure")
+            return
+        while not request.is_finished:
+            emitted = request.commit(self.llm.word)
+            yield TokenEvent(request.request_id, emitted, request.finish_reason,
+                             request.stats if request.is_finished else None)
+
+
 class ScriptedLLM:
-    """Stands in for LLM: the real tokenizer, decoding scripted. Each request emits the ids of
-    " ok" up to max_tokens once `release` is set; a prompt containing FAIL raises mid-decode."""
+    """Stands in for LLM: the real tokenizer and a scripted engine."""
 
     draft = None
     block_size = 1
     max_model_len = 512
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_queue: int = 64) -> None:
         self.tokenizer = tokenizer
         self.stop_ids = tokenizer.stop_token_ids
         self.release = threading.Event()
         self.word = tokenizer.encode(" ok")
+        self.engine = ScriptedEngine(self, max_queue)
 
     def make_request(self, request_id, prompt_ids, params) -> Request:
         return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)
-
-    def stream(self, request: Request):
-        while not self.release.wait(0.01):
-            if request.is_aborted:
-                request.finish_reason = "abort"
-                yield TokenEvent(request.request_id, [], "abort", request.stats)
-                return
-        if "FAIL" in self.tokenizer.decode(request.prompt_ids):
-            yield TokenEvent(request.request_id, request.commit(self.word))
-            raise RuntimeError("scripted failure")
-        while not request.is_finished:
-            emitted = request.commit(self.word)
-            yield TokenEvent(request.request_id, emitted, request.finish_reason,
-                             request.stats if request.is_finished else None)
 
 
 class InProcessServer:
@@ -636,7 +680,7 @@ def test_health_is_loading_until_the_model_is_ready(tokenizer):
 
 
 def test_queue_full_is_503_with_retry_after(tokenizer):
-    llm = ScriptedLLM(tokenizer)
+    llm = ScriptedLLM(tokenizer, max_queue=1)
     with InProcessServer(lambda: llm, ServerSettings(model="scripted", max_queue=1)) as server:
         assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200)
         with ThreadPoolExecutor(2) as pool:
@@ -669,6 +713,30 @@ def test_engine_error_is_500_and_the_server_keeps_serving(tokenizer):
         assert scripted_chat(server.url).json()["choices"][0]["message"]["content"] == " ok ok ok"
         metrics = httpx.get(server.url + "/metrics").text
         assert 'blockspec_requests_total{finish_reason="error"} 2.0' in metrics
+
+
+def test_eight_concurrent_clients_get_their_answers_alone(dflash):
+    """Greedy answers of 8 clients decoded together (one batch, mixed lengths, streamed and not)
+    equal the answers each gets alone; the engine really ran them as a batch."""
+    bodies = [{"messages": [{"role": "user", "content": f"Question {i}: " + "why? " * i}],
+               "max_tokens": 6 + 3 * i, "stream": i % 2 == 1} for i in range(8)]
+
+    def answer(body: dict) -> str:
+        if body["stream"]:
+            events = stream_events(dflash, "/v1/chat/completions",
+                                   {"model": DFLASH_NAME, "temperature": 0, **body})
+            return "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+        return chat_text(dflash, body["messages"], max_tokens=body["max_tokens"])
+    alone = [answer(body) for body in bodies]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(answer, bodies))
+    assert together == alone
+    metrics = httpx.get(dflash.url + "/metrics").text
+    batched = [line for line in metrics.splitlines() if line.startswith("blockspec_batch_size_bucket")]
+    one = next(float(line.split()[-1]) for line in batched if 'le="1"' in line)
+    total = next(float(line.split()[-1]) for line in batched if 'le="+Inf"' in line)
+    assert total > one, "no decode cycle ran more than one sequence"
+    assert "blockspec_kv_cache_usage_perc" in metrics
 
 
 def test_server_logs_show_no_tracebacks(dflash, plain):

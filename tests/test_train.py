@@ -65,6 +65,24 @@ def config(target: Path, data: Path, out: Path, **overrides) -> TrainConfig:
     return TrainConfig(**{**settings, **overrides})
 
 
+def decode_time_draft(draft, context: torch.Tensor, block_embeds: torch.Tensor) -> torch.Tensor:
+    """The draft as the engine drives it for one sequence: context features [C, K·H] appended to
+    its paged pool, then one block [T, H] right after them → hidden [T, H]."""
+    from blockspec.cache import KVPool
+    from blockspec.layers import AttentionMetadata
+    c, page, num_context, width = draft.config, 16, context.shape[0], block_embeds.shape[0]
+    pool = KVPool(c.num_hidden_layers, 9 * page, c.num_key_value_heads, c.head_dim, torch.float32, torch.device("cpu"))
+    table = torch.arange(1, 9)[None]                                          # page 0 is reserved
+    positions = torch.arange(num_context)
+    draft.append_context(context, positions, table[0, positions // page] * page + positions % page, pool.layers)
+    block_positions = torch.arange(num_context, num_context + width)
+    meta = AttentionMetadata(num_seqs=1, width=width, input_ids=torch.zeros_like(block_positions),
+                             positions=block_positions, slot_mapping=torch.zeros_like(block_positions),
+                             block_tables=table, context_lens=torch.tensor([num_context]),
+                             max_context_len=num_context + width, page_size=page, kv=pool.layers)
+    return draft(block_embeds, block_positions, meta)
+
+
 def test_training_forward_equals_the_decoding_forward(qwen3_dir, qwen3_draft_dir):
     """Many anchors under the block-sparse mask = one DFlash draft call per anchor."""
     target = load_model(str(qwen3_dir)).model
@@ -80,8 +98,8 @@ def test_training_forward_equals_the_decoding_forward(qwen3_dir, qwen3_draft_dir
     for b in range(2):
         for j in range(3):
             anchor = int(anchors[b, j])
-            reference = draft(target.embed(blocks[b: b + 1, j]), context[b: b + 1, :anchor], draft.make_cache(64))
-            torch.testing.assert_close(hidden[b, j], reference[0], atol=1e-5, rtol=1e-5)
+            reference = decode_time_draft(draft, context[b, :anchor], target.embed(blocks[b, j]))
+            torch.testing.assert_close(hidden[b, j], reference, atol=1e-5, rtol=1e-5)
 
 
 def test_block_sparse_mask_sees_the_past_context_and_its_own_block():

@@ -1,157 +1,119 @@
-"""Static runners for the target and the draft, replayed as CUDA graphs on the GPU.
+"""CUDA graphs of the decode cycle's two forwards (the draft's propose and the target's verify),
+keyed by (padded number of sequences, keys gathered per sequence).
 
-The host on our GPU machine launches kernels slowly (tens of ms per eager forward), so every
-decode step, every verify and every draft is a graph replay. Each runner owns one persistent
-cache and computes positions on the device from scalars (`start`, `num_context`), so a graph
-captured once per width serves every sequence length. The runners speak the model protocol the
-decoding loops use (make_cache, __call__, embed, lm_head …), so plain and DFlash decoding run
-unchanged on them. With use_graphs=False (the CPU tests) they run the same static path eagerly:
-graph capture then adds nothing but replay.
+The host launches kernels far slower than an H200 runs them, so each cycle is two graph
+replays. A graph has fixed shapes: the batch is padded to the next captured size (padding rows
+read and write page 0 and state slot 0, which no sequence owns), and attention gathers a fixed
+number of keys per sequence — the live length rounded up to a power of two (at least 256), so a
+short context never pays for the pool's whole capacity. Graphs are captured on first use. Both
+graphs of a shape read one static packed metadata buffer, filled by one copy per cycle; the
+verify reads the drafts the runner writes into its input ids after the propose.
+
+With capture=False the same padded, fixed-shape path runs eagerly: CPU tests hold it to the
+eager path, and graph replay adds nothing to it but the replay.
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch import nn
 
-from blockspec.cache import ModelCache
-from blockspec.models.qwen3 import ForwardOutput
+from blockspec.layers import AttentionMetadata
+from blockspec.layers.attention import unpack
+
+MIN_KEYS = 256
 
 
-class GraphSet:
-    """Graphs keyed by width. Every tensor a graph reads or writes stays referenced here:
-    a freed input buffer would hand its memory to someone else while the graph still reads it."""
+def padded_size(num: int, sizes: list[int]) -> int:
+    return next(size for size in sizes if size >= num)
 
-    def __init__(self, device: torch.device, enabled: bool) -> None:
-        self.enabled = enabled and device.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.enabled else None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple, object]] = {}
 
-    def capture(self, width: int, fn: Callable, *inputs: torch.Tensor) -> None:
-        if not self.enabled:
-            return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up allocations and kernel selection outside the graph
-                fn(*inputs)
-        torch.cuda.current_stream().wait_stream(side)
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
+    return sorted({min(size, max_num_seqs) for size in sizes})
+
+
+@dataclass
+class StaticBatch:
+    """The buffers the graphs of one (rows, keys) shape read: one packed int tensor whose views
+    are the metadata (one host→device copy per cycle fills it), plus the graphs and their outputs.
+    Every tensor a graph touches stays referenced here: a freed buffer would hand its memory to
+    someone else while the graph still uses it."""
+    meta: AttentionMetadata
+    padding: torch.Tensor                                   # the packed buffer with padding rows only
+    graphs: dict[str, torch.cuda.CUDAGraph] = field(default_factory=dict)
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    stashed: dict[str, list] = field(default_factory=dict)  # recurrent per-step states a verify graph writes
+
+
+class GraphedForwards:
+    def __init__(self, width: int, max_num_seqs: int, pages_per_seq: int, page_size: int,
+                 device: torch.device, capture: bool) -> None:
+        self.width, self.page_size, self.device = width, page_size, device
+        self.pages_per_seq = pages_per_seq
+        self.sizes = capture_sizes(max_num_seqs)
+        self.capture = capture
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.batches: dict[tuple[int, int], StaticBatch] = {}
+
+    def shape(self, num_seqs: int, live_keys: int) -> tuple[int, int, int]:
+        """(rows, block-table columns, keys) of the graph that serves this batch."""
+        keys = MIN_KEYS
+        while keys < live_keys:
+            keys *= 2
+        return padded_size(num_seqs, self.sizes), self.pages_per_seq, min(keys, self.pages_per_seq * self.page_size)
+
+    def bind(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Copy a batch prepared in this shape into its static buffer; return the static metadata."""
+        key = (meta.num_seqs, meta.max_context_len)
+        static = self.batches.get(key)
+        if static is None:
+            static = self.batches[key] = self.make_static(meta)
+        static.meta.packed.copy_(meta.packed)
+        return static.meta
+
+    def make_static(self, meta: AttentionMetadata) -> StaticBatch:
+        packed = torch.zeros_like(meta.packed)
+        views = unpack(packed, meta.num_seqs, self.width, self.pages_per_seq)
+        if meta.state_slots is None:
+            views["state_slots"] = None
+        static_meta = dataclasses.replace(meta, **views, packed=packed, shared={})
+        padding = packed.clone()
+        padding_views = unpack(padding, meta.num_seqs, self.width, self.pages_per_seq)
+        padding_views["positions"].copy_(torch.arange(self.width, device=self.device).repeat(meta.num_seqs))
+        padding_views["slot_mapping"].copy_(padding_views["positions"])
+        padding_views["context_lens"].fill_(self.width)
+        return StaticBatch(static_meta, padding)
+
+    def run(self, kind: str, fn: Callable[[AttentionMetadata], torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """fn(meta) through the graph of (kind, meta's shape): meta is a bound static metadata."""
+        static = self.batches[(meta.num_seqs, meta.max_context_len)]
+        if not self.capture:
+            return fn(meta)
+        if kind not in static.graphs:
+            self.record(static, kind, fn)
+        static.graphs[kind].replay()
+        if meta.states is not None and kind in static.stashed:
+            meta.states.stashed = list(static.stashed[kind])
+        return static.outputs[kind]
+
+    def record(self, static: StaticBatch, kind: str, fn: Callable[[AttentionMetadata], torch.Tensor]) -> None:
+        """Warm up and capture on padding-only inputs (touching nobody's pages or state), then
+        put the batch back."""
+        batch = static.meta.packed.clone()
+        static.meta.packed.copy_(static.padding)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn(static.meta)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = fn(*inputs)
-        self.graphs[width] = (graph, inputs, out)
-
-    def replay(self, width: int, *values: torch.Tensor):
-        """Copy values into the graph's inputs, replay, return its (static) outputs; None if no graph."""
-        if width not in self.graphs:
-            return None
-        graph, inputs, out = self.graphs[width]
-        for buffer, value in zip(inputs, values):
-            buffer.copy_(value)
-        graph.replay()
-        return out
-
-
-class StaticTarget:
-    def __init__(self, target: nn.Module, max_len: int, max_width: int, capture_layers: tuple[int, ...] = (),
-                 use_graphs: bool = True) -> None:
-        self.target = target
-        self.config = target.config
-        self.lm_head = target.lm_head
-        self.capture_layers = tuple(capture_layers)
-        self.max_len = max_len
-        self.device = target.lm_head.weight.device
-        self.cache = target.make_cache(max_len)
-        self.start = torch.zeros((), dtype=torch.long, device=self.device)
-        self.graphs = GraphSet(self.device, use_graphs)
-        with torch.inference_mode():
-            for width in range(1, min(max_width, max_len) + 1):
-                self.graphs.capture(width, self._static_forward,
-                                    torch.zeros((1, width), dtype=torch.long, device=self.device))
-
-    num_layers = property(lambda self: self.target.num_layers)
-    hidden_size = property(lambda self: self.target.hidden_size)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.target.embed(input_ids)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.target.compute_logits(hidden)
-
-    def _static_forward(self, input_ids: torch.Tensor, num_logits: int | None = None) -> ForwardOutput:
-        positions = self.start + torch.arange(input_ids.shape[1], device=self.device)
-        return self.target(input_ids, self.cache, capture_layers=self.capture_layers, positions=positions,
-                           num_logits=num_logits)
-
-    def make_cache(self, max_len: int, num_slots: int = 1) -> ModelCache:
-        """The one persistent cache, reset (one engine thread runs one sequence at a time)."""
-        if max_len > self.max_len:
-            raise ValueError(f"max_len {max_len} exceeds the static cache's {self.max_len}")
-        self.cache.length, self.cache.last_forward_start = 0, None
-        return self.cache
-
-    def __call__(self, input_ids: torch.Tensor, cache: ModelCache, *, capture_layers: tuple[int, ...] = (),
-                 num_logits: int | None = None, keep_steps: bool = False) -> ForwardOutput:
-        if tuple(capture_layers) not in ((), self.capture_layers):
-            raise ValueError(f"this runner captures layers {self.capture_layers}")
-        width = input_ids.shape[1]
-        self.start.fill_(cache.advance(width))
-        out = self.graphs.replay(width, input_ids)
-        if out is None:   # a prefill: logits of the last positions only (a long prompt × vocab is GBs)
-            out = self._static_forward(input_ids, num_logits)
-        elif num_logits is not None:
-            out = ForwardOutput(out.logits[:, width - num_logits:], out.features)
-        # Graph outputs are overwritten by the next replay. Logits (up to 16 × vocab) are read
-        # before the next call by every caller, so they are not copied: valid until the next
-        # call. Features are copied: DFlash keeps them across calls until the next draft.
-        features = out.features.clone() if out.features is not None else None
-        return ForwardOutput(out.logits, features)
-
-
-class StaticDraft:
-    """The draft with context padded to max_context rows (a cycle commits at most a block)."""
-
-    def __init__(self, draft: nn.Module, max_len: int, max_block: int, use_graphs: bool = True) -> None:
-        self.draft = draft
-        self.config = draft.config
-        self.max_len = max_len
-        self.max_context = max_block
-        device = draft.fc.weight.device
-        self.cache = draft.make_cache(max_len + max_block)   # slack for the padded rows
-        self.start = torch.zeros((), dtype=torch.long, device=device)
-        self.num_context = torch.zeros((), dtype=torch.long, device=device)
-        self.features = torch.zeros((1, max_block, draft.fc.in_features), dtype=draft.fc.weight.dtype, device=device)
-        self.graphs = GraphSet(device, use_graphs)
-        with torch.inference_mode():
-            for width in range(2, max_block + 1):
-                embeds = torch.zeros((1, width, draft.config.hidden_size), dtype=draft.fc.weight.dtype, device=device)
-                self.graphs.capture(width, self._static_forward, embeds)
-
-    block_size = property(lambda self: self.draft.block_size)
-    mask_token_id = property(lambda self: self.draft.mask_token_id)
-    target_layer_ids = property(lambda self: self.draft.target_layer_ids)
-
-    def read_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        return self.draft.read_logits(hidden, lm_head)
-
-    def _static_forward(self, block_embeds: torch.Tensor) -> torch.Tensor:
-        return self.draft.forward_static(block_embeds, self.features, self.cache, self.start, self.num_context)
-
-    def make_cache(self, max_len: int, num_slots: int = 1) -> ModelCache:
-        if max_len > self.max_len:
-            raise ValueError(f"max_len {max_len} exceeds the static cache's {self.max_len}")
-        self.cache.length, self.cache.last_forward_start = 0, None
-        return self.cache
-
-    def __call__(self, block_embeds: torch.Tensor, new_features: torch.Tensor, cache: ModelCache) -> torch.Tensor:
-        num_context = new_features.shape[1]
-        if num_context > self.max_context:        # the prompt's context: once per request, eager
-            return self.draft(block_embeds, new_features, cache)
-        self.start.fill_(cache.advance(num_context))
-        self.num_context.fill_(num_context)
-        self.features[:, :num_context].copy_(new_features)   # rows past num_context: masked out
-        out = self.graphs.replay(block_embeds.shape[1], block_embeds)
-        if out is None:
-            out = self._static_forward(block_embeds)
-        return out.clone()
+            static.outputs[kind] = fn(static.meta)
+        static.graphs[kind] = graph
+        if static.meta.states is not None:
+            static.stashed[kind] = list(static.meta.states.stashed)
+        static.meta.packed.copy_(batch)

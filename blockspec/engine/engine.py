@@ -1,19 +1,27 @@
-"""The engine thread: the only code that touches models, caches and the GPU (invariant 2).
+"""The engine: `step()` = schedule → run → postprocess, for every running sequence at once.
 
-Requests queue FIFO and run one at a time (batching comes later, in the scheduler). Each
-request's events go to the callback given at submit, called on the engine thread; the server
-forwards them to its event loop. A request ends exactly once, with one finish reason.
+Only the engine's caller touches models, pools and the GPU (invariant 2): the server runs
+`step()` on one engine thread (`start()`), the in-process `LLM` calls it on its own thread, never
+both. Requests from other threads arrive through `submit` (a thread-safe inbox). Each request's
+events go to the callback given at submit, called on the engine's thread. A request ends exactly
+once, with one finish reason (invariant 3), and its pages and state slot are freed then.
 """
 from __future__ import annotations
 
 import queue
 import threading
 import traceback
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Callable
 
+from torch import nn
+
+from blockspec.config import EngineConfig
+from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.request import Request, TokenEvent
-from blockspec.llm import LLM
+from blockspec.engine.scheduler import Batch, Emitted, Scheduler
+from blockspec.engine.sequence import Sequence
 
 
 class QueueFullError(RuntimeError):
@@ -22,128 +30,176 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class EngineCounters:
-    """Totals since start, read by /metrics (plain ints: written by the engine thread only)."""
+    """Totals since start, read by /metrics (written by the engine thread only)."""
     prompt_tokens: int = 0
     generation_tokens: int = 0
     spec_verify: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    decode_batch_sizes: Counter = field(default_factory=Counter)    # sequences per cycle → cycles
 
 
 EventCallback = Callable[[TokenEvent], None]
 
 
 class Engine:
-    def __init__(self, llm: LLM, max_queue: int = 64,
+    def __init__(self, target: nn.Module, draft: nn.Module | None, config: EngineConfig,
                  on_finish: Callable[[Request], None] | None = None) -> None:
-        self.llm = llm
-        self.max_queue = max_queue
+        self.config = config
+        self.runner = ModelRunner(target, draft, config)
+        self.scheduler = Scheduler(config, self.runner)
         self.counters = EngineCounters()
         self.on_finish = on_finish
-        self._queue: queue.Queue[tuple[Request, EventCallback] | None] = queue.Queue()
+        self._callbacks: dict[int, EventCallback] = {}
+        self._inbox: queue.SimpleQueue[tuple[Sequence, EventCallback]] = queue.SimpleQueue()
+        self._num_inbox = 0
         self._lock = threading.Lock()
-        self._num_waiting = 0
-        self._running: Request | None = None
-        self._thread = threading.Thread(target=self._loop, name="blockspec-engine", daemon=True)
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- what other threads may call --------------------------------------------------------
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return self._num_inbox + len(self.scheduler.waiting)
 
     @property
     def num_running(self) -> int:
-        return 1 if self._running is not None else 0
+        return len(self.scheduler.running)
 
-    def start(self) -> None:
-        self._thread.start()
+    @property
+    def max_queue(self) -> int:
+        return self.config.max_queue
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Finish the running request, abort the waiting ones, stop the thread."""
-        self._queue.put(None)
-        self._thread.join(timeout)
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.runner.allocator.usage
 
     def submit(self, request: Request, on_event: EventCallback) -> None:
         """Thread-safe; raises QueueFullError instead of queueing beyond max_queue."""
         with self._lock:
-            if self._num_waiting >= self.max_queue:
-                raise QueueFullError(f"{self._num_waiting} requests are waiting (limit {self.max_queue})")
-            self._num_waiting += 1
-        self._queue.put((request, on_event))
+            if self.num_waiting >= self.config.max_queue:
+                raise QueueFullError(f"{self.num_waiting} requests are waiting (limit {self.config.max_queue})")
+            self._num_inbox += 1
+        self._inbox.put((Sequence(request, self.runner.device), on_event))
+        self._wake.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="blockspec-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the thread; every request still open ends with finish_reason abort."""
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            self._abort_all()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return self._num_inbox > 0 or self.scheduler.has_work
+
+    def step(self) -> None:
+        self._take_inbox()
+        self._drop_aborted()
+        batch = self.scheduler.schedule()
+        for seq in list(self.scheduler.unservable):
+            self._end(seq, "error", error=f"the sequence needs more KV-cache pages than the pool has "
+                                          f"({self.runner.allocator.num_pages - 1}); raise the pool size "
+                                          f"or lower --max-model-len")
+        if batch.is_empty:
+            return
+        try:
+            emitted = self._run(batch)
+        except Exception as exc:  # a failed step costs its sequences, never the engine
+            traceback.print_exc()
+            for seq in [s for s, _ in batch.prefill] + batch.decode:
+                self._end(seq, "error", error=f"{type(exc).__name__}: {exc}")
+            return
+        for item in emitted:
+            self._emit_tokens(item)
+
+    def _run(self, batch: Batch) -> list[Emitted]:
+        emitted = []
+        for seq, length in batch.prefill:
+            item = self.scheduler.postprocess_prefill(seq, self.runner.prefill(seq, length))
+            if item is not None:
+                emitted.append(item)
+        if batch.decode:
+            self.counters.decode_batch_sizes[len(batch.decode)] += 1
+            result = self.runner.decode(batch.decode)
+            emitted += self.scheduler.postprocess_decode(batch.decode, result)
+        return emitted
 
     def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                self._drain()
-                return
-            with self._lock:
-                self._num_waiting -= 1
-            request, on_event = item
-            self._running = request
-            try:
-                self._run(request, on_event)
-            finally:
-                self._running = None
+        while not self._stopping.is_set():
+            if not self.has_work:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            self.step()
+        self._abort_all()
 
-    def _run(self, request: Request, on_event: EventCallback) -> None:
-        try:
-            if request.is_aborted:  # gone before it started: no prefill for nobody
-                request.finish_reason = "abort"
-                self._emit(on_event, TokenEvent(request.request_id, [], "abort", request.stats))
-                return
-            self.counters.prompt_tokens += len(request.prompt_ids)
-            self._decode(request, on_event)
-        finally:
-            if self.on_finish is not None:
-                self.on_finish(request)
+    # -- bookkeeping ------------------------------------------------------------------------
 
-    def _decode(self, request: Request, on_event: EventCallback) -> None:
-        """Run the request's iterator to its final event; exactly one final event is emitted."""
-        events = self.llm.stream(request)
-        finished = False
-        try:
-            for event in events:
-                self._count(event)
-                finished = event.finish_reason is not None
-                self._emit(on_event, event)
-                if finished:
-                    break
-        except Exception as exc:  # a failed request must not take the engine down with it
-            traceback.print_exc()
-            finished = True
-            request.finish_reason = "error"
-            self._emit(on_event, TokenEvent(request.request_id, [], "error", request.stats, error=str(exc)))
-        finally:
-            events.close()  # no compute outlives the request (seeds #224)
-        if not finished:
-            request.finish_reason = "error"
-            self._emit(on_event, TokenEvent(request.request_id, [], "error", request.stats,
-                                            error="the decoding loop ended without a finish reason"))
-
-    def _count(self, event: TokenEvent) -> None:
-        self.counters.generation_tokens += len(event.token_ids)
-        if event.finish_reason is not None and self.llm.draft is not None:
-            stats = event.stats
-            self.counters.spec_verify += stats.cycles
-            self.counters.spec_draft_tokens += stats.draft_tokens
-            self.counters.spec_accepted_tokens += stats.accepted_tokens
-
-    @staticmethod
-    def _emit(on_event: EventCallback, event: TokenEvent) -> None:
-        try:
-            on_event(event)
-        except Exception:  # the consumer's failure is the consumer's; keep serving others
-            traceback.print_exc()
-
-    def _drain(self) -> None:
+    def _take_inbox(self) -> None:
         while True:
             try:
-                item = self._queue.get_nowait()
+                seq, on_event = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item is not None:
-                request, on_event = item
-                request.finish_reason = "abort"
-                self._emit(on_event, TokenEvent(request.request_id, [], "abort", request.stats))
-                if self.on_finish is not None:
-                    self.on_finish(request)
+            with self._lock:
+                self._num_inbox -= 1
+            self._callbacks[id(seq)] = on_event
+            if seq.request.is_aborted:        # gone before it started: no prefill for nobody
+                self._end(seq, "abort")
+                continue
+            self.counters.prompt_tokens += len(seq.request.prompt_ids)
+            seq.request.stats.speculative = self.runner.draft is not None
+            self.scheduler.add(seq)
+
+    def _drop_aborted(self) -> None:
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.request.is_aborted:
+                self._end(seq, "abort")
+
+    def _abort_all(self) -> None:
+        self._take_inbox()
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._end(seq, "abort")
+
+    def _emit_tokens(self, item: Emitted) -> None:
+        request = item.seq.request
+        self.counters.generation_tokens += len(item.token_ids)
+        if request.is_finished:
+            self._end(item.seq, request.finish_reason, token_ids=item.token_ids)
+        else:
+            self._emit(item.seq, TokenEvent(request.request_id, item.token_ids))
+
+    def _end(self, seq: Sequence, reason: str, token_ids: list[int] | None = None, error: str | None = None) -> None:
+        """The one place a request ends: free its memory, count it, send its final event."""
+        request = seq.request
+        request.finish_reason = reason
+        self.scheduler.finish(seq)
+        if self.runner.draft is not None:
+            self.counters.spec_verify += request.stats.cycles
+            self.counters.spec_draft_tokens += request.stats.draft_tokens
+            self.counters.spec_accepted_tokens += request.stats.accepted_tokens
+        self._emit(seq, TokenEvent(request.request_id, token_ids or [], reason, request.stats, error=error))
+        self._callbacks.pop(id(seq), None)
+        if self.on_finish is not None:
+            self.on_finish(request)
+
+    def _emit(self, seq: Sequence, event: TokenEvent) -> None:
+        callback = self._callbacks.get(id(seq))
+        if callback is None:
+            return
+        try:
+            callback(event)
+        except Exception:  # the consumer's failure is the consumer's; keep serving others
+            traceback.print_exc()

@@ -6,8 +6,9 @@ Three checkpoint layouts load into one module tree with Hugging Face's names:
   text weights under `model.language_model.*`; `model.visual.*` and `mtp.*` are not ours.
 - Qwen3NextForCausalLM: as the first, with the GDN input projections fused per key head.
 
-Every `full_attention` layer keeps a KVCache, every `linear_attention` layer a RecurrentCache;
-verify forwards (keep_steps=True) leave per-step states so `ModelCache.trim` rolls back exactly.
+Every `full_attention` layer keeps K/V in the paged pool, every `linear_attention` layer a slot
+of the state pool; verify forwards (meta.keep_steps) stash per-step states so that each sequence
+rolls back to its own accepted position (StatePool.select).
 """
 from __future__ import annotations
 
@@ -19,12 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.cache import KVCache, ModelCache, RecurrentCache
+from blockspec.cache.state_pool import RecurrentShape
 from blockspec.config import ConfigError, ModelConfig, eos_ids
-from blockspec.loader import ArchSpec
+from blockspec.layers import MLP, Attention, AttentionMetadata, RMSNorm, RotaryEmbedding
+from blockspec.models.base import CausalLM
 from blockspec.models.gated_delta import select_kernels, state_dtype
-from blockspec.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rope, attend, causal_mask
-from blockspec.models.qwen3 import CausalLM, ForwardOutput
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -108,41 +108,6 @@ def layer_types_of(text: dict[str, Any]) -> tuple[str, ...]:
                  for i in range(int(text["num_hidden_layers"])))
 
 
-class GatedAttention(nn.Module):
-    """Attention whose q_proj also yields a per-head output gate: o_proj(attn · sigmoid(gate)).
-    q_norm / k_norm are zero-centred; RoPE rotates the first rot_dim dims of each head."""
-
-    def __init__(self, config: HybridConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim, self.is_gated = config.head_dim, config.attn_output_gate
-        self.scale = self.head_dim ** -0.5
-        hidden, bias = config.hidden_size, config.attention_bias
-        q_width = self.num_heads * self.head_dim * (2 if self.is_gated else 1)
-        self.q_proj = nn.Linear(hidden, q_width, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centred=True)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centred=True)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: KVCache, start: int) -> torch.Tensor:
-        batch, num_tokens, _ = x.shape
-        q = self.q_proj(x).view(batch, num_tokens, self.num_heads, -1)
-        if self.is_gated:
-            q, gate = q.chunk(2, dim=-1)                                  # each [B, T, H, D]
-        k = self.k_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(batch, num_tokens, self.num_kv_heads, self.head_dim)
-        q = apply_rope(self.q_norm(q).transpose(1, 2), *rope)            # [B, H, T, D]
-        k = apply_rope(self.k_norm(k).transpose(1, 2), *rope)
-        keys, values = cache.write(start, k, v.transpose(1, 2))         # [B, Hkv, start+T, D]
-        out = attend(q, keys, values, causal_mask(num_tokens, keys.shape[2], x.device), self.scale)
-        if self.is_gated:
-            out = out * torch.sigmoid(gate.reshape(batch, num_tokens, -1))
-        return self.o_proj(out)
-
-
 class GatedRMSNorm(nn.Module):
     """GDN output norm: w · rmsnorm(o) · silu(z), per value head (a plain weight, not zero-centred)."""
 
@@ -164,8 +129,9 @@ class GatedDeltaNet(nn.Module):
     The conv runs over [q | k | v] channels (conv_dim); the conv cache holds its last K−1 inputs.
     """
 
-    def __init__(self, config: HybridConfig) -> None:
+    def __init__(self, config: HybridConfig, state_index: int = 0) -> None:
         super().__init__()
+        self.state_index = state_index
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.k_dim, self.v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_width, self.value_width = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
@@ -187,9 +153,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_width, hidden, bias=False)
 
-    def make_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> RecurrentCache:
-        return RecurrentCache(num_slots, self.conv_dim, self.conv_kernel, self.num_v_heads,
-                              self.k_dim, self.v_dim, dtype, device)
+    @property
+    def state_shape(self) -> RecurrentShape:
+        return RecurrentShape(self.conv_dim, self.conv_kernel, self.num_v_heads, self.k_dim, self.v_dim)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, hidden] → mixed [B, T, conv_dim] (q | k | v), z [B, T, Hv, Dv], b, a [B, T, Hv]."""
@@ -207,17 +173,19 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(batch, num_tokens, self.num_v_heads, self.v_dim)
         return mixed, z, b.flatten(2), a.flatten(2)
 
-    def convolve(self, mixed: torch.Tensor, cache: RecurrentCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Causal depthwise conv + SiLU over the cached window; returns (output [B, T, conv_dim],
-        conv inputs [B, conv_dim, K−1+T] for the cache)."""
-        conv_inputs = torch.cat((cache.conv, mixed.transpose(1, 2)), dim=-1)
+    def convolve(self, mixed: torch.Tensor, window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal depthwise conv + SiLU after the cached window [B, conv_dim, K−1]; returns
+        (output [B, T, conv_dim], conv inputs [B, conv_dim, K−1+T])."""
+        conv_inputs = torch.cat((window, mixed.transpose(1, 2)), dim=-1)
         out = F.conv1d(conv_inputs, self.conv1d.weight, groups=self.conv_dim)   # [B, conv_dim, T]
         return F.silu(out).transpose(1, 2), conv_inputs
 
-    def forward(self, x: torch.Tensor, cache: RecurrentCache, keep_steps: bool) -> torch.Tensor:
-        batch, num_tokens, _ = x.shape
-        mixed, z, b, a = self.project(x)
-        mixed, conv_inputs = self.convolve(mixed, cache)
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x [B·T, hidden]: B sequences of T tokens, each continuing the state in its slot."""
+        batch, num_tokens = meta.num_seqs, meta.width
+        mixed, z, b, a = self.project(x.view(batch, num_tokens, -1))
+        window, initial = meta.states.read(self.state_index, meta.state_slots)
+        mixed, conv_inputs = self.convolve(mixed, window)
         q, k, v = mixed.split((self.key_width, self.key_width, self.value_width), dim=-1)
         q = q.reshape(batch, num_tokens, self.num_k_heads, self.k_dim)
         k = k.reshape(batch, num_tokens, self.num_k_heads, self.k_dim)
@@ -226,33 +194,39 @@ class GatedDeltaNet(nn.Module):
         dtype = state_dtype(a.dtype)
         g = -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))  # log decay ≤ 0
         kernels = select_kernels(x.device)
-        if keep_steps or num_tokens == 1:
-            out, state, steps = kernels.recurrent(q, k, v, g, beta, cache.ssm, keep_steps)
+        if meta.keep_steps:
+            out, _, steps = kernels.recurrent(q, k, v, g, beta, initial, True)
+            meta.states.stash(self.state_index, steps, conv_inputs)
         else:
-            (out, state), steps = kernels.chunk(q, k, v, g, beta, cache.ssm), None
-        cache.update(conv_inputs, state, steps)
-        return self.out_proj(self.norm(out, z).flatten(2))                 # out [B, T, Hv, Dv]
+            if num_tokens == 1:
+                out, state, _ = kernels.recurrent(q, k, v, g, beta, initial, False)
+            else:
+                out, state = kernels.chunk(q, k, v, g, beta, initial)
+            meta.states.write(self.state_index, meta.state_slots, conv_inputs, state)
+        return self.out_proj(self.norm(out, z).flatten(2)).view(batch * num_tokens, -1)   # out [B, T, Hv, Dv]
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: HybridConfig, layer_type: str) -> None:
+    def __init__(self, config: HybridConfig, layer_type: str, cache_index: int) -> None:
         super().__init__()
         self.is_linear = layer_type == "linear_attention"
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(config)
+            self.linear_attn = GatedDeltaNet(config, state_index=cache_index)
         else:
-            self.self_attn = GatedAttention(config)
+            self.self_attn = Attention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                                       config.head_dim, config.rms_norm_eps, qkv_bias=config.attention_bias,
+                                       out_bias=config.attention_bias, qk_norm="zero_centred",
+                                       output_gate=config.attn_output_gate, cache_index=cache_index)
         self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: KVCache | RecurrentCache, start: int, keep_steps: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.is_linear:
-            x = x + self.linear_attn(h, cache, keep_steps)
+            x = x + self.linear_attn(h, meta)
         else:
-            x = x + self.self_attn(h, rope, cache, start)
+            x = x + self.self_attn(h, rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -260,7 +234,9 @@ class HybridModel(nn.Module):
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, t) for t in config.layer_types)
+        # Attention layers number their K/V in the pool, recurrent layers their state, each in order.
+        indices = [config.layer_types[:i].count(t) for i, t in enumerate(config.layer_types)]
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, t, j) for t, j in zip(config.layer_types, indices))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
 
@@ -274,28 +250,13 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.model = HybridModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def make_cache(self, max_len: int, num_slots: int = 1) -> ModelCache:
-        weight = self.lm_head.weight
-        layers = [layer.linear_attn.make_cache(num_slots, weight.dtype, weight.device) if layer.is_linear
-                  else KVCache(num_slots, self.config.num_key_value_heads, max_len, self.config.head_dim,
-                               weight.dtype, weight.device)
-                  for layer in self.model.layers]
-        return ModelCache(layers, max_len)
+    @property
+    def num_attention_layers(self) -> int:
+        return self.config.layer_types.count("full_attention")
 
-    def forward(self, input_ids: torch.Tensor, cache: ModelCache, *,
-                capture_layers: tuple[int, ...] = (), num_logits: int | None = None,
-                keep_steps: bool = False) -> ForwardOutput:
-        """Run T new tokens [B, T] after the cache's length (see qwen3.CausalLM.run_layers).
-
-        keep_steps: recurrent layers keep the state after every position, so that
-        `cache.trim(n)` afterwards selects the one after position n − 1 (a verify forward).
-        """
-        num_tokens = input_ids.shape[1]
-        start = cache.advance(num_tokens)
-        positions = torch.arange(start, start + num_tokens, device=input_ids.device)[None]
-        return self.run_layers(input_ids, positions,
-                               lambda layer, x, rope, i: layer(x, rope, cache.layers[i], start, keep_steps),
-                               capture_layers, num_logits)
+    @property
+    def recurrent_shapes(self) -> list[RecurrentShape]:
+        return [layer.linear_attn.state_shape for layer in self.model.layers if layer.is_linear]
 
 
 # One class serves both: the config says whether the GDN projections are fused.
@@ -312,6 +273,3 @@ def rename(name: str) -> str | None:
         return "model." + name[len("model.language_model."):]
     return name
 
-
-ARCH_SPEC = ArchSpec(build=lambda config_dict, arch: Qwen3_5ForCausalLM(HybridConfig.from_hf(config_dict, arch)),
-                     rename=rename)

@@ -36,7 +36,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
@@ -79,14 +79,12 @@ class ServerSettings:
     served_model_name: str | None = None
     api_key: str | None = None
     max_queue: int = 64
+    max_num_seqs: int = 32
     cors: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"--block-size must be at least 1 (got {self.block_size})")
-        if self.max_queue < 0:
-            raise ValueError(f"--max-queue must be 0 or more (got {self.max_queue})")
+        # Engine limits (block size, queue, sequences) are checked once, by EngineConfig.
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be at least 1 (got {self.max_body_bytes})")
         if self.api_key is not None and not self.api_key:
@@ -149,6 +147,9 @@ class EngineCollector:
                                 value=engine.num_running if engine else 0)
         yield GaugeMetricFamily("blockspec_requests_waiting", "Requests queued for the engine",
                                 value=engine.num_waiting if engine else 0)
+        yield GaugeMetricFamily("blockspec_kv_cache_usage_perc", "Fraction of KV-pool pages in use (0..1)",
+                                value=engine.kv_cache_usage if engine else 0.0)
+        yield batch_size_histogram(counters.decode_batch_sizes if counters else {})
         for name, field, doc in (
             ("blockspec_prompt_tokens", "prompt_tokens", "Prompt tokens prefilled"),
             ("blockspec_generation_tokens", "generation_tokens", "Output tokens committed"),
@@ -157,6 +158,19 @@ class EngineCollector:
             ("blockspec_spec_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted"),
         ):
             yield CounterMetricFamily(name, doc, value=getattr(counters, field) if counters else 0)
+
+
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def batch_size_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
+    """Sequences per decode cycle, from the engine's exact counts (size → cycles)."""
+    cumulative = [sum(n for size, n in counts.items() if size <= bound) for bound in BATCH_SIZE_BUCKETS]
+    buckets = [(str(bound), count) for bound, count in zip(BATCH_SIZE_BUCKETS, cumulative)]
+    total = sum(counts.values())
+    buckets.append(("+Inf", total))
+    return HistogramMetricFamily("blockspec_batch_size", "Sequences per decode cycle", buckets=buckets,
+                                 sum_value=sum(size * n for size, n in counts.items()))
 
 
 class Metrics:
@@ -201,7 +215,7 @@ class ServerState:
     def _load(self) -> None:
         try:
             llm = self.llm_factory()
-            engine = Engine(llm, max_queue=self.settings.max_queue)
+            engine = llm.engine               # the LLM built it; from now on only its thread steps it
             engine.start()
         except BaseException as exc:  # noqa: BLE001 - reported on /health and by serve()
             traceback.print_exc()
@@ -228,7 +242,8 @@ def default_llm_factory(settings: ServerSettings) -> LLMFactory:
     def load() -> Any:
         from blockspec.llm import LLM
         return LLM(settings.model, draft=settings.draft, block_size=settings.block_size,
-                   dtype=settings.dtype, device=settings.device, max_model_len=settings.max_model_len)
+                   dtype=settings.dtype, device=settings.device, max_model_len=settings.max_model_len,
+                   max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue)
     return load
 
 

@@ -5,11 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.engine.cuda_graphs import StaticDraft, StaticTarget
-from blockspec.engine.plain import generate_plain
-from blockspec.engine.request import Request
-from blockspec.engine.speculative import generate_dflash
-from blockspec.loader import load_draft, load_model
+from blockspec.llm import LLM
 from blockspec.models.gated_delta import recurrent_gated_delta_rule, select_kernels
 from blockspec.sampling import SamplingParams
 
@@ -35,22 +31,68 @@ def test_fla_kernels_agree_with_torch(num_tokens):
         assert (a - b).abs().max() < 1e-5
 
 
-def decode(model, draft=None, block_size=None, max_tokens=40) -> list[int]:
-    request = Request("r", PROMPT, SamplingParams(max_tokens=max_tokens), frozenset(), 1024)
-    events = generate_plain(model, request) if draft is None else generate_dflash(model, draft, request, block_size)
-    for _ in events:
-        pass
-    return request.output_ids
+def run(llm, prompts, max_tokens=40) -> list[list[int]]:
+    return [r.token_ids for r in llm.generate(prompts, SamplingParams(max_tokens=max_tokens))]
 
 
-def test_cuda_graphs_equal_eager(qwen3_dir, qwen3_draft_dir):
-    target = load_model(str(qwen3_dir), device="cuda", dtype="float32").model
-    draft = load_draft(str(qwen3_draft_dir), target)
-    reference = decode(target)
-    graphed = StaticTarget(target, max_len=1024, max_width=16, capture_layers=draft.target_layer_ids)
-    graphed_draft = StaticDraft(draft, max_len=1024, max_block=16)
-    assert graphed.graphs.enabled and graphed_draft.graphs.enabled
-    assert decode(graphed) == reference
-    for block_size in (1, 4, 16):
-        assert decode(graphed, graphed_draft, block_size) == reference, block_size
-        assert decode(target, draft, block_size) == reference, block_size
+PROMPTS = [PROMPT, PROMPT[:7], PROMPT[:33] * 2, [5, 6, 7]]
+
+
+def test_cuda_graphs_equal_eager_for_batches(qwen3_dir, qwen3_draft_dir):
+    """fp32 on the GPU: every graphed batch (plain and DFlash at several block sizes) decodes
+    what the eager engine decodes, and what each prompt decodes alone."""
+    eager = LLM(str(qwen3_dir), device="cuda", dtype="float32", cuda_graphs=False, show_progress=False)
+    alone = [run(eager, [p])[0] for p in PROMPTS]
+    assert run(eager, PROMPTS) == alone
+    graphed = LLM(str(qwen3_dir), device="cuda", dtype="float32", show_progress=False)
+    assert graphed.engine.runner.graphs is not None
+    assert run(graphed, PROMPTS) == alone
+    for block_size in (2, 4, 16):
+        spec = LLM(str(qwen3_dir), draft=str(qwen3_draft_dir), block_size=block_size, device="cuda",
+                   dtype="float32", show_progress=False)
+        assert run(spec, PROMPTS) == alone, block_size
+        assert any(len(batch.graphs) == 2 for batch in spec.engine.runner.graphs.batches.values())
+
+
+def test_hybrid_graphs_equal_eager_and_transformers(tmp_path):
+    """A tiny Qwen3.5 (fp32) on the GPU: graphed batches (plain, DFlash) decode what eager does
+    and what transformers' greedy generate does, prompt by prompt."""
+    import json
+
+    import fixtures
+    from test_hybrid import HYBRID_PROMPTS, VOCAB, hf_model, randomise
+    ref = hf_model("qwen3_5")
+    randomise(ref)
+    ref.save_pretrained(tmp_path / "target")
+    fixtures.write_tokenizer_files(tmp_path / "target", "qwen3")
+    config = json.loads((tmp_path / "target" / "config.json").read_text())
+    draft_dir = fixtures.write_dflash_draft(tmp_path / "draft", tmp_path / "target", target_layer_ids=[0, 2],
+                                            mask_token_id=VOCAB - 1)
+    prompts = [HYBRID_PROMPTS["short"], HYBRID_PROMPTS["long"], [3, 4, 5]]
+    with torch.no_grad():
+        expected = [ref.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p):].tolist()
+                    for p in prompts]
+    assert config["num_hidden_layers"] == 4
+    for draft, block_size in ((None, None), (str(draft_dir), 4), (str(draft_dir), 16)):
+        for graphs in (False, True):
+            llm = LLM(str(tmp_path / "target"), draft=draft, block_size=block_size, device="cuda",
+                      dtype="float32", cuda_graphs=graphs, show_progress=False)
+            got = [r.token_ids for r in llm.generate(prompts, SamplingParams(max_tokens=24))]
+            assert got == expected, (block_size, graphs)
+
+
+def test_dflash2_graphs_equal_eager(qwen3_dir, tmp_path):
+    """A DFlash 2 draft on the GPU (fp32): the propose graph (convs, selector, greedy walk on the
+    device) decodes what plain decoding does, batched, at block sizes 2, 3 and 16; a sampling
+    sequence walks outside the graph and runs too."""
+    import fixtures
+    draft_dir = fixtures.write_dflash2_draft(tmp_path / "d2", qwen3_dir)
+    plain = LLM(str(qwen3_dir), device="cuda", dtype="float32", show_progress=False)
+    alone = [run(plain, [p])[0] for p in PROMPTS]
+    for block_size in (2, 3, 16):
+        spec = LLM(str(qwen3_dir), draft=str(draft_dir), block_size=block_size, device="cuda", dtype="float32",
+                   show_progress=False)
+        assert run(spec, PROMPTS) == alone, block_size
+        assert any(len(batch.graphs) == 2 for batch in spec.engine.runner.graphs.batches.values())
+    sampled = spec.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.8, seed=3))
+    assert all(r.token_ids for r in sampled)

@@ -1,4 +1,4 @@
-"""Building blocks shared by the model files: norms, RoPE, SwiGLU MLP, attention over a KV cache."""
+"""Building blocks shared by the model files: RMSNorm, RoPE, the SwiGLU MLP."""
 from __future__ import annotations
 
 import math
@@ -98,25 +98,3 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor | None:
-    """Bool mask [T, L] for queries at the last T of L positions; None when T == 1 (sees all)."""
-    if num_queries == 1:
-        return None
-    query_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
-    key_pos = torch.arange(num_keys, device=device)[None, :]
-    return key_pos <= query_pos
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-           scale: float) -> torch.Tensor:
-    """q [B, H, T, D], k/v [B, Hkv, L, D] (GQA) → [B, T, H·D].
-
-    GQA through SDPA's enable_gqa. Folding the query heads of a group into the query axis
-    instead was measured slower on the H200 (graphed decode 14.9 vs 9.4 ms on the Qwen3-8B
-    shape, BENCHMARKS.md), so it is not done.
-    """
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)

@@ -1,0 +1,81 @@
+"""Recurrent state of the hybrid targets' Gated DeltaNet layers: one slot per sequence.
+
+Per layer: conv [slots, conv_dim, K−1] (the last K−1 conv inputs) and ssm [slots, Hv, Dk, Dv]
+(fp32, fp64 for an fp64 model). A prefill chunk or a plain decode step writes its final state
+back into the sequence's slot. A verify forward instead stashes the state after every position
+and the conv inputs of the block; `select` then gives each sequence the state after its own
+last committed position and the K−1 conv inputs ending there. No replay, no recompute
+(invariant 5).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RecurrentShape:
+    conv_dim: int
+    conv_kernel: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+
+
+class StatePool:
+    def __init__(self, num_slots: int, shapes: list[RecurrentShape], dtype: torch.dtype, device: torch.device) -> None:
+        state_dtype = torch.promote_types(dtype, torch.float32)
+        self.conv = [torch.zeros(num_slots, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device) for s in shapes]
+        self.ssm = [torch.zeros(num_slots, s.num_v_heads, s.k_dim, s.v_dim, dtype=state_dtype, device=device)
+                    for s in shapes]
+        # After a verify: per layer (states after each position [B, T, Hv, Dk, Dv], conv inputs [B, C, K−1+T]).
+        self.stashed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(shapes)
+        self._free: deque[int] = deque(range(1, num_slots))     # slot 0: padding rows of a batch
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """A zeroed slot: the state before any token."""
+        if not self._free:
+            raise MemoryError("no free recurrent-state slot")
+        slot = self._free.popleft()
+        for conv, ssm in zip(self.conv, self.ssm):
+            conv[slot].zero_()
+            ssm[slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv[layer][slots], self.ssm[layer][slots]
+
+    def write(self, layer: int, slots: torch.Tensor, conv_inputs: torch.Tensor, state: torch.Tensor) -> None:
+        """After a forward that needs no rollback: the last K−1 conv inputs and the final state."""
+        window = self.conv[layer].shape[-1]
+        self.conv[layer][slots] = conv_inputs[..., conv_inputs.shape[-1] - window:]
+        self.ssm[layer][slots] = state.to(self.ssm[layer].dtype)
+
+    def stash(self, layer: int, step_states: torch.Tensor, conv_inputs: torch.Tensor) -> None:
+        self.stashed[layer] = (step_states, conv_inputs)
+
+    def select(self, slots: torch.Tensor, num_kept: torch.Tensor) -> None:
+        """After a verify: sequence b keeps num_kept[b] (1..T) positions of its block.
+
+        conv_inputs[b, :, j] is block position j − (K−1), so the window ending at the last kept
+        position is columns num_kept … num_kept + K − 2."""
+        rows = torch.arange(slots.shape[0], device=slots.device)
+        for layer, stashed in enumerate(self.stashed):
+            if stashed is None:
+                raise RuntimeError("select() without a verify forward that kept its steps")
+            step_states, conv_inputs = stashed
+            self.ssm[layer][slots] = step_states[rows, num_kept - 1].to(self.ssm[layer].dtype)
+            window = self.conv[layer].shape[-1]
+            columns = num_kept[:, None] + torch.arange(window, device=slots.device)[None]     # [B, K−1]
+            picked = conv_inputs.gather(2, columns[:, None, :].expand(-1, conv_inputs.shape[1], -1))
+            self.conv[layer][slots] = picked
+            self.stashed[layer] = None

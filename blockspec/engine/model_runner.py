@@ -1,0 +1,205 @@
+"""The model runner: owns the target, the draft, their pools and the CUDA graphs, and runs one
+batch at a time for the scheduler. Only the engine thread calls it (invariant 2).
+
+Two kinds of forward:
+- prefill(seq, n): the next n positions of one sequence's prompt (a chunk); its features go
+  into the draft's context K/V; at the prompt's end the first token is sampled.
+- decode(seqs): one DFlash cycle for the whole batch (spec/dflash.py): propose → verify →
+  accept, then every sequence's recurrent state is set to its own accepted position. Plain
+  decoding is the same cycle with T = 1 and no draft.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from blockspec.cache import KVPool, PageAllocator, StatePool
+from blockspec.config import EngineConfig
+from blockspec.engine.cuda_graphs import GraphedForwards
+from blockspec.engine.sequence import Sequence
+from blockspec.engine.spec.dflash import accept, propose
+from blockspec.layers import AttentionMetadata
+from blockspec.layers.attention import unpack
+from blockspec.sampling import sample
+
+
+@dataclass
+class DecodeResult:
+    num_accepted: list[int]          # drafts each sequence's verify accepted
+    new_tokens: list[list[int]]      # a_b + 1 tokens per sequence (before stop / length cuts)
+
+
+class ModelRunner:
+    def __init__(self, target: nn.Module, draft: nn.Module | None, config: EngineConfig) -> None:
+        self.target, self.config = target, config
+        self.draft = draft if draft is not None and config.block_size > 1 else None
+        self.width = config.block_size if self.draft is not None else 1
+        weight = target.lm_head.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        target.capture_layers = tuple(self.draft.target_layer_ids) if self.draft is not None else ()
+        self.page_size = config.page_size
+        self.allocator = PageAllocator(config.total_pages)
+        num_slots = config.total_pages * config.page_size
+        tc = target.config
+        self.target_kv = KVPool(target.num_attention_layers, num_slots, tc.num_key_value_heads, tc.head_dim,
+                                self.dtype, self.device)
+        self.draft_kv = None
+        if self.draft is not None:
+            dc = self.draft.config
+            self.draft_kv = KVPool(dc.num_hidden_layers, num_slots, dc.num_key_value_heads, dc.head_dim,
+                                   self.dtype, self.device)
+        shapes = target.recurrent_shapes
+        self.states = StatePool(config.max_num_seqs + 1, shapes, self.dtype, self.device) if shapes else None
+        self.num_forwards = 0                            # target + draft forwards, for tests and stats
+        self.graphs = None
+        if config.cuda_graphs and self.device.type == "cuda":
+            self.graphs = self.make_graphs(capture=True)
+
+    def make_graphs(self, capture: bool) -> GraphedForwards:
+        """The decode cycle through fixed-shape buffers: CUDA graphs, or (capture=False) the
+        same padded path run eagerly, which CPU tests hold to the eager one."""
+        return GraphedForwards(self.width, self.config.max_num_seqs, self.config.pages_per_seq,
+                               self.page_size, self.device, capture)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.states is not None
+
+    # -- batches ----------------------------------------------------------------------------
+
+    def prepare(self, seqs: list[Sequence], width: int, starts: list[int], tokens: list[list[int]],
+                padded: bool = False) -> AttentionMetadata:
+        """The target's metadata for sequences feeding tokens[b] (width each) from starts[b],
+        packed on the host and moved to the device in one copy. padded: rows and keys rounded
+        up to a captured graph's shape (the real sequences are the first rows)."""
+        live_keys = max(starts) + width
+        if padded:
+            rows, cols, keys = self.graphs.shape(len(seqs), live_keys)
+        else:
+            rows, cols, keys = len(seqs), max(len(seq.block_table) for seq in seqs), live_keys
+        host = self.pack(seqs, width, starts, tokens, rows, cols)
+        is_cuda = self.device.type == "cuda"
+        packed = torch.tensor(host, dtype=torch.long, pin_memory=is_cuda).to(self.device, non_blocking=is_cuda)
+        views = unpack(packed, rows, width, cols)
+        if not self.is_hybrid:
+            views["state_slots"] = None
+        return AttentionMetadata(num_seqs=rows, width=width, **views, max_context_len=keys, page_size=self.page_size,
+                                 kv=self.target_kv.layers, states=self.states,
+                                 keep_steps=self.is_hybrid and width > 1, packed=packed)
+
+    def pack(self, seqs: list[Sequence], width: int, starts: list[int], tokens: list[list[int]],
+             rows: int, cols: int) -> list[int]:
+        """Host ints in `unpack`'s layout; padding rows use page 0 and state slot 0."""
+        page = self.page_size
+        ids, positions, slots, tables, context_lens, state_slots = [], [], [], [], [], []
+        for seq, start, row in zip(seqs, starts, tokens):
+            table = seq.block_table
+            ids += row
+            positions += range(start, start + width)
+            slots += [table[p // page] * page + p % page for p in range(start, start + width)]
+            tables += table + [0] * (cols - len(table))
+            context_lens.append(start + width)
+            state_slots.append(seq.state_slot or 0)
+        for _ in range(rows - len(seqs)):
+            ids += [0] * width
+            positions += range(width)
+            slots += range(width)
+            tables += [0] * cols
+            context_lens.append(width)
+            state_slots.append(0)
+        return ids + positions + slots + tables + context_lens + state_slots
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, seq: Sequence, num_tokens: int) -> int | None:
+        """Compute the next num_tokens positions of seq; return its first output token when the
+        prompt is done and nothing was generated yet (else None)."""
+        start = seq.num_cached
+        meta = self.prepare([seq], num_tokens, [start], [seq.tokens[start: start + num_tokens]])
+        meta.keep_steps = False
+        out = self.target(meta.input_ids, meta.positions, meta)
+        self.num_forwards += 1
+        if self.draft is not None:
+            self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
+        seq.num_cached += num_tokens
+        if seq.is_prefilling or seq.request.output_ids:
+            return None
+        logits = self.target.compute_logits(out.hidden[-1:])                      # [1, V]
+        return int(sample(logits[0], seq.request.params, seq.generator))
+
+    # -- decode -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> DecodeResult:
+        """One cycle for every sequence: propose T − 1 drafts, verify T tokens, accept."""
+        num_seqs, width = len(seqs), self.width
+        mask = self.draft.mask_token_id if self.draft is not None else 0
+        blocks = [[seq.anchor] + [mask] * (width - 1) for seq in seqs]          # [x, MASK × (T − 1)]
+        meta = self.prepare(seqs, width, [seq.num_cached for seq in seqs], blocks, padded=self.graphs is not None)
+        if self.graphs is not None:
+            meta = self.graphs.bind(meta)
+        proposal = None
+        if self.draft is not None:
+            proposal = propose(self.run_forward("propose", self.draft_proposal, meta), seqs)
+            meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts  # [x, d1 … dT−1]
+        logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
+        num_accepted, new_tokens = accept(seqs, proposal, logits.view(num_seqs, width, -1))
+        if meta.keep_steps:
+            kept = torch.tensor(num_accepted, device=self.device) + 1
+            self.states.select(meta.state_slots[:num_seqs], kept)
+        return DecodeResult(num_accepted, new_tokens)
+
+    def run_forward(self, kind: str, fn, meta: AttentionMetadata) -> torch.Tensor:
+        self.num_forwards += 1
+        if self.graphs is None:
+            return fn(meta)
+        return self.graphs.run(kind, fn, meta)
+
+    def draft_proposal(self, meta: AttentionMetadata):
+        """The draft's B blocks [x, MASK × (T − 1)] at the verify's positions, seeing the
+        committed context (num_cached positions) of the draft pool → what the draft proposes
+        from: DFlash 1 logits [B, T − 1, V] (slot i predicts d_i), or DFlash 2's CandidateWalk
+        (candidates, edge scores, greedy drafts)."""
+        width = meta.width
+        draft_meta = dataclasses.replace(meta, kv=self.draft_kv.layers, context_lens=meta.context_lens - width,
+                                         states=None, state_slots=None, keep_steps=False, shared={})
+        hidden = self.draft(self.target.embed(meta.input_ids), meta.positions, draft_meta)
+        anchors = meta.input_ids.view(meta.num_seqs, width)[:, 0]
+        return self.draft.propose(hidden.view(meta.num_seqs, width, -1), anchors, self.target.lm_head)
+
+    def target_logits(self, meta: AttentionMetadata) -> torch.Tensor:
+        """Target forward → logits [B·T, V]; the features of all T positions join the draft's
+        context (those past the accepted prefix lie past the sequence's length: masked, then
+        overwritten)."""
+        out = self.target(meta.input_ids, meta.positions, meta)
+        if self.draft is not None:
+            self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
+        return self.target.compute_logits(out.hidden)
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def pages_needed(self, seq: Sequence, num_positions: int) -> int:
+        return max(0, -(-num_positions // self.page_size) - len(seq.block_table))
+
+    def grow(self, seq: Sequence, num_positions: int) -> None:
+        """Give seq pages for positions [0, num_positions)."""
+        seq.block_table += self.allocator.allocate(self.pages_needed(seq, num_positions))
+
+    def release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        seq.block_table = []
+        if seq.state_slot is not None:
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
+
+    def claim_state_slot(self, seq: Sequence) -> None:
+        if self.is_hybrid:
+            seq.state_slot = self.states.allocate()
+
+    @property
+    def has_free_state_slot(self) -> bool:
+        return not self.is_hybrid or self.states.num_free > 0

@@ -1,0 +1,112 @@
+"""The DFlash cycle for a batch of B sequences (ARCHITECTURE.md §4), as three steps:
+
+    propose: h = draft([x, MASK × (T − 1)])      one forward for all B blocks, non-causal within
+             d[1..T−1] = sample(lm_head(h[1:]))  each, read out by the target's head (DFlash 2:
+                                                 a walk over the selector's candidates)
+    verify:  y = target([x, d1..dT−1])           one forward for all B blocks (model_runner)
+    accept:  a_b = accepted prefix of sequence b  greedy: d_i == argmax y_{i−1}; sampling: the
+             new tokens = x's successors d1..da, bonus   rejection rule; ragged across the batch
+
+Every sequence keeps its own sampling parameters and generator, so its tokens are the same
+whatever else runs in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.engine.sequence import Sequence
+from blockspec.models.dflash2 import CandidateWalk
+from blockspec.sampling import probs_from_logits, rejection_sample, sample_from_probs
+
+
+@dataclass
+class Proposal:
+    drafts: torch.Tensor                       # [B, T − 1] on the device
+    probs: list[torch.Tensor | None]           # per sequence: q [T − 1, V] when it samples, else None
+
+
+def propose(out: torch.Tensor | CandidateWalk, seqs: list[Sequence]) -> Proposal:
+    """The draft's output for the (possibly padded) batch → the drafts of its first len(seqs) rows."""
+    if isinstance(out, CandidateWalk):
+        return walk_drafts(out.rows(len(seqs)), seqs)
+    return sample_drafts(out[: len(seqs)], seqs)
+
+
+def sample_drafts(logits: torch.Tensor, seqs: list[Sequence]) -> Proposal:
+    """Draft logits [B, T − 1, V] → drafts: argmax for greedy sequences, a seeded draw from q
+    (the same filters as the target's p) for sampling ones."""
+    drafts = logits.argmax(-1)
+    probs: list[torch.Tensor | None] = [None] * len(seqs)
+    for b, seq in enumerate(seqs):
+        params = seq.request.params
+        if not params.is_greedy:
+            probs[b] = probs_from_logits(logits[b], params)
+            drafts[b] = sample_from_probs(probs[b], seq.generator)
+    return Proposal(drafts, probs)
+
+
+def walk_drafts(walk: CandidateWalk, seqs: list[Sequence]) -> Proposal:
+    """DFlash 2: greedy sequences take the greedy walk (already done on the device for every
+    row); a sampling sequence walks again, drawing each slot from its own generator."""
+    drafts = walk.drafts.clone()
+    probs: list[torch.Tensor | None] = [None] * len(seqs)
+    for b, seq in enumerate(seqs):
+        params = seq.request.params
+        if not params.is_greedy:
+            drafts[b], probs[b] = sample_walk(walk, b, params.temperature, seq.generator)
+    return Proposal(drafts, probs)
+
+
+def sample_walk(walk: CandidateWalk, row: int, temperature: float,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's sampled walk → (drafts [L], q [L, V]).
+
+    At slot i, given the candidate index p chosen at slot i − 1 (row 0 for the first slot, whose
+    predecessor is the anchor), q_i = softmax(edge_scores[i, p] / temperature) over the k
+    candidates (z-lab's rule) and zero elsewhere. The drafts are drawn from exactly these q_i,
+    so rejection_sample with this q keeps the target's distribution: a token outside the
+    candidates has q = 0 and comes only from the residual max(p − q, 0)."""
+    ids, scores = walk.candidate_ids[row], walk.edge_scores[row]                 # [L, k], [L, k, k]
+    chosen = torch.zeros(1, dtype=torch.long, device=ids.device)
+    q_rows, path = [], []
+    for i in range(ids.shape[0]):
+        q = torch.softmax(scores[i].index_select(0, chosen)[0] / temperature, dim=-1)   # [k]
+        chosen = torch.multinomial(q, 1, generator=generator)
+        q_rows.append(q)
+        path.append(chosen)
+    q_full = torch.zeros(ids.shape[0], walk.vocab_size, device=ids.device).scatter_(1, ids, torch.stack(q_rows))
+    return ids.gather(1, torch.stack(path)).view(-1), q_full
+
+
+def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+    """Target logits [B, T, V] → (accepted drafts a_b, the a_b + 1 new tokens of each sequence).
+
+    Greedy: d_i is kept while it equals the target's argmax after [x, d_1 … d_{i−1}]; the kept
+    drafts then equal the target's own tokens, so the new tokens are target_ids[: a + 1].
+    One device→host read serves every greedy sequence of the batch."""
+    num_seqs, width = logits.shape[:2]
+    target_ids = logits.argmax(-1)                                              # [B, T]
+    if proposal is None:
+        accepted = torch.zeros(num_seqs, 1, dtype=torch.long, device=logits.device)
+    else:
+        agree = (proposal.drafts == target_ids[:, :-1]).long()
+        accepted = agree.cumprod(1).sum(1, keepdim=True)                        # [B, 1]
+    host = torch.cat((accepted, target_ids), dim=1).tolist()
+    num_accepted = [row[0] for row in host]
+    new_tokens = [row[1: row[0] + 2] for row in host]
+    for b, seq in enumerate(seqs):
+        if not seq.request.params.is_greedy:
+            num_accepted[b], new_tokens[b] = accept_sampled(seq, proposal, b, logits[b])
+    return num_accepted, new_tokens
+
+
+def accept_sampled(seq: Sequence, proposal: Proposal | None, row: int, logits: torch.Tensor) -> tuple[int, list[int]]:
+    """The rejection rule (sampling.rejection_sample) for one sampling sequence; logits [T, V]."""
+    p = probs_from_logits(logits, seq.request.params)
+    if proposal is None or proposal.drafts.shape[1] == 0:
+        return 0, [int(sample_from_probs(p[0], seq.generator))]
+    drafts = proposal.drafts[row]
+    num_accepted, bonus = rejection_sample(drafts, p, proposal.probs[row], seq.generator)
+    return num_accepted, drafts[:num_accepted].tolist() + [bonus]

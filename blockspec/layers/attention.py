@@ -1,0 +1,203 @@
+"""Attention over paged K/V pools: the metadata of one batched forward, the torch reference
+kernel, and the one Attention module every model uses.
+
+A forward runs B sequences of T tokens each ([N = B·T] flat): a prefill chunk (B = 1), a decode
+step (T = 1) or a verify block (T = block size). Each sequence's keys live in pages of a pool
+([num_slots, Hkv, D] per layer, slot = page · page_size + offset) named by its block table.
+New K/V are written at `slot_mapping` first; queries then see every key of their sequence at a
+position ≤ their own (targets) or the committed context plus their own block (the draft).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.layers.common import RMSNorm, apply_rope
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything a model needs to know about the sequences of one forward (nothing of requests).
+
+    input_ids, positions, slot_mapping: [B·T]; block_tables [B, max_pages]; context_lens [B]:
+    keys each sequence sees in the pool (for targets: its start + T, the new tokens included; for
+    the draft: its committed context). max_context_len: keys gathered per sequence — the batch's
+    longest eagerly, a fixed bucket under a CUDA graph. The integer fields are views of one
+    packed tensor (`packed`), so a batch crosses to the device in one copy.
+    """
+    num_seqs: int
+    width: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    max_context_len: int
+    page_size: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]]           # per attention layer (cache_index)
+    states: Any = None                                    # StatePool of a hybrid target
+    state_slots: torch.Tensor | None = None               # [B]
+    keep_steps: bool = False                              # verify: recurrent layers keep every step
+    # Per-forward values every layer shares (gather indices, masks): computed by the first layer
+    # that needs them, cleared at the start of each forward (so a captured graph computes them once).
+    shared: dict = field(default_factory=dict)
+
+    packed: torch.Tensor | None = None
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        return self.positions.view(self.num_seqs, self.width)
+
+
+def packed_size(num_seqs: int, width: int, num_pages: int) -> int:
+    return 3 * num_seqs * width + num_seqs * num_pages + 2 * num_seqs
+
+
+def unpack(packed: torch.Tensor, num_seqs: int, width: int, num_pages: int) -> dict[str, torch.Tensor]:
+    """Views of a packed batch: [input_ids | positions | slot_mapping (B·T each) | block_tables
+    (B·pages) | context_lens (B) | state_slots (B)]."""
+    tokens = num_seqs * width
+    parts = packed.split([tokens, tokens, tokens, num_seqs * num_pages, num_seqs, num_seqs])
+    names = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "state_slots")
+    views = dict(zip(names, parts))
+    views["block_tables"] = views["block_tables"].view(num_seqs, num_pages)
+    return views
+
+
+def key_slots(block_tables: torch.Tensor, num_keys: int, page_size: int) -> torch.Tensor:
+    """Pool slots of the first num_keys positions of each sequence [B, num_keys]."""
+    key_pos = torch.arange(num_keys, device=block_tables.device)
+    return block_tables[:, key_pos // page_size] * page_size + key_pos % page_size
+
+
+def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor,
+                 is_causal: bool, window: int | None) -> torch.Tensor:
+    """Bool [B, T, L]: query_pos [B, T], key_pos [B or 1, L], key_valid [B, L].
+
+    Causal layers see keys at or before the query; a window limits the distance (both ways
+    for a non-causal layer)."""
+    q, k = query_pos[:, :, None], key_pos[:, None, :]
+    visible = key_valid[:, None, :].expand(-1, q.shape[1], -1)
+    if is_causal:
+        visible = visible & (k <= q)
+    if window is not None:
+        visible = visible & (q - k < window)
+        if not is_causal:
+            visible = visible & (k - q < window)
+    return visible
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+                    context_lens: torch.Tensor, scale: float, is_causal: bool = True, window: int | None = None,
+                    block_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The reference kernel: q [B·T, H, D] → [B·T, H·D].
+
+    Keys: the first context_lens[b] positions of each sequence in the pool, gathered from its
+    pages, plus block_kv ([B·T, Hkv, D] each, at the query positions) when given (the draft's
+    own block, never cached).
+    """
+    num_seqs, width = meta.num_seqs, meta.width
+    slots = shared(meta, "slots", lambda: key_slots(meta.block_tables, meta.max_context_len, meta.page_size))
+    keys, values = k_pool[slots], v_pool[slots]                                       # [B, L, Hkv, D]
+    if block_kv is not None:
+        keys = torch.cat((keys, block_kv[0].view(num_seqs, width, *block_kv[0].shape[1:])), dim=1)
+        values = torch.cat((values, block_kv[1].view(num_seqs, width, *block_kv[1].shape[1:])), dim=1)
+    mask = shared(meta, ("mask", is_causal, window, block_kv is not None),
+                  lambda: attention_mask(meta, context_lens, is_causal, window, block_kv is not None))
+    q = q.view(num_seqs, width, q.shape[1], q.shape[2]).transpose(1, 2)                # [B, H, T, D]
+    out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                                         scale=scale, enable_gqa=q.shape[1] != keys.shape[2])
+    return out.transpose(1, 2).reshape(num_seqs * width, -1)
+
+
+def shared(meta: AttentionMetadata, key: Any, make) -> torch.Tensor:
+    if key not in meta.shared:
+        meta.shared[key] = make()
+    return meta.shared[key]
+
+
+def attention_mask(meta: AttentionMetadata, context_lens: torch.Tensor, is_causal: bool, window: int | None,
+                   with_block: bool) -> torch.Tensor:
+    """Bool [B, 1, T, L (+ T with the block)]: which keys each query sees."""
+    query_pos = meta.query_positions
+    key_pos = torch.arange(meta.max_context_len, device=query_pos.device)[None].expand(meta.num_seqs, -1)
+    key_valid = key_pos < context_lens[:, None]
+    if with_block:
+        key_pos = torch.cat((key_pos, query_pos), dim=1)
+        key_valid = torch.cat((key_valid, torch.ones_like(query_pos, dtype=torch.bool)), dim=1)
+    return visible_keys(query_pos, key_pos, key_valid, is_causal, window)[:, None]
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k/v [N, Hkv, D] at their slots (graph-safe: no host integer decides a shape)."""
+    k_pool.index_copy_(0, slot_mapping, k)
+    v_pool.index_copy_(0, slot_mapping, v)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA for every model.
+
+    qk_norm: None, "plain" (Qwen3) or "zero_centred" (Qwen3.5); output_gate: q_proj also yields
+    a per-head gate, o_proj(attn · sigmoid(gate)) (Qwen3.5's gated attention). RoPE rotates the
+    first rot_dim dims of each head (cos/sin carry that width). cache_index: this layer's K/V
+    in the metadata's pool list.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 qkv_bias: bool = False, out_bias: bool = False, qk_norm: str | None = None,
+                 output_gate: bool = False, cache_index: int = 0) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.has_output_gate = output_gate
+        self.cache_index = cache_index
+        q_width = num_heads * head_dim * (2 if output_gate else 1)
+        self.q_proj = nn.Linear(hidden_size, q_width, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=out_bias)
+        if qk_norm is None:
+            self.q_norm = self.k_norm = None
+        else:
+            zero_centred = qk_norm == "zero_centred"
+            self.q_norm = RMSNorm(head_dim, eps, zero_centred)
+            self.k_norm = RMSNorm(head_dim, eps, zero_centred)
+
+    def project_q(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [N, hidden] → q [N, H, D] (normed, rotated) and the output gate [N, H·D] or None."""
+        q = self.q_proj(x).view(x.shape[0], self.num_heads, -1)
+        gate = None
+        if self.has_output_gate:
+            q, gate = q.chunk(2, dim=-1)
+            gate = gate.reshape(x.shape[0], -1)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, *rope), gate
+
+    def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] → k, v [N, Hkv, D] (k normed and rotated)."""
+        k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, *rope), v
+
+    def output(self, attn: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        if gate is not None:
+            attn = attn * torch.sigmoid(gate)
+        return self.o_proj(attn)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """Causal self-attention of a target layer: write the new K/V, attend over the pool."""
+        q, gate = self.project_q(x, rope)
+        k, v = self.project_kv(x, rope)
+        k_pool, v_pool = meta.kv[self.cache_index]
+        write_kv(k_pool, v_pool, meta.slot_mapping, k, v)
+        attn = paged_attention(q, k_pool, v_pool, meta, meta.context_lens, self.scale, is_causal=True)
+        return self.output(attn, gate)

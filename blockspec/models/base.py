@@ -1,0 +1,62 @@
+"""What the engine uses of every target: one forward over a flat batch, logits, embeddings."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from blockspec.config import ModelConfig
+from blockspec.layers import AttentionMetadata
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor                 # [N, hidden] after the final norm (logits: compute_logits)
+    features: torch.Tensor | None        # [N, len(capture_layers) · hidden] or None
+
+
+class CausalLM(nn.Module):
+    """A target: `forward(input_ids [N], positions [N], meta)` → hidden states and features.
+
+    Subclasses build `self.model` (embed_tokens, layers, norm, rotary_emb) and `self.lm_head`.
+    capture_layers (set once by the model runner): decoder layers whose outputs are returned as
+    the draft's context features (transformers' hidden_states[l + 1])."""
+
+    config: ModelConfig
+    capture_layers: tuple[int, ...] = ()
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def recurrent_shapes(self) -> list:
+        """Shapes of the recurrent layers' state (RecurrentShape); none in a dense target."""
+        return []
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> ForwardOutput:
+        meta.shared.clear()
+        x = self.embed(input_ids)                                           # [N, hidden]
+        rope = self.model.rotary_emb(positions, x.dtype)                   # cos, sin [N, 1, rot]
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rope, meta)
+            if i in self.capture_layers:
+                captured[i] = x
+        features = torch.cat([captured[i] for i in self.capture_layers], dim=-1) if captured else None
+        return ForwardOutput(self.model.norm(x), features)
