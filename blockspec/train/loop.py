@@ -132,13 +132,13 @@ def lr_at(step: int, steps: int, peak: float) -> float:
 
 
 def engine_generator(target_path: str, device: torch.device):
-    """Responses to prompts from the target itself, through our engine (greedy)."""
+    """Responses to prompts from the target itself, through our engine (greedy, batched)."""
     def generate(prompts: list[list[int]], seq_len: int) -> list[list[int]]:
         from blockspec.llm import LLM
         from blockspec.sampling import SamplingParams
         llm = LLM(target_path, device=str(device), max_model_len=seq_len, show_progress=False)
-        return [llm.generate_ids(p, SamplingParams(max_tokens=seq_len - len(p), temperature=0.0)).token_ids
-                for p in prompts]
+        params = [SamplingParams(max_tokens=seq_len - len(p), temperature=0.0) for p in prompts]
+        return [result.token_ids for result in llm.generate(prompts, params)]
     return generate
 
 
