@@ -1,7 +1,8 @@
 """`blockspec bench`: speed on random weights of real shapes, side by side with peers in one run.
 
 Everything is a ratio to something measured in the same process: the bandwidth floor (weight
-bytes / measured copy bandwidth), plain decoding, transformers' forward, z-lab's reference loop.
+bytes a plain step reads, for MoE targets only the chosen experts, / measured copy bandwidth),
+plain decoding, transformers' forward, z-lab's reference loop.
 Throughput is measured through the real engine (scheduler, batched cycle, pools) at each
 concurrency. Random weights accept no drafts, so `--accept-len` forces the acceptance length
 (the forwards are the same; only the bookkeeping of what is kept changes).
@@ -15,19 +16,19 @@ from __future__ import annotations
 import json
 import time
 from unittest import mock
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from blockspec.config import EngineConfig, ModelConfig
+from blockspec.config import EngineConfig
 from blockspec.engine import model_runner
 from blockspec.engine.engine import Engine
 from blockspec.engine.request import Request
 from blockspec.loader import build_empty, resolve_device
 from blockspec.models.dflash import DFlashDraftModel, DraftConfig, default_target_layer_ids
+from blockspec.layers.moe import SparseMoE
 from blockspec.models.dflash2 import DFlash2DraftModel
-from blockspec.models.qwen3 import Qwen3ForCausalLM
+from blockspec.models.registry import ARCHITECTURES
 from blockspec.sampling import SamplingParams
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -43,6 +44,22 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=128, rope_theta=5e5, max_position_embeddings=131072, draft_layers=5),
+    # MoE shapes (config.json values of the released checkpoints); their drafts are dense, of the
+    # sizes given under "draft" (z-lab's drafts for these targets: same hidden size).
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                          hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          draft_layers=5, draft=dict(intermediate_size=6144)),
+    "qwen3.5-35b-a3b": dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
+                            vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                            num_key_value_heads=2, head_dim=256, rope_theta=1e7, partial_rotary_factor=0.25,
+                            max_position_embeddings=262144, full_attention_interval=4, linear_num_key_heads=16,
+                            linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                            linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512, draft_layers=5,
+                            draft=dict(intermediate_size=6144, num_attention_heads=32, num_key_value_heads=8,
+                                       head_dim=128, partial_rotary_factor=1.0)),
 }
 
 
@@ -84,12 +101,15 @@ def random_init(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def build_models(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, block_size: int = 16):
-    target_cfg = {k: v for k, v in shape.items() if k != "draft_layers"}
-    config = ModelConfig.from_hf(target_cfg, target_cfg["architectures"][0])
-    target = random_init(build_empty(lambda: Qwen3ForCausalLM(config), device, dtype))
-    layer_ids = default_target_layer_ids(config.num_hidden_layers, shape["draft_layers"])
-    draft_cfg = dict(target_cfg, num_hidden_layers=shape["draft_layers"], block_size=block_size,
-                     dflash_config={"mask_token_id": 151669, "target_layer_ids": layer_ids})
+    target_cfg = {k: v for k, v in shape.items() if k not in ("draft_layers", "draft")}
+    arch = target_cfg["architectures"][0]
+    target = random_init(build_empty(lambda: ARCHITECTURES[arch]().build(target_cfg, arch), device, dtype))
+    layer_ids = default_target_layer_ids(target.num_layers, shape["draft_layers"])
+    same_as_target = ("hidden_size", "vocab_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                      "head_dim", "rope_theta", "max_position_embeddings")
+    draft_cfg = {**{k: target_cfg[k] for k in same_as_target if k in target_cfg}, **shape.get("draft", {}),
+                 "model_type": "qwen3", "num_hidden_layers": shape["draft_layers"], "block_size": block_size,
+                 "dflash_config": {"mask_token_id": 151669, "target_layer_ids": layer_ids}}
     draft = random_init(build_empty(lambda: DFlashDraftModel(DraftConfig.from_hf(draft_cfg)), device, dtype))
     return target_cfg, draft_cfg, target, draft
 
@@ -134,6 +154,17 @@ def weight_bytes(module: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in module.parameters()}.values())
 
 
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes one token's forward reads: everything but the experts it does not choose
+    (top_k of E per sparse layer)."""
+    unread = 0.0
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            num_experts = module.experts.gate_up_proj.shape[0]
+            unread += weight_bytes(module.experts) * (1 - module.top_k / num_experts)
+    return int(weight_bytes(model) - unread)
+
+
 def forced_accept(accept_len: float):
     """An accept() that keeps accept_len tokens per verify on average (floor and ceil mixed),
     for random weights whose drafts are never right."""
@@ -166,7 +197,6 @@ def throughput(target, draft, block_size: int, concurrency: int, prompt_len: int
 
 
 def run_batch(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int) -> dict[str, float]:
-    from blockspec.sampling import SamplingParams
     gen = torch.Generator().manual_seed(0)
     requests = [Request(f"bench-{i}", torch.randint(1000, 100000, (prompt_len,), generator=gen).tolist(),
                         SamplingParams(max_tokens=max_tokens), frozenset(), engine.config.max_model_len)
@@ -216,12 +246,13 @@ def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[
                          "block_size": block_size, "forced_acceptance_length": accept_len,
                          "prompt_len": prompt_len, "max_tokens": max_tokens}
     r["target_weight_GB"] = weight_bytes(target) / 1e9
+    r["step_weight_GB"] = step_weight_bytes(target) / 1e9          # = target_weight_GB for dense targets
     r["draft_weight_GB"] = weight_bytes(draft) / 1e9
     draft2 = build_dflash2(draft_cfg, device, dtype)
     r["draft2_weight_GB"] = weight_bytes(draft2) / 1e9
     if device.type == "cuda":
         r["copy_bandwidth_TBps"] = copy_bandwidth(device) / 1e12
-        r["floor_ms_per_token"] = r["target_weight_GB"] / r["copy_bandwidth_TBps"]
+        r["floor_ms_per_token"] = r["step_weight_GB"] / r["copy_bandwidth_TBps"]
     for c in concurrency:
         plain = throughput(target, None, 1, c, prompt_len, max_tokens, None)
         spec = throughput(target, draft, block_size, c, prompt_len, max_tokens, accept_len)

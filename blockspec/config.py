@@ -41,6 +41,71 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """Which layers are sparse and how they route. Layer i is sparse when i is not in
+    mlp_only_layers and (i + 1) is a multiple of decoder_sparse_step (transformers' rule)."""
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    normalize: bool                            # renormalise the top-k probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0   # 0: no shared expert (Qwen3-MoE)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts "
+                              f"({self.num_experts})")
+        if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+            raise ConfigError("moe_intermediate_size and decoder_sparse_step must be positive")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+    @staticmethod
+    def from_hf(d: dict[str, Any], architecture: str) -> "MoeConfig | None":
+        """None for a dense config; a ConfigError for a MoE we would compute wrongly."""
+        num_experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+        if num_experts == 0:
+            return None
+        family = moe_family(d.get("model_type", ""), architecture)
+        check_router(d)
+        common = dict(num_experts=num_experts, num_experts_per_tok=int(d["num_experts_per_tok"]),
+                      moe_intermediate_size=int(d["moe_intermediate_size"]))
+        if family == "qwen3_5_moe":      # every layer sparse, always renormalised (transformers)
+            return MoeConfig(**common, normalize=True,
+                             shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 512)))
+        shared = int(d.get("shared_expert_intermediate_size", 512)) if family == "qwen3_next" else 0
+        return MoeConfig(**common, normalize=bool(d.get("norm_topk_prob", family == "qwen3_next")),
+                         shared_expert_intermediate_size=shared,
+                         decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+                         mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()))
+
+
+MOE_FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe")
+# Config keys of routers other than softmax → top-k (DeepSeek-style grouped / sigmoid / scaled),
+# with the value that means "the plain router": anything else is refused, never approximated.
+PLAIN_ROUTER = {"scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                "routed_scaling_factor": 1.0}
+
+
+def moe_family(model_type: str, architecture: str) -> str:
+    for family, arch_prefix in zip(MOE_FAMILIES, ("Qwen3Moe", "Qwen3Next", "Qwen3_5Moe")):
+        if model_type.startswith(family) or architecture.startswith(arch_prefix):
+            return family
+    raise ConfigError(f"num_experts is set for model_type {model_type!r} ({architecture}): mixture-of-experts "
+                      f"is supported for {', '.join(MOE_FAMILIES)} only")
+
+
+def check_router(d: dict[str, Any]) -> None:
+    for key, plain in PLAIN_ROUTER.items():
+        if d.get(key) not in (None, plain):
+            raise ConfigError(f"MoE router with {key}={d[key]!r} is not supported (only softmax top-k routing is)")
+    if d.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported for experts (silu is)")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A dense decoder-only transformer (Qwen3, Qwen2, Llama)."""
     architecture: str
@@ -61,11 +126,15 @@ class ModelConfig:
     mlp_bias: bool
     use_qk_norm: bool
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None          # sparse feed-forward layers, if any
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        has_dense_mlp = self.moe is None or not all(self.moe.is_sparse(i) for i in range(self.num_hidden_layers))
+        if has_dense_mlp and self.intermediate_size <= 0:
+            raise ConfigError("intermediate_size is missing; the config has dense MLP layers that need it")
 
     @staticmethod
     def from_hf(d: dict[str, Any], architecture: str) -> "ModelConfig":
@@ -77,7 +146,7 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
+            intermediate_size=int(d.get("intermediate_size") or 0),   # all-MoE configs may omit it
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=num_heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
@@ -90,8 +159,10 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             attention_out_bias=model_type != "qwen2" and bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
-            use_qk_norm=model_type in ("qwen3",) or architecture == "Qwen3ForCausalLM",
+            use_qk_norm=(model_type in ("qwen3", "qwen3_moe")
+                         or architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
             eos_token_ids=eos_ids(d.get("eos_token_id")),
+            moe=MoeConfig.from_hf(d, architecture),
             raw=d,
         )
 

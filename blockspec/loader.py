@@ -6,7 +6,6 @@ checkpoint does not provide, is an error naming the key: a partial load never pa
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -15,7 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from blockspec.models.registry import ARCHITECTURES
+from blockspec.models.registry import ARCHITECTURES, ParamSlice, Rename
 
 
 class LoadError(RuntimeError):
@@ -95,28 +94,48 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def load_weights(model: nn.Module, files: list[Path], rename: Callable[[str], str | None],
-                 show_progress: bool = False) -> None:
-    """Copy every checkpoint tensor into the parameter of the same (renamed) name."""
+def load_weights(model: nn.Module, files: list[Path], rename: Rename, show_progress: bool = False) -> None:
+    """Copy every checkpoint tensor into the parameter of the same (renamed) name, or into its
+    slice of a stacked parameter (per-expert tensors): one tensor in memory at a time, never a
+    second copy of the model. A parameter counts as loaded when every element was written."""
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
+    filled: dict[str, int] = {}                            # parameter → elements written
+    placed: set[str | ParamSlice] = set()
     for raw_name, file, tensor in iter_tensors(files, show_progress):
-        name = rename(raw_name)
-        if name is None:
+        where = rename(raw_name)
+        if where is None:
             continue
-        if name not in params:
-            raise LoadError(f"{file.name}: tensor {raw_name!r} has no place in {type(model).__name__}")
-        param = params[name]
-        if tuple(param.shape) != tuple(tensor.shape):
+        name, target = destination(params, where, raw_name, file, model)
+        if where in placed or filled.get(name, 0) + target.numel() > params[name].numel():
+            raise LoadError(f"{file.name}: {raw_name!r} is given twice (per expert and fused, or in two shards)")
+        if tuple(target.shape) != tuple(tensor.shape):
             raise LoadError(f"{file.name}: {raw_name!r} has shape {tuple(tensor.shape)}, "
-                            f"the model expects {tuple(param.shape)}")
+                            f"the model expects {tuple(target.shape)}")
         with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
-        loaded.add(name)
+            target.copy_(tensor.to(target.dtype))
+        placed.add(where)
+        filled[name] = filled.get(name, 0) + target.numel()
+    loaded = {name for name, count in filled.items() if count == params[name].numel()}
     tie_embeddings(model, params, loaded)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise LoadError(f"checkpoint lacks {len(missing)} tensors, first: {missing[0]!r}")
+        raise LoadError(f"checkpoint lacks {len(missing)} tensors, first: {missing[0]!r}"
+                        + (" (some of its experts are missing)" if missing[0] in filled else ""))
+
+
+def destination(params: dict[str, nn.Parameter], where: str | ParamSlice, raw_name: str, file: Path,
+                model: nn.Module) -> tuple[str, torch.Tensor]:
+    """The parameter a checkpoint tensor fills and the view of it that it fills."""
+    name = where.param if isinstance(where, ParamSlice) else where
+    if name not in params:
+        raise LoadError(f"{file.name}: tensor {raw_name!r} has no place in {type(model).__name__}")
+    param = params[name]
+    if not isinstance(where, ParamSlice):
+        return name, param
+    if not 0 <= where.index < param.shape[0]:
+        raise LoadError(f"{file.name}: {raw_name!r} names expert {where.index}, "
+                        f"but the config has {param.shape[0]} experts")
+    return name, param[where.index].chunk(where.num_parts)[where.part]
 
 
 def tie_embeddings(model: nn.Module, params: dict[str, nn.Parameter], loaded: set[str]) -> None:

@@ -8,18 +8,23 @@ import pytest
 import torch
 from scipy.stats import chisquare, chi2_contingency
 
-from blockspec.engine.plain import generate_plain
+from blockspec.cache import KVPool
+from blockspec.config import ConfigError
 from blockspec.engine.request import Request
-from blockspec.engine.speculative import generate_dflash
+from blockspec.layers import AttentionMetadata
+from blockspec.llm import LLM
 from blockspec.loader import LoadError, load_draft, load_model
-from blockspec.models.dflash import default_target_layer_ids, draft_mask
+from blockspec.models.dflash import default_target_layer_ids
 from blockspec.sampling import SamplingParams, rejection_sample
 
 import fixtures
+from helpers import (OneSequence, OracleDraft, graph_shaped, make_engine, padded, run_alone, run_batch,
+                     run_until_done, submit)
 
 STOPS = frozenset({fixtures.IM_END_ID, fixtures.ENDOFTEXT_ID})
 SHORT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
 LONG = [int(t) for t in torch.randint(0, 151643, (270,), generator=torch.Generator().manual_seed(5))]
+MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="module")
@@ -31,66 +36,26 @@ def pairs(qwen3_dir, qwen3_draft_dir, llama_dir, llama_draft_dir):
     return out
 
 
-def run(events) -> tuple[list[int], list]:
-    tokens, all_events = [], []
-    for event in events:
-        tokens += event.token_ids
-        all_events.append(event)
-    return tokens, all_events
-
-
-def make_request(prompt, stops=STOPS, **params) -> Request:
+def make_request(prompt, stops=STOPS, max_model_len=MAX_MODEL_LEN, request_id="r", **params) -> Request:
     params.setdefault("max_tokens", 40)
-    return Request("r", prompt, SamplingParams(**params), stops, 4096)
+    return Request(request_id, prompt, SamplingParams(**params), stops, max_model_len)
 
 
 def plain(target, prompt, **params) -> Request:
-    request = make_request(prompt, **params)
-    run(generate_plain(target, request))
-    return request
+    return run_alone(lambda: make_engine(target), make_request(prompt, **params)).request
+
+
+def dflash_engine(target, draft, block_size=None, **config):
+    block_size = block_size or draft.block_size
+    engine = make_engine(target, draft, block_size=block_size, **config)
+    if isinstance(draft, OracleDraft):
+        draft.bind(engine)
+    return engine
 
 
 def dflash(target, draft, prompt, block_size=None, **params) -> Request:
-    request = make_request(prompt, **params)
-    tokens, events = run(generate_dflash(target, draft, request, block_size))
-    assert tokens == request.output_ids
-    assert [e.finish_reason for e in events].count(None) == len(events) - 1
-    return request
-
-
-class OracleDraft(torch.nn.Module):
-    """A stand-in draft that proposes the target's own greedy continuation (known in advance),
-    so every draft is right: the bookkeeping must then accept whole blocks."""
-
-    def __init__(self, real_draft, prompt: list[int], continuation: list[int], sharpness: float = 50.0):
-        super().__init__()
-        self.real = real_draft
-        self.sequence = prompt + continuation
-        self.sharpness = sharpness
-        self.calls = 0
-        self._next_start = 0
-
-    block_size = property(lambda self: self.real.block_size)
-    mask_token_id = property(lambda self: self.real.mask_token_id)
-    target_layer_ids = property(lambda self: self.real.target_layer_ids)
-
-    def make_cache(self, max_len):
-        return self.real.make_cache(max_len)
-
-    def forward(self, block_embeds, new_features, cache):
-        hidden = self.real(block_embeds, new_features, cache)
-        self.calls += 1
-        self._next_start = cache.length        # position of the anchor
-        return hidden
-
-    def read_logits(self, hidden, lm_head):
-        num = hidden.shape[0]
-        logits = torch.zeros(num, lm_head.weight.shape[0])
-        for i in range(num):
-            position = self._next_start + 1 + i
-            token = self.sequence[position] if position < len(self.sequence) else 0
-            logits[i, token] = self.sharpness
-        return logits
+    """One request alone on a DFlash engine; its events carry exactly its output, one finishes."""
+    return run_alone(lambda: dflash_engine(target, draft, block_size), make_request(prompt, **params)).request
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
@@ -110,7 +75,7 @@ def test_oracle_draft_accepts_whole_blocks(pairs, block_size):
     target, draft = pairs["qwen3"]
     max_tokens = 37
     reference = plain(target, LONG, max_tokens=max_tokens).output_ids
-    oracle = OracleDraft(draft, LONG, reference)
+    oracle = OracleDraft(draft, LONG + reference)
     request = dflash(target, oracle, LONG, block_size, max_tokens=max_tokens)
     assert request.output_ids == reference
     lengths = request.stats.acceptance_lengths
@@ -122,7 +87,9 @@ def test_oracle_draft_accepts_whole_blocks(pairs, block_size):
     assert lengths == expected
     assert request.stats.accepted_tokens == sum(lengths) - len(lengths)
     assert request.stats.draft_tokens == sum(n - 1 for n in lengths)
-    assert oracle.calls == sum(1 for n in lengths if n > 1)
+    # One draft forward per cycle (engine v2 drafts a full block every cycle, also when a single
+    # token is still allowed; the old loop skipped the draft then — never the case here).
+    assert oracle.calls == request.stats.cycles == len(lengths)
 
 
 @pytest.mark.parametrize("stop_at", [1, 3, 6, 7, 8, 13])
@@ -133,7 +100,7 @@ def test_stop_id_inside_an_accepted_block_ends_right_after_it(pairs, stop_at):
     first = reference.index(stop_token)        # the first occurrence ends generation
     stops = STOPS | {stop_token}
     expected = reference[: first + 1]
-    for drafter in (draft, OracleDraft(draft, SHORT, reference)):
+    for drafter in (draft, OracleDraft(draft, SHORT + reference)):
         request = dflash(target, drafter, SHORT, 8, max_tokens=30, stops=stops)
         assert request.output_ids == expected
         assert request.finish_reason == "stop"
@@ -147,7 +114,7 @@ def test_stop_id_inside_an_accepted_block_ends_right_after_it(pairs, stop_at):
 def test_max_tokens_is_exact(pairs, max_tokens):
     target, draft = pairs["qwen3"]
     reference = plain(target, SHORT, max_tokens=20).output_ids
-    oracle = OracleDraft(draft, SHORT, reference)
+    oracle = OracleDraft(draft, SHORT + reference)
     for drafter in (draft, oracle):
         request = dflash(target, drafter, SHORT, 8, max_tokens=max_tokens)
         assert request.output_ids == reference[:max_tokens]
@@ -155,20 +122,20 @@ def test_max_tokens_is_exact(pairs, max_tokens):
         assert all(n <= 8 for n in request.stats.acceptance_lengths)
 
 
+
 def test_context_limit_ends_the_request(pairs):
     target, draft = pairs["qwen3"]
     limit = len(SHORT) + 11
-    request = Request("r", SHORT, SamplingParams(max_tokens=100), STOPS, limit)
-    run(generate_dflash(target, draft, request, 8))
+    request = make_request(SHORT, max_tokens=100, max_model_len=limit)
+    run_alone(lambda: dflash_engine(target, draft, 8), request)
     assert len(request.output_ids) == 11 and request.finish_reason == "length"
     assert request.output_ids == plain(target, SHORT, max_tokens=11).output_ids
 
 
-def test_block_size_cannot_exceed_the_drafts(pairs):
-    target, draft = pairs["qwen3"]
-    request = dflash(target, draft, SHORT, 64, max_tokens=40)
-    assert max(request.stats.acceptance_lengths) <= draft.block_size
-    assert request.stats.draft_tokens <= (draft.block_size - 1) * request.stats.cycles
+def test_block_size_cannot_exceed_the_drafts(qwen3_dir, qwen3_draft_dir):
+    """Engine v2 refuses it when configuring (the old loop silently clamped to the draft's 16)."""
+    with pytest.raises(ConfigError, match="--block-size 64 exceeds the draft's block size 16"):
+        LLM(str(qwen3_dir), draft=str(qwen3_draft_dir), block_size=64, show_progress=False)
 
 
 class ForwardCounter:
@@ -180,38 +147,46 @@ class ForwardCounter:
         self.count += 1
 
 
-def test_closing_the_iterator_stops_compute_and_the_next_request_is_exact(pairs):
-    target, draft = pairs["qwen3"]
-    reference = plain(target, LONG, max_tokens=40).output_ids
-    counter_t, counter_d = ForwardCounter(target), ForwardCounter(draft)
+def test_closing_the_stream_stops_compute_and_the_next_request_is_exact(pairs, qwen3_dir, qwen3_draft_dir):
+    reference = plain(pairs["qwen3"][0], LONG, max_tokens=40).output_ids     # the same weights, loaded apart
+    llm = LLM(str(qwen3_dir), draft=str(qwen3_draft_dir), block_size=4, max_model_len=MAX_MODEL_LEN,
+              max_num_seqs=4, show_progress=False)
+    counter_t, counter_d = ForwardCounter(llm.target), ForwardCounter(llm.draft)
     try:
-        request = make_request(SHORT, max_tokens=200)
-        events = generate_dflash(target, draft, request, 4)
+        request = llm.make_request("closed", SHORT, SamplingParams(max_tokens=200))
+        events = llm.stream(request)
         for _ in range(3):
             next(events)
-        before = (counter_t.count, counter_d.count)
+        before = (counter_t.count, counter_d.count, llm.engine.runner.num_forwards)
+        assert before[0] > 0 and before[1] > 0
         events.close()                              # the consumer goes away
-        assert (counter_t.count, counter_d.count) == before
+        assert request.is_aborted
         with pytest.raises(StopIteration):
             next(events)
-        assert (counter_t.count, counter_d.count) == before
+        llm.engine.step()                           # the next step drops it before any compute
+        assert (counter_t.count, counter_d.count, llm.engine.runner.num_forwards) == before
+        assert request.finish_reason == "abort" and not llm.engine.has_work
+        assert llm.engine.runner.allocator.usage == 0.0            # its pages went back
     finally:
         counter_t.handle.remove(), counter_d.handle.remove()
-    assert dflash(target, draft, LONG, 4, max_tokens=40).output_ids == reference
+    assert llm.generate_ids(LONG, SamplingParams(max_tokens=40)).token_ids == reference
 
 
 def test_abort_flag_stops_within_one_cycle(pairs):
     target, draft = pairs["qwen3"]
     counter = ForwardCounter(target)
     try:
-        request = make_request(SHORT, max_tokens=200)
-        events = generate_dflash(target, draft, request, 4)
-        next(events), next(events)
-        request.abort()
+        engine = dflash_engine(target, draft, 4)
+        run = submit(engine, make_request(SHORT, max_tokens=200))
+        while len(run.events) < 2:
+            engine.step()
+        run.request.abort()
         before = counter.count
-        rest = list(events)
+        run_until_done(engine, [run])
         assert counter.count == before               # no verify after the flag was seen
-        assert rest[-1].finish_reason == "abort" and request.finish_reason == "abort"
+        assert run.events[-1].finish_reason == "abort" and run.request.finish_reason == "abort"
+        run.check_events()
+        assert engine.runner.allocator.usage == 0.0
     finally:
         counter.handle.remove()
 
@@ -237,15 +212,25 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert abs(accepted / draws - float(torch.minimum(p[0], q[0]).sum())) < 0.01
 
 
+
 def test_sampled_dflash_matches_plain_token_distribution(pairs):
-    """At temperature 1 (top-k 4), DFlash's tokens at positions 1-3 follow plain sampling's."""
+    """At temperature 1 (top-k 4), DFlash's tokens at positions 1-3 follow plain sampling's.
+    Every run is its own seeded request; they run as one batch per engine (each request keeps
+    its own generator, so a batch is many independent runs)."""
     target, draft = pairs["qwen3"]
     reference = plain(target, SHORT, max_tokens=4).output_ids
-    oracle = OracleDraft(draft, SHORT, reference, sharpness=2.0)   # right often, not always
+    oracle = OracleDraft(draft, SHORT + reference, sharpness=2.0)   # right often, not always
     params = dict(max_tokens=4, temperature=1.0, top_k=4)
     runs = 160
-    plain_out = [tuple(plain(target, SHORT, seed=s, **params).output_ids[1:3]) for s in range(runs)]
-    spec_out = [tuple(dflash(target, oracle, SHORT, 4, seed=10_000 + s, **params).output_ids[1:3]) for s in range(runs)]
+
+    def outputs(factory, seed0):
+        requests = [make_request(SHORT, request_id=f"s{s}", seed=seed0 + s, **params) for s in range(runs)]
+        _, done = run_batch(factory, requests)
+        return [tuple(r.output_ids[1:3]) for r in done]
+
+    plain_out = outputs(lambda: make_engine(target, max_num_seqs=runs), 0)
+    spec_out = outputs(lambda: dflash_engine(target, oracle, 4, max_num_seqs=runs), 10_000)
+    assert oracle.calls > 0
     for position in (0, 1):
         a = [o[position] for o in plain_out]
         b = [o[position] for o in spec_out]
@@ -300,23 +285,89 @@ def reference_draft_forward(weights: dict, config: dict, features: torch.Tensor,
     return rms(x, weights["norm.weight"])
 
 
+
+def draft_pool(draft, capacity: int, page_size: int = 8, num_seqs: int = 1):
+    """A draft K/V pool holding num_seqs sequences of `capacity` positions, pages 1… in order."""
+    pages_per_seq = -(-capacity // page_size)
+    pool = KVPool(draft.config.num_hidden_layers, (num_seqs * pages_per_seq + 1) * page_size,
+                  draft.config.num_key_value_heads, draft.config.head_dim, torch.float32, torch.device("cpu"))
+    tables = [list(range(1 + b * pages_per_seq, 1 + (b + 1) * pages_per_seq)) for b in range(num_seqs)]
+    return pool, tables
+
+
+def add_context(draft, pool, table, features, start, page_size=8):
+    """Features [C, K·H] of positions start … start + C − 1 into the draft's pool."""
+    positions = torch.arange(start, start + features.shape[0])
+    slots = torch.tensor(table)[positions // page_size] * page_size + positions % page_size
+    draft.append_context(features, positions, slots, pool.layers)
+
+
+def draft_metadata(pool, tables, context_lens, width, page_size=8):
+    """A propose forward's metadata: each block sits right after its committed context."""
+    positions = torch.cat([torch.arange(c, c + width) for c in context_lens])
+    table = torch.tensor(tables)
+    slots = table.repeat_interleave(width, 0).gather(1, (positions // page_size)[:, None])[:, 0] * page_size \
+        + positions % page_size
+    return AttentionMetadata(num_seqs=len(tables), width=width, input_ids=torch.zeros_like(positions),
+                             positions=positions, slot_mapping=slots,
+                             block_tables=table, context_lens=torch.tensor(context_lens),
+                             max_context_len=max(context_lens) + width, page_size=page_size, kv=pool.layers)
+
+
 def test_draft_forward_matches_the_published_architecture(pairs, qwen3_draft_dir):
+    """Two sequences in one draft forward (different context lengths, different blocks), each
+    against the architecture written out directly; context arrives in parts, as in decoding."""
     from safetensors.torch import load_file
     target, draft = pairs["qwen3"]
     weights = load_file(str(qwen3_draft_dir / "model.safetensors"))
     config = json.loads((qwen3_draft_dir / "config.json").read_text())
     gen = torch.Generator().manual_seed(0)
-    features = torch.randn(30, 2 * 64, generator=gen)
-    block = torch.tensor([[77091] + [fixtures.QWEN3_MASK_TOKEN_ID] * 7])
+    features = [torch.randn(30, 2 * 64, generator=gen), torch.randn(13, 2 * 64, generator=gen)]
+    blocks = torch.tensor([[77091] + [fixtures.QWEN3_MASK_TOKEN_ID] * 7,
+                           [9707] + [fixtures.QWEN3_MASK_TOKEN_ID] * 7])
+    pool, tables = draft_pool(draft, 64, num_seqs=2)
     with torch.no_grad():
-        embeds = target.embed(block)
-        cache = draft.make_cache(64)
-        # context arrives in two parts (prefill, then one verify), as in decoding
-        draft(embeds, features[None, :20], cache)
-        got = draft(embeds, features[None, 20:], cache)[0]
-        expected = reference_draft_forward(weights, config, features, embeds[0])
-    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
-    assert cache.length == 30                      # context K/V kept, block K/V dropped
+        embeds = target.embed(blocks.view(-1))
+        # sequence 0: a prefill's context, a draft, then one verify's context
+        add_context(draft, pool, tables[0], features[0][:20], 0)
+        draft(embeds[:8], torch.arange(20, 28), draft_metadata(pool, tables[:1], [20], 8))
+        add_context(draft, pool, tables[0], features[0][20:], 20)
+        add_context(draft, pool, tables[1], features[1], 0)
+        meta = draft_metadata(pool, tables, [30, 13], 8)
+        got = draft(embeds, meta.positions, meta).view(2, 8, -1)
+        expected = [reference_draft_forward(weights, config, features[b], embeds.view(2, 8, -1)[b]) for b in (0, 1)]
+    for b in (0, 1):
+        assert torch.allclose(got[b], expected[b], atol=1e-4, rtol=1e-4), b
+    # context K/V kept in the pool, block K/V never written (its slots are still zero)
+    k_pool = pool.layers[0][0]
+    slots = lambda table, lo, hi: [table[p // 8] * 8 + p % 8 for p in range(lo, hi)]   # noqa: E731
+    assert k_pool[slots(tables[0], 0, 30)].abs().amin(dim=(1, 2)).gt(0).all()
+    assert k_pool[slots(tables[0], 30, 38)].eq(0).all() and k_pool[slots(tables[1], 13, 21)].eq(0).all()
+
+
+def test_the_draft_sees_exactly_the_committed_context(pairs):
+    """In every propose of a batch, each block's anchor sits right after its sequence's committed
+    context (the draft pool's valid positions), and the block's positions are consecutive."""
+    target, draft = pairs["qwen3"]
+    seen = []
+
+    def spy(_module, args):
+        _, positions, meta = args
+        seen.append((meta.query_positions.clone(), meta.context_lens.clone(), meta.num_seqs))
+    handle = draft.register_forward_pre_hook(spy)
+    try:
+        requests = [make_request(SHORT, request_id="a", max_tokens=12),
+                    make_request(LONG[:40], request_id="b", max_tokens=9)]
+        run_batch(lambda: dflash_engine(target, draft, 4), requests)
+    finally:
+        handle.remove()
+    assert max(num for _, _, num in seen) == 2
+    for query_positions, context_lens, _ in seen:
+        assert torch.equal(query_positions[:, 0], context_lens)
+        assert torch.equal(query_positions - query_positions[:, :1], torch.arange(4).expand_as(query_positions))
+    # the first propose of a sequence sees its whole prompt
+    contexts = {int(n) for _, context_lens, _ in seen for n in context_lens}
+    assert {len(SHORT), 40} <= contexts
 
 
 def test_draft_config_is_read_as_zlab_writes_it(qwen3_draft_dir, pairs):
@@ -328,6 +379,7 @@ def test_draft_config_is_read_as_zlab_writes_it(qwen3_draft_dir, pairs):
     assert default_target_layer_ids(28, 1) == [14]
 
 
+
 def test_sliding_window_draft_layers_are_causal_and_windowed(tmp_path, qwen3_dir, pairs):
     target, _ = pairs["qwen3"]
     path = fixtures.write_dflash_draft(tmp_path / "swa", qwen3_dir, num_layers=2,
@@ -335,24 +387,28 @@ def test_sliding_window_draft_layers_are_causal_and_windowed(tmp_path, qwen3_dir
     draft = load_draft(str(path), target)
     assert draft.layers[0].self_attn.is_causal and draft.layers[0].self_attn.window == 4
     assert not draft.layers[1].self_attn.is_causal and draft.layers[1].self_attn.window is None
+    feats = torch.randn(10, 128, generator=torch.Generator().manual_seed(1))
+    pool, tables = draft_pool(draft, 32)
+    add_context(draft, pool, tables[0], feats, 0)
+    meta = draft_metadata(pool, tables, [10], 4)
+    rope = draft.rotary_emb(meta.positions, torch.float32)
+
+    def layer0(ids):
+        with torch.no_grad():
+            return draft.layers[0](target.embed(torch.tensor(ids)), rope, meta)
+
     # Causal first layer: changing a later block slot must not change an earlier slot's layer-0 output.
-    block = torch.tensor([[100, 200, 300, 400]])
-    other = torch.tensor([[100, 200, 300, 999]])
-    feats = torch.randn(1, 10, 128, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        outs = []
-        for ids in (block, other):
-            cache = draft.make_cache(32)
-            h = target.embed(ids)
-            layer0 = draft.layers[0]
-            context_start = cache.advance(10)
-            pos = torch.arange(0, 14)
-            cos, sin = draft.rotary_emb(pos[None], h.dtype)
-            ctx = draft.hidden_norm(draft.fc(feats))
-            masks = {(True, 4): draft_mask(pos[10:], pos, None, True, 4)}
-            outs.append(layer0(h, ctx, (cos[..., 10:, :], sin[..., 10:, :]), (cos[..., :10, :], sin[..., :10, :]),
-                               cache.layers[0], context_start, masks))
-    assert torch.equal(outs[0][:, :3], outs[1][:, :3]) and not torch.equal(outs[0][:, 3], outs[1][:, 3])
+    out, other = layer0([100, 200, 300, 400]), layer0([100, 200, 300, 999])
+    assert torch.equal(out[:3], other[:3]) and not torch.equal(out[3], other[3])
+    # Windowed: block slot 0 (position 10) sees context positions 7…9 only: changing position 6 does not
+    # change its output, changing position 9 does.
+    for position, changes_slot0 in ((6, False), (9, True)):
+        moved = feats.clone()
+        moved[position] += 1.0
+        add_context(draft, pool, tables[0], moved, 0)
+        out_moved = layer0([100, 200, 300, 400])
+        assert torch.equal(out_moved[0], out[0]) != changes_slot0, position
+        add_context(draft, pool, tables[0], feats, 0)
     reference = plain(target, SHORT).output_ids
     assert dflash(target, draft, SHORT, 8).output_ids == reference
 
@@ -364,40 +420,57 @@ def test_draft_that_does_not_fit_the_target_is_refused(tmp_path, qwen3_dir, pair
         load_draft(str(path), target)
 
 
-def test_static_runners_equal_eager(pairs):
-    """The graph-capturable runners (positions on the device, padded draft context, persistent
-    caches) decode exactly like the eager models; on CUDA the same path is replayed as graphs."""
-    from blockspec.engine.cuda_graphs import StaticDraft, StaticTarget
+def test_graph_shaped_runs_equal_eager(pairs):
+    """What CUDA graphs replay — batches padded with rows at page 0, keys gathered over the whole
+    per-sequence capacity — equals the eager metadata: the target through prefill, verify blocks
+    and decode steps, the draft through contexts arriving in pieces. (Engine v2 has no separate
+    static runners; the graph path is the same forward under graph-shaped metadata.)"""
+    target, draft = pairs["qwen3"]
+    ids = LONG[:60]
+    eager = OneSequence(target, 128, page_size=8, capture_layers=draft.target_layer_ids)
+    shaped = OneSequence(target, 128, page_size=8, capture_layers=draft.target_layer_ids)
+    for lo, hi in ((0, 40), (40, 48), (48, 49), (49, 57), (57, 60)):
+        expected, expected_features = eager.forward(ids[lo:hi], keep_steps=hi - lo > 1)
+        got, features = shaped.forward(ids[lo:hi], keep_steps=hi - lo > 1, shape=graph_shaped(4))
+        assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5), (lo, hi)
+        assert torch.allclose(features, expected_features, atol=1e-5, rtol=1e-5), (lo, hi)
+    gen = torch.Generator().manual_seed(3)
+    contexts = [torch.randn(n, 128, generator=gen) for n in (20, 3, 1, 8, 5)]
+    block = target.embed(torch.tensor([77091] + [fixtures.QWEN3_MASK_TOKEN_ID] * 7))
+    pool, tables = draft_pool(draft, 256)
+    padded_pool, _ = draft_pool(draft, 256)
+    start = 0
+    with torch.no_grad():
+        for context in contexts:
+            add_context(draft, pool, tables[0], context, start)
+            add_context(draft, padded_pool, tables[0], context, start)
+            start += context.shape[0]
+            meta = draft_metadata(pool, tables, [start], 8)
+            expected = draft(block, meta.positions, meta)
+            shaped_meta = graph_shaped(4)(draft_metadata(padded_pool, tables, [start], 8))
+            got = draft(torch.cat((block, torch.zeros(24, block.shape[1]))), shaped_meta.positions, shaped_meta)[:8]
+            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), start
+    assert start == 37
+
+
+def test_padded_graph_path_decodes_like_eager(pairs):
+    """The engine's CUDA-graph path (ModelRunner.make_graphs), run eagerly on the CPU: batches
+    padded to a captured size, keys gathered to a fixed bucket, drafts written into the static
+    input ids between propose and verify. It decodes exactly like the eager path."""
     target, draft = pairs["qwen3"]
     reference = plain(target, LONG, max_tokens=30).output_ids
-    static_target = StaticTarget(target, 4096, 8, draft.target_layer_ids, use_graphs=False)
-    static_draft = StaticDraft(draft, 4096, 8, use_graphs=False)
-    assert plain(static_target, LONG, max_tokens=30).output_ids == reference
-    with torch.no_grad():   # a prefill through the static path computes only the logits asked for
-        out = static_target(torch.tensor([LONG]), static_target.make_cache(4096), num_logits=1)
-    assert out.logits.shape[1] == 1
+    engine = padded(make_engine(target))
+    assert run_alone(lambda: engine, make_request(LONG, max_tokens=30)).output_ids == reference
+    assert engine.runner.graphs.batches                       # the padded path really ran
     for block_size in (2, 8):
-        oracle = OracleDraft(static_draft, LONG, reference)
-        request = dflash(static_target, oracle, LONG, block_size, max_tokens=30)
+        oracle = OracleDraft(draft, LONG + reference)
+        engine = padded(dflash_engine(target, oracle, block_size))
+        request = run_alone(lambda: engine, make_request(LONG, max_tokens=30)).request
         assert request.output_ids == reference
         assert set(request.stats.acceptance_lengths[:-1]) == {block_size}
-        assert dflash(static_target, static_draft, LONG, block_size, max_tokens=30).output_ids == reference
-
-
-def test_static_draft_equals_eager_draft(pairs):
-    from blockspec.engine.cuda_graphs import StaticDraft
-    target, draft = pairs["qwen3"]
-    static = StaticDraft(draft, 256, 8, use_graphs=False)
-    gen = torch.Generator().manual_seed(3)
-    contexts = [torch.randn(1, n, 128, generator=gen) for n in (20, 3, 1, 8, 5)]
-    block = target.embed(torch.tensor([[77091] + [fixtures.QWEN3_MASK_TOKEN_ID] * 7]))
-    with torch.no_grad():
-        eager_cache, static_cache = draft.make_cache(256), static.make_cache(256)
-        for context in contexts:
-            expected = draft(block, context, eager_cache)
-            got = static(block, context, static_cache)
-            assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5)
-        assert static_cache.length == eager_cache.length == 37
+        assert [key[1] for key in engine.runner.graphs.batches] == [512]      # 270 + 30 keys → bucket 512
+        real = run_alone(lambda: padded(dflash_engine(target, draft, block_size)), make_request(LONG, max_tokens=30))
+        assert real.output_ids == reference
 
 
 def test_context_features_are_transformers_hidden_states_of_the_layer_ids(pairs, qwen3_dir):
@@ -409,7 +482,10 @@ def test_context_features_are_transformers_hidden_states_of_the_layer_ids(pairs,
     ids = torch.tensor([LONG[:40]])
     with torch.no_grad():
         hidden = reference(ids, output_hidden_states=True).hidden_states
-        ours = target(ids, target.make_cache(64), capture_layers=draft.target_layer_ids).features
-    expected = torch.cat([hidden[layer + 1] for layer in draft.target_layer_ids], dim=-1)
+    _, ours = OneSequence(target, 64, capture_layers=draft.target_layer_ids).forward(ids[0])
+    expected = torch.cat([hidden[layer + 1][0] for layer in draft.target_layer_ids], dim=-1)
     assert draft.target_layer_ids == (0, 2)
     assert torch.allclose(ours, expected, atol=1e-5, rtol=1e-4)
+    # and the engine's runner captures exactly these layers for the draft
+    engine = dflash_engine(target, draft, 4)
+    assert engine.runner.capture_layers == (0, 2)

@@ -143,3 +143,18 @@ def test_a_sequence_larger_than_the_whole_pool_ends_with_a_clear_error(qwen3_dir
     assert [e.finish_reason for e in events] == ["error"]
     assert "more KV-cache pages than the pool has" in events[0].error
     assert llm.generate_ids([1, 2, 3], SamplingParams(max_tokens=4)).finish_reason == "length"
+
+
+def test_two_engines_on_one_target_do_not_disturb_each_other(llm):
+    """Engines hold no state in the models: a plain engine built on the same target after a DFlash
+    one leaves the DFlash engine's features (and output) intact."""
+    from blockspec.config import EngineConfig
+    from blockspec.engine.engine import Engine
+    expected = llm.generate_ids([9707, 11], SamplingParams(max_tokens=9)).token_ids
+    plain = Engine(llm.target, None, EngineConfig(max_model_len=512, max_num_seqs=2))
+    assert llm.generate_ids([9707, 11], SamplingParams(max_tokens=9)).token_ids == expected
+    request = llm.make_request("p", [9707, 11], SamplingParams(max_tokens=9))
+    plain.submit(request, lambda event: None)
+    while not request.is_finished:
+        plain.step()
+    assert request.output_ids == expected

@@ -15,12 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from blockspec.cache import RecurrentCache
 from blockspec.config import ConfigError
 from blockspec.loader import LoadError, load_model
 from blockspec.models.gated_delta import (chunk_gated_delta_rule, recurrent_gated_delta_rule,
                                           select_kernels)
 from blockspec.models.qwen3_5 import HybridConfig
+
+from helpers import OneSequence, OracleDraft, graph_shaped
 
 VOCAB = 256
 TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
@@ -84,9 +85,10 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
-def prefill(model, ids: torch.Tensor, max_len: int = 512):
-    cache = model.make_cache(max_len)
-    return cache, model(ids, cache).logits
+def prefill(model, ids: torch.Tensor, max_len: int = 512, page_size: int = 16):
+    """A fresh sequence that has seen ids [1, L]: (the sequence, logits [L, V])."""
+    seq = OneSequence(model, max_len, page_size=page_size)
+    return seq, seq.forward(ids[0])[0]
 
 
 # ── agreement with transformers ────────────────────────────────────────────────────────────────
@@ -97,10 +99,10 @@ def test_logits_and_features_match_transformers(hybrids, kind):
     ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = ref(ids, output_hidden_states=True)
-        out = ours(ids, ours.make_cache(256), capture_layers=(0, 2))
-    assert relative_error(out.logits, expected.logits) < 1e-4
-    features = torch.cat((expected.hidden_states[1], expected.hidden_states[3]), dim=-1)
-    assert relative_error(out.features, features) < 1e-4
+    logits, features = OneSequence(ours, 256, capture_layers=(0, 2)).forward(ids[0])
+    assert relative_error(logits, expected.logits[0]) < 1e-4
+    expected_features = torch.cat((expected.hidden_states[1], expected.hidden_states[3]), dim=-1)[0]
+    assert relative_error(features, expected_features) < 1e-4
 
 
 def test_multimodal_layout_config(hybrids):
@@ -114,20 +116,19 @@ def test_multimodal_layout_config(hybrids):
 def test_prefill_then_decode_equals_one_forward(hybrids, kind):
     _, ours = hybrids[kind]
     ids = torch.randint(0, VOCAB, (1, 90), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        _, full = prefill(ours, ids)
-        cache, first = prefill(ours, ids[:, :70])
-        steps = [ours(ids[:, t:t + 1], cache).logits for t in range(70, 90)]
-    assert relative_error(torch.cat([first, *steps], dim=1), full) < 1e-5
+    _, full = prefill(ours, ids)
+    seq, first = prefill(ours, ids[:, :70], page_size=8)
+    steps = [seq.forward(ids[0, t:t + 1])[0] for t in range(70, 90)]
+    assert relative_error(torch.cat([first, *steps]), full) < 1e-5
 
 
 def greedy(model, prompt: list[int], num_new: int) -> list[int]:
-    cache = model.make_cache(len(prompt) + num_new)
-    logits = model(torch.tensor([prompt]), cache, num_logits=1).logits
+    seq = OneSequence(model, len(prompt) + num_new)
+    logits, _ = seq.forward(prompt)
     tokens = []
     for _ in range(num_new):
-        tokens.append(int(logits[0, -1].argmax()))
-        logits = model(torch.tensor([[tokens[-1]]]), cache).logits
+        tokens.append(int(logits[-1].argmax()))
+        logits, _ = seq.forward([tokens[-1]])
     return tokens
 
 
@@ -188,18 +189,14 @@ def test_select_kernels_on_cpu_is_torch():
 
 # ── replay-free rollback ───────────────────────────────────────────────────────────────────────
 
-def recurrent_layers(cache) -> list[RecurrentCache]:
-    return [layer for layer in cache.layers if isinstance(layer, RecurrentCache)]
-
-
 @pytest.mark.parametrize("kind,dtype,tolerance", [
     ("qwen3_5", torch.float64, 1e-6),
     ("qwen3_next", torch.float64, 1e-6),
     ("qwen3_5", torch.float32, 1e-5),
 ])
 def test_rollback_selects_the_committed_state(hybrids, kind, dtype, tolerance):
-    """Verify 6 tokens with keep_steps, keep n of them: the recurrent states (SSM and conv window)
-    and the next logits equal a fresh prefill over exactly the committed tokens.
+    """Verify 6 tokens with keep_steps, keep n of them (StatePool.select): the recurrent states
+    (SSM and conv window) and the next logits equal a fresh prefill over exactly the committed tokens.
 
     In fp64 (states too) the two paths differ only by rounding, so 1e-6 is a tight bound; in fp32
     a different forward shape alone (one prefill vs prefill + verify) moves conv inputs by ~1e-6.
@@ -210,53 +207,80 @@ def test_rollback_selects_the_committed_state(hybrids, kind, dtype, tolerance):
     block = torch.randint(0, VOCAB, (1, 6), generator=gen)
     next_token = torch.randint(0, VOCAB, (1, 1), generator=gen)
     start = prompt.shape[1]
-    with torch.no_grad():
-        for kept in range(1, 7):
-            cache, _ = prefill(ours, prompt)
-            ours(block, cache, keep_steps=True)
-            cache.trim(start + kept)
-            fresh, _ = prefill(ours, torch.cat((prompt, block[:, :kept]), dim=1))
-            assert cache.length == fresh.length == start + kept
-            for rolled, expected in zip(recurrent_layers(cache), recurrent_layers(fresh), strict=True):
-                assert rolled.ssm.dtype == torch.promote_types(dtype, torch.float32)
-                assert (rolled.ssm - expected.ssm).abs().max() <= tolerance, f"ssm, kept {kept}"
-                assert (rolled.conv - expected.conv).abs().max() <= tolerance, f"conv, kept {kept}"
-            after = ours(next_token, cache).logits
-            assert relative_error(after, ours(next_token, fresh).logits) < tolerance
+    for kept in range(1, 7):
+        seq, _ = prefill(ours, prompt, page_size=8)
+        seq.forward(block[0], keep_steps=True)
+        seq.rollback(start + kept)
+        fresh, _ = prefill(ours, torch.cat((prompt, block[:, :kept]), dim=1), page_size=8)
+        assert seq.length == fresh.length == start + kept
+        for (ssm, conv), (fresh_ssm, fresh_conv) in zip(seq.recurrent_state(), fresh.recurrent_state(), strict=True):
+            assert ssm.dtype == torch.promote_types(dtype, torch.float32)
+            assert (ssm - fresh_ssm).abs().max() <= tolerance, f"ssm, kept {kept}"
+            assert (conv - fresh_conv).abs().max() <= tolerance, f"conv, kept {kept}"
+        after, _ = seq.forward(next_token[0])
+        assert relative_error(after, fresh.forward(next_token[0])[0]) < tolerance
 
 
 def test_rollback_refuses_what_the_saved_steps_cannot_give(hybrids):
+    """select() needs the per-step states of a keep_steps forward, once."""
     _, ours = hybrids["qwen3_5"]
     prompt = torch.arange(10)[None]
-    with torch.no_grad():
-        cache, _ = prefill(ours, prompt)
-        ours(torch.arange(10, 14)[None], cache)          # no keep_steps: only the final state
-        with pytest.raises(ValueError, match="keep_steps"):
-            cache.trim(12)
-        cache, _ = prefill(ours, prompt)
-        ours(torch.arange(10, 14)[None], cache, keep_steps=True)
-        with pytest.raises(ValueError, match="saved states cover"):
-            cache.trim(10)                                # before the block's first position
-        with pytest.raises(ValueError, match="saved states cover"):
-            cache.trim(5)
+    seq, _ = prefill(ours, prompt)
+    seq.forward(torch.arange(10, 14))                  # no keep_steps: only the final state
+    with pytest.raises(RuntimeError, match="kept its steps"):
+        seq.rollback(12)
+    seq, _ = prefill(ours, prompt)
+    seq.forward(torch.arange(10, 14), keep_steps=True)
+    seq.rollback(12)
+    with pytest.raises(RuntimeError, match="kept its steps"):
+        seq.rollback(11)                              # the stash is spent by the first select
+
+
+def test_select_refuses_keeping_nothing_of_the_block(hybrids):
+    _, ours = hybrids["qwen3_5"]
+    seq, _ = prefill(ours, torch.arange(10)[None])
+    seq.forward(torch.arange(10, 14), keep_steps=True)
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="keeps 1..4 positions"):
+            seq.states.select(torch.tensor([seq.state_slot]), [bad])
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_graph_shaped_metadata_equals_eager_on_hybrids(hybrids, kind):
+    """Padded rows (page 0, state slot 0) and keys over the whole capacity, as a CUDA graph
+    replays them: the same logits, the same states after a verify and its rollback."""
+    _, ours = hybrids[kind]
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, VOCAB, (40,), generator=gen).tolist()
+    eager, padded = OneSequence(ours, 64, page_size=8), OneSequence(ours, 64, page_size=8)
+    for lo, hi, kept in ((0, 30, None), (30, 36, 3), (33, 34, None), (34, 40, 6)):
+        if eager.length != lo:
+            continue
+        expected, _ = eager.forward(ids[lo:hi], keep_steps=kept is not None)
+        got, _ = padded.forward(ids[lo:hi], keep_steps=kept is not None, shape=graph_shaped(3))
+        assert relative_error(got, expected) < 1e-5, (lo, hi)
+        if kept is not None:
+            eager.rollback(lo + kept)
+            padded.rollback(lo + kept)
+        for (ssm, conv), (ssm_e, conv_e) in zip(padded.recurrent_state(), eager.recurrent_state()):
+            assert (ssm - ssm_e).abs().max() < 1e-5 and (conv - conv_e).abs().max() < 1e-5
+    assert eager.length == padded.length == 40
 
 
 # ── configs we do not serve ────────────────────────────────────────────────────────────────────
 
-def test_moe_config_is_a_clear_error(tmp_path):
+def test_moe_config_gives_sparse_layers():
+    """MoE variants load now (tests/test_moe.py); the config says which layers are sparse."""
     from transformers import Qwen3NextConfig
-    config = Qwen3NextConfig(**TEXT, num_experts=4).to_dict()
-    config["architectures"] = ["Qwen3NextForCausalLM"]
-    with pytest.raises(ConfigError, match="MoE variants are not supported yet"):
-        HybridConfig.from_hf(config, "Qwen3NextForCausalLM")
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    save_file({"lm_head.weight": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(LoadError, match="MoE variants are not supported yet"):
-        load_model(str(tmp_path), device="cpu")
+    config = Qwen3NextConfig(**TEXT, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2).to_dict()
+    moe = HybridConfig.from_hf(config, "Qwen3NextForCausalLM").moe
+    assert moe.num_experts == 4 and moe.shared_expert_intermediate_size > 0
+    assert [moe.is_sparse(i) for i in range(4)] == [False, True, False, True]
 
 
 def test_dense_layers_of_a_sparse_config_are_allowed():
-    config = {**TEXT, "model_type": "qwen3_next", "num_experts": 4, "mlp_only_layers": [0, 1, 2, 3]}
+    config = {**TEXT, "model_type": "qwen3_next", "num_experts": 4, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 16, "mlp_only_layers": [0, 1, 2, 3]}
     assert HybridConfig.from_hf(config, "Qwen3NextForCausalLM").fused_gdn_projections
 
 
@@ -301,15 +325,15 @@ def test_oracle_bookkeeping_on_hybrids(hybrids, hybrid_drafts, kind):
     """Full blocks accepted with a draft that is always right; with one that is right for a
     few tokens then wrong, every partial rollback still leaves output equal to plain decoding
     (the seeds' "Paris,\\n,\\n,…" degeneration is exactly a failure of this)."""
-    from test_dflash import OracleDraft, dflash, plain
+    from test_dflash import dflash, plain
     target, draft = hybrids[kind][1], hybrid_drafts[kind]
     ids = HYBRID_PROMPTS["long"]
     reference = plain(target, ids, stops=frozenset(), max_tokens=33).output_ids
-    full = dflash(target, OracleDraft(draft, ids, reference), ids, 8, stops=frozenset(), max_tokens=33)
+    full = dflash(target, OracleDraft(draft, ids + reference), ids, 8, stops=frozenset(), max_tokens=33)
     assert full.output_ids == reference and full.stats.acceptance_lengths == [8, 8, 8, 8]
     corrupted = list(reference)
     for i in range(3, len(corrupted), 5):       # every 5th proposal is wrong: partial acceptance
         corrupted[i] = (corrupted[i] + 1) % (VOCAB - 1)
-    partial = dflash(target, OracleDraft(draft, ids, corrupted), ids, 8, stops=frozenset(), max_tokens=33)
+    partial = dflash(target, OracleDraft(draft, ids + corrupted), ids, 8, stops=frozenset(), max_tokens=33)
     assert partial.output_ids == reference
     assert any(1 < n < 8 for n in partial.stats.acceptance_lengths)

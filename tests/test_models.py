@@ -8,10 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from blockspec.engine.plain import generate_plain
-from blockspec.engine.request import Request
 from blockspec.loader import LoadError, load_model
-from blockspec.sampling import SamplingParams
+
+from helpers import OneSequence, graph_shaped, make_engine, make_request, run_alone
 
 KINDS = ["qwen3", "llama", "qwen2"]
 
@@ -31,8 +30,8 @@ def test_logits_equal_transformers(checkpoints, kind):
     ours, ref = load_model(str(path)).model, hf_model(path)
     ids = torch.randint(0, 151643, (1, 300), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = ref(ids).logits
-        got = ours(ids, ours.make_cache(512)).logits
+        expected = ref(ids).logits[0]
+    got, _ = OneSequence(ours, 512).forward(ids[0])
     assert rel_err(got, expected) < 1e-4
 
 
@@ -40,27 +39,32 @@ def test_logits_equal_transformers(checkpoints, kind):
 def test_prefill_then_decode_equals_one_forward(checkpoints, kind):
     ours = load_model(str(checkpoints[kind])).model
     ids = torch.randint(0, 151643, (1, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        full = ours(ids, ours.make_cache(64)).logits
-        cache = ours.make_cache(64)
-        parts = [ours(ids[:, :25], cache).logits] + [ours(ids[:, i:i + 1], cache).logits for i in range(25, 33)]
-        parts.append(ours(ids[:, 33:], cache).logits)   # a multi-token step over a cache (a verify)
-    assert rel_err(torch.cat(parts, dim=1), full) < 1e-5
+    full, _ = OneSequence(ours, 64).forward(ids[0])
+    seq = OneSequence(ours, 64, page_size=4)       # pages: 25 positions end mid-page
+    parts = [seq.forward(ids[0, :25])[0]] + [seq.forward(ids[0, i:i + 1])[0] for i in range(25, 33)]
+    parts.append(seq.forward(ids[0, 33:])[0])      # a multi-token step over the pool (a verify)
+    assert rel_err(torch.cat(parts), full) < 1e-5
 
 
-def test_trim_rolls_back_exactly(checkpoints):
+def test_rollback_by_length_is_exact(checkpoints):
+    """A rejected block's K/V stays in the pool past the sequence's length: masked, then
+    overwritten, so the next forward equals one over a pool that never saw it."""
     ours = load_model(str(checkpoints["qwen3"])).model
     ids = torch.randint(0, 151643, (1, 30), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        cache = ours.make_cache(64)
-        ours(ids[:, :20], cache)
-        ours(torch.randint(0, 1000, (1, 8)), cache)      # a rejected block
-        cache.trim(20)
-        after_trim = ours(ids[:, 20:], cache).logits
-        fresh_cache = ours.make_cache(64)
-        ours(ids[:, :20], fresh_cache)
-        fresh = ours(ids[:, 20:], fresh_cache).logits
-    assert torch.equal(after_trim, fresh)
+    seq = OneSequence(ours, 64, page_size=8)
+    seq.forward(ids[0, :20])
+    seq.forward(torch.randint(0, 1000, (8,)), keep_steps=True)     # a rejected block
+    seq.rollback(20)
+    after_rollback, _ = seq.forward(ids[0, 20:])
+    fresh = OneSequence(ours, 64, page_size=8)
+    fresh.forward(ids[0, :20])
+    expected, _ = fresh.forward(ids[0, 20:])
+    assert torch.equal(after_rollback, expected)
+    # the rejected block's K/V really was in the pool, at the positions rewritten since
+    rejected = OneSequence(ours, 64, page_size=8)
+    rejected.forward(ids[0, :20])
+    rejected.forward(torch.randint(0, 1000, (8,)))
+    assert not torch.equal(rejected.kv.layers[0][0], fresh.kv.layers[0][0])
 
 
 PROMPTS = [
@@ -76,9 +80,7 @@ def test_greedy_generate_equals_transformers(checkpoints, kind):
     ours, ref = load_model(str(path)).model, hf_model(path)
     stop_ids = frozenset({151645, 151643})
     for prompt in PROMPTS:
-        request = Request("r", prompt, SamplingParams(max_tokens=40), stop_ids, 4096)
-        for _ in generate_plain(ours, request):
-            pass
+        request = run_alone(lambda: make_engine(ours), make_request("r", prompt, stop_ids, max_tokens=40)).request
         expected = ref.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
                                 eos_token_id=sorted(stop_ids), pad_token_id=151643)[0, len(prompt):].tolist()
         assert request.output_ids == expected
@@ -89,11 +91,8 @@ def test_seeded_sampling_is_reproducible(qwen3_dir):
     ours = load_model(str(qwen3_dir)).model
 
     def run(seed: int) -> list[int]:
-        request = Request("r", PROMPTS[0], SamplingParams(max_tokens=20, temperature=1.0, seed=seed),
-                          frozenset(), 4096)
-        for _ in generate_plain(ours, request):
-            pass
-        return request.output_ids
+        request = make_request("r", PROMPTS[0], max_tokens=20, temperature=1.0, seed=seed)
+        return run_alone(lambda: make_engine(ours), request).output_ids
 
     assert run(7) == run(7)
     assert run(7) != run(8)
@@ -165,17 +164,18 @@ def test_hub_id_offline_is_one_clear_error(monkeypatch):
         load_model("no-such-org/no-such-model")
 
 
-def test_static_cache_path_equals_eager(qwen3_dir):
-    """The graph-capturable path (positions on the device, whole static cache under a mask)
-    computes what the eager path does; CUDA graphs replay exactly this path."""
-    ours = load_model(str(qwen3_dir)).model
+def test_graph_shaped_metadata_equals_eager(checkpoints):
+    """What a CUDA graph replays — a batch padded with rows that write at page 0, and keys
+    gathered over the pool's whole per-sequence capacity (fixed shapes) — computes what the
+    eager metadata does, for a prefill, a verify block and a decode step."""
+    ours = load_model(str(checkpoints["qwen3"])).model
     ids = torch.randint(0, 151643, (1, 40), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        eager_cache, static_cache = ours.make_cache(64), ours.make_cache(64)
-        eager = [ours(ids[:, :30], eager_cache).logits, ours(ids[:, 30:], eager_cache).logits]
-        static = []
-        for lo, hi in ((0, 30), (30, 40)):
-            static_cache.advance(hi - lo)
-            static.append(ours(ids[:, lo:hi], static_cache, positions=torch.arange(lo, hi)).logits)
-    for a, b in zip(eager, static):
-        assert rel_err(b, a) < 1e-5
+    eager, padded = OneSequence(ours, 64, page_size=8), OneSequence(ours, 64, page_size=8)
+    for lo, hi in ((0, 30), (30, 38), (38, 39), (39, 40)):
+        expected, _ = eager.forward(ids[0, lo:hi])
+        got, _ = padded.forward(ids[0, lo:hi], shape=graph_shaped(3))
+        assert rel_err(got, expected) < 1e-5, (lo, hi)
+    # the padding rows really wrote at page 0 only: the sequence's pages hold the same K/V
+    k_eager, k_padded = eager.kv.layers[1][0], padded.kv.layers[1][0]
+    assert torch.allclose(k_eager[8:8 * 6], k_padded[8:8 * 6], atol=1e-5)
+    assert not torch.equal(k_padded[:8], k_eager[:8])

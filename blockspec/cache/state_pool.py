@@ -63,12 +63,18 @@ class StatePool:
     def stash(self, layer: int, step_states: torch.Tensor, conv_inputs: torch.Tensor) -> None:
         self.stashed[layer] = (step_states, conv_inputs)
 
-    def select(self, slots: torch.Tensor, num_kept: torch.Tensor) -> None:
+    def select(self, slots: torch.Tensor, num_kept: list[int]) -> None:
         """After a verify: sequence b keeps num_kept[b] (1..T) positions of its block.
 
         conv_inputs[b, :, j] is block position j − (K−1), so the window ending at the last kept
         position is columns num_kept … num_kept + K − 2."""
+        width = next((s[0].shape[1] for s in self.stashed if s is not None), None)
+        if width is None:
+            raise RuntimeError("select() without a verify forward that kept its steps")
+        if any(not 1 <= kept <= width for kept in num_kept):
+            raise ValueError(f"each sequence keeps 1..{width} positions of its block, got {num_kept}")
         rows = torch.arange(slots.shape[0], device=slots.device)
+        num_kept = torch.tensor(num_kept, device=slots.device)
         for layer, stashed in enumerate(self.stashed):
             if stashed is None:
                 raise RuntimeError("select() without a verify forward that kept its steps")

@@ -39,7 +39,8 @@ class ModelRunner:
         self.width = config.block_size if self.draft is not None else 1
         weight = target.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
-        target.capture_layers = tuple(self.draft.target_layer_ids) if self.draft is not None else ()
+        # Target layers whose outputs feed the draft (none without a draft).
+        self.capture_layers = tuple(self.draft.target_layer_ids) if self.draft is not None else ()
         self.page_size = config.page_size
         self.allocator = PageAllocator(config.total_pages)
         num_slots = config.total_pages * config.page_size
@@ -121,7 +122,7 @@ class ModelRunner:
         start = seq.num_cached
         meta = self.prepare([seq], num_tokens, [start], [seq.tokens[start: start + num_tokens]])
         meta.keep_steps = False
-        out = self.target(meta.input_ids, meta.positions, meta)
+        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
         self.num_forwards += 1
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
@@ -149,8 +150,7 @@ class ModelRunner:
         logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
         num_accepted, new_tokens = accept(seqs, proposal, logits.view(num_seqs, width, -1))
         if meta.keep_steps:
-            kept = torch.tensor(num_accepted, device=self.device) + 1
-            self.states.select(meta.state_slots[:num_seqs], kept)
+            self.states.select(meta.state_slots[:num_seqs], [a + 1 for a in num_accepted])
         return DecodeResult(num_accepted, new_tokens)
 
     def run_forward(self, kind: str, fn, meta: AttentionMetadata) -> torch.Tensor:
@@ -175,7 +175,7 @@ class ModelRunner:
         """Target forward → logits [B·T, V]; the features of all T positions join the draft's
         context (those past the accepted prefix lie past the sequence's length: masked, then
         overwritten)."""
-        out = self.target(meta.input_ids, meta.positions, meta)
+        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         return self.target.compute_logits(out.hidden)

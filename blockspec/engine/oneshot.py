@@ -30,11 +30,6 @@ def forward_sequences(target: nn.Module, input_ids: torch.Tensor, capture_layers
         block_tables=rows[:, None], context_lens=torch.full((batch,), length, device=device),
         max_context_len=length, page_size=length, kv=kv.layers, states=states,
         state_slots=rows if states is not None else None)
-    previous = target.capture_layers
-    target.capture_layers = tuple(capture_layers)
-    try:
-        out = target(meta.input_ids, meta.positions, meta)
-    finally:
-        target.capture_layers = previous
+    out = target(meta.input_ids, meta.positions, meta, tuple(capture_layers))
     features = None if out.features is None else out.features.view(batch, length, -1)
     return ForwardOutput(out.hidden.view(batch, length, -1), features)

@@ -20,11 +20,10 @@ class CausalLM(nn.Module):
     """A target: `forward(input_ids [N], positions [N], meta)` → hidden states and features.
 
     Subclasses build `self.model` (embed_tokens, layers, norm, rotary_emb) and `self.lm_head`.
-    capture_layers (set once by the model runner): decoder layers whose outputs are returned as
+    capture_layers (an argument of each forward): decoder layers whose outputs are returned as
     the draft's context features (transformers' hidden_states[l + 1])."""
 
     config: ModelConfig
-    capture_layers: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -49,14 +48,15 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> ForwardOutput:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
         meta.shared.clear()
         x = self.embed(input_ids)                                           # [N, hidden]
         rope = self.model.rotary_emb(positions, x.dtype)                   # cos, sin [N, 1, rot]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rope, meta)
-            if i in self.capture_layers:
+            if i in capture_layers:
                 captured[i] = x
-        features = torch.cat([captured[i] for i in self.capture_layers], dim=-1) if captured else None
+        features = torch.cat([captured[i] for i in capture_layers], dim=-1) if captured else None
         return ForwardOutput(self.model.norm(x), features)

@@ -1,4 +1,5 @@
-"""Dense targets: Qwen3, Qwen2 and Llama (one file; they differ by qk-norm, biases and RoPE).
+"""Full-attention targets: Qwen3, Qwen2, Llama and Qwen3-MoE (one file; they differ by qk-norm,
+biases, RoPE and, for Qwen3-MoE, sparse feed-forward layers).
 
 Module and parameter names are Hugging Face's, so checkpoints load by name.
 """
@@ -8,7 +9,8 @@ import torch
 from torch import nn
 
 from blockspec.config import ModelConfig
-from blockspec.layers import MLP, Attention, AttentionMetadata, RMSNorm, RotaryEmbedding
+from blockspec.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding
+from blockspec.layers.moe import make_mlp
 from blockspec.models.base import CausalLM
 
 
@@ -19,7 +21,7 @@ class DecoderLayer(nn.Module):
                                    config.head_dim, config.rms_norm_eps, qkv_bias=config.attention_bias,
                                    out_bias=config.attention_out_bias,
                                    qk_norm="plain" if config.use_qk_norm else None, cache_index=index)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp = make_mlp(config.hidden_size, config.intermediate_size, config.moe, index, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -38,10 +40,14 @@ class DenseModel(nn.Module):
 
 
 class Qwen3ForCausalLM(CausalLM):
-    """Qwen3 (qk-norm), Qwen2 (qkv bias) and Llama (llama3 RoPE scaling) targets."""
+    """Qwen3 (qk-norm), Qwen2 (qkv bias), Llama (llama3 RoPE scaling) and Qwen3-MoE targets."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = DenseModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+# One class serves both: the config says which layers are sparse.
+Qwen3MoeForCausalLM = Qwen3ForCausalLM

@@ -1,10 +1,13 @@
-"""Hybrid targets: Qwen3.5 and Qwen3-Next (dense MLP), gated attention + Gated DeltaNet layers.
+"""Hybrid targets: Qwen3.5, Qwen3.5-MoE and Qwen3-Next, gated attention + Gated DeltaNet layers,
+with dense or sparse (mixture-of-experts, shared expert) feed-forward layers as the config says.
 
 Three checkpoint layouts load into one module tree with Hugging Face's names:
 - Qwen3_5ForCausalLM: `model.*`, `lm_head.weight`.
 - Qwen3_5ForConditionalGeneration (the released Qwen3.5 checkpoints): config under `text_config`,
   text weights under `model.language_model.*`; `model.visual.*` and `mtp.*` are not ours.
 - Qwen3NextForCausalLM: as the first, with the GDN input projections fused per key head.
+Qwen3.5-MoE comes in the first two layouts too (Qwen3_5MoeForCausalLM / …ForConditionalGeneration).
+Experts load per expert (`mlp.experts.{e}.gate_proj.weight` …) or fused (`mlp.experts.gate_up_proj`).
 
 Every `full_attention` layer keeps K/V in the paged pool, every `linear_attention` layer a slot
 of the state pool; verify forwards (meta.keep_steps) stash per-step states so that each sequence
@@ -22,7 +25,8 @@ from torch import nn
 
 from blockspec.cache.state_pool import RecurrentShape
 from blockspec.config import ConfigError, ModelConfig, eos_ids
-from blockspec.layers import MLP, Attention, AttentionMetadata, RMSNorm, RotaryEmbedding
+from blockspec.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding
+from blockspec.layers.moe import make_mlp
 from blockspec.models.base import CausalLM
 from blockspec.models.gated_delta import select_kernels, state_dtype
 
@@ -55,7 +59,6 @@ class HybridConfig(ModelConfig):
     @staticmethod
     def from_hf(d: dict[str, Any], architecture: str) -> "HybridConfig":
         text = d.get("text_config") or d      # the multimodal layout nests the text model's config
-        check_dense_mlp(text)
         if text.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ConfigError(f"hidden_act {text['hidden_act']!r} is not supported (silu is)")
         base = ModelConfig.from_hf(with_text_rope(text), architecture)
@@ -76,18 +79,6 @@ class HybridConfig(ModelConfig):
             attn_output_gate=bool(text.get("attn_output_gate", True)),
             fused_gdn_projections=architecture == "Qwen3NextForCausalLM" or text.get("model_type") == "qwen3_next",
         )
-
-
-def check_dense_mlp(text: dict[str, Any]) -> None:
-    """Qwen3-Next's rule for a sparse layer: experts exist, i + 1 is a multiple of
-    decoder_sparse_step and i is not in mlp_only_layers."""
-    num_experts = int(text.get("num_experts") or 0)
-    step = int(text.get("decoder_sparse_step") or 1)
-    dense_only = set(text.get("mlp_only_layers") or ())
-    num_layers = int(text["num_hidden_layers"])
-    if num_experts > 0 and any((i + 1) % step == 0 and i not in dense_only for i in range(num_layers)):
-        raise ConfigError(f"config has num_experts={num_experts}: MoE variants are not supported yet "
-                          "(only dense-MLP Qwen3.5 / Qwen3-Next checkpoints load)")
 
 
 def with_text_rope(text: dict[str, Any]) -> dict[str, Any]:
@@ -207,7 +198,7 @@ class GatedDeltaNet(nn.Module):
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: HybridConfig, layer_type: str, cache_index: int) -> None:
+    def __init__(self, config: HybridConfig, layer: int, layer_type: str, cache_index: int) -> None:
         super().__init__()
         self.is_linear = layer_type == "linear_attention"
         if self.is_linear:
@@ -217,7 +208,7 @@ class HybridDecoderLayer(nn.Module):
                                        config.head_dim, config.rms_norm_eps, qkv_bias=config.attention_bias,
                                        out_bias=config.attention_bias, qk_norm="zero_centred",
                                        output_gate=config.attn_output_gate, cache_index=cache_index)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp = make_mlp(config.hidden_size, config.intermediate_size, config.moe, layer, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
 
@@ -236,13 +227,14 @@ class HybridModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         # Attention layers number their K/V in the pool, recurrent layers their state, each in order.
         indices = [config.layer_types[:i].count(t) for i, t in enumerate(config.layer_types)]
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, t, j) for t, j in zip(config.layer_types, indices))
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, i, t, j)
+                                    for i, (t, j) in enumerate(zip(config.layer_types, indices)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
 
 
 class Qwen3_5ForCausalLM(CausalLM):
-    """Qwen3.5 (text and multimodal layouts) and dense Qwen3-Next targets."""
+    """Qwen3.5 and Qwen3.5-MoE (text and multimodal layouts) and Qwen3-Next targets."""
 
     def __init__(self, config: HybridConfig) -> None:
         super().__init__()
@@ -259,8 +251,8 @@ class Qwen3_5ForCausalLM(CausalLM):
         return [layer.linear_attn.state_shape for layer in self.model.layers if layer.is_linear]
 
 
-# One class serves both: the config says whether the GDN projections are fused.
-Qwen3NextForCausalLM = Qwen3_5ForCausalLM
+# One class serves all: the config says whether the GDN projections are fused and which layers are sparse.
+Qwen3NextForCausalLM = Qwen3_5MoeForCausalLM = Qwen3_5ForCausalLM
 
 IGNORED_PREFIXES = ("model.visual.", "mtp.")
 

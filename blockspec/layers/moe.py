@@ -1,0 +1,137 @@
+"""The sparse mixture-of-experts block of Qwen3-MoE, Qwen3-Next and Qwen3.5-MoE.
+
+Router (as transformers computes it): logits = x Wᵀ [N, E]; p = softmax(logits) in fp32; the k
+largest p per token; divided by their sum when `normalize`; cast back to x's dtype. Each token's
+output is Σ_k p_k · expert_k(x), plus sigmoid(x · w_gate) · shared_expert(x) where the model has a
+shared expert.
+
+Experts are held stacked, in the fused checkpoint layout: gate_up_proj [E, 2I, H] (gate rows
+first, then up rows) and down_proj [E, H, I]. Three kernels, one signature:
+- `reference_experts`: a loop over the experts some token chose (transformers' order of sums);
+  data-dependent shapes and host syncs, so never under a CUDA graph. The CPU default.
+- `grouped_experts`: rows sorted by expert, two `torch._grouped_mm` calls; fixed shapes, no host
+  sync, so the decode cycle can be captured. The CUDA default in bf16.
+- `gathered_experts`: every (token, expert) row multiplies its own gathered copy of the expert's
+  weights (N·k copies: fine for tests and small batches); fixed shapes in any dtype. The CUDA
+  fallback where `_grouped_mm` does not serve (fp32, older torch).
+Tests hold the other two to the reference on CPU.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.config import MoeConfig
+from blockspec.layers.common import MLP
+
+ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] → (weights [N, k] in the logits' dtype, expert ids [N, k])."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+def reference_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                      gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """x [N, H], weights / experts [N, k] → Σ_k weights · expert(x) [N, H]; experts in
+    ascending id order, each over the tokens that chose it."""
+    out = torch.zeros_like(x)
+    for expert in experts.unique().tolist():
+        token, slot = torch.where(experts == expert)
+        gate, up = F.linear(x[token], gate_up_proj[expert]).chunk(2, dim=-1)     # [n, I] each
+        y = F.linear(F.silu(gate) * up, down_proj[expert])                       # [n, H]
+        out.index_add_(0, token, y * weights[token, slot, None])
+    return out
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """Same result as reference_experts with fixed shapes: the N·k (token, expert) rows sorted
+    by expert, one grouped GEMM per projection (group e = the rows of expert e), then each
+    token's k rows weighted and summed."""
+    num_tokens, top_k = experts.shape
+    flat = experts.flatten()                                                    # [N·k]
+    order = flat.argsort(stable=True)
+    rows = x[order // top_k]                                                    # [N·k, H]
+    counts = torch.zeros(gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)                              # group ends [E]
+    # _grouped_mm takes mat2 as [E, K, N]; the transposes are views (column-major, as cuBLAS wants).
+    gate_up = torch._grouped_mm(rows, gate_up_proj.transpose(1, 2), offs=offsets)   # [N·k, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = (F.silu(gate) * up).contiguous()                                   # [N·k, I]
+    y = torch._grouped_mm(hidden, down_proj.transpose(1, 2), offs=offsets)     # [N·k, H]
+    unsorted = torch.empty_like(y).index_copy_(0, order, y).view(num_tokens, top_k, -1)
+    return (unsorted * weights[..., None]).sum(dim=1)
+
+
+def gathered_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                     gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """Same result as reference_experts, one batched matmul per projection over the N·k rows."""
+    num_tokens, top_k = experts.shape
+    flat = experts.flatten()                                                    # [N·k]
+    rows = x.repeat_interleave(top_k, dim=0)[:, :, None]                        # [N·k, H, 1]
+    gate, up = torch.bmm(gate_up_proj[flat], rows).squeeze(-1).chunk(2, dim=-1)     # [N·k, I] each
+    y = torch.bmm(down_proj[flat], (F.silu(gate) * up)[:, :, None]).squeeze(-1)      # [N·k, H]
+    return (y.view(num_tokens, top_k, -1) * weights[..., None]).sum(dim=1)
+
+
+def select_experts_kernel(device: torch.device, dtype: torch.dtype) -> ExpertsKernel:
+    """The reference on CPU (exact, fast enough for tiny models); on CUDA, where the decode cycle
+    is graph-captured and the reference's host syncs cannot be, a fixed-shape kernel."""
+    if device.type != "cuda":
+        return reference_experts
+    if dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        return grouped_experts
+    return gathered_experts
+
+
+class SparseMoE(nn.Module):
+    """Router + stacked experts (+ the sigmoid-gated shared expert); names as Hugging Face's."""
+
+    def __init__(self, hidden_size: int, config: MoeConfig) -> None:
+        super().__init__()
+        self.top_k, self.normalize = config.num_experts_per_tok, config.normalize
+        self.gate = nn.Linear(hidden_size, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, hidden_size, config.moe_intermediate_size)
+        self.has_shared_expert = config.shared_expert_intermediate_size > 0
+        if self.has_shared_expert:
+            self.shared_expert = MLP(hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.kernel: ExpertsKernel | None = None       # chosen on first use, by device and dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] → [N, H]."""
+        if self.kernel is None:
+            self.kernel = select_experts_kernel(x.device, x.dtype)
+        weights, experts = route(self.gate(x), self.top_k, self.normalize)          # [N, k] each
+        out = self.kernel(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
+        if self.has_shared_expert:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def make_mlp(hidden_size: int, intermediate_size: int, moe: MoeConfig | None, layer: int,
+             bias: bool = False) -> nn.Module:
+    """Layer `layer`'s feed-forward: the sparse block where the config says so, else the dense MLP."""
+    if moe is not None and moe.is_sparse(layer):
+        return SparseMoE(hidden_size, moe)
+    return MLP(hidden_size, intermediate_size, bias)
+
