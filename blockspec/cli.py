@@ -1,8 +1,9 @@
-"""`blockspec serve | generate | bench`. Bad input: one line on stderr and a non-zero exit."""
+"""`blockspec serve | generate | bench | train-draft`. Bad input: one line on stderr and a non-zero exit."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import uuid
 from typing import Any, Sequence
@@ -15,7 +16,8 @@ class UsageError(ValueError):
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory or Hugging Face hub id")
+    p.add_argument("--model", default=None, help="checkpoint directory or Hugging Face hub id "
+                   "(default: the shipped demo target with its draft, on CPU)")
     p.add_argument("--draft", help="DFlash draft checkpoint (directory or hub id); omit for plain decoding")
     p.add_argument("--block-size", type=int, help="DFlash block size (at most the draft's own)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -37,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON line (ARCHITECTURE.md §5)")
     gen.add_argument("--enable-thinking", choices=["true", "false"], default=None,
                      help="chat template switch for reasoning models")
-    src = gen.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="a user message, rendered with the chat template")
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="a user message, rendered with the chat template "
+                     "(required with --model; the demo has a default)")
     src.add_argument("--messages", help="a JSON list of chat messages")
     src.add_argument("--prompt-token-ids", help="comma-separated token ids, fed as is")
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -62,7 +65,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--block-size", type=int, default=16)
     bench.add_argument("--prompt-len", type=int, default=512)
     bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--demo", action="store_true", help="the shipped demo pair on held-out code: plain vs DFlash (CPU by default)")
+    add_train_args(sub.add_parser("train-draft", help="train a DFlash draft for a target (DFlash recipe)"))
     return parser
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="the frozen target: checkpoint directory or hub id")
+    p.add_argument("--out", required=True, help="output directory: the draft, checkpoints/, train_log.jsonl")
+    p.add_argument("--data", default=None, help="text file, directory of text files, or JSONL "
+                   "(token_ids | messages | prompt records; prompts are answered by the target); "
+                   "default: the Python standard library's source")
+    p.add_argument("--eval-data", default=None, help="held-out data (same formats); default: the tail of --data")
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--target-layer-ids", default=None, help="comma-separated target layers (default: z-lab's rule)")
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all processes")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--num-anchors", type=int, default=None, help="anchors per sequence (default seq_len / block size)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (under torchrun: one GPU per process)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--eval-every", type=int, default=200, help="steps between acceptance evaluations (0: at the end)")
+    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation (0: none)")
+    p.add_argument("--eval-tokens", type=int, default=128)
+    p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def parse_token_ids(text: str) -> list[int]:
@@ -85,7 +116,23 @@ def parse_messages(text: str) -> list[dict[str, Any]]:
     return messages
 
 
+def use_demo_without_model(args: argparse.Namespace) -> None:
+    """No --model: the demo target with its DFlash draft, on CPU unless --device says otherwise."""
+    if args.model is not None:
+        return
+    from blockspec import demo
+    target, draft = demo.require_built()
+    args.model, args.draft = str(target), args.draft or str(draft)
+    args.device = "cpu" if args.device == "auto" else args.device
+    if getattr(args, "served_model_name", "") is None:
+        args.served_model_name = "blockspec-demo"
+    if getattr(args, "prompt", "") is None and args.messages is None and args.prompt_token_ids is None:
+        args.raw_prompt = demo.DEFAULT_PROMPT     # code to continue, fed without the chat template
+
+
 def check_generate_args(args: argparse.Namespace) -> None:
+    if args.model is not None and args.prompt is None and args.messages is None and args.prompt_token_ids is None:
+        raise UsageError("one of --prompt, --messages or --prompt-token-ids is required with --model")
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be at least 1")
     if not 0 <= args.temperature <= 2:
@@ -95,6 +142,8 @@ def check_generate_args(args: argparse.Namespace) -> None:
 
 
 def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
+    if getattr(args, "raw_prompt", None) is not None:
+        return tokenizer.encode(args.raw_prompt)
     if args.prompt_token_ids is not None:
         ids = parse_token_ids(args.prompt_token_ids)
         bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
@@ -108,6 +157,7 @@ def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
 
 def run_generate(args: argparse.Namespace) -> int:
     check_generate_args(args)
+    use_demo_without_model(args)
     check_engine_args(args)
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams
@@ -120,7 +170,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result.as_json(), ensure_ascii=False))
     else:
-        print(result.text)
+        print((getattr(args, "raw_prompt", None) or "") + result.text)   # the demo's code prompt reads with its continuation
     return 0
 
 
@@ -135,13 +185,36 @@ def run_serve(args: argparse.Namespace) -> int:
     check_engine_args(args)
     if not 0 < args.port < 65536:
         raise UsageError("--port must be in 1..65535")
+    use_demo_without_model(args)
     from blockspec.server.app import serve
     return serve(args)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.demo:
+        from blockspec.demo.measure import main as measure_demo
+        return measure_demo(args.device, args.out)
     from blockspec.bench import main as bench_main
     return bench_main(args)
+
+
+def run_train_draft(args: argparse.Namespace) -> int:
+    from blockspec.train.loop import TrainConfig, train
+    try:
+        layer_ids = tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids else None
+    except ValueError:
+        raise UsageError(f"--target-layer-ids must be comma-separated integers, got {args.target_layer_ids!r}") from None
+    config = TrainConfig(
+        target=args.target, out=args.out, data=args.data, eval_data=args.eval_data,
+        num_layers=args.num_layers, block_size=args.block_size, target_layer_ids=layer_ids,
+        mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        seq_len=args.seq_len, num_anchors=args.num_anchors, device=args.device, resume=args.resume,
+        eval_every=args.eval_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
+        save_every=args.save_every, seed=args.seed, show_progress=not args.quiet)
+    summary = train(config)
+    if os.environ.get("RANK", "0") == "0":                  # under torchrun, one summary line
+        print(json.dumps(summary))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -149,7 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from blockspec.loader import LoadError
     try:
-        runner = {"generate": run_generate, "serve": run_serve, "bench": run_bench}[args.command]
+        runner = {"generate": run_generate, "serve": run_serve, "bench": run_bench,
+                  "train-draft": run_train_draft}[args.command]
         return runner(args)
     except (UsageError, LoadError, FileNotFoundError, ValueError) as exc:
         print(f"blockspec {args.command}: error: {exc}", file=sys.stderr)

@@ -1,0 +1,44 @@
+"""What training needs from the frozen target, behind a few small functions.
+
+This is the only file of blockspec/train that runs the target, so a change of the model protocol
+is adapted here and nowhere else. Whole sequences go through `engine.oneshot.forward_sequences`
+(throwaway pools, one page per sequence).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockspec.engine.oneshot import forward_sequences
+
+
+@torch.no_grad()
+def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
+    """input_ids [B, L] → context features [B, L, len(layer_ids) · H]: the outputs of decoder
+    layers `layer_ids` (transformers' hidden_states[l + 1]), as the engine feeds the draft."""
+    return forward_sequences(target, input_ids, tuple(layer_ids)).features
+
+
+@torch.no_grad()
+def greedy_continue(target: nn.Module, prompt_ids: torch.Tensor, num_new: int) -> torch.Tensor:
+    """Greedy continuations of equal-length prompts, batched: [B, P] → [B, num_new].
+
+    Self-distillation data in bulk. Each step re-runs the whole sequence (no cache outside the
+    engine): quadratic, which is cheap at the few hundred tokens this is used for. The tokens
+    equal plain greedy decoding of each prompt alone, up to batched-kernel rounding."""
+    sequences = prompt_ids
+    for _ in range(num_new):
+        hidden = forward_sequences(target, sequences).hidden[:, -1]           # [B, H]
+        next_ids = target.compute_logits(hidden).argmax(-1, keepdim=True)     # [B, 1]
+        sequences = torch.cat((sequences, next_ids), dim=1)
+    return sequences[:, prompt_ids.shape[1]:]
+
+
+def embed(target: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
+    """The target's token embedding (shared with the draft, never trained)."""
+    return target.embed(token_ids)
+
+
+def lm_head(target: nn.Module) -> nn.Module:
+    """The target's output head (shared with the draft, never trained)."""
+    return target.lm_head

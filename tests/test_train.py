@@ -1,0 +1,199 @@
+"""`blockspec train-draft`: the training forward is the decoding forward, training raises real
+acceptance, resume and data-parallel runs are exact, and the output is a draft our loader loads."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from blockspec.loader import load_draft, load_model
+from blockspec.train import blockwise, features
+from blockspec.train.loop import TrainConfig, train
+
+from tokenizer_fixtures import write_tokenizer_files
+
+VOCAB = 256
+MASK_ID = VOCAB - 1
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    """A random one-layer Qwen3 target with a small vocabulary: its greedy text is a fixed but
+    non-trivial function of the context, which a draft can learn in a few hundred steps."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    directory = tmp_path_factory.mktemp("train") / "target"
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=VOCAB - 2)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(30.0)      # clear-cut greedy choices (see fixtures.scale_up_logits)
+    model.save_pretrained(directory)
+    write_tokenizer_files(directory, "qwen3")
+    return directory
+
+
+def write_greedy_data(target_dir: Path, path: Path, num: int, seed: int) -> Path:
+    """Self-distillation data: random 8-token prompts and the target's greedy continuations."""
+    target = load_model(str(target_dir)).model
+    prompts = torch.randint(0, VOCAB - 2, (num, 8), generator=torch.Generator().manual_seed(seed))
+    continuations = features.greedy_continue(target, prompts, 56)
+    rows = [{"token_ids": p + c, "prompt_len": 8} for p, c in zip(prompts.tolist(), continuations.tolist())]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tiny_target, tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("train-data")
+    return (write_greedy_data(tiny_target, root / "train.jsonl", 512, seed=1),
+            write_greedy_data(tiny_target, root / "eval.jsonl", 16, seed=2))
+
+
+def config(target: Path, data: Path, out: Path, **overrides) -> TrainConfig:
+    settings = dict(target=str(target), out=str(out), data=str(data), num_layers=1, block_size=4, steps=20,
+                    batch_size=4, lr=1e-2, seq_len=64, device="cpu", eval_every=0, eval_prompts=0,
+                    save_every=10, mask_token_id=MASK_ID, seed=3, show_progress=False)
+    return TrainConfig(**{**settings, **overrides})
+
+
+def decode_time_draft(draft, context: torch.Tensor, block_embeds: torch.Tensor) -> torch.Tensor:
+    """The draft as the engine drives it for one sequence: context features [C, K·H] appended to
+    its paged pool, then one block [T, H] right after them → hidden [T, H]."""
+    from blockspec.cache import KVPool
+    from blockspec.layers import AttentionMetadata
+    c, page, num_context, width = draft.config, 16, context.shape[0], block_embeds.shape[0]
+    pool = KVPool(c.num_hidden_layers, 9 * page, c.num_key_value_heads, c.head_dim, torch.float32, torch.device("cpu"))
+    table = torch.arange(1, 9)[None]                                          # page 0 is reserved
+    positions = torch.arange(num_context)
+    draft.append_context(context, positions, table[0, positions // page] * page + positions % page, pool.layers)
+    block_positions = torch.arange(num_context, num_context + width)
+    meta = AttentionMetadata(num_seqs=1, width=width, input_ids=torch.zeros_like(block_positions),
+                             positions=block_positions, slot_mapping=torch.zeros_like(block_positions),
+                             block_tables=table, context_lens=torch.tensor([num_context]),
+                             max_context_len=num_context + width, page_size=page, kv=pool.layers)
+    return draft(block_embeds, block_positions, meta)
+
+
+def test_training_forward_equals_the_decoding_forward(qwen3_dir, qwen3_draft_dir):
+    """Many anchors under the block-sparse mask = one DFlash draft call per anchor."""
+    target = load_model(str(qwen3_dir)).model
+    draft = load_draft(str(qwen3_draft_dir), target)
+    ids = torch.randint(0, 151643, (2, 40), generator=torch.Generator().manual_seed(0))
+    anchors, block_size = torch.tensor([[5, 17, 30], [1, 9, 33]]), 4
+    context = features.target_features(target, ids, draft.target_layer_ids)
+    blocks = torch.full((2, 3, block_size), draft.mask_token_id)
+    blocks[..., 0] = torch.gather(ids, 1, anchors)
+    mask = blockwise.block_sparse_mask(anchors, 40, block_size)
+    hidden = blockwise.draft_hidden(draft, target.embed(blocks.flatten(1)), context,
+                                    blockwise.block_positions(anchors, block_size), mask).view(2, 3, block_size, -1)
+    for b in range(2):
+        for j in range(3):
+            anchor = int(anchors[b, j])
+            reference = decode_time_draft(draft, context[b, :anchor], target.embed(blocks[b, j]))
+            torch.testing.assert_close(hidden[b, j], reference, atol=1e-5, rtol=1e-5)
+
+
+def test_block_sparse_mask_sees_the_past_context_and_its_own_block():
+    mask = blockwise.block_sparse_mask(torch.tensor([[2, 5]]), seq_len=6, block_size=2)[0, 0]
+    assert mask.shape == (4, 6 + 4)
+    assert mask[0, :6].tolist() == [True, True, False, False, False, False]     # anchor 2: positions 0, 1
+    assert mask[3, :6].tolist() == [True] * 5 + [False]                          # anchor 5: positions 0 … 4
+    assert mask[:, 6:].tolist() == [[True, True, False, False]] * 2 + [[False, False, True, True]] * 2
+    weights = blockwise.position_weights(8, torch.device("cpu"))
+    assert weights[0] == 1 and torch.all(weights[1:] < weights[:-1]) and len(weights) == 7
+
+
+def test_train_draft_beats_an_untrained_draft(tiny_target, tiny_data, tmp_path):
+    """Mean acceptance length on held-out prompts, measured by our engine, before and after."""
+    out = tmp_path / "draft"
+    summary = train(config(tiny_target, tiny_data[0], out, eval_data=str(tiny_data[1]), steps=200,
+                           batch_size=16, eval_every=200, eval_prompts=8, eval_tokens=48, save_every=0))
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    untrained, trained = log[0]["acceptance_length"], summary["acceptance_length"]
+    assert log[0]["step"] == 0 and untrained < 1.1
+    print(f"acceptance length: untrained {untrained:.3f}, trained {trained:.3f}")
+    assert trained > untrained + 0.3, (untrained, trained)
+    # z-lab's format, loadable by our loader; the target's embedding and head are not in it
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["architectures"] == ["DFlashDraftModel"] and saved["block_size"] == 4
+    assert saved["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [0]}
+    assert not any("embed" in k or "lm_head" in k for k in load_file(str(out / "model.safetensors")))
+    draft = load_draft(str(out), load_model(str(tiny_target)).model)
+    assert draft.block_size == 4 and draft.mask_token_id == MASK_ID
+
+
+def test_resume_continues_bit_for_bit(tiny_target, tiny_data, tmp_path):
+    train(config(tiny_target, tiny_data[0], tmp_path / "full"))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step-00000010", resumed / "checkpoints" / "step-00000010")
+    train(config(tiny_target, tiny_data[0], resumed, resume=True))
+    full, again = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(resumed / "model.safetensors"))
+    assert full.keys() == again.keys()
+    assert all(torch.equal(full[k], again[k]) for k in full)
+    with pytest.raises(ValueError, match="other settings"):
+        train(config(tiny_target, tiny_data[0], resumed, resume=True, lr=1e-3))
+
+
+def test_two_gloo_processes_equal_one(tiny_target, tiny_data, tmp_path):
+    """torchrun with 2 CPU processes, global batch 4 = one process with batch 4."""
+    one = tmp_path / "one"
+    train(config(tiny_target, tiny_data[0], one, steps=6, save_every=0))
+    two = tmp_path / "two"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent.parent)}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "blockspec",
+         "train-draft", "--target", str(tiny_target), "--out", str(two), "--data", str(tiny_data[0]),
+         "--num-layers", "1", "--block-size", "4", "--steps", "6", "--batch-size", "4", "--lr", "1e-2",
+         "--seq-len", "64", "--device", "cpu", "--eval-every", "0", "--eval-prompts", "0", "--save-every", "0",
+         "--mask-token-id", str(MASK_ID), "--seed", "3", "--quiet"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=1e-4)   # up to summation order
+
+
+def test_prompts_are_answered_by_the_target_through_the_engine(qwen3_dir, tmp_path):
+    from blockspec.llm import LLM
+    from blockspec.sampling import SamplingParams
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n"
+                       + json.dumps({"prompt": "def f(x):"}) + "\n")
+    out = tmp_path / "draft"
+    train(TrainConfig(target=str(qwen3_dir), out=str(out), data=str(prompts), num_layers=1, block_size=4, steps=1,
+                      batch_size=2, seq_len=24, device="cpu", eval_prompts=0, save_every=0, show_progress=False))
+    rows = [json.loads(line) for line in (out / "data.generated.jsonl").read_text().splitlines()]
+    llm = LLM(str(qwen3_dir), device="cpu", show_progress=False)
+    chat = llm.tokenizer.encode_chat([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    for row, prompt in zip(rows, [chat, llm.tokenizer.encode("def f(x):")]):
+        expected = llm.generate_ids(prompt, SamplingParams(max_tokens=24 - len(prompt), temperature=0.0)).token_ids
+        assert row == {"token_ids": prompt + expected, "prompt_len": len(prompt)}
+    # the default mask token of a Qwen3 tokenizer is z-lab's: the first embedding row past it
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["mask_token_id"] == 151669
+
+
+def test_cli_errors_are_one_line(tiny_target, tmp_path, capsys):
+    from blockspec.cli import main
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"token_ids": [1, 2, 3]}\nnot json\n')
+    cases = [
+        (["--target", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--data", str(bad_json)], "nope"),
+        (["--target", str(tiny_target), "--out", str(tmp_path / "o"), "--data", str(tmp_path / "missing.txt")],
+         "no such file"),
+        (["--target", str(tiny_target), "--out", str(tmp_path / "o"), "--data", str(bad_json)], "bad.jsonl:2"),
+        (["--target", str(tiny_target), "--out", str(tmp_path / "o"), "--data", str(bad_json), "--block-size", "1"],
+         "--block-size"),
+    ]
+    for args, needle in cases:
+        assert main(["train-draft", *args, "--device", "cpu", "--mask-token-id", str(MASK_ID), "--quiet"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("blockspec train-draft: error:") and needle in lines[0], lines
