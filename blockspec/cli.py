@@ -193,7 +193,8 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     if args.demo:
         from blockspec.demo.measure import main as measure_demo
-        return measure_demo(args.device, args.out)
+        concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+        return measure_demo(args.device, args.out, concurrency)
     from blockspec.bench import main as bench_main
     return bench_main(args)
 

@@ -52,9 +52,39 @@ def measure(device: str = "cpu", block_size: int = 8, num_prompts: int = 8, max_
             "speedup": round(totals["plain_s"] / totals["dflash_s"], 2)}
 
 
-def main(device: str, out: str | None) -> int:
+def batch_throughput(device: str, concurrency: list[int], block_size: int = 8, max_tokens: int = 64
+                     ) -> dict[str, Any]:
+    """Output tok/s of c held-out prompts decoded as one batch, plain and DFlash, for each c
+    (greedy; real acceptance). Each batch must equal its prompts decoded alone."""
+    from blockspec.demo import require_built
+    from blockspec.llm import LLM
+    from blockspec.sampling import SamplingParams
+    target, draft = require_built()
+    engines = {"plain": LLM(str(target), device=device, show_progress=False),
+               "dflash": LLM(str(target), draft=str(draft), block_size=block_size, device=device, show_progress=False)}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    prompts = held_out_prompts(engines["plain"].tokenizer, max(concurrency) + 1)
+    alone = [engines["plain"].generate_ids(p, params).token_ids for p in prompts[1:]]
+    result: dict[str, Any] = {}
+    for name, llm in engines.items():
+        llm.generate([prompts[0]], params)                              # warm-up
+        for c in concurrency:
+            started = time.perf_counter()
+            outputs = llm.generate(prompts[1: c + 1], params)
+            seconds = time.perf_counter() - started
+            if [o.token_ids for o in outputs] != alone[:c]:
+                raise AssertionError(f"{name}: a batch of {c} differs from its prompts decoded alone")
+            result[f"{name}_c{c}_tok_s"] = round(sum(len(o.token_ids) for o in outputs) / seconds, 1)
+        first, last = concurrency[0], concurrency[-1]
+        result[f"{name}_c{last}_over_c{first}"] = round(result[f"{name}_c{last}_tok_s"] / result[f"{name}_c{first}_tok_s"], 2)
+    return result
+
+
+def main(device: str, out: str | None, concurrency: list[int] | None = None) -> int:
     started = time.perf_counter()
     result = measure("cpu" if device == "auto" else device)
+    if concurrency and len(concurrency) > 1:
+        result["batches"] = batch_throughput("cpu" if device == "auto" else device, concurrency)
     result["wall_s"] = round(time.perf_counter() - started, 1)
     print(json.dumps(result))
     if out:
