@@ -15,6 +15,8 @@ import torch
 
 import fixtures
 from blockspec.loader import load_draft, load_model
+from blockspec.engine.request import Request
+from blockspec.sampling import SamplingParams
 from helpers import OracleDraft, make_engine, make_request, padded, run_alone, run_batch
 
 STOP_FREE = frozenset()
@@ -309,3 +311,35 @@ def test_padded_graph_path_batch_equals_alone(request, kind, name):
         assert_same_as_alone(run, alone[run.request.request_id])
     assert {rows for rows, _ in engine.runner.graphs.batches} == {4, 2, 1}    # 3 live rows → 4, 2 → 2, 1 → 1
     assert max(engine.counters.decode_batch_sizes) == 3
+
+
+def test_padding_rows_stay_inside_page_0_when_the_block_outgrows_a_page(padding_models):
+    """Block 8 over pages of 4 positions: padded rows of the graph path must write inside page 0,
+    never into page 1 (the first page a sequence gets)."""
+    target, draft, prompts = padding_models
+    params = SamplingParams(max_tokens=20)
+    alone = [decode(target, None, [p], params, page_size=4)[0] for p in prompts]
+    for drafter in (None, draft):
+        engine = padded(make_engine(target, drafter, block_size=8 if drafter else 1, page_size=4, max_num_seqs=4))
+        requests = [Request(f"r{i}", p, params, frozenset(), 1024) for i, p in enumerate(prompts)]
+        for request in requests:
+            engine.submit(request, lambda event: None)
+        while not all(r.is_finished for r in requests):
+            engine.step()
+        assert [r.output_ids for r in requests] == alone
+
+
+def decode(target, draft, prompts, params, **config) -> list[list[int]]:
+    engine = make_engine(target, draft, **config)
+    requests = [Request(f"a{i}", p, params, frozenset(), 1024) for i, p in enumerate(prompts)]
+    for request in requests:
+        engine.submit(request, lambda event: None)
+    while not all(r.is_finished for r in requests):
+        engine.step()
+    return [r.output_ids for r in requests]
+
+
+@pytest.fixture(scope="module")
+def padding_models(qwen3_dir, qwen3_draft_dir):
+    target = load_model(str(qwen3_dir)).model
+    return target, load_draft(str(qwen3_draft_dir), target), [[5, 6, 7], list(range(100, 130)), [9, 9]]

@@ -106,6 +106,9 @@ def test_stop_id_inside_an_accepted_block_ends_right_after_it(pairs, stop_at):
         assert request.finish_reason == "stop"
         assert request.stats.output_tokens == len(expected)
         assert sum(request.stats.acceptance_lengths) == len(expected) - 1
+        # acceptance length = accepted + 1 on every cycle, the one cut by the stop id included
+        stats = request.stats
+        assert stats.accepted_tokens == sum(stats.acceptance_lengths) - stats.cycles
     plain_request = plain(target, SHORT, max_tokens=30, stops=stops)
     assert plain_request.output_ids == expected and plain_request.finish_reason == "stop"
 

@@ -158,3 +158,13 @@ def test_two_engines_on_one_target_do_not_disturb_each_other(llm):
     while not request.is_finished:
         plain.step()
     assert request.output_ids == expected
+
+
+def test_submit_after_shutdown_is_refused_not_lost(qwen3_dir):
+    from blockspec.engine.engine import QueueFullError
+    llm = LLM(str(qwen3_dir), max_model_len=128, show_progress=False)
+    llm.engine.start()
+    llm.engine.shutdown()
+    with pytest.raises(QueueFullError, match="shutting down"):
+        llm.engine.submit(make(llm, "late"), lambda event: None)
+    assert llm.engine.num_waiting == 0

@@ -83,7 +83,7 @@ class GraphedForwards:
         padding = packed.clone()
         padding_views = unpack(padding, meta.num_seqs, self.width, self.pages_per_seq)
         padding_views["positions"].copy_(torch.arange(self.width, device=self.device).repeat(meta.num_seqs))
-        padding_views["slot_mapping"].copy_(padding_views["positions"])
+        padding_views["slot_mapping"].copy_(padding_views["positions"] % self.page_size)   # inside page 0
         padding_views["context_lens"].fill_(self.width)
         return StaticBatch(static_meta, padding)
 

@@ -77,12 +77,16 @@ class Engine:
         return self.runner.allocator.usage
 
     def submit(self, request: Request, on_event: EventCallback) -> None:
-        """Thread-safe; raises QueueFullError instead of queueing beyond max_queue."""
+        """Thread-safe; raises QueueFullError instead of queueing beyond max_queue or after
+        shutdown began (nothing would ever end the request)."""
+        seq = Sequence(request, self.runner.device)
         with self._lock:
+            if self._stopping.is_set():
+                raise QueueFullError("the engine is shutting down")
             if self.num_waiting >= self.config.max_queue:
                 raise QueueFullError(f"{self.num_waiting} requests are waiting (limit {self.config.max_queue})")
             self._num_inbox += 1
-        self._inbox.put((Sequence(request, self.runner.device), on_event))
+            self._inbox.put((seq, on_event))
         self._wake.set()
 
     def start(self) -> None:
@@ -91,7 +95,8 @@ class Engine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the thread; every request still open ends with finish_reason abort."""
-        self._stopping.set()
+        with self._lock:
+            self._stopping.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -142,7 +147,10 @@ class Engine:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
-            self.step()
+            try:
+                self.step()
+            except Exception:  # the step's own handler ends its sequences; never let the thread die
+                traceback.print_exc()
         self._abort_all()
 
     # -- bookkeeping ------------------------------------------------------------------------

@@ -107,7 +107,7 @@ class ModelRunner:
         for _ in range(rows - len(seqs)):
             ids += [0] * width
             positions += range(width)
-            slots += range(width)
+            slots += [j % self.page_size for j in range(width)]      # inside page 0, whatever the width
             tables += [0] * cols
             context_lens.append(width)
             state_slots.append(0)

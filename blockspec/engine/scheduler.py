@@ -147,8 +147,9 @@ class Scheduler:
             committed = seq.request.commit(new_tokens)
             # x and d_1 … d_a stay in the pools; the bonus (the next x) is fed by the next cycle.
             seq.num_cached += num_accepted + 1
-            # Stats as if the block had been cut to the allowed length (drafts past it count for nothing).
-            accepted = min(num_accepted, allowed - 1, len(committed))
+            # Stats as if the block had been cut to the allowed length (drafts past it count for
+            # nothing); acceptance length = accepted + 1 holds for every cut (stop id or length).
+            accepted = max(0, min(num_accepted, len(committed) - 1))
             record_cycle(seq, num_drafts=allowed - 1, num_accepted=accepted, committed=len(committed))
             emitted.append(Emitted(seq, committed))
         return emitted

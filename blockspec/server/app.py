@@ -165,6 +165,7 @@ BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 def batch_size_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
     """Sequences per decode cycle, from the engine's exact counts (size → cycles)."""
+    counts = dict.copy(counts)         # one atomic copy: the engine thread may add a size meanwhile
     cumulative = [sum(n for size, n in counts.items() if size <= bound) for bound in BATCH_SIZE_BUCKETS]
     buckets = [(str(bound), count) for bound, count in zip(BATCH_SIZE_BUCKETS, cumulative)]
     total = sum(counts.values())
