@@ -78,3 +78,29 @@ def test_generate_without_model_runs_the_demo_on_cpu():
     from blockspec.tokenizer import Tokenizer
     assert result["prompt_token_ids"] == Tokenizer.from_dir(demo.TARGET_DIR).encode(demo.DEFAULT_PROMPT)
     assert len(result["token_ids"]) == 24 and result["stats"]["mean_acceptance_length"] > 1.5
+
+
+def test_serve_without_model_answers_with_dflash_statistics(tmp_path):
+    """`blockspec serve` with no arguments serves the demo pair: a completion and a chat answer,
+    DFlash statistics in meta_info and on /metrics."""
+    import httpx
+    from test_server import ServerProcess
+    server = ServerProcess(tmp_path / "demo.log")
+    try:
+        server.wait_ready()
+        body = {"prompt": "def fibonacci(n):", "max_tokens": 48, "temperature": 0, "return_meta_info": True}
+        completion = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+        meta = completion["meta_info"]
+        assert completion["choices"][0]["text"] and completion["usage"]["completion_tokens"] == 48
+        assert meta["spec_verify_ct"] > 0 and meta["spec_accept_length"] > 1.5
+        chat = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Write a function."}], "max_tokens": 16,
+            "temperature": 0}).json()
+        assert chat["choices"][0]["message"]["role"] == "assistant"
+        assert chat["usage"]["completion_tokens"] > 0
+        metrics = httpx.get(server.url + "/metrics").text
+        accepted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                        if line.startswith("blockspec_spec_accepted_tokens_total"))
+        assert accepted > 0
+    finally:
+        server.stop()
