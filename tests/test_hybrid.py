@@ -21,14 +21,11 @@ from blockspec.models.gated_delta import (chunk_gated_delta_rule, recurrent_gate
                                           select_kernels)
 from blockspec.models.qwen3_5 import HybridConfig
 
+import fixtures
 from helpers import OneSequence, OracleDraft, graph_shaped
 
-VOCAB = 256
-TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-            linear_conv_kernel_dim=4, max_position_embeddings=1024,
-            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+VOCAB = fixtures.HYBRID_VOCAB
+TEXT = fixtures.HYBRID_TEXT
 VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
               patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
 
