@@ -114,6 +114,9 @@ class Engine:
         self._drop_aborted()
         batch = self.scheduler.schedule()
         for seq in list(self.scheduler.unservable):
+            if seq.request.output_ids:      # it streamed what the pool could hold: a length limit
+                self._end(seq, "length")
+                continue
             self._end(seq, "error", error=f"the sequence needs more KV-cache pages than the pool has "
                                           f"({self.runner.allocator.num_pages - 1}); raise the pool size "
                                           f"or lower --max-model-len")

@@ -67,15 +67,17 @@ class Scheduler:
         return Batch(decode=self._reserve_blocks(decoding))
 
     def _admit(self) -> None:
+        promised = 0                    # pages the sequences admitted in this call will claim
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             need = self.runner.pages_needed(seq, seq.prefill_len + self.runner.width)
-            if need > self.runner.allocator.num_free or not self.runner.has_free_state_slot:
+            if need + promised > self.runner.allocator.num_free or not self.runner.has_free_state_slot:
                 if not self.running and need > self.runner.allocator.num_free:
                     self.waiting.popleft()
                     self.unservable.append(seq)        # would not fit even in an empty pool
                     continue
                 return
+            promised += need
             self.waiting.popleft()
             self.runner.claim_state_slot(seq)
             seq.mark_admitted()
