@@ -185,8 +185,9 @@ def test_abort_stops_the_plain_loop_within_one_step(dense, others):
         runs[0].request.abort()
         before = counter.count
         run_until_done(engine, runs)
-        # the other requests need at most 6 steps; the aborted one none at all
-        assert counter.count - before <= 6 if others else counter.count == before
+        # the aborted request costs no forward after the flag; the others (6 tokens each, run in
+        # one batch) at most 6 more steps
+        assert counter.count - before <= (6 if others else 0)
         assert runs[0].request.finish_reason == "abort" and len(runs[0].output_ids) < 10
         for run in runs:
             run.check_events()
