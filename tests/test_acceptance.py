@@ -1,0 +1,197 @@
+"""Tests that the mutation check (scripts/mutation_check.py) relies on: the sampling filters and
+the bonus token against reference samplers, greedy acceptance of a matching *prefix*, partial
+acceptance on a dense target at known acceptance lengths, and abort on the plain loop."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from blockspec.engine.spec.dflash import Proposal, accept
+from blockspec.loader import load_draft, load_model
+from blockspec.sampling import SamplingParams, probs_from_logits, rejection_sample, sample
+
+from helpers import OracleDraft, make_engine, make_request, run_alone, run_until_done, submit
+
+# Chi-square tests reject at p < 1e-4: a false alarm once in 10 000 runs per test. Every mutant
+# they target moves mass onto tokens the reference gives probability 0, which is checked exactly.
+ALPHA = 1e-4
+LOGITS = torch.tensor([3.0, 2.6, 2.2, 1.5, 1.0, 0.4, -0.5, -2.0])   # 8 tokens, all filters bite
+
+
+def reference_probs(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """The filters as written in the docs (vLLM/HF semantics), one token at a time in numpy:
+    top-k keeps the k largest scores (ties at the k-th kept); min-p drops tokens below
+    min_p · max prob; top-p keeps the smallest prefix (by descending prob) whose mass before
+    each kept token is < top_p; then renormalise."""
+    scores = logits.double().numpy() / temperature
+    keep = np.ones(len(scores), dtype=bool)
+    if top_k > 0:
+        kth = np.sort(scores)[::-1][top_k - 1]
+        keep &= scores >= kth
+    probs = np.where(keep, np.exp(scores - scores.max()), 0.0)
+    probs /= probs.sum()
+    if min_p > 0:
+        probs = np.where(probs >= min_p * probs.max(), probs, 0.0)
+    if top_p < 1.0:
+        mass_before = 0.0
+        for token in np.argsort(-probs, kind="stable"):
+            if mass_before >= top_p:
+                probs[token] = 0.0
+            mass_before += probs[token] if probs[token] > 0 else 0.0
+    return probs / probs.sum()
+
+
+FILTERS = {"top-k=3": dict(top_k=3), "top-p=0.7": dict(top_p=0.7), "min-p=0.3": dict(min_p=0.3),
+           "all": dict(top_k=5, top_p=0.9, min_p=0.1, temperature=0.7)}
+
+
+@pytest.mark.parametrize("settings", FILTERS.values(), ids=FILTERS.keys())
+def test_each_filter_equals_the_reference_sampler(settings):
+    expected = reference_probs(LOGITS, **settings)
+    assert (expected == 0).sum() >= 2                      # the filter removes something here
+    params = SamplingParams(temperature=settings.get("temperature", 1.0), top_k=settings.get("top_k", 0),
+                            top_p=settings.get("top_p", 1.0), min_p=settings.get("min_p", 0.0), seed=0)
+    np.testing.assert_allclose(probs_from_logits(LOGITS, params).double().numpy(), expected, atol=1e-6)
+    # Draws through sample(): never a filtered token; the kept ones at the reference frequencies.
+    draws = 20_000
+    ids = sample(LOGITS.expand(draws, -1), params, torch.Generator().manual_seed(1))
+    counts = np.bincount(ids.numpy(), minlength=len(LOGITS))
+    assert counts[expected == 0].sum() == 0, counts
+    kept = expected > 0
+    assert chisquare(counts[kept], draws * expected[kept]).pvalue > ALPHA
+
+
+def one_hot(token: int, vocab: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(token), vocab).float()
+
+
+@pytest.mark.parametrize("num_accepted", [0, 2, 4])
+def test_the_bonus_token_follows_the_right_distribution(num_accepted):
+    """4 drafts; the first num_accepted are certain (p = q = one-hot), the next is certainly
+    rejected (p gives it 0). Then the emitted token must follow normalize(max(p_a − q_a, 0)) after a
+    rejection, and p_n (not p_{n−1}) after a full block. Every p row is different."""
+    vocab, n = 6, 4
+    drafts = torch.tensor([1, 2, 3, 4])
+    gen = torch.Generator().manual_seed(0)
+    p = torch.rand(n + 1, vocab, generator=gen) + 0.05
+    q = torch.zeros(n, vocab)
+    for i in range(n):
+        if i < num_accepted:
+            p[i], q[i] = one_hot(int(drafts[i]), vocab), one_hot(int(drafts[i]), vocab)
+        else:
+            p[i, drafts[i]] = 0.0
+            q[i] = 0.5 * one_hot(int(drafts[i]), vocab) + 0.5 / vocab
+    p = p / p.sum(-1, keepdim=True)
+    if num_accepted == n:
+        expected = p[n]
+    else:
+        residual = (p[num_accepted] - q[num_accepted]).clamp_min(0.0)
+        expected = residual / residual.sum()
+    draws, counts = 6000, np.zeros(vocab)
+    for _ in range(draws):
+        a, token = rejection_sample(drafts, p, q, gen)
+        assert a == num_accepted
+        counts[token] += 1
+    expected = expected.double().numpy()
+    assert counts[expected == 0].sum() == 0, counts
+    kept = expected > 0
+    assert chisquare(counts[kept], draws * expected[kept] / expected[kept].sum()).pvalue > ALPHA
+
+
+def test_greedy_accept_keeps_only_the_matching_prefix():
+    """Drafts that match, miss, then match again: only the prefix before the miss is accepted
+    (the later matches were judged on a context that contained the wrong draft)."""
+    vocab = 10
+    target_ids = torch.tensor([[5, 6, 7, 8, 9], [1, 2, 3, 4, 5], [4, 4, 4, 4, 4]])
+    drafts = torch.tensor([[5, 6, 0, 8], [0, 2, 3, 4], [4, 4, 4, 4]])
+    logits = torch.nn.functional.one_hot(target_ids, vocab).float()
+    seq = SimpleNamespace(request=SimpleNamespace(params=SamplingParams()))   # greedy: all accept() reads
+    num_accepted, new_tokens = accept([seq] * 3, Proposal(drafts, [None] * 3), logits)
+    assert num_accepted == [2, 0, 4]
+    assert new_tokens == [[5, 6, 7], [1], [4, 4, 4, 4, 4]]
+
+
+# ---- a dense target with an oracle draft that is right, then wrong, at known positions --------
+
+PROMPT = [int(t) for t in torch.randint(0, 151643, (40,), generator=torch.Generator().manual_seed(11))]
+WRONG = {3, 4, 9, 17, 18, 19, 20, 21, 22, 23, 30}     # output positions the oracle gets wrong
+
+
+@pytest.fixture(scope="module")
+def dense(qwen3_dir, qwen3_draft_dir):
+    target = load_model(str(qwen3_dir)).model
+    return target, load_draft(str(qwen3_draft_dir), target)
+
+
+def expected_lengths(max_tokens: int, block_size: int) -> list[int]:
+    """Output 0 comes from prefill; each cycle drafts the next T − 1 positions, keeps the drafts
+    up to the first wrong one, and adds the target's own token."""
+    committed, lengths = 1, []
+    while committed < max_tokens:
+        good = 0
+        while good < block_size - 1 and committed + good not in WRONG:
+            good += 1
+        lengths.append(min(good + 1, max_tokens - committed))
+        committed += lengths[-1]
+    return lengths
+
+
+@pytest.mark.parametrize("block_size", [3, 4, 8])
+def test_partial_acceptance_on_a_dense_target_at_known_lengths(dense, block_size):
+    target, draft = dense
+    max_tokens = 34
+    reference = run_alone(lambda: make_engine(target), make_request("r", PROMPT, max_tokens=max_tokens)).output_ids
+    corrupted = [(t + 1) % 151643 if i in WRONG else t for i, t in enumerate(reference)]
+    oracle = OracleDraft(draft, PROMPT + corrupted)
+
+    def engine():
+        made = make_engine(target, oracle, block_size=block_size)
+        oracle.bind(made)
+        return made
+
+    run = run_alone(engine, make_request("r", PROMPT, max_tokens=max_tokens))
+    assert run.output_ids == reference
+    lengths = expected_lengths(max_tokens, block_size)
+    assert any(1 < n < block_size for n in lengths) and 1 in lengths     # partial and rejected blocks
+    assert run.stats.acceptance_lengths == lengths
+    assert run.stats.accepted_tokens == sum(lengths) - len(lengths)
+
+
+# ---- abort on the plain loop, alone and in a batch, counted in forwards -----------------------
+
+class ForwardCounter:
+    def __init__(self, module):
+        self.count = 0
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_):
+        self.count += 1
+
+
+@pytest.mark.parametrize("others", [0, 2])
+def test_abort_stops_the_plain_loop_within_one_step(dense, others):
+    target, _ = dense
+    counter = ForwardCounter(target)
+    try:
+        engine = make_engine(target)
+        runs = [submit(engine, make_request(f"r{i}", PROMPT, max_tokens=200 if i == 0 else 6))
+                for i in range(others + 1)]
+        while len(runs[0].events) < 3:
+            engine.step()
+        runs[0].request.abort()
+        before = counter.count
+        run_until_done(engine, runs)
+        # the aborted request costs no forward after the flag; the others (6 tokens each, run in
+        # one batch) at most 6 more steps
+        assert counter.count - before <= (6 if others else 0)
+        assert runs[0].request.finish_reason == "abort" and len(runs[0].output_ids) < 10
+        for run in runs:
+            run.check_events()
+        assert [r.request.finish_reason for r in runs[1:]] == ["length"] * others
+        assert engine.runner.allocator.usage == 0.0
+    finally:
+        counter.handle.remove()
