@@ -382,9 +382,40 @@ def completion_prompt(tokenizer: Any, body: CompletionRequest) -> Prompt:
     return Prompt(list(body.prompt))
 
 
+def requested_max_tokens(body: Any) -> tuple[str, int] | None:
+    """The output limit the client asked for, with its parameter name; None if it left it out."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = getattr(body, name, None)
+        if name in body.model_fields_set and value is not None:
+            return name, value
+    return None
+
+
+def output_budget(max_model_len: int, prompt: Prompt, body: Any) -> int:
+    """max_tokens for the engine: a limit beyond the context left by the prompt is a 400 (as
+    OpenAI and vLLM answer); no limit means the rest of the context."""
+    room = max_model_len - len(prompt.token_ids)
+    asked = requested_max_tokens(body)
+    if asked is None:
+        return max(1, min(body.max_new_tokens or room, room))
+    name, value = asked
+    if room >= 1 and value > room:  # room < 1: make_request says the prompt is too long
+        raise ApiError(400, f"Invalid '{name}': {value} output tokens plus the prompt's "
+                            f"{len(prompt.token_ids)} exceed the context of {max_model_len} tokens; "
+                            f"ask for at most {room} (or leave '{name}' out).", name)
+    return value
+
+
+def check_stop_token_ids(tokenizer: Any, body: Any) -> None:
+    outside = [t for t in body.stop_token_ids or () if t >= tokenizer.vocab_size]
+    if outside:
+        raise ApiError(400, f"Invalid 'stop_token_ids': token id {outside[0]} is outside the vocabulary "
+                            f"of {tokenizer.vocab_size}.", "stop_token_ids")
+
+
 def make_engine_request(llm: Any, request_id: str, prompt: Prompt, body: Any) -> EngineRequest:
-    max_tokens = body.max_new_tokens or max(1, llm.max_model_len - len(prompt.token_ids))
-    params = sampling_params(body, max_tokens)
+    check_stop_token_ids(llm.tokenizer, body)
+    params = sampling_params(body, output_budget(llm.max_model_len, prompt, body))
     try:
         return llm.make_request(request_id, prompt.token_ids, params)
     except ValueError as exc:  # too long for --max-model-len, or empty
