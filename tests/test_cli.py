@@ -48,6 +48,11 @@ def test_generate_renders_the_chat_template(qwen3_dir):
     (["--model", "{qwen3}", "--prompt-token-ids", "99999999"], "outside the vocabulary"),
     (["--model", "{qwen3}", "--messages", "[not json"], "not valid JSON"),
     (["--model", "{qwen3}", "--messages", "[]"], "non-empty JSON list"),
+    (["--model", "{qwen3}", "--messages", '[{{"role": "user"}}]'], "needs content"),
+    (["--model", "{qwen3}", "--messages", '[{{"role": "wizard", "content": "x"}}]'], "message 0: Invalid 'role'"),
+    (["--model", "{qwen3}", "--messages", '[{{"role": "user", "content": 5}}]'], "content must be a string"),
+    (["--model", "{qwen3}", "--prompt", "x", "--seed", "99999999999999999999999"], "seed must be in"),
+    (["--model", "{qwen3}", "--prompt", "x", "--device", "bogus"], "--device 'bogus'"),
     (["--model", "{qwen3}", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
     (["--model", "{qwen3}", "--prompt", "x", "--temperature", "-1"], "--temperature"),
     (["--model", "{qwen3}", "--prompt", "x", "--draft", "{draft}", "--block-size", "64"], "exceeds the draft"),
@@ -65,7 +70,8 @@ def test_unknown_dtype_is_rejected_by_the_parser(qwen3_dir):
     assert out.returncode == 2 and "invalid choice" in out.stderr
 
 
-@pytest.mark.parametrize("flag, value, message", [("--max-queue", "0", "--max-queue"), ("--port", "70000", "--port")])
+@pytest.mark.parametrize("flag, value, message", [("--max-queue", "0", "--max-queue"), ("--port", "70000", "--port"),
+                                                   ("--device", "bogus", "--device 'bogus'")])
 def test_serve_rejects_bad_flags_before_loading(qwen3_dir, flag, value, message):
     out = blockspec("serve", "--model", str(qwen3_dir), flag, value)
     assert out.returncode == 2

@@ -45,6 +45,7 @@ from blockspec.engine.engine import Engine, QueueFullError
 from blockspec.engine.request import GenerationStats, TokenEvent
 from blockspec.engine.request import Request as EngineRequest
 from blockspec.sampling import SamplingParams
+from blockspec.sampling import check_seed as check_seed_range
 from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
 from blockspec.server.protocol import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                        ChatCompletionChunkChoice, ChatCompletionMessage,
@@ -57,7 +58,6 @@ from blockspec.tokenizer import IncrementalDetokenizer
 RETRY_AFTER_S = 1
 GRACEFUL_SHUTDOWN_S = 30
 # torch.Generator.manual_seed takes seeds in [-2**63, 2**64); outside it the engine would fail.
-MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 # chat_template_kwargs may not replace the arguments the server itself passes to the template.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 DONE = b"data: [DONE]\n\n"
@@ -318,8 +318,10 @@ def check_queue_room(engine: Engine) -> None:
 
 
 def check_seed(seed: int | None) -> None:
-    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
-        raise ApiError(400, f"Invalid 'seed': must be in [{MIN_SEED}, {MAX_SEED}] (got {seed}).", "seed")
+    try:
+        check_seed_range(seed)
+    except ValueError as exc:
+        raise ApiError(400, f"Invalid 'seed': {exc}.", "seed") from None
 
 
 def sampling_params(body: Any, max_tokens: int) -> SamplingParams:
