@@ -206,10 +206,24 @@ def check_engine_args(args: argparse.Namespace) -> None:
                  max_queue=getattr(args, "max_queue", 64), max_num_seqs=getattr(args, "max_num_seqs", 32))
 
 
+def check_address(host: str, port: int) -> None:
+    """Bind --host:--port once (as uvicorn will) so a taken port or a bad host fails before loading."""
+    import socket
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except (OSError, UnicodeError) as exc:
+        raise UsageError(f"cannot listen on --host {host} --port {port} ({exc}): "
+                         "choose a free port, or a host address of this machine") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     check_engine_args(args)
     if not 0 < args.port < 65536:
         raise UsageError("--port must be in 1..65535")
+    check_address(args.host, args.port)
     use_demo_without_model(args)
     from blockspec.server.app import serve
     return serve(args)

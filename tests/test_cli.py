@@ -99,3 +99,16 @@ def test_hub_id_resolves_through_the_local_hub_cache(qwen3_dir, tmp_path):
     assert missing.returncode == 2
     lines = missing.stderr.strip().splitlines()
     assert len(lines) == 1 and "tiny-org/absent" in lines[0] and "download" in lines[0]
+
+
+def test_serve_fails_on_a_taken_port_or_bad_host_before_loading(qwen3_dir):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for host, port_arg in (("127.0.0.1", port), ("999.1.1.1", "8000")):
+            out = blockspec("serve", "--model", str(qwen3_dir), "--host", host, "--port", port_arg)
+            assert out.returncode == 2, out.stderr
+            lines = out.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("blockspec serve: error: cannot listen on")
