@@ -202,6 +202,8 @@ def check_engine_args(args: argparse.Namespace) -> None:
     """Engine limits are validated by EngineConfig (the one place), before anything loads."""
     from blockspec.config import EngineConfig
     check_device(args.device)
+    if args.block_size is not None and args.draft is None and args.model is not None:
+        raise UsageError("--block-size is the DFlash block size and needs --draft; add --draft or drop --block-size")
     EngineConfig(max_model_len=args.max_model_len or 4096, block_size=args.block_size or 1,
                  max_queue=getattr(args, "max_queue", 64), max_num_seqs=getattr(args, "max_num_seqs", 32))
 

@@ -53,6 +53,7 @@ def test_generate_renders_the_chat_template(qwen3_dir):
     (["--model", "{qwen3}", "--messages", '[{{"role": "user", "content": 5}}]'], "content must be a string"),
     (["--model", "{qwen3}", "--prompt", "x", "--seed", "99999999999999999999999"], "seed must be in"),
     (["--model", "{qwen3}", "--prompt", "x", "--device", "bogus"], "--device 'bogus'"),
+    (["--model", "{qwen3}", "--prompt", "x", "--block-size", "4"], "--block-size is the DFlash block size"),
     (["--model", "{qwen3}", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
     (["--model", "{qwen3}", "--prompt", "x", "--temperature", "-1"], "--temperature"),
     (["--model", "{qwen3}", "--prompt", "x", "--draft", "{draft}", "--block-size", "64"], "exceeds the draft"),
