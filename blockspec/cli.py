@@ -113,7 +113,29 @@ def parse_messages(text: str) -> list[dict[str, Any]]:
         raise UsageError(f"--messages is not valid JSON: {exc}") from None
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise UsageError("--messages must be a non-empty JSON list of message objects")
+    for index, message in enumerate(messages):
+        check_message(index, message)
     return messages
+
+
+def check_message(index: int, message: dict[str, Any]) -> None:
+    """The server's validation of one chat message (server/protocol.py), as a one-line error."""
+    import pydantic
+    from blockspec.server.protocol import ChatMessage, validation_error_message
+    try:
+        ChatMessage.model_validate(message)
+    except pydantic.ValidationError as exc:
+        raise UsageError(f"--messages, message {index}: {validation_error_message(exc)[0]}") from None
+
+
+def check_device(device: str) -> None:
+    if device == "auto":
+        return
+    import torch
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise UsageError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
 
 
 def use_demo_without_model(args: argparse.Namespace) -> None:
@@ -133,6 +155,8 @@ def use_demo_without_model(args: argparse.Namespace) -> None:
 def check_generate_args(args: argparse.Namespace) -> None:
     if args.model is not None and args.prompt is None and args.messages is None and args.prompt_token_ids is None:
         raise UsageError("one of --prompt, --messages or --prompt-token-ids is required with --model")
+    if args.messages is not None:
+        parse_messages(args.messages)       # before loading: the server's checks, the same answer
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be at least 1")
     if not 0 <= args.temperature <= 2:
@@ -177,14 +201,31 @@ def run_generate(args: argparse.Namespace) -> int:
 def check_engine_args(args: argparse.Namespace) -> None:
     """Engine limits are validated by EngineConfig (the one place), before anything loads."""
     from blockspec.config import EngineConfig
+    check_device(args.device)
+    if args.block_size is not None and args.draft is None and args.model is not None:
+        raise UsageError("--block-size is the DFlash block size and needs --draft; add --draft or drop --block-size")
     EngineConfig(max_model_len=args.max_model_len or 4096, block_size=args.block_size or 1,
                  max_queue=getattr(args, "max_queue", 64), max_num_seqs=getattr(args, "max_num_seqs", 32))
+
+
+def check_address(host: str, port: int) -> None:
+    """Bind --host:--port once (as uvicorn will) so a taken port or a bad host fails before loading."""
+    import socket
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except (OSError, UnicodeError) as exc:
+        raise UsageError(f"cannot listen on --host {host} --port {port} ({exc}): "
+                         "choose a free port, or a host address of this machine") from None
 
 
 def run_serve(args: argparse.Namespace) -> int:
     check_engine_args(args)
     if not 0 < args.port < 65536:
         raise UsageError("--port must be in 1..65535")
+    check_address(args.host, args.port)
     use_demo_without_model(args)
     from blockspec.server.app import serve
     return serve(args)

@@ -7,6 +7,15 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
+def check_seed(seed: int | None) -> None:
+    """The one seed range check (server and CLI)."""
+    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be in [{MIN_SEED}, {MAX_SEED}] (got {seed})")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -28,6 +37,7 @@ class SamplingParams:
             raise ValueError("top_k must be -1, 0 (off) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError("min_p must be in [0, 1]")
+        check_seed(self.seed)
 
     @property
     def is_greedy(self) -> bool:

@@ -48,6 +48,12 @@ def test_generate_renders_the_chat_template(qwen3_dir):
     (["--model", "{qwen3}", "--prompt-token-ids", "99999999"], "outside the vocabulary"),
     (["--model", "{qwen3}", "--messages", "[not json"], "not valid JSON"),
     (["--model", "{qwen3}", "--messages", "[]"], "non-empty JSON list"),
+    (["--model", "{qwen3}", "--messages", '[{{"role": "user"}}]'], "needs content"),
+    (["--model", "{qwen3}", "--messages", '[{{"role": "wizard", "content": "x"}}]'], "message 0: Invalid 'role'"),
+    (["--model", "{qwen3}", "--messages", '[{{"role": "user", "content": 5}}]'], "content must be a string"),
+    (["--model", "{qwen3}", "--prompt", "x", "--seed", "99999999999999999999999"], "seed must be in"),
+    (["--model", "{qwen3}", "--prompt", "x", "--device", "bogus"], "--device 'bogus'"),
+    (["--model", "{qwen3}", "--prompt", "x", "--block-size", "4"], "--block-size is the DFlash block size"),
     (["--model", "{qwen3}", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
     (["--model", "{qwen3}", "--prompt", "x", "--temperature", "-1"], "--temperature"),
     (["--model", "{qwen3}", "--prompt", "x", "--draft", "{draft}", "--block-size", "64"], "exceeds the draft"),
@@ -65,7 +71,8 @@ def test_unknown_dtype_is_rejected_by_the_parser(qwen3_dir):
     assert out.returncode == 2 and "invalid choice" in out.stderr
 
 
-@pytest.mark.parametrize("flag, value, message", [("--max-queue", "0", "--max-queue"), ("--port", "70000", "--port")])
+@pytest.mark.parametrize("flag, value, message", [("--max-queue", "0", "--max-queue"), ("--port", "70000", "--port"),
+                                                   ("--device", "bogus", "--device 'bogus'")])
 def test_serve_rejects_bad_flags_before_loading(qwen3_dir, flag, value, message):
     out = blockspec("serve", "--model", str(qwen3_dir), flag, value)
     assert out.returncode == 2
@@ -93,3 +100,16 @@ def test_hub_id_resolves_through_the_local_hub_cache(qwen3_dir, tmp_path):
     assert missing.returncode == 2
     lines = missing.stderr.strip().splitlines()
     assert len(lines) == 1 and "tiny-org/absent" in lines[0] and "download" in lines[0]
+
+
+def test_serve_fails_on_a_taken_port_or_bad_host_before_loading(qwen3_dir):
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for host, port_arg in (("127.0.0.1", port), ("999.1.1.1", "8000")):
+            out = blockspec("serve", "--model", str(qwen3_dir), "--host", host, "--port", port_arg)
+            assert out.returncode == 2, out.stderr
+            lines = out.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("blockspec serve: error: cannot listen on")

@@ -434,6 +434,13 @@ BAD_CHAT_BODIES = {
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, 400),
     "template kwargs not a dict": ({"messages": HELLO, "chat_template_kwargs": [1]}, 400),
     "prompt too long": ({"messages": [{"role": "user", "content": "hello " * 5000}]}, 400),
+    "max_tokens 10**9": ({"messages": HELLO, "max_tokens": 10**9}, 400),
+    "max_tokens 2**40": ({"messages": HELLO, "max_tokens": 2**40}, 400),
+    "max_tokens 10**21": ({"messages": HELLO, "max_tokens": 10**21}, 400),
+    "max_completion_tokens beyond the context": ({"messages": HELLO, "max_completion_tokens": 4096}, 400),
+    "stop_token_ids 10**23": ({"messages": HELLO, "stop_token_ids": [10**23]}, 400),
+    "stop_token_ids outside vocabulary": ({"messages": HELLO, "stop_token_ids": [2, 10**9]}, 400),
+    "top_k 10**23": ({"messages": HELLO, "top_k": 10**23}, 400),
     "unknown model": ({"model": "gpt-17", "messages": HELLO}, 404),
     "body too large": ({"messages": [{"role": "user", "content": "x" * (MAX_BODY_BYTES + 10)}]}, 413),
 }
@@ -444,6 +451,9 @@ BAD_COMPLETION_BODIES = {
     "token id outside vocabulary": ({"prompt": [1, 10**9]}, 400),
     "two prompts": ({"prompt": ["a", "b"]}, 400),
     "echo": ({"prompt": "a", "echo": True}, 400),
+    "max_tokens beyond the context": ({"prompt": "a", "max_tokens": 10**9}, 400),
+    "stop_token_ids outside vocabulary": ({"prompt": "a", "stop_token_ids": [10**9]}, 400),
+    "top_k 2**31": ({"prompt": "a", "top_k": 2**31}, 400),
 }
 
 
@@ -464,6 +474,13 @@ def test_bad_input_rejected_before_the_stream_starts(dflash):
     assert not response.headers["content-type"].startswith("text/event-stream")
     assert_error(response, 400)
 
+
+
+def test_max_tokens_beyond_the_context_says_how_many_fit(dflash):
+    """OpenAI and vLLM refuse prompt + max_tokens beyond the context; capping it silently let one
+    request decode for minutes."""
+    error = assert_error(post(dflash, "/v1/chat/completions", {"messages": HELLO, "max_tokens": 10**9}), 400)
+    assert error["param"] == "max_tokens" and "ask for at most" in error["message"]
 
 
 def test_declared_content_length_over_the_limit_is_413_unread(dflash):

@@ -45,6 +45,7 @@ from blockspec.engine.engine import Engine, QueueFullError
 from blockspec.engine.request import GenerationStats, TokenEvent
 from blockspec.engine.request import Request as EngineRequest
 from blockspec.sampling import SamplingParams
+from blockspec.sampling import check_seed as check_seed_range
 from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
 from blockspec.server.protocol import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                        ChatCompletionChunkChoice, ChatCompletionMessage,
@@ -57,7 +58,6 @@ from blockspec.tokenizer import IncrementalDetokenizer
 RETRY_AFTER_S = 1
 GRACEFUL_SHUTDOWN_S = 30
 # torch.Generator.manual_seed takes seeds in [-2**63, 2**64); outside it the engine would fail.
-MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 # chat_template_kwargs may not replace the arguments the server itself passes to the template.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 DONE = b"data: [DONE]\n\n"
@@ -318,8 +318,10 @@ def check_queue_room(engine: Engine) -> None:
 
 
 def check_seed(seed: int | None) -> None:
-    if seed is not None and not MIN_SEED <= seed <= MAX_SEED:
-        raise ApiError(400, f"Invalid 'seed': must be in [{MIN_SEED}, {MAX_SEED}] (got {seed}).", "seed")
+    try:
+        check_seed_range(seed)
+    except ValueError as exc:
+        raise ApiError(400, f"Invalid 'seed': {exc}.", "seed") from None
 
 
 def sampling_params(body: Any, max_tokens: int) -> SamplingParams:
@@ -382,9 +384,40 @@ def completion_prompt(tokenizer: Any, body: CompletionRequest) -> Prompt:
     return Prompt(list(body.prompt))
 
 
+def requested_max_tokens(body: Any) -> tuple[str, int] | None:
+    """The output limit the client asked for, with its parameter name; None if it left it out."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = getattr(body, name, None)
+        if name in body.model_fields_set and value is not None:
+            return name, value
+    return None
+
+
+def output_budget(max_model_len: int, prompt: Prompt, body: Any) -> int:
+    """max_tokens for the engine: a limit beyond the context left by the prompt is a 400 (as
+    OpenAI and vLLM answer); no limit means the rest of the context."""
+    room = max_model_len - len(prompt.token_ids)
+    asked = requested_max_tokens(body)
+    if asked is None:
+        return max(1, min(body.max_new_tokens or room, room))
+    name, value = asked
+    if room >= 1 and value > room:  # room < 1: make_request says the prompt is too long
+        raise ApiError(400, f"Invalid '{name}': {value} output tokens plus the prompt's "
+                            f"{len(prompt.token_ids)} exceed the context of {max_model_len} tokens; "
+                            f"ask for at most {room} (or leave '{name}' out).", name)
+    return value
+
+
+def check_stop_token_ids(tokenizer: Any, body: Any) -> None:
+    outside = [t for t in body.stop_token_ids or () if t >= tokenizer.vocab_size]
+    if outside:
+        raise ApiError(400, f"Invalid 'stop_token_ids': token id {outside[0]} is outside the vocabulary "
+                            f"of {tokenizer.vocab_size}.", "stop_token_ids")
+
+
 def make_engine_request(llm: Any, request_id: str, prompt: Prompt, body: Any) -> EngineRequest:
-    max_tokens = body.max_new_tokens or max(1, llm.max_model_len - len(prompt.token_ids))
-    params = sampling_params(body, max_tokens)
+    check_stop_token_ids(llm.tokenizer, body)
+    params = sampling_params(body, output_budget(llm.max_model_len, prompt, body))
     try:
         return llm.make_request(request_id, prompt.token_ids, params)
     except ValueError as exc:  # too long for --max-model-len, or empty

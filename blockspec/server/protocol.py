@@ -16,6 +16,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer
 
 MAX_STOP_STRINGS = 16
+MAX_INT32 = 2**31 - 1  # bound on counts and token ids: beyond it, a request is nonsense
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -145,11 +146,11 @@ class _SamplingFields(_Request):
     model: str | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # -1 or 0: off
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=MAX_INT32)]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
