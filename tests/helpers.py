@@ -288,3 +288,14 @@ class OracleDraft(torch.nn.Module):
                 token = sequence[position] if position < len(sequence) else 0
                 logits[b, i, token] = self.sharpness
         return logits
+
+
+class ForwardCounter:
+    """Counts a module's forward calls (to prove compute stopped, by a bound, not a timeout)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.count = 0
+        self.handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_) -> None:
+        self.count += 1

@@ -14,7 +14,7 @@ from blockspec.engine.spec.dflash import Proposal, accept
 from blockspec.loader import load_draft, load_model
 from blockspec.sampling import SamplingParams, probs_from_logits, rejection_sample, sample
 
-from helpers import OracleDraft, make_engine, make_request, run_alone, run_until_done, submit
+from helpers import ForwardCounter, OracleDraft, make_engine, make_request, run_alone, run_until_done, submit
 
 # Chi-square tests reject at p < 1e-4: a false alarm once in 10 000 runs per test. Every mutant
 # they target moves mass onto tokens the reference gives probability 0, which is checked exactly.
@@ -162,15 +162,6 @@ def test_partial_acceptance_on_a_dense_target_at_known_lengths(dense, block_size
 
 
 # ---- abort on the plain loop, alone and in a batch, counted in forwards -----------------------
-
-class ForwardCounter:
-    def __init__(self, module):
-        self.count = 0
-        self.handle = module.register_forward_pre_hook(self._hook)
-
-    def _hook(self, *_):
-        self.count += 1
-
 
 @pytest.mark.parametrize("others", [0, 2])
 def test_abort_stops_the_plain_loop_within_one_step(dense, others):

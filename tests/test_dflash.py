@@ -18,7 +18,7 @@ from blockspec.models.dflash import default_target_layer_ids
 from blockspec.sampling import SamplingParams, rejection_sample
 
 import fixtures
-from helpers import (OneSequence, OracleDraft, graph_shaped, make_engine, padded, run_alone, run_batch,
+from helpers import (ForwardCounter, OneSequence, OracleDraft, graph_shaped, make_engine, padded, run_alone, run_batch,
                      run_until_done, submit)
 
 STOPS = frozenset({fixtures.IM_END_ID, fixtures.ENDOFTEXT_ID})
@@ -139,15 +139,6 @@ def test_block_size_cannot_exceed_the_drafts(qwen3_dir, qwen3_draft_dir):
     """Engine v2 refuses it when configuring (the old loop silently clamped to the draft's 16)."""
     with pytest.raises(ConfigError, match="--block-size 64 exceeds the draft's block size 16"):
         LLM(str(qwen3_dir), draft=str(qwen3_draft_dir), block_size=64, show_progress=False)
-
-
-class ForwardCounter:
-    def __init__(self, module):
-        self.count = 0
-        self.handle = module.register_forward_pre_hook(self._hook)
-
-    def _hook(self, *_):
-        self.count += 1
 
 
 def test_closing_the_stream_stops_compute_and_the_next_request_is_exact(pairs, qwen3_dir, qwen3_draft_dir):

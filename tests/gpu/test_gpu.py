@@ -58,13 +58,10 @@ def test_hybrid_graphs_equal_eager(tmp_path):
     """A tiny Qwen3.5 (fp32) on the GPU: graphed batches (plain, DFlash 4 and 16) decode what the
     eager plain engine decodes, prompt by prompt (fla's kernels on both sides)."""
     import fixtures
-    from test_hybrid import HYBRID_PROMPTS, VOCAB, hf_model, randomise
-    ref = hf_model("qwen3_5")
-    randomise(ref)
-    ref.save_pretrained(tmp_path / "target")
-    fixtures.write_tokenizer_files(tmp_path / "target", "qwen3")
+    from test_hybrid import HYBRID_PROMPTS
+    fixtures.write_hybrid_checkpoint(tmp_path / "target")
     draft_dir = fixtures.write_dflash_draft(tmp_path / "draft", tmp_path / "target", target_layer_ids=[0, 2],
-                                            mask_token_id=VOCAB - 1)
+                                            mask_token_id=fixtures.HYBRID_VOCAB - 1)
     prompts = [HYBRID_PROMPTS["short"], HYBRID_PROMPTS["long"], [3, 4, 5]]
     params = SamplingParams(max_tokens=24)
 
