@@ -15,8 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from blockspec.config import ConfigError
-from blockspec.loader import LoadError, load_model
+from blockspec.loader import load_model
 from blockspec.models.gated_delta import (chunk_gated_delta_rule, recurrent_gated_delta_rule,
                                           select_kernels)
 from blockspec.models.qwen3_5 import HybridConfig

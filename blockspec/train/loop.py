@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from blockspec.train import blockwise, checkpoint, data, features
 
