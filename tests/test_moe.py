@@ -8,8 +8,11 @@ same weights rewritten by the test. fp32, CPU.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from blockspec.config import ConfigError, EngineConfig, MoeConfig
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.request import Request
 from blockspec.engine.sequence import Sequence
+from blockspec.kernels import moe as moe_kernels
 from blockspec.layers.moe import (gathered_experts, grouped_experts, reference_experts, route,
                                   select_experts_kernel)
 from blockspec.llm import LLM
@@ -267,8 +271,51 @@ def test_reference_experts_follow_the_stated_math():
 def test_cpu_uses_the_reference_kernel():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert select_experts_kernel(cpu, torch.float32) is select_experts_kernel(cpu, torch.bfloat16) is reference_experts
-    assert select_experts_kernel(cuda, torch.bfloat16) is grouped_experts
-    assert select_experts_kernel(cuda, torch.float32) is gathered_experts
+    if moe_kernels.is_available():
+        assert select_experts_kernel(cuda, torch.bfloat16) is select_experts_kernel(cuda, torch.float32) \
+            is moe_kernels.fused_experts
+    else:
+        assert select_experts_kernel(cuda, torch.bfloat16) is grouped_experts
+        assert select_experts_kernel(cuda, torch.float32) is gathered_experts
+
+
+INTERPRETED_KERNEL_CHECK = """
+import torch
+from blockspec.kernels import moe as K
+from blockspec.layers.moe import reference_experts, route
+gen = torch.Generator().manual_seed(0)
+# (experts, tokens, top-k, skewed): both tile sets, both aligners (one program / torch past 256 pairs)
+for num_experts, num_tokens, top_k, skewed in [(8, 1, 2, False), (16, 5, 4, False), (16, 40, 8, False),
+                                               (128, 3, 8, False), (16, 33, 8, True)]:
+    hidden, inter = 32, 16
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    if skewed:                                   # every token chooses the same experts
+        logits[:, :top_k] += 100.0
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    down = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    weights, experts = route(logits, top_k, normalize=True)
+    flat = experts.flatten()
+    length = K.max_padded_pairs(flat.numel(), num_experts, 16)
+    if flat.numel() <= K.MAX_PAIRS_ONE_PROGRAM:
+        for ours, ref in zip(K.align(flat, num_experts, 16, length), K.align_torch(flat, num_experts, 16, length)):
+            assert torch.equal(ours, ref), (ours, ref)
+    error = (K.fused_experts(x, weights, experts, gate_up, down)
+             - reference_experts(x, weights, experts, gate_up, down)).abs().max().item()
+    assert error < 1e-5, (num_experts, num_tokens, top_k, skewed, error)
+print("ok")
+"""
+
+
+def test_triton_kernel_equals_the_reference_in_the_interpreter():
+    """The Triton MoE kernel, run by Triton's CPU interpreter (a fresh process: the interpreter is
+    chosen when the kernels are defined), on tiny shapes; on the GPU: tests/gpu/test_moe_kernel.py."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", INTERPRETED_KERNEL_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 # ── loading ────────────────────────────────────────────────────────────────────────────────────

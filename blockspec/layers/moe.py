@@ -6,15 +6,19 @@ output is Σ_k p_k · expert_k(x), plus sigmoid(x · w_gate) · shared_expert(x)
 shared expert.
 
 Experts are held stacked, in the fused checkpoint layout: gate_up_proj [E, 2I, H] (gate rows
-first, then up rows) and down_proj [E, H, I]. Three kernels, one signature:
+first, then up rows) and down_proj [E, H, I]. Four kernels, one signature:
+- `kernels.moe.fused_experts` (Triton): pairs aligned by expert on the device, a gather-GEMM for
+  gate_up with silu·mul fused, one for down with the routing weights; fixed shapes, no host
+  sync. The CUDA default wherever Triton is installed (it ships with PyTorch's CUDA builds).
 - `reference_experts`: a loop over the experts some token chose (transformers' order of sums);
   data-dependent shapes and host syncs, so never under a CUDA graph. The CPU default.
 - `grouped_experts`: rows sorted by expert, two `torch._grouped_mm` calls; fixed shapes, no host
-  sync, so the decode cycle can be captured. The CUDA default in bf16.
+  sync, so the decode cycle can be captured. CUDA bf16 without Triton.
 - `gathered_experts`: every (token, expert) row multiplies its own gathered copy of the expert's
   weights (N·k copies: fine for tests and small batches); fixed shapes in any dtype. The CUDA
   fallback where `_grouped_mm` does not serve (fp32, older torch).
-Tests hold the other two to the reference on CPU.
+Tests hold the others to the reference (the Triton kernel on CPU through its interpreter, and
+on the GPU).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.config import MoeConfig
+from blockspec.kernels import moe as moe_kernels
 from blockspec.layers.common import MLP
 
 ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -98,6 +103,8 @@ def select_experts_kernel(device: torch.device, dtype: torch.dtype) -> ExpertsKe
     is graph-captured and the reference's host syncs cannot be, a fixed-shape kernel."""
     if device.type != "cuda":
         return reference_experts
+    if moe_kernels.is_available():
+        return moe_kernels.fused_experts
     if dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         return grouped_experts
     return gathered_experts

@@ -1,0 +1,215 @@
+"""Fused mixture-of-experts experts kernel (Triton): the CUDA path of `layers/moe.py`.
+
+Same signature and result as `layers.moe.reference_experts`: x [N, H], routing weights and expert
+ids [N, k], stacked gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I]
+→ Σ_k w_k · down_e(silu(gate_e x) · up_e x) [N, H].
+
+Three launches and one sum, all of fixed shape with no host sync, so a decode cycle can be
+captured in a CUDA graph:
+1. align: the N·k (token, slot) pairs, stably sorted by expert, each expert's run padded to a
+   multiple of BLOCK_M (padding holds the sentinel N·k). `sorted_ids` is sized for the worst
+   case; the real padded length lives on the device and programs past it exit at once.
+2. gate_up: one program per (block of BLOCK_M pairs of one expert, block of BLOCK_N columns of
+   I) gathers its pairs' token rows of x, multiplies by that expert's gate and up rows and writes
+   silu(gate) · up (fp32 accumulation, rounded once) to hidden [N·k, I] at the pair's row.
+3. down: the same grid over H; each pair's row of hidden times down_e, scaled by its routing
+   weight, written to out [N·k, H] at the pair's row.
+4. out.view(N, k, H).sum(1): a fixed-order sum over the k slots, so results are deterministic
+   (no atomics) and equal from run to run, eager or graphed.
+
+Every chosen expert's weights are read once per step whatever the batch: at decode widths the
+kernel is weight-bandwidth-bound, so small BLOCK_M (16, the least tl.dot takes) and programs
+split over the output columns keep every SM streaming weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:                                      # CPU-only installs: the reference path
+    triton = None
+
+# A single program aligns up to this many pairs (decode and small verify batches, one launch);
+# larger batches use a few torch ops, still without host sync.
+MAX_PAIRS_ONE_PROGRAM = 256
+
+
+def is_available() -> bool:
+    return triton is not None
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def gate_up_tiles(num_pairs: int, num_experts: int) -> Tiles:
+    """Decode widths (under one pair per expert on average): weight-streaming GEMV-like tiles."""
+    if num_pairs <= 2 * num_experts:
+        return Tiles(16, 32, 128, 4, 4)
+    return Tiles(64, 64, 64, 4, 3)
+
+
+def down_tiles(num_pairs: int, num_experts: int) -> Tiles:
+    if num_pairs <= 2 * num_experts:
+        return Tiles(16, 64, 128, 4, 4)
+    return Tiles(64, 64, 64, 4, 3)
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst case of Σ_e ceil(count_e / block_m) · block_m: every used expert (at most
+    min(E, N·k)) pads by at most block_m − 1 rows; rounded up to whole blocks."""
+    worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(worst, block_m) * block_m
+
+
+if triton is not None:
+
+    @triton.jit
+    def _align_kernel(experts_ptr, sorted_ids_ptr, ends_ptr, num_padded_ptr, num_pairs, sorted_len,
+                      NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                      CHUNK: tl.constexpr):
+        """One program. Pass 1 counts pairs per expert (one-hot rows summed), pass 2 gives each
+        pair its slot: its expert's padded start + the number of earlier pairs of that expert
+        (a cumulative sum down the one-hot columns, carried across chunks), so the order inside
+        an expert is the pairs' own order, as a stable sort gives."""
+        bins = tl.arange(0, E_POW2)
+        lanes = tl.arange(0, CHUNK)
+        counts = tl.zeros([E_POW2], dtype=tl.int32)
+        for start in range(0, num_pairs, CHUNK):
+            idx = start + lanes
+            expert = tl.load(experts_ptr + idx, mask=idx < num_pairs, other=E_POW2).to(tl.int32)
+            counts += tl.sum((expert[:, None] == bins[None, :]).to(tl.int32), axis=0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        tl.store(ends_ptr + bins, ends, mask=bins < NUM_EXPERTS)
+        tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+        for start in range(0, sorted_len, CHUNK):
+            idx = start + lanes
+            tl.store(sorted_ids_ptr + idx, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs, mask=idx < sorted_len)
+        tl.debug_barrier()                                 # sentinels first, then the pairs over them
+        seen = ends - padded                               # next free slot of each expert
+        for start in range(0, num_pairs, CHUNK):
+            idx = start + lanes
+            expert = tl.load(experts_ptr + idx, mask=idx < num_pairs, other=E_POW2).to(tl.int32)
+            onehot = (expert[:, None] == bins[None, :]).to(tl.int32)
+            before = tl.cumsum(onehot, axis=0) - onehot                  # same expert, earlier in chunk
+            slot = tl.sum(onehot * (before + seen[None, :]), axis=1)
+            tl.store(sorted_ids_ptr + slot, idx, mask=idx < num_pairs)
+            seen += tl.sum(onehot, axis=0)
+
+    @triton.jit
+    def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, ends_ptr, num_padded_ptr, route_ptr,
+                            num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om,
+                            ROWS_PER_A: tl.constexpr, NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
+                            GATED: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[pair, n] = Σ_k a[pair // ROWS_PER_A, k] · w[expert, n, k] for the pairs of one
+        block (all of one expert); GATED: also the up rows w[expert, N + n, :] and the output is
+        silu(gate) · up; WEIGHTED: times the pair's routing weight."""
+        row0 = tl.program_id(0) * BLOCK_M
+        if row0 >= tl.load(num_padded_ptr):
+            return                                        # past the real pairs: the grid is the worst case
+        bins = tl.arange(0, E_POW2)
+        ends = tl.load(ends_ptr + bins, mask=bins < NUM_EXPERTS, other=2**30)
+        expert = tl.sum((ends <= row0).to(tl.int32), axis=0)          # the run this block lies in
+        pairs = tl.load(sorted_ids_ptr + row0 + tl.arange(0, BLOCK_M))
+        valid = pairs < num_pairs
+        rows = (pairs // ROWS_PER_A).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            if GATED:
+                w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if GATED:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        if WEIGHTED:
+            acc = acc * tl.load(route_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+def align_torch(flat: torch.Tensor, num_experts: int, block_m: int,
+                sorted_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The align kernel's result from torch ops (no host sync): sorted_ids [sorted_len],
+    padded run ends [E], padded length [1]. Large batches, and the test reference."""
+    num_pairs = flat.numel()
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    by_expert = flat[order]
+    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[by_expert]
+    sorted_ids = torch.full((sorted_len,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
+    return sorted_ids, ends.to(torch.int32), ends[-1:].to(torch.int32)
+
+
+def align(flat: torch.Tensor, num_experts: int, block_m: int,
+          sorted_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_pairs = flat.numel()
+    if num_pairs > MAX_PAIRS_ONE_PROGRAM:
+        return align_torch(flat, num_experts, block_m, sorted_len)
+    sorted_ids = torch.empty(sorted_len, dtype=torch.int32, device=flat.device)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
+    _align_kernel[(1,)](flat, sorted_ids, ends, num_padded, num_pairs, sorted_len,
+                        NUM_EXPERTS=num_experts, E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
+                        CHUNK=min(64, triton.next_power_of_2(num_pairs)), num_warps=4)
+    return sorted_ids, ends, num_padded
+
+
+def expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, routing: tuple[torch.Tensor, ...],
+                tiles: Tiles, rows_per_a: int, gated: bool, route_weights: torch.Tensor | None) -> None:
+    """One gather-GEMM launch over the aligned pairs (see _expert_gemm_kernel)."""
+    sorted_ids, ends, num_padded = routing
+    num_experts, n_out, k_in = w.shape[0], (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
+    grid = (sorted_ids.numel() // tiles.block_m, triton.cdiv(n_out, tiles.block_n))
+    _expert_gemm_kernel[grid](
+        a, w, out, sorted_ids, ends, num_padded, route_weights if route_weights is not None else out,
+        out.shape[0], n_out, k_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        ROWS_PER_A=rows_per_a, NUM_EXPERTS=num_experts, E_POW2=triton.next_power_of_2(num_experts),
+        GATED=gated, WEIGHTED=route_weights is not None,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                  gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """x [N, H], weights / experts [N, k] → Σ_k weights · expert(x) [N, H] (see the module doc)."""
+    num_tokens, top_k = experts.shape
+    num_experts, inter = gate_up_proj.shape[0], down_proj.shape[2]
+    num_pairs = num_tokens * top_k
+    x, gate_up_proj, down_proj = x.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
+    up_tiles, dn_tiles = gate_up_tiles(num_pairs, num_experts), down_tiles(num_pairs, num_experts)
+    assert up_tiles.block_m == dn_tiles.block_m, "both GEMMs walk the same aligned blocks"
+    sorted_len = max_padded_pairs(num_pairs, num_experts, up_tiles.block_m)
+    routing = align(experts.flatten().contiguous(), num_experts, up_tiles.block_m, sorted_len)
+    hidden = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)                # [N·k, I]
+    expert_gemm(x, gate_up_proj, hidden, routing, up_tiles, top_k, gated=True, route_weights=None)
+    out = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)              # [N·k, H]
+    expert_gemm(hidden, down_proj, out, routing, dn_tiles, 1, gated=False,
+                route_weights=weights.flatten().contiguous())
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
