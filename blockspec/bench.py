@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from unittest import mock
 from typing import Any, Callable
 
@@ -26,7 +27,7 @@ from blockspec.engine.engine import Engine
 from blockspec.engine.request import Request
 from blockspec.loader import build_empty, resolve_device
 from blockspec.models.dflash import DFlashDraftModel, DraftConfig, default_target_layer_ids
-from blockspec.layers.moe import SparseMoE
+from blockspec.layers.moe import SparseMoE, grouped_experts, select_experts_kernel
 from blockspec.models.dflash2 import DFlash2DraftModel
 from blockspec.models.registry import ARCHITECTURES
 from blockspec.sampling import SamplingParams
@@ -44,6 +45,23 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=128, rope_theta=5e5, max_position_embeddings=131072, draft_layers=5),
+    "tiny-moe": dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", vocab_size=151936,
+                     hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     rope_theta=1e7, partial_rotary_factor=0.25, max_position_embeddings=40960,
+                     full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=16,
+                     num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                     draft_layers=1, draft=dict(intermediate_size=256)),
+    # Hybrid (Gated DeltaNet + gated attention, dense MLP): Qwen3.5-4B's config.json values; its
+    # draft's layer sizes are assumed (z-lab's Qwen3.5-4B draft: same hidden size, Qwen3-4B-like layers).
+    "qwen3.5-4b": dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=248320,
+                       hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
+                       num_key_value_heads=4, head_dim=256, rope_theta=1e7, partial_rotary_factor=0.25,
+                       max_position_embeddings=262144, full_attention_interval=4, linear_num_key_heads=16,
+                       linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_conv_kernel_dim=4, tie_word_embeddings=True, draft_layers=5,
+                       draft=dict(intermediate_size=9728, num_attention_heads=32, num_key_value_heads=8,
+                                  head_dim=128, partial_rotary_factor=1.0)),
     # MoE shapes (config.json values of the released checkpoints); their drafts are dense, of the
     # sizes given under "draft" (z-lab's drafts for these targets: same hidden size).
     "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
@@ -165,6 +183,36 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
     return int(weight_bytes(model) - unread)
 
 
+def forward_figures(plain: dict[str, float], spec: dict[str, float], block_size: int) -> dict[str, float]:
+    """The graphed forwards alone: target of 1 token, verify of block_size, the draft's propose."""
+    out = {}
+    if "verify_graph_ms" in plain and "verify_graph_ms" in spec:
+        out = {"target_forward_w1_ms": plain["verify_graph_ms"],
+               f"target_forward_w{block_size}_ms": spec["verify_graph_ms"],
+               f"verify{block_size}_over_step": spec["verify_graph_ms"] / plain["verify_graph_ms"]}
+    if "propose_graph_ms" in spec:
+        out[f"draft_propose_b{block_size}_ms"] = spec["propose_graph_ms"]
+    return out
+
+
+def kernel_name(kernel: Callable) -> str:
+    return f"{kernel.__module__}.{kernel.__name__}"
+
+
+@contextmanager
+def experts_kernel(layers: list[SparseMoE], kernel: Callable):
+    """Every MoE layer on `kernel` for the duration (graphs are captured per engine, so an engine
+    built inside sees only this kernel)."""
+    before = [layer.kernel for layer in layers]
+    for layer in layers:
+        layer.kernel = kernel
+    try:
+        yield
+    finally:
+        for layer, old in zip(layers, before):
+            layer.kernel = old
+
+
 def forced_accept(accept_len: float):
     """An accept() that keeps accept_len tokens per verify on average (floor and ceil mixed),
     for random weights whose drafts are never right."""
@@ -193,7 +241,23 @@ def throughput(target, draft, block_size: int, concurrency: int, prompt_len: int
     forcing = accept_len is not None and draft is not None
     with mock.patch.object(model_runner, "accept", forced_accept(accept_len) if forcing else model_runner.accept):
         run_batch(engine, concurrency, prompt_len, 8)                                   # warm-up
-        return run_batch(engine, concurrency, prompt_len, max_tokens)
+        result = run_batch(engine, concurrency, prompt_len, max_tokens)
+    return {**result, **graph_replay_ms(engine, concurrency)}
+
+
+def graph_replay_ms(engine: Engine, concurrency: int) -> dict[str, float]:
+    """Milliseconds of one replay of each captured forward (propose, verify) of the batch's size,
+    at the longest key bucket the run used: the forwards alone, without the engine's host work.
+    Replays rewrite the finished batch's pages and state slots, which nobody reads any more."""
+    graphs = engine.runner.graphs
+    if graphs is None or not graphs.capture:
+        return {}
+    rows = graphs.shape(concurrency, 0)[0]
+    batches = [b for b in graphs.batches.values() if b.meta.num_seqs == rows]
+    if not batches:
+        return {}
+    static = max(batches, key=lambda b: b.meta.max_context_len)
+    return {f"{kind}_graph_ms": timed(graph.replay, repeat=10) for kind, graph in static.graphs.items()}
 
 
 def run_batch(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int) -> dict[str, float]:
@@ -227,8 +291,11 @@ def main(args) -> int:
     concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
     if not concurrency or min(concurrency) < 1:
         raise ValueError("--concurrency must be a comma-separated list of positive integers")
+    block_sizes = [int(b) for b in str(args.block_size).split(",") if b.strip()]
+    if not block_sizes or min(block_sizes) < 2:
+        raise ValueError("--block-size must be a comma-separated list of integers ≥ 2")
     results = run(args.shape, device, args.vs, concurrency, args.accept_len, args.prompt_len, args.max_tokens,
-                  args.block_size)
+                  block_sizes, dflash2=not getattr(args, "no_dflash2", False))
     print_table(results)
     if args.out:
         with open(args.out, "w") as f:
@@ -237,10 +304,11 @@ def main(args) -> int:
 
 
 def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[int], accept_len: float | None,
-        prompt_len: int, max_tokens: int, block_size: int) -> dict[str, Any]:
+        prompt_len: int, max_tokens: int, block_sizes: list[int], dflash2: bool = True) -> dict[str, Any]:
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target_cfg, draft_cfg, target, draft = build_models(SHAPES[shape_name], device, dtype, block_size)
+    block_size = block_sizes[0]
+    target_cfg, draft_cfg, target, draft = build_models(SHAPES[shape_name], device, dtype, max(block_sizes))
     r: dict[str, Any] = {"shape": shape_name, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                          else "cpu", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                          "block_size": block_size, "forced_acceptance_length": accept_len,
@@ -248,8 +316,12 @@ def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[
     r["target_weight_GB"] = weight_bytes(target) / 1e9
     r["step_weight_GB"] = step_weight_bytes(target) / 1e9          # = target_weight_GB for dense targets
     r["draft_weight_GB"] = weight_bytes(draft) / 1e9
-    draft2 = build_dflash2(draft_cfg, device, dtype)
-    r["draft2_weight_GB"] = weight_bytes(draft2) / 1e9
+    moe_layers = [m for m in target.modules() if isinstance(m, SparseMoE)]
+    if moe_layers:
+        r["moe_kernel"] = kernel_name(select_experts_kernel(device, dtype))
+    draft2 = build_dflash2(draft_cfg, device, dtype) if dflash2 else None
+    if draft2 is not None:
+        r["draft2_weight_GB"] = weight_bytes(draft2) / 1e9
     if device.type == "cuda":
         r["copy_bandwidth_TBps"] = copy_bandwidth(device) / 1e12
         r["floor_ms_per_token"] = r["step_weight_GB"] / r["copy_bandwidth_TBps"]
@@ -259,19 +331,41 @@ def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[
         r[f"c{c}"] = {"plain_tok_s": plain["tok_s"], "plain_ms_per_step": plain["ms_per_cycle"],
                       "dflash_tok_s": spec["tok_s"], "dflash_ms_per_cycle": spec["ms_per_cycle"],
                       "dflash_acceptance_length": spec["mean_acceptance_length"],
-                      "dflash_over_plain": spec["tok_s"] / plain["tok_s"]}
-        spec2 = throughput(target, draft2, block_size, c, prompt_len, max_tokens, accept_len)
-        r[f"c{c}"].update({"dflash2_tok_s": spec2["tok_s"], "dflash2_ms_per_cycle": spec2["ms_per_cycle"],
-                           "dflash2_cycle_over_dflash1": spec2["ms_per_cycle"] / spec["ms_per_cycle"]})
-        r[f"c{c}"].update(readout_ms({"dflash1": draft, "dflash2": draft2}, target.lm_head, c, block_size, device))
+                      "dflash_over_plain": spec["tok_s"] / plain["tok_s"],
+                      "dflash_cycle_over_plain_step": spec["ms_per_cycle"] / plain["ms_per_cycle"]}
+        r[f"c{c}"].update(forward_figures(plain, spec, block_size))
+        if c == concurrency[0]:
+            for other in block_sizes[1:]:
+                extra = throughput(target, draft, other, c, prompt_len, max_tokens, accept_len)
+                r[f"c{c}"].update({f"dflash_b{other}_tok_s": extra["tok_s"],
+                                   f"dflash_b{other}_ms_per_cycle": extra["ms_per_cycle"],
+                                   f"dflash_b{other}_cycle_over_plain_step": extra["ms_per_cycle"] / plain["ms_per_cycle"],
+                                   **forward_figures(plain, extra, other)})
+            if moe_layers and "grouped-moe" in vs:
+                with experts_kernel(moe_layers, grouped_experts):
+                    grouped = throughput(target, None, 1, c, prompt_len, max_tokens, None)
+                r[f"c{c}"].update({"grouped_moe_plain_ms_per_step": grouped["ms_per_cycle"],
+                                   "grouped_moe_step_over_ours": grouped["ms_per_cycle"] / plain["ms_per_cycle"]})
+        if draft2 is not None:
+            spec2 = throughput(target, draft2, block_size, c, prompt_len, max_tokens, accept_len)
+            r[f"c{c}"].update({"dflash2_tok_s": spec2["tok_s"], "dflash2_ms_per_cycle": spec2["ms_per_cycle"],
+                               "dflash2_cycle_over_dflash1": spec2["ms_per_cycle"] / spec["ms_per_cycle"]})
+        readers = {"dflash1": draft, **({"dflash2": draft2} if draft2 is not None else {})}
+        r[f"c{c}"].update(readout_ms(readers, target.lm_head, c, block_size, device))
     first, last = f"c{concurrency[0]}", f"c{concurrency[-1]}"
     r["plain_throughput_ratio_last_over_first"] = r[last]["plain_tok_s"] / r[first]["plain_tok_s"]
     r["dflash_throughput_ratio_last_over_first"] = r[last]["dflash_tok_s"] / r[first]["dflash_tok_s"]
     if "floor_ms_per_token" in r:
         r["ratio_floor_over_plain_step_c1"] = r["floor_ms_per_token"] / r[first]["plain_ms_per_step"]
+        r["ratio_plain_step_over_floor_c1"] = r[first]["plain_ms_per_step"] / r["floor_ms_per_token"]
     if device.type == "cuda" and "transformers" in vs:
-        r["transformers"] = bench_transformers(target_cfg, target, device)
-        r["ratio_transformers_step_over_ours"] = r["transformers"]["forward_ms_w1_ctx512"] / r[first]["plain_ms_per_step"]
+        try:
+            r["transformers"] = bench_transformers(target_cfg, target, device)
+        except Exception as error:                   # a peer failing must not lose our own figures
+            r["transformers"] = {"error": repr(error)[:500]}
+        if "forward_ms_w1_ctx512" in r["transformers"]:
+            r["ratio_transformers_step_over_ours"] = (r["transformers"]["forward_ms_w1_ctx512"]
+                                                      / r[first]["plain_ms_per_step"])
     if device.type == "cuda" and "zlab" in vs:
         r["zlab"] = bench_zlab(target_cfg, draft_cfg, target, draft, device)
         r["ratio_zlab_plain_over_ours"] = r["zlab"]["plain_ms_per_token"] / r[first]["plain_ms_per_step"]
@@ -285,12 +379,30 @@ def hf_config(target_cfg: dict[str, Any]):
     return AutoConfig.for_model(target_cfg["model_type"], **cfg)
 
 
+def transformers_layers(target_cfg: dict[str, Any], target: torch.nn.Module, device: torch.device) -> int:
+    """All the target's layers if a second copy of its weights fits the device (with 10 % to
+    spare), else the fewest whole cycles of the layer pattern (full_attention_interval) that do,
+    at least 8 layers: forward times are then scaled by layers to a whole model's."""
+    num_layers = target_cfg["num_hidden_layers"]
+    free, _ = torch.cuda.mem_get_info(device)
+    if weight_bytes(target) * 1.1 < free:
+        return num_layers
+    cycle = target_cfg.get("full_attention_interval", 1)
+    return min(num_layers, max(8, cycle) // cycle * cycle)
+
+
 def bench_transformers(target_cfg, target, device) -> dict[str, Any]:
+    """transformers' forward of 1 and 16 tokens over a 512-token context, on our weights. Where two
+    copies of the model do not fit (Qwen3.5-35B-A3B: 2 × 69 GB), the first layers only, and the
+    times scaled by num_hidden_layers / layers (`scaled_to_all_layers`: embedding and head are
+    then counted more than once, so the scaled figure overstates transformers' time slightly)."""
     from transformers import AutoModelForCausalLM, DynamicCache
+    layers = transformers_layers(target_cfg, target, device)
+    cfg = dict(target_cfg, num_hidden_layers=layers)
     with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(hf_config(target_cfg), dtype=torch.bfloat16).eval()
+        hf = AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.bfloat16).eval()
     hf.load_state_dict(target.state_dict(), strict=False)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"layers": layers}
     with torch.inference_mode():
         ids = torch.randint(0, 1000, (1, 512), device=device)
         for width in (1, 16):
@@ -307,6 +419,10 @@ def bench_transformers(target_cfg, target, device) -> dict[str, Any]:
                 cache.crop(512)
             out[f"forward_ms_w{width}_ctx512"] = timed(fwd, repeat=10)
             out["prefill_ms_512"] = prefill
+    if layers < target_cfg["num_hidden_layers"]:
+        scale = target_cfg["num_hidden_layers"] / layers
+        out["measured"] = {k: v for k, v in out.items() if k.endswith("ms_512") or "_ms_" in k}
+        out.update({k: v * scale for k, v in out["measured"].items()}, scaled_to_all_layers=scale)
     del hf
     torch.cuda.empty_cache()
     return out

@@ -57,12 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="GPU benchmark on random weights of real shapes")
     bench.add_argument("--shape", default="qwen3-8b")
     bench.add_argument("--out", default=None, help="write the results as JSON here")
-    bench.add_argument("--vs", action="append", default=[], choices=["transformers", "zlab"])
+    bench.add_argument("--vs", action="append", default=[], choices=["transformers", "zlab", "grouped-moe"],
+                       help="peers measured in the same run (grouped-moe: MoE targets' plain step with the "
+                            "torch._grouped_mm experts instead of the Triton kernel)")
     bench.add_argument("--device", default="auto")
     bench.add_argument("--concurrency", default="1", help="comma-separated numbers of concurrent requests")
     bench.add_argument("--accept-len", type=float, default=None,
                        help="force this mean acceptance length (random weights accept no drafts)")
-    bench.add_argument("--block-size", type=int, default=16)
+    bench.add_argument("--block-size", default="16",
+                       help="comma-separated; the first is measured at every concurrency, the others' DFlash "
+                            "cycle at the first concurrency")
+    bench.add_argument("--no-dflash2", action="store_true", help="skip the DFlash 2 draft")
     bench.add_argument("--prompt-len", type=int, default=512)
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--demo", action="store_true", help="the shipped demo pair on held-out code: plain vs DFlash (CPU by default)")
