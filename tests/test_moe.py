@@ -303,6 +303,26 @@ for num_experts, num_tokens, top_k, skewed in [(8, 1, 2, False), (16, 5, 4, Fals
     error = (K.fused_experts(x, weights, experts, gate_up, down)
              - reference_experts(x, weights, experts, gate_up, down)).abs().max().item()
     assert error < 1e-5, (num_experts, num_tokens, top_k, skewed, error)
+    fused_weights, fused_experts = K.route_fused(logits, x, top_k, True, None)
+    assert torch.equal(fused_experts.long(), experts) and (fused_weights - weights).abs().max() < 1e-6
+
+# the whole sparse block (SparseMoE.fused_forward): router in one launch, shared expert as a slot
+# (its intermediate size = the experts'), or added densely (another size)
+from blockspec.config import MoeConfig
+from blockspec.layers.moe import SparseMoE
+for shared_size, normalize in [(16, True), (24, False), (0, True)]:
+    config = MoeConfig(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=16, normalize=normalize,
+                       shared_expert_intermediate_size=shared_size)
+    layer = SparseMoE(32, config)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+    x = torch.randn(6, 32, generator=gen)
+    layer.kernel = reference_experts
+    expected = layer(x)
+    layer.kernel = K.fused_experts
+    error = (layer(x) - expected).abs().max().item()
+    assert error < 1e-5, (shared_size, error)
 print("ok")
 """
 

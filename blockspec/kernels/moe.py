@@ -107,19 +107,21 @@ if triton is not None:
             seen += tl.sum(onehot, axis=0)
 
     @triton.jit
-    def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, ends_ptr, num_padded_ptr, route_ptr,
-                            num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om,
-                            ROWS_PER_A: tl.constexpr, NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr,
-                            GATED: tl.constexpr, WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _expert_gemm_kernel(a_ptr, w_ptr, shared_ptr, shared_up_ptr, out_ptr, sorted_ids_ptr, ends_ptr,
+                            num_padded_ptr, route_ptr, num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om,
+                            ROWS_PER_A: tl.constexpr, NUM_IDS: tl.constexpr, E_POW2: tl.constexpr,
+                            HAS_SHARED: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
         """out[pair, n] = Σ_k a[pair // ROWS_PER_A, k] · w[expert, n, k] for the pairs of one
         block (all of one expert); GATED: also the up rows w[expert, N + n, :] and the output is
-        silu(gate) · up; WEIGHTED: times the pair's routing weight."""
+        silu(gate) · up; WEIGHTED: times the pair's routing weight. HAS_SHARED: the last id is
+        the shared expert, whose (gate, up) or down rows live in their own tensors (same row stride)."""
         row0 = tl.program_id(0) * BLOCK_M
         if row0 >= tl.load(num_padded_ptr):
             return                                        # past the real pairs: the grid is the worst case
         bins = tl.arange(0, E_POW2)
-        ends = tl.load(ends_ptr + bins, mask=bins < NUM_EXPERTS, other=2**30)
+        ends = tl.load(ends_ptr + bins, mask=bins < NUM_IDS, other=2**30)
         expert = tl.sum((ends <= row0).to(tl.int32), axis=0)          # the run this block lies in
         pairs = tl.load(sorted_ids_ptr + row0 + tl.arange(0, BLOCK_M))
         valid = pairs < num_pairs
@@ -128,7 +130,15 @@ if triton is not None:
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-        w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        up_base = w_base + N * stride_wn
+        if HAS_SHARED:
+            if expert == NUM_IDS - 1:
+                w_base = shared_ptr
+                up_base = shared_up_ptr
+        w_offs = offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        w_ptrs = w_base + w_offs
+        up_ptrs = up_base + w_offs
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
@@ -137,8 +147,9 @@ if triton is not None:
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             if GATED:
-                w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                w_up = tl.load(up_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+                up_ptrs += BLOCK_K
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         if GATED:
@@ -149,6 +160,82 @@ if triton is not None:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
+    @triton.jit
+    def _route_kernel(logits_ptr, x_ptr, shared_gate_ptr, weights_ptr, experts_ptr, num_experts, hidden,
+                      stride_logits, stride_x, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                      SLOTS_POW2: tl.constexpr, E_POW2: tl.constexpr, NORMALIZE: tl.constexpr,
+                      SHARED: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One program per token: softmax over the experts in fp32, the TOP_K largest (the first
+        index among equals), renormalised when NORMALIZE; SHARED: one more slot, the shared
+        expert (id num_experts) weighted sigmoid(x · shared_gate)."""
+        token = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, E_POW2)
+        logits = tl.load(logits_ptr + token * stride_logits + offs, mask=offs < num_experts,
+                         other=float("-inf")).to(tl.float32)
+        exps = tl.exp(logits - tl.max(logits, axis=0))
+        probs = exps / tl.sum(exps, axis=0)
+        remaining = tl.where(offs < num_experts, probs, -1.0)
+        slots = tl.arange(0, SLOTS_POW2)
+        top_w = tl.zeros([SLOTS_POW2], dtype=tl.float32)
+        top_e = tl.zeros([SLOTS_POW2], dtype=tl.int32)
+        for i in tl.static_range(TOP_K):
+            best = tl.max(remaining, axis=0)
+            choice = tl.min(tl.where(remaining == best, offs, E_POW2), axis=0)
+            top_w = tl.where(slots == i, best, top_w)
+            top_e = tl.where(slots == i, choice, top_e)
+            remaining = tl.where(offs == choice, -1.0, remaining)
+        if NORMALIZE:
+            top_w = top_w / tl.sum(top_w, axis=0)
+        if SHARED:
+            lanes = tl.arange(0, BLOCK_H)
+            dot = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for h in range(0, hidden, BLOCK_H):
+                ok = lanes < hidden - h
+                x = tl.load(x_ptr + token * stride_x + h + lanes, mask=ok, other=0.0).to(tl.float32)
+                g = tl.load(shared_gate_ptr + h + lanes, mask=ok, other=0.0).to(tl.float32)
+                dot += x * g
+            top_w = tl.where(slots == TOP_K, tl.sigmoid(tl.sum(dot, axis=0)), top_w)
+            top_e = tl.where(slots == TOP_K, num_experts, top_e)
+        tl.store(weights_ptr + token * SLOTS + slots, top_w.to(weights_ptr.dtype.element_ty), mask=slots < SLOTS)
+        tl.store(experts_ptr + token * SLOTS + slots, top_e, mask=slots < SLOTS)
+
+
+@dataclass(frozen=True)
+class SharedExpert:
+    """The shared expert's weights as the checkpoint has them: gate/up [I, H], down [H, I],
+    its gate [1, H] (output = sigmoid(x · gateᵀ) · down(silu(gate x) · up x))."""
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    gate_logit: torch.Tensor
+
+
+def route_fused(logits: torch.Tensor, x: torch.Tensor, top_k: int, normalize: bool,
+                shared: SharedExpert | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layers.moe.route` in one launch (→ weights [N, k], ids [N, k] int32), plus a last slot
+    for the shared expert (id E, weight sigmoid(x · gate)) when there is one. The top k of the
+    probabilities are those of the logits, so the choice equals torch.topk's except between
+    exactly equal probabilities."""
+    num_tokens, num_experts = logits.shape
+    slots = top_k + (shared is not None)
+    weights = torch.empty(num_tokens, slots, dtype=logits.dtype, device=logits.device)
+    experts = torch.empty(num_tokens, slots, dtype=torch.int32, device=logits.device)
+    _route_kernel[(num_tokens,)](
+        logits, x, shared.gate_logit if shared is not None else x, weights, experts, num_experts, x.shape[1],
+        logits.stride(0), x.stride(0), TOP_K=top_k, SLOTS=slots, SLOTS_POW2=triton.next_power_of_2(slots),
+        E_POW2=triton.next_power_of_2(num_experts), NORMALIZE=normalize, SHARED=shared is not None,
+        BLOCK_H=min(1024, triton.next_power_of_2(x.shape[1])), num_warps=4)
+    return weights, experts
+
+
+def fused_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, normalize: bool, gate_up_proj: torch.Tensor,
+              down_proj: torch.Tensor, shared: SharedExpert | None = None) -> torch.Tensor:
+    """The whole sparse block from the router logits [N, E]: route, the experts and (when given,
+    of the experts' intermediate size) the shared expert as one more slot of every token."""
+    weights, experts = route_fused(logits, x, top_k, normalize, shared)
+    return fused_experts(x, weights, experts, gate_up_proj, down_proj, shared)
+
+
 def align_torch(flat: torch.Tensor, num_experts: int, block_m: int,
                 sorted_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The align kernel's result from torch ops (no host sync): sorted_ids [sorted_len],
@@ -156,7 +243,7 @@ def align_torch(flat: torch.Tensor, num_experts: int, block_m: int,
     num_pairs = flat.numel()
     order = flat.argsort(stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.index_add_(0, flat, torch.ones_like(flat))
+    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     by_expert = flat[order]
@@ -180,36 +267,47 @@ def align(flat: torch.Tensor, num_experts: int, block_m: int,
     return sorted_ids, ends, num_padded
 
 
-def expert_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, routing: tuple[torch.Tensor, ...],
-                tiles: Tiles, rows_per_a: int, gated: bool, route_weights: torch.Tensor | None) -> None:
-    """One gather-GEMM launch over the aligned pairs (see _expert_gemm_kernel)."""
+def expert_gemm(a: torch.Tensor, w: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None,
+                out: torch.Tensor, routing: tuple[torch.Tensor, ...], tiles: Tiles, rows_per_a: int, gated: bool,
+                route_weights: torch.Tensor | None) -> None:
+    """One gather-GEMM launch over the aligned pairs (see _expert_gemm_kernel); `shared`: the
+    shared expert's (gate, up) or (down, down) rows, id E."""
     sorted_ids, ends, num_padded = routing
-    num_experts, n_out, k_in = w.shape[0], (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
+    num_ids, n_out, k_in = w.shape[0] + (shared is not None), (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
     grid = (sorted_ids.numel() // tiles.block_m, triton.cdiv(n_out, tiles.block_n))
     _expert_gemm_kernel[grid](
-        a, w, out, sorted_ids, ends, num_padded, route_weights if route_weights is not None else out,
+        a, w, shared[0] if shared is not None else w, shared[1] if shared is not None else w, out, sorted_ids,
+        ends, num_padded, route_weights if route_weights is not None else out,
         out.shape[0], n_out, k_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        ROWS_PER_A=rows_per_a, NUM_EXPERTS=num_experts, E_POW2=triton.next_power_of_2(num_experts),
-        GATED=gated, WEIGHTED=route_weights is not None,
+        ROWS_PER_A=rows_per_a, NUM_IDS=num_ids, E_POW2=triton.next_power_of_2(num_ids),
+        HAS_SHARED=shared is not None, GATED=gated, WEIGHTED=route_weights is not None,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                  gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
-    """x [N, H], weights / experts [N, k] → Σ_k weights · expert(x) [N, H] (see the module doc)."""
+                  gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                  shared: SharedExpert | None = None) -> torch.Tensor:
+    """x [N, H], weights / experts [N, k] → Σ_k weights · expert(x) [N, H] (see the module doc).
+    With `shared`, id E in `experts` is the shared expert (route_fused puts it in the last slot)."""
     num_tokens, top_k = experts.shape
     num_experts, inter = gate_up_proj.shape[0], down_proj.shape[2]
+    num_ids = num_experts + (shared is not None)
     num_pairs = num_tokens * top_k
     x, gate_up_proj, down_proj = x.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
+    if shared is not None:
+        shared = SharedExpert(*(t.contiguous() for t in (shared.gate, shared.up, shared.down, shared.gate_logit)))
+        assert shared.gate.shape == shared.up.shape == (inter, x.shape[1]) and shared.down.shape == (x.shape[1], inter), \
+            "the fused shared expert must have the experts' intermediate size"
     up_tiles, dn_tiles = gate_up_tiles(num_pairs, num_experts), down_tiles(num_pairs, num_experts)
     assert up_tiles.block_m == dn_tiles.block_m, "both GEMMs walk the same aligned blocks"
-    sorted_len = max_padded_pairs(num_pairs, num_experts, up_tiles.block_m)
-    routing = align(experts.flatten().contiguous(), num_experts, up_tiles.block_m, sorted_len)
+    sorted_len = max_padded_pairs(num_pairs, num_ids, up_tiles.block_m)
+    routing = align(experts.flatten().contiguous(), num_ids, up_tiles.block_m, sorted_len)
     hidden = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)                # [N·k, I]
-    expert_gemm(x, gate_up_proj, hidden, routing, up_tiles, top_k, gated=True, route_weights=None)
+    expert_gemm(x, gate_up_proj, (shared.gate, shared.up) if shared is not None else None, hidden, routing,
+                up_tiles, top_k, gated=True, route_weights=None)
     out = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)              # [N·k, H]
-    expert_gemm(hidden, down_proj, out, routing, dn_tiles, 1, gated=False,
-                route_weights=weights.flatten().contiguous())
+    expert_gemm(hidden, down_proj, (shared.down, shared.down) if shared is not None else None, out, routing,
+                dn_tiles, 1, gated=False, route_weights=weights.flatten().contiguous())
     return out.view(num_tokens, top_k, -1).sum(dim=1)

@@ -128,10 +128,30 @@ class SparseMoE(nn.Module):
         """x [N, H] → [N, H]."""
         if self.kernel is None:
             self.kernel = select_experts_kernel(x.device, x.dtype)
-        weights, experts = route(self.gate(x), self.top_k, self.normalize)          # [N, k] each
+        logits = self.gate(x)                                                       # [N, E]
+        if self.kernel is moe_kernels.fused_experts:
+            return self.fused_forward(x, logits)
+        weights, experts = route(logits, self.top_k, self.normalize)                # [N, k] each
         out = self.kernel(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
         if self.has_shared_expert:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + self.gated_shared_expert(x)
+        return out
+
+    def gated_shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def fused_forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Triton: routing in one launch, the experts in two gather-GEMMs; a shared expert of the
+        experts' intermediate size (Qwen3.5-MoE, Qwen3-Next) rides along as one more slot per token."""
+        shared = None
+        if self.has_shared_expert and self.shared_expert.gate_proj.weight.shape[0] == self.experts.down_proj.shape[2]:
+            mlp = self.shared_expert
+            shared = moe_kernels.SharedExpert(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
+                                              self.shared_expert_gate.weight)
+        out = moe_kernels.fused_moe(x, logits, self.top_k, self.normalize, self.experts.gate_up_proj,
+                                    self.experts.down_proj, shared)
+        if self.has_shared_expert and shared is None:
+            out = out + self.gated_shared_expert(x)
         return out
 
 
