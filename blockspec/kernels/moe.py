@@ -261,9 +261,10 @@ def align(flat: torch.Tensor, num_experts: int, block_m: int,
     sorted_ids = torch.empty(sorted_len, dtype=torch.int32, device=flat.device)
     ends = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
+    e_pow2 = triton.next_power_of_2(num_experts)          # one-hot chunks of CHUNK × e_pow2 stay ≤ 8192
     _align_kernel[(1,)](flat, sorted_ids, ends, num_padded, num_pairs, sorted_len,
-                        NUM_EXPERTS=num_experts, E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
-                        CHUNK=min(64, triton.next_power_of_2(num_pairs)), num_warps=4)
+                        NUM_EXPERTS=num_experts, E_POW2=e_pow2, BLOCK_M=block_m,
+                        CHUNK=min(triton.next_power_of_2(num_pairs), max(1, 8192 // e_pow2), 64), num_warps=4)
     return sorted_ids, ends, num_padded
 
 
@@ -281,7 +282,7 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, shared: tuple[torch.Tensor, to
         out.shape[0], n_out, k_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         ROWS_PER_A=rows_per_a, NUM_IDS=num_ids, E_POW2=triton.next_power_of_2(num_ids),
         HAS_SHARED=shared is not None, GATED=gated, WEIGHTED=route_weights is not None,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if a.dtype == torch.float32 else None,       # fp32 stays fp32 (no TF32)
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
