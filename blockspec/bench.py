@@ -295,7 +295,7 @@ def main(args) -> int:
     if not block_sizes or min(block_sizes) < 2:
         raise ValueError("--block-size must be a comma-separated list of integers ≥ 2")
     results = run(args.shape, device, args.vs, concurrency, args.accept_len, args.prompt_len, args.max_tokens,
-                  block_sizes, dflash2=not getattr(args, "no_dflash2", False))
+                  block_sizes, dflash2=not getattr(args, "no_dflash2", False), layers=getattr(args, "layers", None))
     print_table(results)
     if args.out:
         with open(args.out, "w") as f:
@@ -304,15 +304,20 @@ def main(args) -> int:
 
 
 def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[int], accept_len: float | None,
-        prompt_len: int, max_tokens: int, block_sizes: list[int], dflash2: bool = True) -> dict[str, Any]:
+        prompt_len: int, max_tokens: int, block_sizes: list[int], dflash2: bool = True,
+        layers: int | None = None) -> dict[str, Any]:
+    """layers: the shape's first `layers` layers only (a per-layer comparison where the whole
+    model and a peer's copy do not both fit)."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     block_size = block_sizes[0]
-    target_cfg, draft_cfg, target, draft = build_models(SHAPES[shape_name], device, dtype, max(block_sizes))
+    shape = dict(SHAPES[shape_name], **({"num_hidden_layers": layers} if layers else {}))
+    target_cfg, draft_cfg, target, draft = build_models(shape, device, dtype, max(block_sizes))
     r: dict[str, Any] = {"shape": shape_name, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                          else "cpu", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                          "block_size": block_size, "forced_acceptance_length": accept_len,
-                         "prompt_len": prompt_len, "max_tokens": max_tokens}
+                         "prompt_len": prompt_len, "max_tokens": max_tokens,
+                         "num_hidden_layers": shape["num_hidden_layers"]}
     r["target_weight_GB"] = weight_bytes(target) / 1e9
     r["step_weight_GB"] = step_weight_bytes(target) / 1e9          # = target_weight_GB for dense targets
     r["draft_weight_GB"] = weight_bytes(draft) / 1e9
@@ -413,10 +418,13 @@ def bench_transformers(target_cfg, target, device) -> dict[str, Any]:
             cache = DynamicCache(config=hf.config)
             hf(ids, past_key_values=cache, use_cache=True)
             new = torch.randint(0, 1000, (1, width), device=device)
+            can_crop = crop(cache, 512)
+            out["cache_cropped"] = can_crop          # False (hybrids): the context grows by width per call
 
-            def fwd(width=width):
+            def fwd(width=width, can_crop=can_crop):
                 hf(new, past_key_values=cache, use_cache=True)
-                cache.crop(512)
+                if can_crop:
+                    cache.crop(512)
             out[f"forward_ms_w{width}_ctx512"] = timed(fwd, repeat=10)
             out["prefill_ms_512"] = prefill
     if layers < target_cfg["num_hidden_layers"]:
@@ -426,6 +434,15 @@ def bench_transformers(target_cfg, target, device) -> dict[str, Any]:
     del hf
     torch.cuda.empty_cache()
     return out
+
+
+def crop(cache, length: int) -> bool:
+    """Whether transformers' cache can be cut back to `length` (its recurrent layers cannot)."""
+    try:
+        cache.crop(length)
+        return True
+    except RuntimeError:
+        return False
 
 
 def bench_zlab(target_cfg, draft_cfg, target, draft, device) -> dict[str, Any]:

@@ -64,12 +64,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--tokens", default="1,4,16,64,256")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     results: dict = {"copy_bandwidth_TBps": bandwidth / 1e12}
     for shape in SHAPES:
         layers = make_layers(shape)
-        for num_tokens in (1, 4, 16, 64, 256):
+        for num_tokens in [int(t) for t in args.tokens.split(",")]:
             x = torch.randn(num_tokens, layers[0].gate.in_features, device="cuda", dtype=torch.bfloat16)
             floor_us = bytes_read(layers, x) / LAYERS / bandwidth * 1e6
             row = {"floor_us": floor_us, "triton_us": layer_us(layers, x, K.fused_experts),
