@@ -1,8 +1,11 @@
-"""Fused mixture-of-experts experts kernel (Triton): the CUDA path of `layers/moe.py`.
+"""Fused mixture-of-experts kernels (Triton): the CUDA path of `layers/moe.py`.
 
-Same signature and result as `layers.moe.reference_experts`: x [N, H], routing weights and expert
-ids [N, k], stacked gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I]
-→ Σ_k w_k · down_e(silu(gate_e x) · up_e x) [N, H].
+`fused_experts` has the signature and result of `layers.moe.reference_experts`: x [N, H],
+routing weights and expert ids [N, k], stacked gate_up_proj [E, 2I, H] (gate rows, then up rows)
+and down_proj [E, H, I] → Σ_k w_k · down_e(silu(gate_e x) · up_e x) [N, H]. `fused_moe` is the
+whole sparse block from the router logits: `route_fused` (softmax, top-k, renormalisation in one
+launch per token) and, where the model has a shared expert of the experts' intermediate size,
+that expert as slot k + 1 of every token (id E, weight sigmoid(x · gate), its own weight tensors).
 
 Three launches and one sum, all of fixed shape with no host sync, so a decode cycle can be
 captured in a CUDA graph:
