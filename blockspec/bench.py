@@ -291,9 +291,14 @@ def main(args) -> int:
     concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
     if not concurrency or min(concurrency) < 1:
         raise ValueError("--concurrency must be a comma-separated list of positive integers")
-    block_sizes = [int(b) for b in str(args.block_size).split(",") if b.strip()]
+    try:
+        block_sizes = [int(b) for b in str(args.block_size).split(",") if b.strip()]
+    except ValueError:
+        block_sizes = []
     if not block_sizes or min(block_sizes) < 2:
-        raise ValueError("--block-size must be a comma-separated list of integers ≥ 2")
+        raise ValueError(f"--block-size must be a comma-separated list of integers ≥ 2, not {args.block_size!r}")
+    if getattr(args, "layers", None) is not None and args.layers < 1:
+        raise ValueError("--layers must be at least 1")
     results = run(args.shape, device, args.vs, concurrency, args.accept_len, args.prompt_len, args.max_tokens,
                   block_sizes, dflash2=not getattr(args, "no_dflash2", False), layers=getattr(args, "layers", None))
     print_table(results)

@@ -113,3 +113,32 @@ def test_serve_fails_on_a_taken_port_or_bad_host_before_loading(qwen3_dir):
             assert out.returncode == 2, out.stderr
             lines = out.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("blockspec serve: error: cannot listen on")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--block-size", "8,x"], "--block-size must be a comma-separated list of integers"),
+    (["--block-size", "1"], "--block-size must be a comma-separated list of integers"),
+    (["--layers", "0"], "--layers must be at least 1"),
+    (["--shape", "nope"], "unknown --shape 'nope'"),
+])
+def test_bench_bad_input_is_one_line_and_nonzero(args, message):
+    out = blockspec("bench", "--device", "cpu", *args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in out.stderr
+
+
+def test_bench_moe_figures_on_cpu(tmp_path):
+    """A MoE shape's extra figures: the kernel in use, the other block size's cycle, the grouped
+    experts' plain step in the same run, the first N layers only."""
+    out = blockspec("bench", "--shape", "tiny-moe", "--device", "cpu", "--layers", "2", "--block-size", "3,2",
+                    "--prompt-len", "8", "--max-tokens", "3", "--no-dflash2", "--vs", "grouped-moe",
+                    "--out", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["num_hidden_layers"] == 2 and result["block_size"] == 3
+    assert result["moe_kernel"] == "blockspec.layers.moe.reference_experts"
+    c1 = result["c1"]
+    assert c1["dflash_b2_ms_per_cycle"] > 0 and c1["grouped_moe_plain_ms_per_step"] > 0
+    assert c1["grouped_moe_step_over_ours"] == c1["grouped_moe_plain_ms_per_step"] / c1["plain_ms_per_step"]
+    assert "draft2_weight_GB" not in result
