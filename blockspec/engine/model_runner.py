@@ -22,7 +22,7 @@ from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.spec.dflash import accept, propose
 from blockspec.layers import AttentionMetadata
-from blockspec.layers.attention import unpack
+from blockspec.layers.attention import unpack, uses_kernels
 from blockspec.sampling import sample
 
 
@@ -63,7 +63,14 @@ class ModelRunner:
         """The decode cycle through fixed-shape buffers: CUDA graphs, or (capture=False) the
         same padded path run eagerly, which CPU tests hold to the eager one."""
         return GraphedForwards(self.width, self.config.max_num_seqs, self.config.pages_per_seq,
-                               self.page_size, self.device, capture)
+                               self.page_size, self.device, capture, bucket_keys=not self.attention_reads_live_length)
+
+    @property
+    def attention_reads_live_length(self) -> bool:
+        """Whether every attention layer runs the Triton kernels (they read context_lens on the
+        device); the reference, and with it any sliding-window draft layer, gathers a fixed count."""
+        windows = getattr(self.draft.config, "layer_window", ()) if self.draft is not None else ()
+        return uses_kernels(self.device) and all(window is None for window in windows)
 
     @property
     def is_hybrid(self) -> bool:
