@@ -10,7 +10,7 @@ Keys are read from the pool through the block table up to the sequence's live le
 by the pool's capacity and a CUDA graph serves every length.
 
 Split-K (flash-decoding): when the batch alone gives fewer programs than the GPU has SMs, the
-keys of each sequence are cut into NUM_SPLITS ranges (cut per sequence from its own length, so
+keys of each sequence are cut into num_splits ranges (cut per sequence from its own length, so
 every range has work), each program writes an unnormalised partial (acc, running max, sum) and
 a second kernel merges them. Online softmax in fp32 (base 2), fp32 accumulation whatever the
 input dtype; fp32 inputs multiply in IEEE fp32 (no TF32).
@@ -50,14 +50,17 @@ def _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr)
     return m_new, l_i, acc
 
 
-@triton.jit
+# Values that change from batch to batch are not specialised on (Triton would compile a variant
+# per divisibility / alignment of each: views of the packed metadata start anywhere).
+@triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "positions_ptr", "width", "page_size",
+                               "num_tokens", "num_splits"])
 def _paged_attention_kernel(
         q_ptr, k_pool_ptr, v_pool_ptr, block_k_ptr, block_v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         block_tables_ptr, context_lens_ptr, positions_ptr,
         stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_bkn, stride_bkh, stride_bvn, stride_bvh, stride_bt,
-        width, page_size, head_dim, num_tokens, qk_scale,
-        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        width, page_size, head_dim, num_tokens, num_splits, qk_scale,
+        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, IS_SPLIT: tl.constexpr,
         IS_CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     tile, seq_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -76,7 +79,7 @@ def _paged_attention_kernel(
     context_len = tl.load(context_lens_ptr + b)
     # Split ranges cut from this sequence's own length (multiples of BLOCK_N), so none is idle
     # while another holds the whole context.
-    chunk = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, context_len)
     if IS_CAUSAL:
@@ -119,7 +122,7 @@ def _paged_attention_kernel(
                 m_i, l_i, acc = _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE)
 
     out_row = tok.to(tl.int64) * (NUM_KV_HEADS * GROUP) + q_head           # [M] (token, query head)
-    if NUM_SPLITS == 1:
+    if not IS_SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + out_row[:, None] * head_dim + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok[None, :])
@@ -127,21 +130,19 @@ def _paged_attention_kernel(
         part_row = split * num_tokens * (NUM_KV_HEADS * GROUP) + out_row
         tl.store(part_ml_ptr + 2 * part_row, m_i, mask=row_ok)
         tl.store(part_ml_ptr + 2 * part_row + 1, l_i, mask=row_ok)
-        if hi > lo:                                                       # an idle split's acc is never read
+        if (hi > lo) | (split == 0):             # an idle split's acc is never read (split 0 has the block)
             tl.store(part_acc_ptr + part_row[:, None] * head_dim + d[None, :], acc,
                      mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_rows, head_dim,
-                         NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
     """out[row] = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s over the splits of one (token, head)."""
     row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
-    s_ok = s < NUM_SPLITS
-    part_row = s * num_rows + row
-    m = tl.load(part_ml_ptr + 2 * part_row, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(part_ml_ptr + 2 * part_row + 1, mask=s_ok, other=0.0)
+    part_row = tl.arange(0, NUM_SPLITS) * num_rows + row
+    m = tl.load(part_ml_ptr + 2 * part_row)
+    l_s = tl.load(part_ml_ptr + 2 * part_row + 1)
     m_max = tl.max(m, axis=0)
     weight = tl.where(l_s > 0.0, tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)), 0.0)
     d = tl.arange(0, BLOCK_D)
@@ -156,17 +157,19 @@ def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_rows, head_dim,
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4                                                            # the interpreter
+        return 64                    # the interpreter: as many as a small GPU, so its tests split keys
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def choose_num_splits(num_programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
     """Split the keys only while the batch leaves SMs idle; each split keeps ≥ 4 chunks of keys
-    (max_keys is a bound: the batch's longest eagerly, the pool's capacity under a graph)."""
+    (max_keys is a bound: the batch's longest eagerly, the pool's capacity under a graph). A power
+    of two ≤ 16, so the merge kernel compiles at most four ways."""
     sms = num_sms(device)
     if num_programs >= sms:
         return 1
-    return max(1, min(triton.cdiv(2 * sms, num_programs), triton.cdiv(max_keys, 4 * block_n), 16))
+    wanted = max(1, min(triton.cdiv(2 * sms, num_programs), triton.cdiv(max_keys, 4 * block_n), 16))
+    return 1 << (wanted.bit_length() - 1)
 
 
 def tile_sizes(rows_per_head: int, head_dim: int) -> tuple[int, int, int, int]:
@@ -206,12 +209,12 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         block_tables, context_lens, positions,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         block_k.stride(0), block_k.stride(1), block_v.stride(0), block_v.stride(1), block_tables.stride(0),
-        width, page_size, head_dim, num_tokens, scale * math.log2(math.e),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, NUM_SPLITS=splits, IS_CAUSAL=is_causal,
+        width, page_size, head_dim, num_tokens, splits, scale * math.log2(math.e),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, IS_SPLIT=splits > 1, IS_CAUSAL=is_causal,
         HAS_BLOCK=block_kv is not None, IEEE=q.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)
     if splits > 1:
         _merge_splits_kernel[(num_tokens * num_heads,)](
             part_acc, part_ml, out, num_tokens * num_heads, head_dim,
-            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
+            NUM_SPLITS=splits, BLOCK_D=block_d)
     return out

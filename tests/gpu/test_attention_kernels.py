@@ -81,4 +81,4 @@ def test_dispatch_and_reference_switch(monkeypatch):
     monkeypatch.setenv("BLOCKSPEC_ATTENTION", "reference")
     slow = attention.paged_attention(*args)
     assert calls == [1, 1]
-    assert (fast - slow).abs().max() < 2e-5
+    assert (fast - slow).abs().max() < 1e-4
