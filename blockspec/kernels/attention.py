@@ -74,9 +74,9 @@ def _paged_attention_kernel(
     d_ok = d < head_dim
     q = tl.load(q_ptr + tok[:, None].to(tl.int64) * stride_qn + q_head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    q_pos = tl.load(positions_ptr + tok, mask=row_ok, other=0)            # [M]
+    q_pos = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32)            # [M]
 
-    context_len = tl.load(context_lens_ptr + b)
+    context_len = tl.load(context_lens_ptr + b).to(tl.int32)
     # Split ranges cut from this sequence's own length (multiples of BLOCK_N), so none is idle
     # while another holds the whole context.
     chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
@@ -110,7 +110,7 @@ def _paged_attention_kernel(
                 j = j0 + tl.arange(0, BLOCK_N)
                 j_ok = j < width
                 key_tok = (b * width + j).to(tl.int64)
-                key_pos = tl.load(positions_ptr + key_tok, mask=j_ok, other=0)
+                key_pos = tl.load(positions_ptr + key_tok, mask=j_ok, other=0).to(tl.int32)
                 kv_mask = j_ok[:, None] & d_ok[None, :]
                 k = tl.load(block_k_ptr + key_tok[:, None] * stride_bkn + h * stride_bkh + d[None, :],
                             mask=kv_mask, other=0.0)
@@ -172,14 +172,16 @@ def choose_num_splits(num_programs: int, max_keys: int, block_n: int, device: to
     return 1 << (wanted.bit_length() - 1)
 
 
-def tile_sizes(rows_per_head: int, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps): tl.dot wants ≥ 16 rows; 256-wide heads take
-    narrower key chunks to stay in registers."""
+def tile_sizes(rows_per_head: int, head_dim: int, element_size: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages): tl.dot wants ≥ 16 rows; 256-wide
+    heads take narrower key chunks to stay in registers, and wide fp32 tiles fewer pipeline
+    stages to fit in shared memory."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_m = min(64, max(16, triton.next_power_of_2(rows_per_head)))
     block_n = 64 if block_d <= 128 else 32
     num_warps = 4 if block_m * block_d <= 64 * 128 else 8
-    return block_m, block_n, block_d, num_warps
+    num_stages = 2 if block_n * block_d * element_size > 64 * 128 * 2 else 3
+    return block_m, block_n, block_d, num_warps, num_stages
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -195,7 +197,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
     rows_per_head = width * group
-    block_m, block_n, block_d, num_warps = tile_sizes(rows_per_head, head_dim)
+    block_m, block_n, block_d, num_warps, num_stages = tile_sizes(rows_per_head, head_dim, q.element_size())
     num_tiles = triton.cdiv(rows_per_head, block_m)
     splits = choose_num_splits(num_tiles * num_seqs * num_kv_heads, max_context_len, block_n, q.device)
     out = torch.empty(num_tokens, num_heads * head_dim, device=q.device, dtype=q.dtype)
@@ -212,7 +214,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         width, page_size, head_dim, num_tokens, splits, scale * math.log2(math.e),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, IS_SPLIT=splits > 1, IS_CAUSAL=is_causal,
         HAS_BLOCK=block_kv is not None, IEEE=q.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens * num_heads,)](
             part_acc, part_ml, out, num_tokens * num_heads, head_dim,
