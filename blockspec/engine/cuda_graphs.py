@@ -1,11 +1,15 @@
 """CUDA graphs of the decode cycle's two forwards (the draft's propose and the target's verify),
-keyed by (padded number of sequences, keys gathered per sequence).
+keyed by (padded number of sequences, keys per sequence).
 
 The host launches kernels far slower than an H200 runs them, so each cycle is two graph
 replays. A graph has fixed shapes: the batch is padded to the next captured size (padding rows
-read and write page 0 and state slot 0, which no sequence owns), and attention gathers a fixed
-number of keys per sequence — the live length rounded up to a power of two (at least 256), so a
-short context never pays for the pool's whole capacity. Graphs are captured on first use. Both
+read and write page 0 and state slot 0, which no sequence owns). The Triton attention kernels
+read each sequence's live length on the device, so their graphs take the pool's capacity as the
+key bound and one graph serves every length (one per padded batch size). The torch reference
+gathers a fixed number of keys per sequence, so with it (CPU, BLOCKSPEC_ATTENTION=reference, a
+sliding-window draft layer) keys are bucketed: the live length rounded up to a power of two (at
+least 256), so a short context never pays for the pool's whole capacity. Graphs are captured
+on first use. Both
 graphs of a shape read one static packed metadata buffer, filled by one copy per cycle; the
 verify reads the drafts the runner writes into its input ids after the propose.
 
@@ -50,9 +54,10 @@ class StaticBatch:
 
 class GraphedForwards:
     def __init__(self, width: int, max_num_seqs: int, pages_per_seq: int, page_size: int,
-                 device: torch.device, capture: bool) -> None:
+                 device: torch.device, capture: bool, bucket_keys: bool = True) -> None:
         self.width, self.page_size, self.device = width, page_size, device
         self.pages_per_seq = pages_per_seq
+        self.bucket_keys = bucket_keys
         self.sizes = capture_sizes(max_num_seqs)
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
@@ -60,10 +65,11 @@ class GraphedForwards:
 
     def shape(self, num_seqs: int, live_keys: int) -> tuple[int, int, int]:
         """(rows, block-table columns, keys) of the graph that serves this batch."""
-        keys = MIN_KEYS
+        max_keys = self.pages_per_seq * self.page_size
+        keys = MIN_KEYS if self.bucket_keys else max_keys
         while keys < live_keys:
             keys *= 2
-        return padded_size(num_seqs, self.sizes), self.pages_per_seq, min(keys, self.pages_per_seq * self.page_size)
+        return padded_size(num_seqs, self.sizes), self.pages_per_seq, min(keys, max_keys)
 
     def bind(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Copy a batch prepared in this shape into its static buffer; return the static metadata."""

@@ -22,7 +22,7 @@ from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.spec.dflash import accept, propose
 from blockspec.layers import AttentionMetadata
-from blockspec.layers.attention import unpack
+from blockspec.layers.attention import unpack, uses_kernels
 from blockspec.sampling import sample
 
 
@@ -63,7 +63,14 @@ class ModelRunner:
         """The decode cycle through fixed-shape buffers: CUDA graphs, or (capture=False) the
         same padded path run eagerly, which CPU tests hold to the eager one."""
         return GraphedForwards(self.width, self.config.max_num_seqs, self.config.pages_per_seq,
-                               self.page_size, self.device, capture)
+                               self.page_size, self.device, capture, bucket_keys=not self.attention_reads_live_length)
+
+    @property
+    def attention_reads_live_length(self) -> bool:
+        """Whether every attention layer runs the Triton kernels (they read context_lens on the
+        device); the reference, and with it any sliding-window draft layer, gathers a fixed count."""
+        windows = getattr(self.draft.config, "layer_window", ()) if self.draft is not None else ()
+        return uses_kernels(self.device) and all(window is None for window in windows)
 
     @property
     def is_hybrid(self) -> bool:
@@ -75,7 +82,8 @@ class ModelRunner:
                 padded: bool = False) -> AttentionMetadata:
         """The target's metadata for sequences feeding tokens[b] (width each) from starts[b],
         packed on the host and moved to the device in one copy. padded: rows and keys rounded
-        up to a captured graph's shape (the real sequences are the first rows)."""
+        up to a captured graph's shape (the real sequences are the first rows); then positions
+        and slot_mapping are derived inside each graph (run_forward), else right here."""
         live_keys = max(starts) + width
         if padded:
             rows, cols, keys = self.graphs.shape(len(seqs), live_keys)
@@ -85,6 +93,9 @@ class ModelRunner:
         is_cuda = self.device.type == "cuda"
         packed = torch.tensor(host, dtype=torch.long, pin_memory=is_cuda).to(self.device, non_blocking=is_cuda)
         views = unpack(packed, rows, width, cols)
+        if not padded:
+            derive_positions(views["positions"], views["slot_mapping"], views["block_tables"], views["context_lens"],
+                             width, self.page_size)
         if not self.is_hybrid:
             views["state_slots"] = None
         return AttentionMetadata(num_seqs=rows, width=width, **views, max_context_len=keys, page_size=self.page_size,
@@ -93,25 +104,21 @@ class ModelRunner:
 
     def pack(self, seqs: list[Sequence], width: int, starts: list[int], tokens: list[list[int]],
              rows: int, cols: int) -> list[int]:
-        """Host ints in `unpack`'s layout; padding rows use page 0 and state slot 0."""
-        page = self.page_size
-        ids, positions, slots, tables, context_lens, state_slots = [], [], [], [], [], []
+        """Host ints in `unpack`'s layout; padding rows use page 0 and state slot 0. Positions
+        and slot_mapping are left 0: `derive_positions` computes them on the device from
+        context_lens and the block tables, so the host's work grows with pages, not tokens."""
+        ids, tables, context_lens, state_slots = [], [], [], []
         for seq, start, row in zip(seqs, starts, tokens):
-            table = seq.block_table
             ids += row
-            positions += range(start, start + width)
-            slots += [table[p // page] * page + p % page for p in range(start, start + width)]
-            tables += table + [0] * (cols - len(table))
+            tables += seq.block_table + [0] * (cols - len(seq.block_table))
             context_lens.append(start + width)
             state_slots.append(seq.state_slot or 0)
-        for _ in range(rows - len(seqs)):
-            ids += [0] * width
-            positions += range(width)
-            slots += [j % self.page_size for j in range(width)]      # inside page 0, whatever the width
-            tables += [0] * cols
-            context_lens.append(width)
-            state_slots.append(0)
-        return ids + positions + slots + tables + context_lens + state_slots
+        num_padding = rows - len(seqs)
+        ids += [0] * (num_padding * width)
+        tables += [0] * (num_padding * cols)
+        context_lens += [width] * num_padding                   # positions 0 … T − 1, inside page 0
+        state_slots += [0] * num_padding
+        return ids + [0] * (2 * rows * width) + tables + context_lens + state_slots
 
     # -- prefill ----------------------------------------------------------------------------
 
@@ -157,7 +164,11 @@ class ModelRunner:
         self.num_forwards += 1
         if self.graphs is None:
             return fn(meta)
-        return self.graphs.run(kind, fn, meta)
+
+        def graphed(m: AttentionMetadata) -> torch.Tensor:
+            derive_positions(m.positions, m.slot_mapping, m.block_tables, m.context_lens, m.width, self.page_size)
+            return fn(m)
+        return self.graphs.run(kind, graphed, meta)
 
     def draft_proposal(self, meta: AttentionMetadata):
         """The draft's B blocks [x, MASK × (T − 1)] at the verify's positions, seeing the
@@ -203,3 +214,13 @@ class ModelRunner:
     @property
     def has_free_state_slot(self) -> bool:
         return not self.is_hybrid or self.states.num_free > 0
+
+
+def derive_positions(positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, width: int, page_size: int) -> None:
+    """Fill positions and slot_mapping [B·T] in place: row b feeds positions context_lens[b] − T …
+    context_lens[b] − 1, stored at its block table's slot of each (graph-safe: no host sync)."""
+    rows = positions.view(-1, width)
+    torch.add((context_lens - width)[:, None], torch.arange(width, device=positions.device), out=rows)
+    pages = block_tables.gather(1, rows // page_size)
+    torch.add(pages * page_size, rows % page_size, out=slot_mapping.view(-1, width))

@@ -9,6 +9,8 @@ position ≤ their own (targets) or the committed context plus their own block (
 """
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +27,11 @@ class AttentionMetadata:
 
     input_ids, positions, slot_mapping: [B·T]; block_tables [B, max_pages]; context_lens [B]:
     keys each sequence sees in the pool (for targets: its start + T, the new tokens included; for
-    the draft: its committed context). max_context_len: keys gathered per sequence — the batch's
-    longest eagerly, a fixed bucket under a CUDA graph. The integer fields are views of one
-    packed tensor (`packed`), so a batch crosses to the device in one copy.
+    the draft: its committed context). max_context_len: keys the reference gathers per sequence
+    — the batch's longest eagerly, a fixed bucket under a CUDA graph; for the Triton kernels
+    (which read context_lens on the device) only a bound that sizes their split-K grid. The
+    integer fields are views of one packed tensor (`packed`), so a batch crosses to the device
+    in one copy.
     """
     num_seqs: int
     width: int
@@ -91,14 +95,44 @@ def visible_keys(query_pos: torch.Tensor, key_pos: torch.Tensor, key_valid: torc
     return visible
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    try:
+        import blockspec.kernels.attention  # noqa: F401  (Triton compiles lazily: importing is cheap)
+    except ImportError:
+        return False
+    return True
+
+
+def uses_kernels(device: torch.device) -> bool:
+    """Whether paged attention on this device runs the Triton kernels: on CUDA when Triton
+    imports, unless BLOCKSPEC_ATTENTION=reference. They read each sequence's live length only,
+    so graphs need no key bucket (engine/cuda_graphs.py)."""
+    return (device.type == "cuda" and os.environ.get("BLOCKSPEC_ATTENTION", "") != "reference"
+            and _triton_available())
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
                     context_lens: torch.Tensor, scale: float, is_causal: bool = True, window: int | None = None,
                     block_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q [B·T, H, D] → [B·T, H·D]: the Triton kernels on CUDA (see `uses_kernels`; a sliding
+    window stays on the reference), else the reference below, which is the spec."""
+    if window is None and uses_kernels(q.device):
+        from blockspec.kernels.attention import paged_attention as kernel
+        return kernel(q, k_pool, v_pool, meta.block_tables, context_lens, meta.positions, meta.num_seqs, meta.width,
+                      meta.page_size, meta.max_context_len, scale, is_causal, block_kv)
+    return reference_paged_attention(q, k_pool, v_pool, meta, context_lens, scale, is_causal, window, block_kv)
+
+
+def reference_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+                              context_lens: torch.Tensor, scale: float, is_causal: bool = True,
+                              window: int | None = None, block_kv: tuple[torch.Tensor, torch.Tensor] | None = None
+                              ) -> torch.Tensor:
     """The reference kernel: q [B·T, H, D] → [B·T, H·D].
 
     Keys: the first context_lens[b] positions of each sequence in the pool, gathered from its
-    pages, plus block_kv ([B·T, Hkv, D] each, at the query positions) when given (the draft's
-    own block, never cached).
+    pages (meta.max_context_len of them, masked past the live length), plus block_kv
+    ([B·T, Hkv, D] each, at the query positions) when given (the draft's own block, never cached).
     """
     num_seqs, width = meta.num_seqs, meta.width
     slots = shared(meta, "slots", lambda: key_slots(meta.block_tables, meta.max_context_len, meta.page_size))

@@ -1,0 +1,222 @@
+"""Paged attention in Triton: the fast path of `layers.attention.paged_attention` (the torch
+reference there is the spec; tests/gpu/test_attention_kernels.py holds them together).
+
+One kernel serves every forward: a program takes one sequence b, one KV head h and a tile of
+BLOCK_M query rows — the GROUP query heads that share h times consecutive tokens of the block,
+flattened (row = t · GROUP + g) — so even a decode step (T = 1) or a verify block feeds tl.dot
+with a real matrix, and each K/V page is read once per KV head instead of once per query head.
+Keys are read from the pool through the block table up to the sequence's live length
+(`context_lens`, on the device): a program past the end does no work, so the grid can be fixed
+by the pool's capacity and a CUDA graph serves every length.
+
+Split-K (flash-decoding): when the batch alone gives fewer programs than the GPU has SMs, the
+keys of each sequence are cut into num_splits ranges (cut per sequence from its own length, so
+every range has work), each program writes an unnormalised partial (acc, running max, sum) and
+a second kernel merges them. Online softmax in fp32 (base 2), fp32 accumulation whatever the
+input dtype; fp32 inputs multiply in IEEE fp32 (no TF32).
+
+Masks as the reference: causal layers see keys at positions ≤ the query's; the draft (block_kv)
+sees its committed context and its own block's K/V (never cached), both ways unless causal.
+Sliding windows are not handled here (the caller keeps the reference for them).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """One online-softmax step over a chunk of keys: q [M, D], k/v [N, D], visible [M, N]."""
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = tl.where(visible, scores * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # A row that has seen no visible key yet keeps max −inf: shift by 0 so exp2 gives 0, not NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_shift)
+    p = tl.exp2(scores - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+# Values that change from batch to batch are not specialised on (Triton would compile a variant
+# per divisibility / alignment of each: views of the packed metadata start anywhere).
+@triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "positions_ptr", "width", "page_size",
+                               "num_tokens", "num_splits"])
+def _paged_attention_kernel(
+        q_ptr, k_pool_ptr, v_pool_ptr, block_k_ptr, block_v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+        block_tables_ptr, context_lens_ptr, positions_ptr,
+        stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
+        stride_bkn, stride_bkh, stride_bvn, stride_bvh, stride_bt,
+        width, page_size, head_dim, num_tokens, num_splits, qk_scale,
+        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, IS_SPLIT: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    tile, seq_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h = seq_head // NUM_KV_HEADS, seq_head % NUM_KV_HEADS
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    t, g = rows // GROUP, rows % GROUP
+    row_ok = t < width
+    tok = b * width + t                                                   # [M] flat token index
+    q_head = h * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    q = tl.load(q_ptr + tok[:, None].to(tl.int64) * stride_qn + q_head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32)            # [M]
+
+    context_len = tl.load(context_lens_ptr + b).to(tl.int32)
+    # Split ranges cut from this sequence's own length (multiples of BLOCK_N), so none is idle
+    # while another holds the whole context.
+    chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, context_len)
+    if IS_CAUSAL:
+        # No row of this tile sees a key past its last query position.
+        hi = tl.minimum(hi, tl.max(tl.where(row_ok, q_pos, 0)) + 1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        key_pos = start + tl.arange(0, BLOCK_N)
+        key_ok = key_pos < hi
+        page = tl.load(table + key_pos // page_size, mask=key_ok, other=0)
+        slot = page.to(tl.int64) * page_size + key_pos % page_size
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_pool_ptr + slot[:, None] * stride_ks + h * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_pool_ptr + slot[:, None] * stride_vs + h * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        visible = key_ok[None, :] & row_ok[:, None]
+        if IS_CAUSAL:
+            visible = visible & (key_pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE)
+
+    if HAS_BLOCK:
+        if split == 0:
+            # The draft's own block: keys and values of its T tokens, at their positions.
+            for j0 in range(0, width, BLOCK_N):
+                j = j0 + tl.arange(0, BLOCK_N)
+                j_ok = j < width
+                key_tok = (b * width + j).to(tl.int64)
+                key_pos = tl.load(positions_ptr + key_tok, mask=j_ok, other=0).to(tl.int32)
+                kv_mask = j_ok[:, None] & d_ok[None, :]
+                k = tl.load(block_k_ptr + key_tok[:, None] * stride_bkn + h * stride_bkh + d[None, :],
+                            mask=kv_mask, other=0.0)
+                v = tl.load(block_v_ptr + key_tok[:, None] * stride_bvn + h * stride_bvh + d[None, :],
+                            mask=kv_mask, other=0.0)
+                visible = j_ok[None, :] & row_ok[:, None]
+                if IS_CAUSAL:
+                    visible = visible & (key_pos[None, :] <= q_pos[:, None])
+                m_i, l_i, acc = _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE)
+
+    out_row = tok.to(tl.int64) * (NUM_KV_HEADS * GROUP) + q_head           # [M] (token, query head)
+    if not IS_SPLIT:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + out_row[:, None] * head_dim + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        part_row = split * num_tokens * (NUM_KV_HEADS * GROUP) + out_row
+        tl.store(part_ml_ptr + 2 * part_row, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + 2 * part_row + 1, l_i, mask=row_ok)
+        if (hi > lo) | (split == 0):             # an idle split's acc is never read (split 0 has the block)
+            tl.store(part_acc_ptr + part_row[:, None] * head_dim + d[None, :], acc,
+                     mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_rows, head_dim,
+                         NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[row] = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s over the splits of one (token, head)."""
+    row = tl.program_id(0).to(tl.int64)
+    part_row = tl.arange(0, NUM_SPLITS) * num_rows + row
+    m = tl.load(part_ml_ptr + 2 * part_row)
+    l_s = tl.load(part_ml_ptr + 2 * part_row + 1)
+    m_max = tl.max(m, axis=0)
+    weight = tl.where(l_s > 0.0, tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)), 0.0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < head_dim
+    acc = tl.load(part_acc_ptr + part_row[:, None] * head_dim + d[None, :],
+                  mask=(l_s > 0.0)[:, None] & d_ok[None, :], other=0.0)
+    total = tl.sum(weight * l_s, axis=0)
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 64                    # the interpreter: as many as a small GPU, so its tests split keys
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
+    """Split the keys only while the batch leaves SMs idle; each split keeps ≥ 4 chunks of keys
+    (max_keys is a bound: the batch's longest eagerly, the pool's capacity under a graph). A power
+    of two ≤ 16, so the merge kernel compiles at most four ways."""
+    sms = num_sms(device)
+    if num_programs >= sms:
+        return 1
+    wanted = max(1, min(triton.cdiv(2 * sms, num_programs), triton.cdiv(max_keys, 4 * block_n), 16))
+    return 1 << (wanted.bit_length() - 1)
+
+
+def tile_sizes(rows_per_head: int, head_dim: int, element_size: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages): tl.dot wants ≥ 16 rows; 256-wide
+    heads take narrower key chunks to stay in registers, and wide fp32 tiles fewer pipeline
+    stages to fit in shared memory."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = min(64, max(16, triton.next_power_of_2(rows_per_head)))
+    block_n = 64 if block_d <= 128 else 32
+    num_warps = 4 if block_m * block_d <= 64 * 128 else 8
+    num_stages = 2 if block_n * block_d * element_size > 64 * 128 * 2 else 3
+    return block_m, block_n, block_d, num_warps, num_stages
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, positions: torch.Tensor, num_seqs: int, width: int,
+                    page_size: int, max_context_len: int, scale: float, is_causal: bool,
+                    block_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q [B·T, H, D] → [B·T, H·D] in q's dtype; the reference's contract (no window).
+    max_context_len bounds the live lengths (it only sizes the split-K grid)."""
+    q, k_pool, v_pool = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_pool, v_pool))
+    if block_kv is not None:
+        block_kv = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in block_kv)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_heads // num_kv_heads
+    rows_per_head = width * group
+    block_m, block_n, block_d, num_warps, num_stages = tile_sizes(rows_per_head, head_dim, q.element_size())
+    num_tiles = triton.cdiv(rows_per_head, block_m)
+    splits = choose_num_splits(num_tiles * num_seqs * num_kv_heads, max_context_len, block_n, q.device)
+    out = torch.empty(num_tokens, num_heads * head_dim, device=q.device, dtype=q.dtype)
+    part_acc = part_ml = out                                               # unused when splits == 1
+    if splits > 1:
+        part_acc = torch.empty(splits, num_tokens * num_heads, head_dim, device=q.device, dtype=torch.float32)
+        part_ml = torch.empty(splits, num_tokens * num_heads, 2, device=q.device, dtype=torch.float32)
+    block_k, block_v = block_kv if block_kv is not None else (k_pool, v_pool)
+    _paged_attention_kernel[(num_tiles, num_seqs * num_kv_heads, splits)](
+        q, k_pool, v_pool, block_k, block_v, out, part_acc, part_ml,
+        block_tables, context_lens, positions,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        block_k.stride(0), block_k.stride(1), block_v.stride(0), block_v.stride(1), block_tables.stride(0),
+        width, page_size, head_dim, num_tokens, splits, scale * math.log2(math.e),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, IS_SPLIT=splits > 1, IS_CAUSAL=is_causal,
+        HAS_BLOCK=block_kv is not None, IEEE=q.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens * num_heads,)](
+            part_acc, part_ml, out, num_tokens * num_heads, head_dim,
+            NUM_SPLITS=splits, BLOCK_D=block_d)
+    return out

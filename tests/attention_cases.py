@@ -1,0 +1,74 @@
+"""Random paged-attention batches laid out as the runner lays them out, for holding the Triton
+kernels (blockspec/kernels/attention.py) to the torch reference (layers/attention.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.layers.attention import AttentionMetadata, reference_paged_attention
+
+
+@dataclass
+class Case:
+    q: torch.Tensor                                   # [B·T, H, D]
+    k_pool: torch.Tensor                              # [slots, Hkv, D]
+    v_pool: torch.Tensor
+    meta: AttentionMetadata
+    block_kv: tuple[torch.Tensor, torch.Tensor] | None
+    is_causal: bool
+    num_real: int                                     # sequences before the padding rows
+
+    @property
+    def scale(self) -> float:
+        return self.q.shape[-1] ** -0.5
+
+
+def make_case(context_lens: list[int], width: int, num_heads: int, num_kv_heads: int, head_dim: int,
+              dtype: torch.dtype, device: str, draft: bool = False, is_causal: bool | None = None,
+              num_padding: int = 0, page_size: int = 16, seed: int = 0) -> Case:
+    """Targets: context_lens[b] = start + T (the block's K/V already in the pool), queries at
+    start … start + T − 1. The draft (draft=True): context_lens[b] = start (committed context),
+    queries at start …, plus its own block's K/V. Pages are shuffled over the pool; padding rows
+    read page 0 with positions 0 … T − 1, as the runner pads a graph's batch."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = max(-(-(n + width) // page_size) for n in context_lens) + 1
+    num_seqs = len(context_lens) + num_padding
+    total_pages = 1 + len(context_lens) * pages_per_seq
+    order = (torch.randperm(total_pages - 1, generator=gen) + 1).view(len(context_lens), pages_per_seq)
+    tables = torch.cat((order, torch.zeros(num_padding, pages_per_seq, dtype=torch.long)))
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    lens = torch.tensor(context_lens + [0 if draft else width] * num_padding)
+    starts = lens if draft else lens - width
+    positions = (starts[:, None] + torch.arange(width)[None]).reshape(-1)
+    meta = AttentionMetadata(num_seqs=num_seqs, width=width, input_ids=None, positions=positions.to(device),
+                             slot_mapping=None, block_tables=tables.to(device), context_lens=lens.to(device),
+                             max_context_len=int(lens.max()), page_size=page_size, kv=[])
+    block_kv = (randn(num_seqs * width, num_kv_heads, head_dim), randn(num_seqs * width, num_kv_heads, head_dim)) \
+        if draft else None
+    return Case(q=randn(num_seqs * width, num_heads, head_dim), k_pool=randn(total_pages * page_size, num_kv_heads, head_dim),
+                v_pool=randn(total_pages * page_size, num_kv_heads, head_dim), meta=meta, block_kv=block_kv,
+                is_causal=(not draft) if is_causal is None else is_causal, num_real=len(context_lens))
+
+
+def reference(case: Case, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The torch reference on the case's inputs, computed in `dtype` → [B·T, H·D]."""
+    block_kv = None if case.block_kv is None else tuple(x.to(dtype) for x in case.block_kv)
+    return reference_paged_attention(case.q.to(dtype), case.k_pool.to(dtype), case.v_pool.to(dtype), case.meta,
+                                     case.meta.context_lens, case.scale, case.is_causal, None, block_kv)
+
+
+def kernel(case: Case, max_context_len: int | None = None) -> torch.Tensor:
+    """The Triton kernels; max_context_len as a CUDA graph passes it (the pool's capacity)."""
+    from blockspec.kernels.attention import paged_attention
+    m = case.meta
+    return paged_attention(case.q, case.k_pool, case.v_pool, m.block_tables, m.context_lens, m.positions,
+                           m.num_seqs, m.width, m.page_size, max_context_len or m.max_context_len, case.scale,
+                           case.is_causal, case.block_kv)
+
+
+def real_rows(case: Case, out: torch.Tensor) -> torch.Tensor:
+    return out[: case.num_real * case.meta.width]

@@ -1,0 +1,84 @@
+"""The Triton paged attention kernels against the torch reference on the GPU (CI has no GPU;
+tests/test_attention_interpreter.py runs a few of these cases on the CPU interpreter).
+
+Tolerances, against the reference computed in fp64 on the same inputs: fp32 inputs 2e-5
+(IEEE fp32 dots, fp32 online softmax), bf16 inputs 2e-2 (the kernel multiplies the
+probabilities in bf16, as flash attention does; outputs are O(1)). Every case runs twice: with
+the batch's longest length as the key bound (eager) and with a CUDA graph's bound (the pool's
+capacity, 8192 keys), which splits the keys and leaves most programs past the live length.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_cases import kernel, make_case, real_rows, reference
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+RAGGED = {1: [1], 3: [17, 5, 300], 32: [(37 * i) % 700 + 16 for i in range(32)]}   # not multiples of 16
+
+
+def check(case, dtype):
+    expected = real_rows(case, reference(case))
+    for bound in (None, 8192):
+        out = kernel(case, bound)
+        assert out.dtype == dtype and out.shape == (case.q.shape[0], case.q.shape[1] * case.q.shape[2])
+        assert torch.isfinite(out).all()                                   # padding rows too
+        err = (real_rows(case, out).double() - expected).abs().max().item()
+        assert err < TOLERANCE[dtype], (bound, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_seqs", [1, 3, 32])
+@pytest.mark.parametrize("width", [1, 4, 16])
+def test_target_batches(dtype, num_seqs, width):
+    """Decode (T = 1) and verify blocks, causal inside the block, ragged lengths, Qwen3-8B heads."""
+    lens = [n + width for n in RAGGED[num_seqs]]
+    check(make_case(lens, width, 32, 8, 128, dtype, "cuda", seed=num_seqs * width), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_gqa_groups_and_head_sizes(dtype, group, head_dim):
+    """GQA groups 1 / 4 / 8 at every head size (256: Qwen3.5), with graph padding rows."""
+    case = make_case([9, 130, 48], 4, 4 * group, 4, head_dim, dtype, "cuda", num_padding=2, seed=group + head_dim)
+    check(case, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_seqs", [1, 3, 32])
+@pytest.mark.parametrize("width", [4, 16])
+def test_draft_blocks(dtype, num_seqs, width):
+    """The draft: non-causal over its committed context (shorter than the block for some) plus
+    its own block's K/V, never cached; padding rows with no context at all."""
+    lens = [min(n, 3) if i == 0 else n for i, n in enumerate(RAGGED[num_seqs])]
+    case = make_case(lens, width, 32, 8, 128, dtype, "cuda", draft=True, num_padding=1, seed=num_seqs + width)
+    check(case, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_draft_causal_and_prefill_chunk(head_dim):
+    """A draft forced causal (DFlash 2 style flags, no window), and a prefill chunk (B = 1,
+    T = 300 after 200 cached positions)."""
+    check(make_case([2, 40], 16, 16, 4, head_dim, torch.bfloat16, "cuda", draft=True, is_causal=True), torch.bfloat16)
+    check(make_case([500], 300, 16, 2, head_dim, torch.float32, "cuda", seed=5), torch.float32)
+
+
+def test_dispatch_and_reference_switch(monkeypatch):
+    """paged_attention picks the kernels on CUDA, the reference when BLOCKSPEC_ATTENTION=reference
+    or a sliding window is asked for; both agree."""
+    from blockspec.layers import attention
+    case = make_case([40, 7], 4, 8, 2, 128, torch.float32, "cuda")
+    calls = []
+    real = attention.reference_paged_attention
+    monkeypatch.setattr(attention, "reference_paged_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    args = (case.q, case.k_pool, case.v_pool, case.meta, case.meta.context_lens, case.scale, True)
+    fast = attention.paged_attention(*args)
+    assert calls == []
+    attention.paged_attention(*args, window=4)
+    assert calls == [1]
+    monkeypatch.setenv("BLOCKSPEC_ATTENTION", "reference")
+    slow = attention.paged_attention(*args)
+    assert calls == [1, 1]
+    assert (fast - slow).abs().max() < 1e-4

@@ -1,0 +1,59 @@
+"""The Triton attention kernels under Triton's CPU interpreter, against the torch reference.
+
+Runs only where Triton is installed (CI has none: it is a CUDA-side dependency); the full
+matrix (bf16, real head sizes, large batches) is tests/gpu/test_attention_kernels.py. The
+interpreter's flag is read when triton.language is imported, so the cases run in a child
+process (~5 s); its bf16 tl.dot is wrong (triton 3.9), so only fp32 / fp16 here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).parent
+
+CHILD = """
+import json, torch
+from attention_cases import make_case, real_rows, reference, kernel
+cases = {
+    "decode": dict(context_lens=[5, 40, 17], width=1, num_heads=8, num_kv_heads=2),
+    "verify-ragged": dict(context_lens=[4, 33, 20], width=4, num_heads=8, num_kv_heads=2),
+    "verify-mha-padding": dict(context_lens=[16, 9], width=4, num_heads=4, num_kv_heads=4, num_padding=2),
+    "prefill-chunk": dict(context_lens=[70], width=40, num_heads=4, num_kv_heads=1),
+    "draft": dict(context_lens=[0, 3, 50], width=4, num_heads=8, num_kv_heads=2, draft=True, num_padding=1),
+    "draft-causal": dict(context_lens=[3, 21], width=4, num_heads=4, num_kv_heads=2, draft=True, is_causal=True),
+}
+errors = {}
+for name, spec in cases.items():
+    case = make_case(**spec, head_dim=32, dtype=torch.float32, device="cpu")
+    for bound in (None, 1024):       # eager bound, and a CUDA graph's (the pool's capacity: split-K)
+        out = kernel(case, bound)
+        err = (real_rows(case, out).double() - real_rows(case, reference(case))).abs().max().item()
+        errors[f"{name}/{bound}"] = [err, bool(torch.isfinite(out).all()), str(out.dtype)]
+case = make_case([7, 30], width=4, num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, device="cpu")
+out = kernel(case)
+errors["fp16"] = [(out.double() - reference(case)).abs().max().item(), bool(torch.isfinite(out).all()), str(out.dtype)]
+print(json.dumps(errors))
+"""
+
+
+def test_interpreted_kernels_match_reference():
+    """fp32 within 1e-5 of the fp64 reference (fp16 within 2e-3), eagerly and with a graph's key
+    bound; outputs finite on padding rows too; the output keeps q's dtype."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(errors) == 13
+    for name, (err, finite, dtype) in errors.items():
+        assert finite, name
+        assert err < (2e-3 if name == "fp16" else 1e-5), (name, err)
+        assert dtype == ("torch.float16" if name == "fp16" else "torch.float32"), name
