@@ -110,12 +110,10 @@ class FusedLinear(nn.Linear):
         # Runs right after this module's own entries were added (they are last), so the parts
         # land where the fused tensor was: the order of a Hugging Face state_dict.
         parent = FusedLinear._names(prefix)
-        for kind in ("weight", "bias"):
-            fused = state.pop(prefix + kind, None)
-            if fused is None:
-                continue
-            for name, (start, stop) in self.part_rows.items():
-                state[f"{parent}{name}.{kind}"] = fused[start:stop]
+        fused = {kind: state.pop(prefix + kind) for kind in ("weight", "bias") if prefix + kind in state}
+        for name, (start, stop) in self.part_rows.items():
+            for kind, tensor in fused.items():
+                state[f"{parent}{name}.{kind}"] = tensor[start:stop]
 
 
 
