@@ -158,6 +158,20 @@ def _block(n: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _round(x, dtype: tl.constexpr):
+        """fp32 x rounded to dtype (nearest even), kept in fp32: where a torch op would store.
+        bf16 by integer arithmetic, which the compiler cannot fold away as it may fold a
+        truncate-extend pair (and Triton's interpreter truncates instead of rounding)."""
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        elif dtype == tl.float16:
+            return x.to(tl.float16).to(tl.float32)
+        else:
+            return x
+
+    @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, num_cols, eps,
                              HAS_RESIDUAL: tl.constexpr, ZERO_CENTRED: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
@@ -167,14 +181,14 @@ if triton is not None:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
-            x = (x + r).to(dtype).to(tl.float32)               # the residual stream is stored in dtype
+            x = _round(x + r, dtype)                           # the residual stream is stored in dtype
             tl.store(res_out_ptr + row * num_cols + cols, x.to(dtype), mask=mask)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / num_cols + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if ZERO_CENTRED:
-            out = x * rstd * (1.0 + w)
+            out = _round(x * rstd * (1.0 + w), dtype)
         else:
-            out = (x * rstd).to(dtype).to(tl.float32) * w
+            out = _round(_round(x * rstd, dtype) * w, dtype)
         tl.store(out_ptr + row * num_cols + cols, out.to(dtype), mask=mask)
 
     @triton.jit
@@ -185,8 +199,8 @@ if triton is not None:
         dtype = out_ptr.dtype.element_ty
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + row * stride_x + num_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        tl.store(out_ptr + row * num_cols + cols, (silu * up).to(dtype), mask=mask)
+        silu = _round(gate / (1.0 + tl.exp(-gate)), dtype)
+        tl.store(out_ptr + row * num_cols + cols, _round(silu * up, dtype).to(dtype), mask=mask)
 
     @triton.jit
     def _norm_rope_head(src, w_ptr, cos_ptr, sin_ptr, dst, eps, head_dim,
@@ -206,15 +220,15 @@ if triton is not None:
             w = tl.load(w_ptr + d, mask=in_head, other=0.0).to(tl.float32)
             wp = tl.load(w_ptr + partner, mask=is_rot, other=0.0).to(tl.float32)
             if ZERO_CENTRED:
-                x = (x * rstd * (1.0 + w)).to(dtype).to(tl.float32)
-                xp = (xp * rstd * (1.0 + wp)).to(dtype).to(tl.float32)
+                x = _round(x * rstd * (1.0 + w), dtype)
+                xp = _round(xp * rstd * (1.0 + wp), dtype)
             else:
-                x = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-                xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
+                x = _round(_round(x * rstd, dtype) * w, dtype)
+                xp = _round(_round(xp * rstd, dtype) * wp, dtype)
         c = tl.load(cos_ptr + d, mask=is_rot, other=0.0).to(tl.float32)
         s = tl.load(sin_ptr + d, mask=is_rot, other=0.0).to(tl.float32)
         sign = tl.where(d < half, -1.0, 1.0)
-        rotated = (x * c).to(dtype).to(tl.float32) + (sign * xp * s).to(dtype).to(tl.float32)
+        rotated = _round(_round(x * c, dtype) + _round(sign * xp * s, dtype), dtype)
         out = tl.where(is_rot, rotated, x)
         tl.store(dst + d, out.to(dtype), mask=in_head)
 

@@ -2,8 +2,7 @@
 models decoded with them against the unfused torch path (fp32, greedy: token for token).
 
 Run on the GPU; `TRITON_INTERPRET=1 BLOCKSPEC_FUSED_TEST_DEVICE=cpu pytest tests/gpu/test_fused_kernels.py -k kernel`
-runs the fp32 kernel checks on a CPU through Triton's interpreter (it does not round to bf16 as
-the GPU does, so the bf16 cases are skipped there)."""
+runs the kernel checks on a CPU through Triton's interpreter."""
 from __future__ import annotations
 
 import os
@@ -14,9 +13,7 @@ import torch
 from blockspec.kernels import fused
 
 DEVICE = torch.device(os.environ.get("BLOCKSPEC_FUSED_TEST_DEVICE", "cuda"))
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    INTERPRETED, reason="Triton's interpreter does not round fp32 → bf16 to nearest"))]
+DTYPES = [torch.float32, torch.bfloat16]
 
 
 def randn(*shape, dtype, seed):
@@ -109,7 +106,7 @@ def test_qk_norm_rope_kernel(dtype, case, to_pool, num_tokens):
 # ---------------------------------------------------------------------------------------------
 # whole models: fused (Triton) == unfused (torch) token for token, fp32, greedy
 
-PROMPT = [int(t) for t in torch.randint(0, 151643, (60,), generator=torch.Generator().manual_seed(11))]
+PROMPT = [int(t) for t in torch.randint(0, 250, (60,), generator=torch.Generator().manual_seed(11))]
 PROMPTS = [PROMPT, PROMPT[:9], [5, 6, 7]]
 
 
