@@ -32,8 +32,12 @@ def set_enabled(enabled: bool) -> bool:
     return previous
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    return _ENABLED and triton is not None and x.is_cuda
+def use_triton(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """CUDA, Triton present, fusion on, and no gradient wanted: the kernels have no backward, so
+    training (autograd through x or the weights) takes the torch path."""
+    if not (_ENABLED and triton is not None and x.is_cuda):
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *params)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,13 +86,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual), x + residual) for x [N, H]; residual None: (norm(x), x). The sum is
     a new tensor (callers keep earlier residuals as captured features)."""
-    if not use_triton(x):
+    if not use_triton(x, residual, weight) or x.shape[-1] > 65536:
         return add_rms_norm_torch(x, residual, weight, eps, zero_centred)
     return add_rms_norm_triton(x, residual, weight, eps, zero_centred)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False) -> torch.Tensor:
-    if not use_triton(x) or x.shape[-1] > 65536:
+    if not use_triton(x, weight) or x.shape[-1] > 65536:
         return rms_norm_torch(x, weight, eps, zero_centred)
     flat = x.reshape(-1, x.shape[-1])
     return add_rms_norm_triton(flat, None, weight, eps, zero_centred)[0].view(x.shape)
@@ -117,7 +121,7 @@ def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_di
     it, (q, k, v) with k, v [N, Hkv, D]. q is [N, Hq, D] (None when Hq = 0).
     """
     cos, sin = cos.reshape(qkv.shape[0], -1), sin.reshape(qkv.shape[0], -1)
-    if not use_triton(qkv):
+    if not use_triton(qkv, q_norm, k_norm):
         return qk_norm_rope_torch(qkv, num_q_heads, num_kv_heads, head_dim, q_head_stride, q_norm, k_norm, eps,
                                   zero_centred, cos, sin, kv_store)
     return qk_norm_rope_triton(qkv, num_q_heads, num_kv_heads, head_dim, q_head_stride, q_norm, k_norm, eps,

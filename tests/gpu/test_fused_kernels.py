@@ -103,6 +103,16 @@ def test_qk_norm_rope_kernel(dtype, case, to_pool, num_tokens):
     assert torch.equal(v, ref_v)                                # a copy on both sides
 
 
+def test_training_keeps_autograd():
+    """The kernels have no backward: with gradients wanted the ops take the torch path."""
+    x = randn(3, 64, dtype=torch.float32, seed=10).requires_grad_()
+    weight = torch.ones(64, device=DEVICE)
+    normed, _ = fused.add_rms_norm(x, None, weight, 1e-6)
+    assert normed.grad_fn is not None
+    with torch.no_grad():
+        assert fused.add_rms_norm(x, None, weight, 1e-6)[0].grad_fn is None
+
+
 # ---------------------------------------------------------------------------------------------
 # whole models: fused (Triton) == unfused (torch) token for token, fp32, greedy
 
