@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from blockspec.layers.common import parts_of
 from blockspec.models.registry import ARCHITECTURES, ParamSlice, Rename
 
 
@@ -99,12 +100,15 @@ def load_weights(model: nn.Module, files: list[Path], rename: Rename, show_progr
     slice of a stacked parameter (per-expert tensors): one tensor in memory at a time, never a
     second copy of the model. A parameter counts as loaded when every element was written."""
     params = dict(model.named_parameters())
+    fused = {name: ParamSlice(param, None, rows=(start, stop)) for name, (param, start, stop) in parts_of(model).items()}
     filled: dict[str, int] = {}                            # parameter → elements written
     placed: set[str | ParamSlice] = set()
     for raw_name, file, tensor in iter_tensors(files, show_progress):
         where = rename(raw_name)
         if where is None:
             continue
+        if isinstance(where, str) and where not in params:
+            where = fused.get(where, where)               # one part of a fused projection
         name, target = destination(params, where, raw_name, file, model)
         if where in placed or filled.get(name, 0) + target.numel() > params[name].numel():
             raise LoadError(f"{file.name}: {raw_name!r} is given twice (per expert and fused, or in two shards)")
@@ -117,7 +121,10 @@ def load_weights(model: nn.Module, files: list[Path], rename: Rename, show_progr
         filled[name] = filled.get(name, 0) + target.numel()
     loaded = {name for name, count in filled.items() if count == params[name].numel()}
     tie_embeddings(model, params, loaded)
-    missing = sorted(set(params) - loaded)
+    # Name what the checkpoint should have held: the parts of a fused parameter by their own names.
+    unplaced_parts = sorted(name for name, piece in fused.items() if piece not in placed)
+    missing = sorted(({p for p in params if p not in loaded} - {fused[n].param for n in unplaced_parts})
+                     | set(unplaced_parts))
     if missing:
         raise LoadError(f"checkpoint lacks {len(missing)} tensors, first: {missing[0]!r}"
                         + (" (some of its experts are missing)" if missing[0] in filled else ""))
@@ -132,6 +139,8 @@ def destination(params: dict[str, nn.Parameter], where: str | ParamSlice, raw_na
     param = params[name]
     if not isinstance(where, ParamSlice):
         return name, param
+    if where.index is None:
+        return name, param[where.rows[0]:where.rows[1]]
     if not 0 <= where.index < param.shape[0]:
         raise LoadError(f"{file.name}: {raw_name!r} names expert {where.index}, "
                         f"but the config has {param.shape[0]} experts")

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockspec.layers.common import RMSNorm, apply_rope
+from blockspec.kernels.fused import qk_norm_rope
+from blockspec.layers.common import FusedLinear, RMSNorm, join_fused_parts
 
 
 @dataclass
@@ -179,7 +180,8 @@ class Attention(nn.Module):
     qk_norm: None, "plain" (Qwen3) or "zero_centred" (Qwen3.5); output_gate: q_proj also yields
     a per-head gate, o_proj(attn · sigmoid(gate)) (Qwen3.5's gated attention). RoPE rotates the
     first rot_dim dims of each head (cos/sin carry that width). cache_index: this layer's K/V
-    in the metadata's pool list.
+    in the metadata's pool list. q, k and v are one GEMM (qkv_proj; q_proj / k_proj / v_proj on
+    disk), then one fused op norms and rotates q and k and stores k, v (`qk_norm_rope`).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
@@ -188,50 +190,59 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
+        self.eps = eps
         self.has_output_gate = output_gate
         self.cache_index = cache_index
-        q_width = num_heads * head_dim * (2 if output_gate else 1)
-        self.q_proj = nn.Linear(hidden_size, q_width, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.q_head_stride = head_dim * (2 if output_gate else 1)        # per head: [q (D) | gate (D)]
+        kv_width = num_kv_heads * head_dim
+        self.qkv_proj = FusedLinear(hidden_size, {"q_proj": num_heads * self.q_head_stride, "k_proj": kv_width,
+                                                  "v_proj": kv_width}, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=out_bias)
+        self.register_load_state_dict_pre_hook(join_fused_parts)
+        self.zero_centred = qk_norm == "zero_centred"
         if qk_norm is None:
             self.q_norm = self.k_norm = None
         else:
-            zero_centred = qk_norm == "zero_centred"
-            self.q_norm = RMSNorm(head_dim, eps, zero_centred)
-            self.k_norm = RMSNorm(head_dim, eps, zero_centred)
+            self.q_norm = RMSNorm(head_dim, eps, self.zero_centred)
+            self.k_norm = RMSNorm(head_dim, eps, self.zero_centred)
 
-    def project_q(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [N, hidden] → q [N, H, D] (normed, rotated) and the output gate [N, H·D] or None."""
-        q = self.q_proj(x).view(x.shape[0], self.num_heads, -1)
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_store: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, with_q: bool = True):
+        """x [N, hidden] → (q [N, H, D] normed and rotated, or None without with_q; k, v [N, Hkv, D],
+        or None when kv_store = (k_pool, v_pool, slot_mapping) took them; the output gate [N, H, D]
+        or None). One GEMM (only the k/v rows without with_q), one fused norm + RoPE (+ store)."""
+        if with_q:
+            qkv = self.qkv_proj(x)
+        else:
+            qkv = self.qkv_proj.project(x, "k_proj", "v_proj")
+        num_q = self.num_heads if with_q else 0
+        q, k, v = qk_norm_rope(qkv, num_q, self.num_kv_heads, self.head_dim, self.q_head_stride,
+                               None if self.q_norm is None else self.q_norm.weight,
+                               None if self.k_norm is None else self.k_norm.weight, self.eps, self.zero_centred,
+                               *rope, kv_store)
         gate = None
-        if self.has_output_gate:
-            q, gate = q.chunk(2, dim=-1)
-            gate = gate.reshape(x.shape[0], -1)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        return apply_rope(q, *rope), gate
+        if self.has_output_gate and with_q:
+            gate = qkv[:, : self.num_heads * self.q_head_stride].view(x.shape[0], self.num_heads, -1)[..., self.head_dim:]
+        return q, k, v, gate
 
     def project_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, hidden] → k, v [N, Hkv, D] (k normed and rotated)."""
-        k = self.k_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(x.shape[0], self.num_kv_heads, self.head_dim)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return apply_rope(k, *rope), v
+        """x [N, hidden] → k, v [N, Hkv, D] (k normed and rotated), from the k/v rows alone."""
+        _, k, v, _ = self.project(x, rope, with_q=False)
+        return k, v
+
+    def store_kv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], k_pool: torch.Tensor,
+                 v_pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """k, v of x stored at slot_mapping (the draft's context K/V), without computing q."""
+        self.project(x, rope, (k_pool, v_pool, slot_mapping), with_q=False)
 
     def output(self, attn: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         if gate is not None:
-            attn = attn * torch.sigmoid(gate)
+            attn = attn * torch.sigmoid(gate).reshape(attn.shape)
         return self.o_proj(attn)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """Causal self-attention of a target layer: write the new K/V, attend over the pool."""
-        q, gate = self.project_q(x, rope)
-        k, v = self.project_kv(x, rope)
         k_pool, v_pool = meta.kv[self.cache_index]
-        write_kv(k_pool, v_pool, meta.slot_mapping, k, v)
+        q, _, _, gate = self.project(x, rope, (k_pool, v_pool, meta.slot_mapping))
         attn = paged_attention(q, k_pool, v_pool, meta, meta.context_lens, self.scale, is_causal=True)
         return self.output(attn, gate)

@@ -1,4 +1,4 @@
-"""Building blocks shared by the model files: RMSNorm, RoPE, the SwiGLU MLP."""
+"""Building blocks shared by the model files: RMSNorm, RoPE, fused projections, the SwiGLU MLP."""
 from __future__ import annotations
 
 import math
@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.config import RopeConfig
+from blockspec.kernels.fused import add_rms_norm, apply_rope, rms_norm, rotate_half, silu_mul  # noqa: F401
 
 
 class RMSNorm(nn.Module):
@@ -23,12 +24,12 @@ class RMSNorm(nn.Module):
         self.zero_centred = zero_centred
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centred:
-            return (x * (1.0 + self.weight.float())).to(dtype)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps, self.zero_centred)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer-entry form: (norm(x + residual), x + residual) in one kernel on CUDA; the
+        residual stream stays un-normed (residual None: the first layer, x is the stream)."""
+        return add_rms_norm(x, residual, self.weight, self.eps, self.zero_centred)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -73,28 +74,86 @@ class RotaryEmbedding(nn.Module):
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+class FusedLinear(nn.Linear):
+    """Several projections of the same input stacked by output rows, so they run as one GEMM
+    (q/k/v, gate/up). On disk and in `state_dict` each part keeps its own Hugging Face name, a
+    sibling of this module (`self_attn.q_proj.weight`, not `self_attn.qkv_proj.weight`): the
+    loader fills each part's rows as it reads it (`parts_of`), state_dict splits them again and
+    load_state_dict joins them (the parent registers `join_fused_parts`), so checkpoints,
+    training state and transformers see the names they always saw."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.part_sizes = dict(parts)
+        starts = [0]
+        for size in parts.values():
+            starts.append(starts[-1] + size)
+        self.part_rows = {name: (start, start + size) for name, start, size in zip(parts, starts, parts.values())}
+        self.register_state_dict_post_hook(FusedLinear._split_state)
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The fused output [..., sum(parts)] → one view per part, in order."""
+        return out.split(list(self.part_sizes.values()), dim=-1)
+
+    def project(self, x: torch.Tensor, first: str, last: str | None = None) -> torch.Tensor:
+        """Only the consecutive parts first … last (one GEMM over their rows, a view of the weight)."""
+        start, stop = self.part_rows[first][0], self.part_rows[last or first][1]
+        bias = None if self.bias is None else self.bias[start:stop]
+        return F.linear(x, self.weight[start:stop], bias)
+
+    @staticmethod
+    def _names(prefix: str) -> str:
+        """`a.b.qkv_proj.` → `a.b.`: the parts are siblings of the fused module."""
+        return prefix[: prefix.rstrip(".").rfind(".") + 1]
+
+    def _split_state(self, state: dict, prefix: str, local_metadata: dict) -> None:
+        # Runs right after this module's own entries were added (they are last), so the parts
+        # land where the fused tensor was: the order of a Hugging Face state_dict.
+        parent = FusedLinear._names(prefix)
+        fused = {kind: state.pop(prefix + kind) for kind in ("weight", "bias") if prefix + kind in state}
+        for name, (start, stop) in self.part_rows.items():
+            for kind, tensor in fused.items():
+                state[f"{parent}{name}.{kind}"] = tensor[start:stop]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; rotates x[..., :rot_dim] and passes the rest through."""
-    rot_dim = cos.shape[-1]
-    if rot_dim == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
-    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+def join_fused_parts(parent: nn.Module, state: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook of a module holding FusedLinear children: their parts, stored
+    under their own names (siblings of the fused module), become the fused tensor. It runs on
+    the parent because torch hands each child only the keys under the child's own prefix."""
+    for child_name, child in parent.named_children():
+        if not isinstance(child, FusedLinear):
+            continue
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{kind}" for name in child.part_rows]
+            if all(key in state for key in keys):
+                state[f"{prefix}{child_name}.{kind}"] = torch.cat([state.pop(key) for key in keys])
+
+
+def parts_of(model: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint name of every fused part → (fused parameter, first row, end row)."""
+    out = {}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, FusedLinear):
+            continue
+        prefix = module_name + "."
+        parent = FusedLinear._names(prefix)
+        for kind in ("weight",) + (("bias",) if module.bias is not None else ()):
+            for name, (start, stop) in module.part_rows.items():
+                out[f"{parent}{name}.{kind}"] = (prefix + kind, start, stop)
+    return out
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) · up(x))."""
+    """SwiGLU: down(silu(gate(x)) · up(x)), gate and up as one GEMM (gate_up_proj; on disk
+    gate_proj / up_proj)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.gate_up_proj = FusedLinear(hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size},
+                                        bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.register_load_state_dict_pre_hook(join_fused_parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))

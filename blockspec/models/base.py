@@ -53,10 +53,14 @@ class CausalLM(nn.Module):
         meta.shared.clear()
         x = self.embed(input_ids)                                           # [N, hidden]
         rope = self.model.rotary_emb(positions, x.dtype)                   # cos, sin [N, 1, rot]
+        # Layers pass (x, residual), the stream being their sum: each layer's entry norm adds them
+        # in the same kernel (RMSNorm.add), so the sum is never a kernel of its own, except for
+        # the layers whose output the draft reads.
+        residual = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, meta)
+            x, residual = layer.forward_residual(x, residual, rope, meta)
             if i in capture_layers:
-                captured[i] = x
+                captured[i] = x + residual
         features = torch.cat([captured[i] for i in capture_layers], dim=-1) if captured else None
-        return ForwardOutput(self.model.norm(x), features)
+        return ForwardOutput(self.model.norm.add(x, residual)[0], features)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from blockspec.config import ConfigError, RopeConfig
-from blockspec.layers import MLP, Attention, AttentionMetadata, RMSNorm, RotaryEmbedding, paged_attention, write_kv
+from blockspec.layers import MLP, Attention, AttentionMetadata, RMSNorm, RotaryEmbedding, paged_attention
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -122,11 +122,10 @@ class DraftAttention(Attention):
         self.window = config.layer_window[layer_idx]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        q, gate = self.project_q(x, rope)
-        block_kv = self.project_kv(x, rope)                                     # never cached
+        q, k, v, gate = self.project(x, rope)                                  # the block's k, v: never cached
         k_pool, v_pool = meta.kv[self.cache_index]
         attn = paged_attention(q, k_pool, v_pool, meta, meta.context_lens, self.scale, self.is_causal,
-                               self.window, block_kv=block_kv)
+                               self.window, block_kv=(k, v))
         return self.output(attn, gate)
 
 
@@ -139,8 +138,16 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """The layer alone: the residual stream in, the stream out."""
+        out, residual = self.forward_residual(x, None, rope, meta)
+        return out + residual
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) → (x, residual): the stream is x + residual (models/base.py says why)."""
+        h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, rope, meta), residual)
+        return self.mlp(h), residual
 
 
 class DFlashDraftModel(nn.Module):
@@ -178,8 +185,7 @@ class DFlashDraftModel(nn.Module):
         context = self.hidden_norm(self.fc(features))
         rope = self.rotary_emb(positions, context.dtype)
         for layer, (k_pool, v_pool) in zip(self.layers, kv):
-            k, v = layer.self_attn.project_kv(context, rope)
-            write_kv(k_pool, v_pool, slot_mapping, k, v)
+            layer.self_attn.store_kv(context, rope, k_pool, v_pool, slot_mapping)
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Denoise B blocks: block_embeds [B·T, H] — the target's embedding of [anchor, MASK × (T − 1)]
@@ -187,10 +193,10 @@ class DFlashDraftModel(nn.Module):
         Returns hidden states [B·T, H] after the final norm (read out with the target's head)."""
         meta.shared.clear()
         rope = self.rotary_emb(positions, block_embeds.dtype)
-        x = block_embeds * self.config.input_embedding_scale
+        x, residual = block_embeds * self.config.input_embedding_scale, None
         for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+            x, residual = layer.forward_residual(x, residual, rope, meta)
+        return self.norm.add(x, residual)[0]
 
     def read_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         logits = lm_head(hidden) * self.config.output_multiplier

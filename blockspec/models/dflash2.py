@@ -87,12 +87,15 @@ class DFlash2Layer(DraftLayer):
         self.attention_conv = GroupedDynamicConv(*conv)
         self.mlp_conv = GroupedDynamicConv(*conv)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         width = meta.width
-        h, coefficients = self.attention_conv.prepare(self.input_layernorm(x), width)
-        x = x + self.attention_conv.finish(self.self_attn(h, rope, meta), coefficients, width)
-        h, coefficients = self.mlp_conv.prepare(self.post_attention_layernorm(x), width)
-        return x + self.mlp_conv.finish(self.mlp(h), coefficients, width)
+        h, residual = self.input_layernorm.add(x, residual)
+        h, coefficients = self.attention_conv.prepare(h, width)
+        h, residual = self.post_attention_layernorm.add(
+            self.attention_conv.finish(self.self_attn(h, rope, meta), coefficients, width), residual)
+        h, coefficients = self.mlp_conv.prepare(h, width)
+        return self.mlp_conv.finish(self.mlp(h), coefficients, width), residual
 
 
 @dataclass

@@ -26,8 +26,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """The layer alone: the residual stream in, the stream out."""
+        out, residual = self.forward_residual(x, None, rope, meta)
+        return out + residual
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) → (x, residual): the stream is x + residual (models/base.py says why)."""
+        h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, rope, meta), residual)
+        return self.mlp(h), residual
 
 
 class DenseModel(nn.Module):

@@ -26,6 +26,7 @@ from torch import nn
 from blockspec.cache.state_pool import RecurrentShape
 from blockspec.config import ConfigError, ModelConfig, eos_ids
 from blockspec.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding
+from blockspec.layers.common import FusedLinear, join_fused_parts
 from blockspec.layers.moe import make_mlp
 from blockspec.models.base import CausalLM
 from blockspec.models.gated_delta import select_kernels, state_dtype
@@ -130,14 +131,14 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel = config.linear_conv_kernel_dim
         self.is_fused = config.fused_gdn_projections
         hidden = config.hidden_size
+        # All input projections are one GEMM (in_proj); on disk they keep their own names.
         if self.is_fused:
-            self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + self.value_width, bias=False)
-            self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+            parts = {"in_proj_qkvz": self.conv_dim + self.value_width, "in_proj_ba": 2 * self.num_v_heads}
         else:
-            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-            self.in_proj_z = nn.Linear(hidden, self.value_width, bias=False)
-            self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-            self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+            parts = {"in_proj_qkv": self.conv_dim, "in_proj_z": self.value_width, "in_proj_b": self.num_v_heads,
+                     "in_proj_a": self.num_v_heads}
+        self.in_proj = FusedLinear(hidden, parts, bias=False)
+        self.register_load_state_dict_pre_hook(join_fused_parts)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
@@ -151,15 +152,17 @@ class GatedDeltaNet(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, hidden] → mixed [B, T, conv_dim] (q | k | v), z [B, T, Hv, Dv], b, a [B, T, Hv]."""
         batch, num_tokens, _ = x.shape
+        projected = self.in_proj.split(self.in_proj(x))
         if not self.is_fused:
-            z = self.in_proj_z(x).view(batch, num_tokens, self.num_v_heads, self.v_dim)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            mixed, z, b, a = projected
+            return mixed, z.reshape(batch, num_tokens, self.num_v_heads, self.v_dim), b, a
         # Fused: per key head [q (Dk) | k (Dk) | v (r·Dv) | z (r·Dv)] and [b (r) | a (r)], r = Hv / Hk;
         # value head j = key head · r + i, so j // r is its key head as in the unfused layout.
         ratio = self.num_v_heads // self.num_k_heads
-        qkvz = self.in_proj_qkvz(x).view(batch, num_tokens, self.num_k_heads, -1)
+        qkvz, ba = projected
+        qkvz = qkvz.reshape(batch, num_tokens, self.num_k_heads, -1)
         q, k, v, z = qkvz.split((self.k_dim, self.k_dim, ratio * self.v_dim, ratio * self.v_dim), dim=-1)
-        b, a = self.in_proj_ba(x).view(batch, num_tokens, self.num_k_heads, -1).split((ratio, ratio), dim=-1)
+        b, a = ba.reshape(batch, num_tokens, self.num_k_heads, -1).split((ratio, ratio), dim=-1)
         mixed = torch.cat((q.flatten(2), k.flatten(2), v.flatten(2)), dim=-1)
         z = z.reshape(batch, num_tokens, self.num_v_heads, self.v_dim)
         return mixed, z, b.flatten(2), a.flatten(2)
@@ -213,12 +216,17 @@ class HybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        if self.is_linear:
-            x = x + self.linear_attn(h, meta)
-        else:
-            x = x + self.self_attn(h, rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """The layer alone: the residual stream in, the stream out."""
+        out, residual = self.forward_residual(x, None, rope, meta)
+        return out + residual
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) → (x, residual): the stream is x + residual (models/base.py says why)."""
+        h, residual = self.input_layernorm.add(x, residual)
+        mixed = self.linear_attn(h, meta) if self.is_linear else self.self_attn(h, rope, meta)
+        h, residual = self.post_attention_layernorm.add(mixed, residual)
+        return self.mlp(h), residual
 
 
 class HybridModel(nn.Module):

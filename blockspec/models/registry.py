@@ -12,12 +12,15 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ParamSlice:
-    """A checkpoint tensor that is one piece of a stacked parameter: it goes into
-    `param[index].chunk(num_parts)[part]` (chunked along the piece's first dimension)."""
+    """A checkpoint tensor that is one piece of a stacked or fused parameter: it goes into
+    `param[index].chunk(num_parts)[part]` (chunked along the piece's first dimension; an
+    expert's piece), or into rows [rows[0], rows[1]) of `param` when index is None (one part of
+    a FusedLinear: q_proj of qkv_proj, gate_proj of gate_up_proj)."""
     param: str
-    index: int
+    index: int | None
     part: int = 0
     num_parts: int = 1
+    rows: tuple[int, int] | None = None
 
 
 Rename = Callable[[str], "str | ParamSlice | None"]     # None = ignore this tensor

@@ -29,9 +29,9 @@ def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return torch.cat((rotated, x_pass), dim=-1) if x_pass.shape[-1] else rotated
 
 
-def heads(proj: nn.Module, norm: nn.Module | None, x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """x [B, T, H] → [B, heads, T, D] (qk-norm per head when the draft has it)."""
-    out = proj(x).view(x.shape[0], x.shape[1], num_heads, head_dim)
+def heads(out: torch.Tensor, norm: nn.Module | None, num_heads: int, head_dim: int) -> torch.Tensor:
+    """A projection [B, T, heads·D] → [B, heads, T, D] (qk-norm per head when the draft has it)."""
+    out = out.reshape(out.shape[0], out.shape[1], num_heads, head_dim)
     return (norm(out) if norm is not None else out).transpose(1, 2)
 
 
@@ -39,11 +39,12 @@ def block_attention(attn: nn.Module, x: torch.Tensor, context: torch.Tensor, blo
                     mask: torch.Tensor, config) -> torch.Tensor:
     """x [B, Q, H] (all blocks), context [B, L, H] (fused features), mask [B, 1, Q, L + Q]."""
     num_heads, num_kv, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    q = rotate(heads(attn.q_proj, attn.q_norm, x, num_heads, head_dim), block_rope)
-    k = torch.cat((rotate(heads(attn.k_proj, attn.k_norm, context, num_kv, head_dim), context_rope),
-                   rotate(heads(attn.k_proj, attn.k_norm, x, num_kv, head_dim), block_rope)), dim=2)
-    v = torch.cat((heads(attn.v_proj, None, context, num_kv, head_dim),
-                   heads(attn.v_proj, None, x, num_kv, head_dim)), dim=2)
+    q, k_block, v_block = attn.qkv_proj.split(attn.qkv_proj(x))             # one GEMM for the blocks
+    k_context, v_context = attn.qkv_proj.project(context, "k_proj", "v_proj").split(num_kv * head_dim, dim=-1)
+    q = rotate(heads(q, attn.q_norm, num_heads, head_dim), block_rope)
+    k = torch.cat((rotate(heads(k_context, attn.k_norm, num_kv, head_dim), context_rope),
+                   rotate(heads(k_block, attn.k_norm, num_kv, head_dim), block_rope)), dim=2)
+    v = torch.cat((heads(v_context, None, num_kv, head_dim), heads(v_block, None, num_kv, head_dim)), dim=2)
     out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                          scale=head_dim ** -0.5, enable_gqa=num_heads != num_kv)
     return attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], num_heads * head_dim))

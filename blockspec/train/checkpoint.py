@@ -71,7 +71,10 @@ def save_draft(draft: nn.Module, config: dict[str, Any], directory: Path, dtype:
     """Write config.json and model.safetensors (atomically: a reader never sees half a file)."""
     directory.mkdir(parents=True, exist_ok=True)
     config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
-    tensors = {name: p.detach().to(dtype).contiguous().cpu() for name, p in draft.state_dict().items()}
+    # Fused projections come back from state_dict as row views of one tensor under their Hugging
+    # Face names (layers/common.FusedLinear); safetensors wants each as a tensor of its own.
+    tensors = {name: p.detach().to(device="cpu", dtype=dtype, copy=True).contiguous()
+               for name, p in draft.state_dict().items()}
     save_file(tensors, str(directory / "model.safetensors.tmp"), metadata={"format": "pt"})
     os.replace(directory / "model.safetensors.tmp", directory / "model.safetensors")
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
