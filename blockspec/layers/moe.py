@@ -144,10 +144,10 @@ class SparseMoE(nn.Module):
         """Triton: routing in one launch, the experts in two gather-GEMMs; a shared expert of the
         experts' intermediate size (Qwen3.5-MoE, Qwen3-Next) rides along as one more slot per token."""
         shared = None
-        if self.has_shared_expert and self.shared_expert.gate_proj.weight.shape[0] == self.experts.down_proj.shape[2]:
+        if self.has_shared_expert and self.shared_expert.down_proj.weight.shape[1] == self.experts.down_proj.shape[2]:
             mlp = self.shared_expert
-            shared = moe_kernels.SharedExpert(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-                                              self.shared_expert_gate.weight)
+            gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)          # fused rows: gate, then up
+            shared = moe_kernels.SharedExpert(gate, up, mlp.down_proj.weight, self.shared_expert_gate.weight)
         out = moe_kernels.fused_moe(x, logits, self.top_k, self.normalize, self.experts.gate_up_proj,
                                     self.experts.down_proj, shared)
         if self.has_shared_expert and shared is None:
