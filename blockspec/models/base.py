@@ -16,6 +16,29 @@ class ForwardOutput:
     features: torch.Tensor | None        # [N, len(capture_layers) · hidden] or None
 
 
+class PreNormLayer(nn.Module):
+    """A decoder layer: norm → token mixer → add + norm → MLP. Subclasses build input_layernorm,
+    post_attention_layernorm, mlp and the mixer (`mix`: self_attn unless overridden).
+
+    Between layers the stream travels as (x, residual), its sum, so that each norm runs fused
+    with the residual add before it (kernels/fused.py); `forward` is the layer alone."""
+
+    def mix(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        return self.self_attn(h, rope, meta)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """The layer alone: the residual stream in, the stream out."""
+        out, residual = self.forward_residual(x, None, rope, meta)
+        return out + residual
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) → (x, residual)."""
+        h, residual = self.input_layernorm.add(x, residual)
+        h, residual = self.post_attention_layernorm.add(self.mix(h, rope, meta), residual)
+        return self.mlp(h), residual
+
+
 class CausalLM(nn.Module):
     """A target: `forward(input_ids [N], positions [N], meta)` → hidden states and features.
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from blockspec.config import ConfigError, RopeConfig
 from blockspec.layers import MLP, Attention, AttentionMetadata, RMSNorm, RotaryEmbedding, paged_attention
+from blockspec.models.base import PreNormLayer
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -129,25 +130,13 @@ class DraftAttention(Attention):
         return self.output(attn, gate)
 
 
-class DraftLayer(nn.Module):
+class DraftLayer(PreNormLayer):
     def __init__(self, config: DraftConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = DraftAttention(config, layer_idx)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """The layer alone: the residual stream in, the stream out."""
-        out, residual = self.forward_residual(x, None, rope, meta)
-        return out + residual
-
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) → (x, residual): the stream is x + residual (models/base.py says why)."""
-        h, residual = self.input_layernorm.add(x, residual)
-        h, residual = self.post_attention_layernorm.add(self.self_attn(h, rope, meta), residual)
-        return self.mlp(h), residual
 
 
 class DFlashDraftModel(nn.Module):

@@ -11,10 +11,10 @@ from torch import nn
 from blockspec.config import ModelConfig
 from blockspec.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding
 from blockspec.layers.moe import make_mlp
-from blockspec.models.base import CausalLM
+from blockspec.models.base import CausalLM, PreNormLayer
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         self.self_attn = Attention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
@@ -24,18 +24,6 @@ class DecoderLayer(nn.Module):
         self.mlp = make_mlp(config.hidden_size, config.intermediate_size, config.moe, index, config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """The layer alone: the residual stream in, the stream out."""
-        out, residual = self.forward_residual(x, None, rope, meta)
-        return out + residual
-
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) → (x, residual): the stream is x + residual (models/base.py says why)."""
-        h, residual = self.input_layernorm.add(x, residual)
-        h, residual = self.post_attention_layernorm.add(self.self_attn(h, rope, meta), residual)
-        return self.mlp(h), residual
 
 
 class DenseModel(nn.Module):

@@ -28,7 +28,7 @@ from blockspec.config import ConfigError, ModelConfig, eos_ids
 from blockspec.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding
 from blockspec.layers.common import FusedLinear, join_fused_parts
 from blockspec.layers.moe import make_mlp
-from blockspec.models.base import CausalLM
+from blockspec.models.base import CausalLM, PreNormLayer
 from blockspec.models.gated_delta import select_kernels, state_dtype
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -200,7 +200,7 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(self.norm(out, z).flatten(2)).view(batch * num_tokens, -1)   # out [B, T, Hv, Dv]
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(PreNormLayer):
     def __init__(self, config: HybridConfig, layer: int, layer_type: str, cache_index: int) -> None:
         super().__init__()
         self.is_linear = layer_type == "linear_attention"
@@ -215,18 +215,8 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centred=True)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        """The layer alone: the residual stream in, the stream out."""
-        out, residual = self.forward_residual(x, None, rope, meta)
-        return out + residual
-
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                         meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, residual) → (x, residual): the stream is x + residual (models/base.py says why)."""
-        h, residual = self.input_layernorm.add(x, residual)
-        mixed = self.linear_attn(h, meta) if self.is_linear else self.self_attn(h, rope, meta)
-        h, residual = self.post_attention_layernorm.add(mixed, residual)
-        return self.mlp(h), residual
+    def mix(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        return self.linear_attn(h, meta) if self.is_linear else self.self_attn(h, rope, meta)
 
 
 class HybridModel(nn.Module):
