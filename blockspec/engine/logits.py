@@ -125,24 +125,30 @@ class LogitsProcessor:
         """The matcher walked along prefix[: offset + num_rows − 1], one bitmask row per state,
         then rolled back. A token the grammar refuses ends the walk: the rows after it stay
         unmasked, and they are never used — that token has probability 0 in the processed row
-        before it, so it is rejected there (greedy and sampled alike)."""
+        before it, so it is rejected there (greedy and sampled alike). A stop token ends it too:
+        the output ends there."""
         import xgrammar
         bitmask = xgrammar.allocate_token_bitmask(num_rows, self.vocab_size)        # all allowed
         completed = [False] * num_rows
-        matcher, walked, valid = self.matcher, 0, True
-        for token in prefix[:offset]:
+        matcher = self.matcher
+        walked, valid = 0, not matcher.is_terminated()
+
+        def step(token: int) -> bool:
+            nonlocal walked
             if not matcher.accept_token(token):
-                valid = False
-                break
+                return False
             walked += 1
+            return not matcher.is_terminated()
+
+        for token in prefix[:offset]:
+            valid = valid and step(token)
         for r in range(num_rows):
             if not valid:
                 break
             matcher.fill_next_token_bitmask(bitmask, r)
             completed[r] = matcher.is_completed()
             if r + 1 < num_rows:
-                valid = matcher.accept_token(prefix[offset + r])
-                walked += valid
+                valid = step(prefix[offset + r])
         matcher.rollback(walked)
         return bitmask, completed
 

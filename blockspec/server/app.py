@@ -334,6 +334,12 @@ def sampling_params(body: Any, max_tokens: int) -> SamplingParams:
             min_p=body.min_p or 0.0,
             seed=body.seed,
             stop_token_ids=tuple(body.stop_token_ids or ()),
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=body.logit_bias_pairs,
+            min_tokens=min(body.min_tokens, max_tokens),
+            ignore_eos=body.ignore_eos,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
@@ -415,8 +421,39 @@ def check_stop_token_ids(tokenizer: Any, body: Any) -> None:
                             f"of {tokenizer.vocab_size}.", "stop_token_ids")
 
 
+def check_logit_bias(llm: Any, body: Any) -> None:
+    vocab = llm.target.lm_head.weight.shape[0] if hasattr(llm, "target") else llm.tokenizer.vocab_size
+    outside = [t for t, _ in body.logit_bias_pairs if t >= vocab]
+    if outside:
+        raise ApiError(400, f"Invalid 'logit_bias': token id {outside[0]} is outside the vocabulary "
+                            f"of {vocab}.", "logit_bias")
+
+
+def request_grammar(llm: Any, body: Any) -> Any:
+    """The compiled grammar the output must follow (structured.py), or None. Compiling takes
+    milliseconds (the first one per model ~1 s: xgrammar's view of the vocabulary), so it runs
+    off the event loop; a schema xgrammar cannot compile is the client's 400."""
+    wanted = body.grammar_request if isinstance(body, ChatCompletionRequest) else None
+    if wanted is None:
+        return None
+    from blockspec import structured
+    kind, schema, strict = wanted
+    if kind == "tool_call":
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+        name = body.tool_choice.function.name if body.tool_choice != "required" else None
+        schema = structured.tool_call_schema(tools, name)
+    param = "tools" if kind == "tool_call" else "response_format"
+    try:
+        compiler = structured.grammar_compiler(llm.tokenizer, llm.target.lm_head.weight.shape[0])
+        return structured.compile_grammar(compiler, structured.GrammarSpec(kind, schema, strict))
+    except structured.GrammarError as exc:
+        where = "the tools' parameters" if kind == "tool_call" else "response_format.json_schema.schema"
+        raise ApiError(400, f"Invalid '{param}': {where} cannot be compiled to a grammar: {exc}.", param) from None
+
+
 def make_engine_request(llm: Any, request_id: str, prompt: Prompt, body: Any) -> EngineRequest:
     check_stop_token_ids(llm.tokenizer, body)
+    check_logit_bias(llm, body)
     params = sampling_params(body, output_budget(llm.max_model_len, prompt, body))
     try:
         return llm.make_request(request_id, prompt.token_ids, params)
@@ -716,6 +753,7 @@ async def generate(state: ServerState, request: Request, kind: str) -> Response:
     prompt = await asyncio.to_thread(render, llm.tokenizer, body)
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     engine_request = make_engine_request(llm, response_id, prompt, body)
+    engine_request.grammar = await asyncio.to_thread(request_grammar, llm, body)
     processor = make_processor(llm.tokenizer, prompt, body, kind)
     generation = Generation(state, engine, engine_request, processor, arrival)
     generation.submit()  # last: every rejection above came before any work
