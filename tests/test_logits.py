@@ -168,6 +168,12 @@ def test_constrained_greedy_on_a_hybrid_target(tmp_path):
     jsonschema.validate(json.loads("".join(chr(t) for t in reference.output_ids[:-1])), SCHEMA)
     for block_size in (2, 4, 8):
         assert dflash(target, draft, make(), block_size).output_ids == reference.output_ids, block_size
+    # One valid token per position: the masked drafts are always right, so every block is accepted
+    # whole (an unmasked random draft would almost never be).
+    forced = byte_grammar(fixtures.HYBRID_VOCAB, {"const": "abcdefghijklmnopqrstuvw"})
+    run = dflash(target, draft, request(prompt, forced, stops=frozenset({0}), max_tokens=90), 8)
+    assert bytes(run.output_ids[:-1]).decode() == '"abcdefghijklmnopqrstuvw"' and run.output_ids[-1] == 0
+    assert run.stats.acceptance_lengths[:3] == [8, 8, 8]
 
 
 # ---- penalties, logit_bias, min_tokens, ignore_eos -----------------------------------------------
