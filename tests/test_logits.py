@@ -22,7 +22,7 @@ from blockspec.sampling import SamplingParams
 from blockspec.server.parsers import ToolCallParser
 from blockspec.structured import GrammarError, GrammarSpec, compile_grammar, grammar_compiler, tool_call_schema
 from blockspec.tokenizer import Tokenizer
-from helpers import make_engine, run_alone, run_batch
+from helpers import make_engine, padded, run_alone, run_batch
 
 STOPS = frozenset({fixtures.IM_END_ID, fixtures.ENDOFTEXT_ID})
 PROMPT = [int(t) for t in torch.randint(0, 151643, (24,), generator=torch.Generator().manual_seed(3))]
@@ -111,6 +111,20 @@ def test_json_object_and_forced_tool_calls(dense, grammars, kind):
     jsonschema.validate(call["arguments"], function["parameters"])
     if kind == "named":
         assert call["name"] == "get_weather"
+
+
+def test_dflash2_and_the_graph_path_with_processors(dense, grammars, qwen3_dir, tmp_path):
+    """DFlash 2's walk proposes unmasked drafts (its candidates are not re-walked under the
+    grammar): still lossless, since the verify rows are processed. The graph path's padded
+    batch processes the same rows."""
+    target, draft, _ = dense
+    draft2 = load_draft(str(fixtures.write_dflash2_draft(tmp_path / "d2", qwen3_dir)), target)
+    specs = [dict(grammar=grammars["schema"], presence_penalty=0.5), dict(grammar=grammars["tool"], min_tokens=4)]
+    for spec in specs:
+        reference = plain(target, request(**spec)).output_ids
+        assert dflash(target, draft2, request(**spec), 4).output_ids == reference
+        engine = lambda: padded(make_engine(target, draft, block_size=4))       # noqa: E731
+        assert run_alone(engine, request(**spec)).output_ids == reference
 
 
 def test_invalid_schema_is_refused_by_name(dense):

@@ -775,8 +775,10 @@ def make_processor(tokenizer: Any, prompt: Prompt, body: Any, kind: str) -> Outp
     detokenizer = IncrementalDetokenizer(tokenizer, prompt.token_ids, skip_special_tokens=True)
     if kind != "chat":
         return OutputProcessor(detokenizer, body.stop_strings)
+    # A grammar constrains the output from its first token, so none of it is reasoning, even
+    # where the template opened <think> in the prompt.
     return OutputProcessor(detokenizer, body.stop_strings, reasoning=prompt.reasoning,
-                           reasoning_started_in_prompt=prompt.reasoning_started,
+                           reasoning_started_in_prompt=prompt.reasoning_started and body.grammar_request is None,
                            tools_enabled=body.tools_enabled, tools=body.tools)
 
 
