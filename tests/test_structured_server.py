@@ -150,3 +150,11 @@ def test_pydantic_ai_output_type(server):
     model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=server.url + "/v1", api_key="unused"))
     result = Agent(model, output_type=Person, retries=0).run_sync("Describe a person.")
     assert isinstance(result.output, Person)
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema"])
+def test_langchain_with_structured_output(server, method):
+    from langchain_openai import ChatOpenAI
+    chat = ChatOpenAI(model=MODEL, base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    person = chat.with_structured_output(Person, method=method).invoke("Describe a person.")
+    assert isinstance(person, Person)
