@@ -44,8 +44,9 @@ class LogitsProcessor:
         self.stop_ids = torch.tensor(sorted(t for t in request.stop_ids if t < vocab_size), dtype=torch.long,
                                      device=device)
         self.bias = None
-        if params.logit_bias:
-            ids, values = zip(*((t, b) for t, b in params.logit_bias if t < vocab_size))
+        biased = [(t, b) for t, b in params.logit_bias if t < vocab_size]
+        if biased:
+            ids, values = zip(*biased)
             self.bias = torch.zeros(vocab_size, device=device).index_put_(
                 (torch.tensor(ids, device=device),), torch.tensor(values, device=device), accumulate=True)
         self.has_counts = bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)

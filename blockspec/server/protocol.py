@@ -292,7 +292,9 @@ class ChatCompletionRequest(_SamplingFields):
             return "json_object", None, False
         if kind == "json_schema":
             spec = self.response_format["json_schema"]
-            return "json_schema", spec.get("schema") or {"type": "object"}, spec.get("strict") is not False
+            if not spec.get("schema"):          # no schema: any object
+                return "json_object", None, False
+            return "json_schema", spec["schema"], spec.get("strict") is not False
         return None
 
     @property
