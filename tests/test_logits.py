@@ -127,6 +127,16 @@ def test_dflash2_and_the_graph_path_with_processors(dense, grammars, qwen3_dir, 
         assert run_alone(engine, request(**spec)).output_ids == reference
 
 
+def test_min_tokens_yields_to_a_completed_grammar(dense):
+    """Where the grammar allows only the end, min_tokens does not mask it (nothing would be left)."""
+    target, draft, tokenizer = dense
+    compiler = grammar_compiler(tokenizer, target.lm_head.weight.shape[0])
+    grammar = compile_grammar(compiler, GrammarSpec("json_schema", {"type": "boolean"}))
+    for run in (plain(target, request(grammar=grammar, min_tokens=10)),
+                dflash(target, draft, request(grammar=grammar, min_tokens=10), 4)):
+        assert run.finish_reason == "stop" and text_of(tokenizer, run) in ("true", "false")
+
+
 def test_invalid_schema_is_refused_by_name(dense):
     target, _, tokenizer = dense
     compiler = grammar_compiler(tokenizer, target.lm_head.weight.shape[0])
@@ -182,6 +192,15 @@ def test_constrained_greedy_on_a_hybrid_target(tmp_path):
     jsonschema.validate(json.loads("".join(chr(t) for t in reference.output_ids[:-1])), SCHEMA)
     for block_size in (2, 4, 8):
         assert dflash(target, draft, make(), block_size).output_ids == reference.output_ids, block_size
+    # In a batch with a free and a penalised request: each equals itself alone on plain decoding.
+    others = [request([9, 8, 7, 6], request_id="free", stops=frozenset(), max_tokens=40),
+              request([1, 2, 3], request_id="pen", stops=frozenset(), max_tokens=40, frequency_penalty=1.0,
+                      logit_bias=((65, 3.0),))]
+    _, runs = run_batch(lambda: make_engine(target, draft, block_size=4), [make(), *others])
+    alone = [reference.output_ids] + [plain(target, request(r.prompt_ids, request_id=r.request_id, stops=frozenset(),
+                                                            max_tokens=40, **extra)).output_ids
+                                      for r, extra in zip(others, [{}, dict(frequency_penalty=1.0, logit_bias=((65, 3.0),))])]
+    assert [run.output_ids for run in runs] == alone
     # One valid token per position: the masked drafts are always right, so every block is accepted
     # whole (an unmasked random draft would almost never be).
     forced = byte_grammar(fixtures.HYBRID_VOCAB, {"const": "abcdefghijklmnopqrstuvw"})
