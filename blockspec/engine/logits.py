@@ -40,7 +40,7 @@ class LogitsProcessor:
     def __init__(self, request: Request, vocab_size: int, device: torch.device) -> None:
         params = request.params
         self.params, self.vocab_size, self.device = params, vocab_size, device
-        self.num_output = len(request.output_ids)
+        self.num_output = 0
         self.stop_ids = torch.tensor(sorted(t for t in request.stop_ids if t < vocab_size), dtype=torch.long,
                                      device=device)
         self.bias = None
@@ -52,14 +52,13 @@ class LogitsProcessor:
         self.has_counts = bool(params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0)
         self.counts = self.prompt_seen = None
         if self.has_counts:
-            self.counts = self._bincount(request.output_ids)
+            self.counts = torch.zeros(vocab_size, device=device)
         if params.repetition_penalty != 1.0:
             self.prompt_seen = self._bincount(request.prompt_ids) > 0
         self.matcher = None
         if request.grammar is not None:
             self.matcher = make_matcher(request.grammar, sorted(request.grammar_stop_ids))
-            for token in request.output_ids:
-                self.matcher.accept_token(token)
+        self.advance(request.output_ids)            # a preempted or late-made processor catches up
 
     def _bincount(self, tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor([t for t in tokens if t < self.vocab_size], dtype=torch.long, device=self.device)
@@ -75,6 +74,8 @@ class LogitsProcessor:
             self.counts += self._bincount(tokens)
         if self.matcher is not None:
             for token in tokens:
+                if self.matcher.is_terminated():    # past the grammar's end (ignore_eos): nothing to follow
+                    break
                 self.matcher.accept_token(token)
 
     # -- processing --------------------------------------------------------------------------
