@@ -162,6 +162,21 @@ def test_mixed_batch_equals_each_alone(dense, grammars):
         assert run.output_ids == alone.output_ids, spec
 
 
+def test_preempted_processed_requests_complete_exactly(dense, grammars):
+    """A pool too small for four constrained / penalised sequences: the newest are preempted and
+    recomputed; their processors keep the committed state, so each output is still its own."""
+    target, draft, _ = dense
+    specs = [dict(grammar=grammars["schema"]), dict(grammar=grammars["tool"], presence_penalty=0.5),
+             dict(frequency_penalty=1.0, max_tokens=30), dict(grammar=grammars["named"], min_tokens=3)]
+    prompts = [PROMPT[:7], PROMPT[7:15], OTHER_PROMPT, PROMPT[15:]]
+    make = lambda i: request(prompts[i], request_id=f"p{i}", **specs[i])        # noqa: E731
+    engine, runs = run_batch(lambda: make_engine(target, draft, block_size=4, num_pages=24, page_size=4),
+                             [make(i) for i in range(4)])
+    assert sum(run.seq.num_preemptions for run in runs) > 0
+    for i, run in enumerate(runs):
+        assert run.output_ids == plain(target, make(i)).output_ids, specs[i]
+
+
 def test_sampled_constrained_output_is_always_valid(dense, grammars):
     target, draft, tokenizer = dense
     for seed in range(4):
