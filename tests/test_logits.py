@@ -391,3 +391,11 @@ def test_constrained_demo_pair_keeps_its_acceptance():
     assert runs[0].output_ids == runs[1].output_ids and runs[1].finish_reason == "stop"
     jsonschema.validate(json.loads(text_of(tokenizer, runs[1])), schema)
     assert runs[1].stats.mean_acceptance_length > 2.5
+
+
+def test_bench_forced_acceptance_wraps_the_new_accept(dense):
+    """bench.py replaces accept() to force an acceptance length; it must take the processed rows."""
+    from blockspec import bench
+    target, draft, _ = dense
+    result = bench.throughput(target, draft, 4, 2, 16, 12, 2.5)
+    assert result["mean_acceptance_length"] > 2.0
