@@ -73,9 +73,45 @@ def walk_drafts(walk: CandidateWalk, seqs: list[Sequence]) -> Proposal:
     probs: list[torch.Tensor | None] = [None] * len(seqs)
     for b, seq in enumerate(seqs):
         params = seq.request.params
-        if not params.is_greedy:
+        if seq.logits_processor is not None:
+            drafts[b], probs[b] = processed_walk(walk, b, seq)
+        elif not params.is_greedy:
             drafts[b], probs[b] = sample_walk(walk, b, params.temperature, seq.generator)
     return Proposal(drafts, probs)
+
+
+def processed_walk(walk: CandidateWalk, row: int, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DFlash 2 for a sequence with a logits processor: the walk again, slot by slot, over the
+    candidates its processed state allows (the state after the drafts chosen so far: a grammar,
+    min_tokens). Greedy takes the best allowed edge; sampling draws from q_i = softmax(allowed
+    edges / temperature), zero elsewhere. When none of the k candidates is allowed, the draft is
+    the state's best allowed token and q_i is one-hot on it — still the distribution it was drawn
+    from, so the rejection rule stays exact. The next slot's row is the chosen candidate's (row 0
+    after a fallback token, as for the anchor)."""
+    params, processor = seq.request.params, seq.logits_processor
+    ids, scores = walk.candidate_ids[row], walk.edge_scores[row]                 # [L, k], [L, k, k]
+    drafts: list[int] = []
+    q_rows: list[torch.Tensor] = []
+    chosen = 0
+    for i in range(ids.shape[0]):
+        state = processor.rows(torch.zeros(1, walk.vocab_size, device=ids.device), drafts, offset=i)[0]   # 0 / −inf
+        edges = scores[i, chosen].masked_fill(torch.isinf(state[ids[i]]), float("-inf"))
+        q = torch.zeros(walk.vocab_size, device=ids.device)
+        if torch.isinf(edges).all():
+            chosen, token = 0, int(state.argmax())
+            q[token] = 1.0
+        elif params.is_greedy:
+            chosen = int(edges.argmax())
+            token = int(ids[i, chosen])
+        else:
+            q_k = torch.softmax(edges / params.temperature, dim=-1)
+            chosen = int(torch.multinomial(q_k, 1, generator=seq.generator))
+            token = int(ids[i, chosen])
+            q.scatter_(0, ids[i], q_k)
+        drafts.append(token)
+        q_rows.append(q)
+    probs = None if params.is_greedy else torch.stack(q_rows)
+    return torch.tensor(drafts, dtype=torch.long, device=ids.device), probs
 
 
 def sample_walk(walk: CandidateWalk, row: int, temperature: float,
