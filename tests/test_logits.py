@@ -418,3 +418,15 @@ def test_bench_forced_acceptance_wraps_the_new_accept(dense):
     target, draft, _ = dense
     result = bench.throughput(target, draft, 4, 2, 16, 12, 2.5)
     assert result["mean_acceptance_length"] > 2.0
+
+
+def test_bitmask_application_equals_xgrammars():
+    """Our torch masking (any device, no kernel build) reads xgrammar's bitmask layout exactly."""
+    from blockspec.engine.logits import apply_bitmask
+    vocab, gen = 151936, torch.Generator().manual_seed(0)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    ours = torch.randn(3, vocab, generator=gen)
+    theirs = ours.clone()
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab)
+    apply_bitmask(ours, bitmask)
+    assert torch.equal(ours, theirs) and torch.isinf(ours).any() and torch.isfinite(ours).any()

@@ -172,7 +172,10 @@ def make_matcher(grammar: Any, stop_ids: list[int]) -> Any:
 
 
 def apply_bitmask(scores: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Disallowed tokens → −inf, in place (scores [n, V] fp32, bitmask [n, ⌈V/32⌉] int32 on the host)."""
-    import xgrammar
-    xgrammar.apply_token_bitmask_inplace(scores, bitmask.to(scores.device, non_blocking=True),
-                                         vocab_size=scores.shape[-1])
+    """Disallowed tokens → −inf, in place (scores [n, V] fp32; bitmask [n, ⌈V/32⌉] int32 on the
+    host, xgrammar's layout: bit j of word w set ⇔ token 32·w + j allowed). Plain torch on the
+    scores' device, so no kernel of xgrammar's is built or needed there."""
+    words = bitmask.to(scores.device, non_blocking=True)
+    shifts = torch.arange(32, device=scores.device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, : scores.shape[-1]]   # [n, V]
+    scores.masked_fill_(~allowed, NEG_INF)
