@@ -154,12 +154,12 @@ def test_mixed_batch_equals_each_alone(dense, grammars):
              dict(grammar=grammars["tool"], prompt=OTHER_PROMPT),
              dict(grammar=grammars["schema"], temperature=1.0, seed=7, prompt=OTHER_PROMPT)]
     _, runs = run_batch(lambda: make_engine(target, draft, block_size=4),
-                        [request(request_id=f"r{i}", **spec) for i, spec in enumerate(specs)])
+                        [request(request_id=f"r{i}", max_tokens=40, **spec) for i, spec in enumerate(specs)])
     for i, (spec, run) in enumerate(zip(specs, runs)):
         if "temperature" in spec:
-            alone = dflash(target, draft, request(request_id=f"r{i}", **spec), 4)
+            alone = dflash(target, draft, request(request_id=f"r{i}", max_tokens=40, **spec), 4)
         else:
-            alone = plain(target, request(request_id=f"r{i}", **spec))
+            alone = plain(target, request(request_id=f"r{i}", max_tokens=40, **spec))
         assert run.output_ids == alone.output_ids, spec
 
 
