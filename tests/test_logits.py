@@ -17,8 +17,8 @@ import fixtures
 from blockspec.engine.logits import LogitsProcessor
 from blockspec.engine.request import Request
 from blockspec.engine.spec.dflash import Proposal, accept, process_verify, processed_drafts, walk_drafts
-from blockspec.models.dflash2 import CandidateWalk
 from blockspec.loader import load_draft, load_model
+from blockspec.models.dflash2 import CandidateWalk
 from blockspec.sampling import SamplingParams
 from blockspec.server.parsers import ToolCallParser
 from blockspec.structured import GrammarError, GrammarSpec, compile_grammar, grammar_compiler, tool_call_schema

@@ -7,6 +7,7 @@ integers) so a random model always closes them within the context."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Literal
 
 import httpx
@@ -49,7 +50,6 @@ def server(qwen3_dir, qwen3_draft_dir):
 
 
 def wait_ready(url: str) -> bool:
-    import time
     for _ in range(600):
         if httpx.get(url + "/health", timeout=5).status_code == 200:
             return True
