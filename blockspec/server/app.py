@@ -451,15 +451,19 @@ def request_grammar(llm: Any, body: Any) -> Any:
         raise ApiError(400, f"Invalid '{param}': {where} cannot be compiled to a grammar: {exc}.", param) from None
 
 
-def make_engine_request(llm: Any, request_id: str, prompt: Prompt, body: Any) -> EngineRequest:
+def make_engine_request(llm: Any, request_id: str, prompt: Prompt, body: Any, grammar: Any = None) -> EngineRequest:
+    """grammar: request_grammar's compiled grammar; one may serve several requests (each
+    sequence makes its own matcher)."""
     check_stop_token_ids(llm.tokenizer, body)
     check_logit_bias(llm, body)
     params = sampling_params(body, output_budget(llm.max_model_len, prompt, body))
     try:
-        return llm.make_request(request_id, prompt.token_ids, params)
+        request = llm.make_request(request_id, prompt.token_ids, params)
     except ValueError as exc:  # too long for --max-model-len, or empty
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         raise ApiError(400, f"Invalid prompt: {exc}.", param) from None
+    request.grammar = grammar
+    return request
 
 
 # ---------------------------------------------------------------------------------------------
@@ -752,8 +756,8 @@ async def generate(state: ServerState, request: Request, kind: str) -> Response:
     render = render_chat if kind == "chat" else completion_prompt
     prompt = await asyncio.to_thread(render, llm.tokenizer, body)
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-    engine_request = make_engine_request(llm, response_id, prompt, body)
-    engine_request.grammar = await asyncio.to_thread(request_grammar, llm, body)
+    grammar = await asyncio.to_thread(request_grammar, llm, body)
+    engine_request = make_engine_request(llm, response_id, prompt, body, grammar)
     processor = make_processor(llm.tokenizer, prompt, body, kind)
     generation = Generation(state, engine, engine_request, processor, arrival)
     generation.submit()  # last: every rejection above came before any work
