@@ -155,6 +155,8 @@ def test_mixed_batch_equals_each_alone(dense, grammars):
              dict(grammar=grammars["schema"], temperature=1.0, seed=7, prompt=OTHER_PROMPT)]
     _, runs = run_batch(lambda: make_engine(target, draft, block_size=4),
                         [request(request_id=f"r{i}", max_tokens=40, **spec) for i, spec in enumerate(specs)])
+    # a request that changes nothing never gets a processor (no per-row work, no extra host read)
+    assert [run.seq.logits_processor is None for run in runs] == [False, True, False, False, False]
     for i, (spec, run) in enumerate(zip(specs, runs)):
         if "temperature" in spec:
             alone = dflash(target, draft, request(request_id=f"r{i}", max_tokens=40, **spec), 4)
