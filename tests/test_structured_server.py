@@ -114,6 +114,11 @@ def test_an_invalid_schema_is_a_400_naming_it(client):
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
     error = caught.value.body
     assert error["param"] == "response_format" and "nonsense" in error["message"], error
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "string", "pattern": "("}}}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[broken], tool_choice="required")
+    assert caught.value.body["param"] == "tools" and "parenthesis" in caught.value.body["message"]
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=MODEL, messages=ASK, logit_bias={"999999": 5})
     assert caught.value.body["param"] == "logit_bias"
