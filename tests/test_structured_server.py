@@ -148,12 +148,16 @@ def test_instructor(server, mode):
     assert isinstance(person, Person)
 
 
-def test_pydantic_ai_output_type(server):
-    from pydantic_ai import Agent
+@pytest.mark.parametrize("output", ["tool", "native"])
+def test_pydantic_ai_output_type(server, output):
+    """pydantic-ai's default output mode is a forced tool call; NativeOutput is response_format
+    json_schema."""
+    from pydantic_ai import Agent, NativeOutput
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
     model = OpenAIChatModel(MODEL, provider=OpenAIProvider(base_url=server.url + "/v1", api_key="unused"))
-    result = Agent(model, output_type=Person, retries=0).run_sync("Describe a person.")
+    output_type = Person if output == "tool" else NativeOutput(Person)
+    result = Agent(model, output_type=output_type, retries=0).run_sync("Describe a person.")
     assert isinstance(result.output, Person)
 
 
