@@ -218,8 +218,8 @@ def forced_accept(accept_len: float):
     for random weights whose drafts are never right."""
     credit = [0.0]
 
-    def accept(seqs, proposal, logits):
-        num_accepted, new_tokens = real_accept(seqs, proposal, logits)
+    def accept(seqs, proposal, logits, processed=None):
+        num_accepted, new_tokens = real_accept(seqs, proposal, logits, processed)
         target_ids = logits.argmax(-1).tolist()
         for b in range(len(seqs)):
             credit[0] += accept_len

@@ -25,6 +25,13 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Logits processing (engine/logits.py), vLLM's semantics; the defaults cost nothing.
+    presence_penalty: float = 0.0          # − p · [token in the output]
+    frequency_penalty: float = 0.0         # − f · (times the token is in the output)
+    repetition_penalty: float = 1.0        # tokens of prompt + output: logit / r if > 0 else logit · r
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
+    min_tokens: int = 0                    # stop ids are masked until this many output tokens
+    ignore_eos: bool = False               # only stop_token_ids end the output (not the model's EOS)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -38,6 +45,21 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError("min_p must be in [0, 1]")
         check_seed(self.seed)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError("repetition_penalty must be in (0, 2]")
+        if any(not -100.0 <= bias <= 100.0 for _, bias in self.logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}]")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Anything that changes the distribution before temperature and the filters."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def is_greedy(self) -> bool:

@@ -20,7 +20,8 @@ from blockspec.cache import KVPool, PageAllocator, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.spec.dflash import accept, propose
+from blockspec.engine.logits import LogitsProcessor
+from blockspec.engine.spec.dflash import accept, process_verify, propose
 from blockspec.layers import AttentionMetadata
 from blockspec.layers.attention import unpack, uses_kernels
 from blockspec.sampling import sample
@@ -137,7 +138,16 @@ class ModelRunner:
         if seq.is_prefilling or seq.request.output_ids:
             return None
         logits = self.target.compute_logits(out.hidden[-1:])                      # [1, V]
+        if self.processor_of(seq) is not None:
+            logits = seq.logits_processor.rows(logits, [])
         return int(sample(logits[0], seq.request.params, seq.generator))
+
+    def processor_of(self, seq: Sequence) -> LogitsProcessor | None:
+        """The sequence's logits processor, made here (the engine thread) when first needed;
+        None for a request that changes nothing in the distribution."""
+        if seq.logits_processor is None and seq.request.processes_logits:
+            seq.logits_processor = LogitsProcessor(seq.request, self.target.lm_head.weight.shape[0], self.device)
+        return seq.logits_processor
 
     # -- decode -----------------------------------------------------------------------------
 
@@ -145,6 +155,8 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> DecodeResult:
         """One cycle for every sequence: propose T − 1 drafts, verify T tokens, accept."""
         num_seqs, width = len(seqs), self.width
+        for seq in seqs:
+            self.processor_of(seq)
         mask = self.draft.mask_token_id if self.draft is not None else 0
         blocks = [[seq.anchor] + [mask] * (width - 1) for seq in seqs]          # [x, MASK × (T − 1)]
         meta = self.prepare(seqs, width, [seq.num_cached for seq in seqs], blocks, padded=self.graphs is not None)
@@ -155,7 +167,8 @@ class ModelRunner:
             proposal = propose(self.run_forward("propose", self.draft_proposal, meta), seqs)
             meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts  # [x, d1 … dT−1]
         logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
-        num_accepted, new_tokens = accept(seqs, proposal, logits.view(num_seqs, width, -1))
+        logits = logits.view(num_seqs, width, -1)
+        num_accepted, new_tokens = accept(seqs, proposal, logits, process_verify(seqs, proposal, logits))
         if meta.keep_steps:
             self.states.select(meta.state_slots[:num_seqs], [a + 1 for a in num_accepted])
         return DecodeResult(num_accepted, new_tokens)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from blockspec.sampling import SamplingParams
 
@@ -48,7 +49,7 @@ class TokenEvent:
 
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 stop_ids: frozenset[int], max_model_len: int) -> None:
+                 stop_ids: frozenset[int], max_model_len: int, grammar: Any = None) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= max_model_len:
@@ -57,7 +58,12 @@ class Request:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
-        self.stop_ids = frozenset(stop_ids) | frozenset(params.stop_token_ids)
+        # ignore_eos (vLLM): the model's end tokens no longer stop it; the request's own still do.
+        self.stop_ids = (frozenset() if params.ignore_eos else frozenset(stop_ids)) | frozenset(params.stop_token_ids)
+        # A compiled grammar (structured.py) the output must follow; its matcher lives with the
+        # engine's Sequence (engine/logits.py). The model's end tokens close it.
+        self.grammar = grammar
+        self.grammar_stop_ids = frozenset(stop_ids) | frozenset(params.stop_token_ids)
         self.max_model_len = max_model_len
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
@@ -68,6 +74,10 @@ class Request:
     def abort(self) -> None:
         """Thread-safe: the decoding loop stops at its next cycle boundary."""
         self._abort.set()
+
+    @property
+    def processes_logits(self) -> bool:
+        return self.grammar is not None or self.params.processes_logits
 
     @property
     def is_aborted(self) -> bool:

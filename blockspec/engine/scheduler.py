@@ -140,13 +140,13 @@ class Scheduler:
         now = time.perf_counter()
         seq.first_token_at = now
         seq.request.stats.prefill_s = now - (seq.admitted_at or now)
-        return Emitted(seq, seq.request.commit([first_token]))
+        return Emitted(seq, commit(seq, [first_token]))
 
     def postprocess_decode(self, seqs: list[Sequence], result: DecodeResult) -> list[Emitted]:
         emitted = []
         for seq, num_accepted, new_tokens in zip(seqs, result.num_accepted, result.new_tokens):
             allowed = min(self.runner.width, seq.request.num_allowed)      # tokens this cycle could commit
-            committed = seq.request.commit(new_tokens)
+            committed = commit(seq, new_tokens)
             # x and d_1 … d_a stay in the pools; the bonus (the next x) is fed by the next cycle.
             seq.num_cached += num_accepted + 1
             # Stats as if the block had been cut to the allowed length (drafts past it count for
@@ -155,6 +155,14 @@ class Scheduler:
             record_cycle(seq, num_drafts=allowed - 1, num_accepted=accepted, committed=len(committed))
             emitted.append(Emitted(seq, committed))
         return emitted
+
+
+def commit(seq: Sequence, tokens: list[int]) -> list[int]:
+    """Request.commit, and the logits processor's committed state follows (engine/logits.py)."""
+    committed = seq.request.commit(tokens)
+    if seq.logits_processor is not None:
+        seq.logits_processor.advance(committed)
+    return committed
 
 
 def record_cycle(seq: Sequence, num_drafts: int, num_accepted: int, committed: int) -> None:

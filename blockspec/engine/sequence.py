@@ -25,6 +25,8 @@ class Sequence:
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
         self.num_preemptions = 0
+        # engine/logits.py: made on the engine thread at the first forward that needs it
+        self.logits_processor = None
 
     @property
     def request_id(self) -> str:

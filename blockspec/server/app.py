@@ -334,6 +334,12 @@ def sampling_params(body: Any, max_tokens: int) -> SamplingParams:
             min_p=body.min_p or 0.0,
             seed=body.seed,
             stop_token_ids=tuple(body.stop_token_ids or ()),
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=body.logit_bias_pairs,
+            min_tokens=min(body.min_tokens, max_tokens),
+            ignore_eos=body.ignore_eos,
         )
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
@@ -415,14 +421,49 @@ def check_stop_token_ids(tokenizer: Any, body: Any) -> None:
                             f"of {tokenizer.vocab_size}.", "stop_token_ids")
 
 
-def make_engine_request(llm: Any, request_id: str, prompt: Prompt, body: Any) -> EngineRequest:
+def check_logit_bias(llm: Any, body: Any) -> None:
+    vocab = llm.target.lm_head.weight.shape[0] if hasattr(llm, "target") else llm.tokenizer.vocab_size
+    outside = [t for t, _ in body.logit_bias_pairs if t >= vocab]
+    if outside:
+        raise ApiError(400, f"Invalid 'logit_bias': token id {outside[0]} is outside the vocabulary "
+                            f"of {vocab}.", "logit_bias")
+
+
+def request_grammar(llm: Any, body: Any) -> Any:
+    """The compiled grammar the output must follow (structured.py), or None. Compiling takes
+    milliseconds (the first one per model ~1 s: xgrammar's view of the vocabulary), so it runs
+    off the event loop; a schema xgrammar cannot compile is the client's 400."""
+    wanted = body.grammar_request if isinstance(body, ChatCompletionRequest) else None
+    if wanted is None:
+        return None
+    from blockspec import structured
+    kind, schema, strict = wanted
+    if kind == "tool_call":
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+        name = body.tool_choice.function.name if body.tool_choice != "required" else None
+        schema = structured.tool_call_schema(tools, name)
+    param = "tools" if kind == "tool_call" else "response_format"
+    try:
+        compiler = structured.grammar_compiler(llm.tokenizer, llm.target.lm_head.weight.shape[0])
+        return structured.compile_grammar(compiler, structured.GrammarSpec(kind, schema, strict))
+    except structured.GrammarError as exc:
+        where = "the tools' parameters" if kind == "tool_call" else "response_format.json_schema.schema"
+        raise ApiError(400, f"Invalid '{param}': {where} cannot be compiled to a grammar: {exc}.", param) from None
+
+
+def make_engine_request(llm: Any, request_id: str, prompt: Prompt, body: Any, grammar: Any = None) -> EngineRequest:
+    """grammar: request_grammar's compiled grammar; one may serve several requests (each
+    sequence makes its own matcher)."""
     check_stop_token_ids(llm.tokenizer, body)
+    check_logit_bias(llm, body)
     params = sampling_params(body, output_budget(llm.max_model_len, prompt, body))
     try:
-        return llm.make_request(request_id, prompt.token_ids, params)
+        request = llm.make_request(request_id, prompt.token_ids, params)
     except ValueError as exc:  # too long for --max-model-len, or empty
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         raise ApiError(400, f"Invalid prompt: {exc}.", param) from None
+    request.grammar = grammar
+    return request
 
 
 # ---------------------------------------------------------------------------------------------
@@ -715,7 +756,8 @@ async def generate(state: ServerState, request: Request, kind: str) -> Response:
     render = render_chat if kind == "chat" else completion_prompt
     prompt = await asyncio.to_thread(render, llm.tokenizer, body)
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-    engine_request = make_engine_request(llm, response_id, prompt, body)
+    grammar = await asyncio.to_thread(request_grammar, llm, body)
+    engine_request = make_engine_request(llm, response_id, prompt, body, grammar)
     processor = make_processor(llm.tokenizer, prompt, body, kind)
     generation = Generation(state, engine, engine_request, processor, arrival)
     generation.submit()  # last: every rejection above came before any work
@@ -737,8 +779,10 @@ def make_processor(tokenizer: Any, prompt: Prompt, body: Any, kind: str) -> Outp
     detokenizer = IncrementalDetokenizer(tokenizer, prompt.token_ids, skip_special_tokens=True)
     if kind != "chat":
         return OutputProcessor(detokenizer, body.stop_strings)
+    # A grammar constrains the output from its first token, so none of it is reasoning, even
+    # where the template opened <think> in the prompt.
     return OutputProcessor(detokenizer, body.stop_strings, reasoning=prompt.reasoning,
-                           reasoning_started_in_prompt=prompt.reasoning_started,
+                           reasoning_started_in_prompt=prompt.reasoning_started and body.grammar_request is None,
                            tools_enabled=body.tools_enabled, tools=body.tools)
 
 

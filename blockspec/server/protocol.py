@@ -158,6 +158,8 @@ class _SamplingFields(_Request):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)
+    ignore_eos: bool = False
     return_meta_info: bool = False
 
     @field_validator("stop", mode="before")
@@ -172,20 +174,31 @@ class _SamplingFields(_Request):
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
-    def _no_penalty(cls, value: float | None, info: ValidationInfo) -> float | None:
-        return _reject_unless(value, 0.0, str(info.field_name))
+    def _penalty_range(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise ValueError(f"{info.field_name} must be in [-2, 2] (got {value})")
+        return value
 
     @field_validator("repetition_penalty")
     @classmethod
-    def _no_repetition_penalty(cls, value: float | None) -> float | None:
-        return _reject_unless(value, 1.0, "repetition_penalty")
+    def _repetition_penalty_range(cls, value: float | None) -> float | None:
+        if value is not None and not 0.0 < value <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (got {value})")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported by this server")
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or int(key) > MAX_INT32:
+                raise ValueError(f"logit_bias keys must be token ids (got {key!r})")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100] (got {bias} for token {key})")
         return value
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
     @property
     def stop_strings(self) -> list[str]:
@@ -257,13 +270,32 @@ class ChatCompletionRequest(_SamplingFields):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type", "text") != "text":
-            raise ValueError(
-                f"response_format {value.get('type')!r} is not supported by this server "
-                "(only 'text')"
-            )
+    def _check_response_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = None if value is None else value.get("type", "text")
+        if value is None or kind in ("text", "json_object"):
+            return value
+        if kind != "json_schema":
+            raise ValueError(f"type must be 'text', 'json_object' or 'json_schema' (got {kind!r})")
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise ValueError("json_schema must be an object {'name': ..., 'schema': {...}, 'strict': ...}")
         return value
+
+    @property
+    def grammar_request(self) -> tuple[str, dict[str, Any] | None, bool] | None:
+        """What the output must follow: (kind, schema, strict), kind json_object | json_schema
+        | tool_call (tool_choice required or named); None when the output is free."""
+        if self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)):
+            return "tool_call", None, True
+        kind = (self.response_format or {}).get("type", "text")
+        if kind == "json_object":
+            return "json_object", None, False
+        if kind == "json_schema":
+            spec = self.response_format["json_schema"]
+            if not spec.get("schema"):          # no schema: any object
+                return "json_object", None, False
+            return "json_schema", spec["schema"], spec.get("strict") is not False
+        return None
 
     @property
     def max_new_tokens(self) -> int | None:

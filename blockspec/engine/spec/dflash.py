@@ -41,10 +41,29 @@ def sample_drafts(logits: torch.Tensor, seqs: list[Sequence]) -> Proposal:
     probs: list[torch.Tensor | None] = [None] * len(seqs)
     for b, seq in enumerate(seqs):
         params = seq.request.params
-        if not params.is_greedy:
+        if seq.logits_processor is not None:
+            drafts[b], probs[b] = processed_drafts(seq, logits[b])
+        elif not params.is_greedy:
             probs[b] = probs_from_logits(logits[b], params)
             drafts[b] = sample_from_probs(probs[b], seq.generator)
     return Proposal(drafts, probs)
+
+
+def processed_drafts(seq: Sequence, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One sequence with a logits processor (engine/logits.py): slot j is processed with the
+    state after d_1 … d_{j−1}, then d_j = argmax, or a draw from q_j = the filters on the
+    processed slot (q is what rejection_sample must see: the drafts were drawn from it)."""
+    params = seq.request.params
+    q_rows: list[torch.Tensor] = []
+
+    def choose(scores: torch.Tensor) -> int:
+        if params.is_greedy:
+            return int(scores.argmax())
+        q_rows.append(probs_from_logits(scores, params))
+        return int(sample_from_probs(q_rows[-1], seq.generator))
+
+    drafts = seq.logits_processor.draft(logits, choose)
+    return torch.tensor(drafts, dtype=torch.long, device=logits.device), (torch.stack(q_rows) if q_rows else None)
 
 
 def walk_drafts(walk: CandidateWalk, seqs: list[Sequence]) -> Proposal:
@@ -54,9 +73,45 @@ def walk_drafts(walk: CandidateWalk, seqs: list[Sequence]) -> Proposal:
     probs: list[torch.Tensor | None] = [None] * len(seqs)
     for b, seq in enumerate(seqs):
         params = seq.request.params
-        if not params.is_greedy:
+        if seq.logits_processor is not None:
+            drafts[b], probs[b] = processed_walk(walk, b, seq)
+        elif not params.is_greedy:
             drafts[b], probs[b] = sample_walk(walk, b, params.temperature, seq.generator)
     return Proposal(drafts, probs)
+
+
+def processed_walk(walk: CandidateWalk, row: int, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DFlash 2 for a sequence with a logits processor: the walk again, slot by slot, over the
+    candidates its processed state allows (the state after the drafts chosen so far: a grammar,
+    min_tokens). Greedy takes the best allowed edge; sampling draws from q_i = softmax(allowed
+    edges / temperature), zero elsewhere. When none of the k candidates is allowed, the draft is
+    the state's best allowed token and q_i is one-hot on it — still the distribution it was drawn
+    from, so the rejection rule stays exact. The next slot's row is the chosen candidate's (row 0
+    after a fallback token, as for the anchor)."""
+    params, processor = seq.request.params, seq.logits_processor
+    ids, scores = walk.candidate_ids[row], walk.edge_scores[row]                 # [L, k], [L, k, k]
+    drafts: list[int] = []
+    q_rows: list[torch.Tensor] = []
+    chosen = 0
+    for i in range(ids.shape[0]):
+        state = processor.rows(torch.zeros(1, walk.vocab_size, device=ids.device), drafts, offset=i)[0]   # 0 / −inf
+        edges = scores[i, chosen].masked_fill(torch.isinf(state[ids[i]]), float("-inf"))
+        q = torch.zeros(walk.vocab_size, device=ids.device)
+        if torch.isinf(edges).all():
+            chosen, token = 0, int(state.argmax())
+            q[token] = 1.0
+        elif params.is_greedy:
+            chosen = int(edges.argmax())
+            token = int(ids[i, chosen])
+        else:
+            q_k = torch.softmax(edges / params.temperature, dim=-1)
+            chosen = int(torch.multinomial(q_k, 1, generator=seq.generator))
+            token = int(ids[i, chosen])
+            q.scatter_(0, ids[i], q_k)
+        drafts.append(token)
+        q_rows.append(q)
+    probs = None if params.is_greedy else torch.stack(q_rows)
+    return torch.tensor(drafts, dtype=torch.long, device=ids.device), probs
 
 
 def sample_walk(walk: CandidateWalk, row: int, temperature: float,
@@ -80,14 +135,30 @@ def sample_walk(walk: CandidateWalk, row: int, temperature: float,
     return ids.gather(1, torch.stack(path)).view(-1), q_full
 
 
-def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor) -> tuple[list[int], list[list[int]]]:
+def process_verify(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Target logits [B, T, V] → the processed rows [T, V] of each sequence with a logits
+    processor (row i with the state after d_1 … d_i); the others are not touched."""
+    processed = {}
+    for b, seq in enumerate(seqs):
+        if seq.logits_processor is not None:
+            drafts = proposal.drafts[b].tolist() if proposal is not None else []
+            processed[b] = seq.logits_processor.rows(logits[b], drafts)
+    return processed
+
+
+def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor,
+           processed: dict[int, torch.Tensor] | None = None) -> tuple[list[int], list[list[int]]]:
     """Target logits [B, T, V] → (accepted drafts a_b, the a_b + 1 new tokens of each sequence).
 
     Greedy: d_i is kept while it equals the target's argmax after [x, d_1 … d_{i−1}]; the kept
     drafts then equal the target's own tokens, so the new tokens are target_ids[: a + 1].
-    One device→host read serves every greedy sequence of the batch."""
+    One device→host read serves every greedy sequence of the batch. processed: sequence row →
+    its processed rows [T, V] (process_verify), which replace its logits for both rules."""
+    processed = processed or {}
     num_seqs, width = logits.shape[:2]
     target_ids = logits.argmax(-1)                                              # [B, T]
+    for b, scores in processed.items():
+        target_ids[b] = scores.argmax(-1)
     if proposal is None:
         accepted = torch.zeros(num_seqs, 1, dtype=torch.long, device=logits.device)
     else:
@@ -98,7 +169,7 @@ def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor
     new_tokens = [row[1: row[0] + 2] for row in host]
     for b, seq in enumerate(seqs):
         if not seq.request.params.is_greedy:
-            num_accepted[b], new_tokens[b] = accept_sampled(seq, proposal, b, logits[b])
+            num_accepted[b], new_tokens[b] = accept_sampled(seq, proposal, b, processed.get(b, logits[b]))
     return num_accepted, new_tokens
 
 
