@@ -10,15 +10,11 @@ reference taken from the server itself (or the plain server) first.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
@@ -29,67 +25,17 @@ from hypothesis import strategies as st
 from blockspec.engine.request import Request, TokenEvent
 from blockspec.server.app import ServerSettings, create_app
 from blockspec.tokenizer import Tokenizer
+from servers import MAX_BODY_BYTES, ServerProcess, free_port, wait_until
 
 API_KEY = "test-key-123"
 ALLOWED_ORIGIN = "http://allowed.example"
-MAX_BODY_BYTES = 64 * 1024
 DFLASH_NAME = "tiny-dflash"
-START_TIMEOUT_S = 180
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 
 
 # ---------------------------------------------------------------------------------------------
 # Servers
 # ---------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    """`python -m blockspec.cli serve …` in a subprocess, its log in a file."""
-
-    def __init__(self, log_path: Path, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        command = [sys.executable, "-m", "blockspec.cli", "serve", "--host", "127.0.0.1",
-                   "--port", str(self.port), "--max-body-bytes", str(MAX_BODY_BYTES), *args]
-        self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self.startup_answers: list[tuple[int, dict]] = []  # /health answers before ready
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"server exited early:\n{self.log()}"
-            try:
-                response = httpx.get(self.url + "/health", timeout=5)
-            except httpx.TransportError:
-                time.sleep(0.1)
-                continue
-            if response.status_code == 200:
-                return
-            self.startup_answers.append((response.status_code, response.json()))
-            time.sleep(0.05)
-        raise AssertionError(f"server not ready in {START_TIMEOUT_S} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
 
 
 @pytest.fixture(scope="module")
@@ -178,15 +124,6 @@ def metric(server: ServerProcess, name: str) -> float:
     text = httpx.get(server.url + "/metrics", timeout=30).text
     values = [float(line.split()[-1]) for line in text.splitlines() if line.split(" ")[0] == name]
     return values[0] if values else 0.0
-
-
-def wait_until(condition, timeout: float = 20.0, interval: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
 
 
 def assert_error(response: httpx.Response, status: int) -> dict:
