@@ -7,10 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+
+from blockspec.server.app import ServerSettings, create_app
 
 MAX_BODY_BYTES = 64 * 1024
 START_TIMEOUT_S = 180
@@ -72,3 +75,32 @@ def wait_until(condition, timeout: float = 20.0, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return condition()
+
+
+class InProcessServer:
+    """uvicorn on a thread of this process, over an app built from `llm_factory` (a loaded or
+    scripted LLM)."""
+
+    def __init__(self, llm_factory, settings: ServerSettings, send_buffer: int | None = None) -> None:
+        """send_buffer: SO_SNDBUF of the listening socket (its connections inherit it), so a
+        client that stops reading blocks the server's writes after a few KiB."""
+        import uvicorn
+        self.socket = socket.socket()
+        if send_buffer is not None:
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+        self.socket.bind(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(llm_factory, settings)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
+
+    def __enter__(self) -> InProcessServer:
+        self.thread.start()
+        assert wait_until(lambda: self.server.started, timeout=20)
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.socket.close()

@@ -127,3 +127,256 @@ def test_sigterm_drains_then_ends_every_open_request_with_done(draining_server):
     assert ended - signalled < DRAIN_S + 15
     log = server.log_path.read_text(errors="replace")
     assert "Traceback" not in log and "CancelledError" not in log and "Exception" not in log, log[-4000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fault injection (Engine.fault_hook): one request's failure is its own; out of memory preempts
+# ---------------------------------------------------------------------------------------------
+
+import torch  # noqa: E402
+
+import fixtures  # noqa: E402
+from blockspec.loader import load_draft, load_model  # noqa: E402
+from helpers import make_engine, make_request, run_alone, run_until_done, submit  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def models(qwen3_dir, qwen3_draft_dir, tmp_path_factory):
+    """kind → (target, draft): the dense Qwen3 pair and a hybrid Qwen3.5 with its draft."""
+    target = load_model(str(qwen3_dir)).model
+    root = tmp_path_factory.mktemp("reliability-hybrid")
+    hybrid_dir = fixtures.write_hybrid_checkpoint(root / "target")
+    hybrid = load_model(str(hybrid_dir)).model
+    hybrid_draft_dir = fixtures.write_dflash_draft(root / "draft", hybrid_dir, target_layer_ids=[0, 2],
+                                                   mask_token_id=fixtures.HYBRID_VOCAB - 1)
+    return {"dense": (target, load_draft(str(qwen3_draft_dir), target)),
+            "hybrid": (hybrid, load_draft(str(hybrid_draft_dir), hybrid))}
+
+
+def prompts(kind: str) -> list[list[int]]:
+    vocab = fixtures.HYBRID_VOCAB - 1 if kind == "hybrid" else 151643
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (9, 23, 14)]
+
+
+class FailOnce:
+    """A fault hook raising `error` once: in `phase`, for request `request_id` (any when None),
+    the `nth` time that phase is reached for it."""
+
+    def __init__(self, phase: str, error: BaseException, request_id: str | None = None, nth: int = 3) -> None:
+        self.phase, self.error, self.request_id, self.nth = phase, error, request_id, nth
+        self.seen, self.fired = 0, False
+
+    def __call__(self, phase: str, seqs) -> None:
+        if self.fired or phase != self.phase:
+            return
+        if self.request_id is not None and all(s.request_id != self.request_id for s in seqs):
+            return
+        self.seen += 1
+        if self.seen == self.nth:
+            self.fired = True
+            raise self.error
+
+
+def engine_for(models, kind: str, spec: bool):
+    target, draft = models[kind]
+    return lambda: make_engine(target, draft if spec else None, block_size=4 if spec else 1)
+
+
+def requests(kind: str) -> list:
+    return [make_request(f"r{i}", p, max_tokens=12, max_model_len=1024) for i, p in enumerate(prompts(kind))]
+
+
+def references(models, kind: str, spec: bool) -> list[list[int]]:
+    return [run_alone(engine_for(models, kind, spec), r).output_ids for r in requests(kind)]
+
+
+def free_memory(engine) -> tuple[int, int | None]:
+    runner = engine.runner
+    return runner.allocator.num_free, runner.states.num_free if runner.states is not None else None
+
+
+@pytest.mark.parametrize("kind,spec,phase", [("dense", True, "commit"), ("dense", False, "commit"),
+                                             ("hybrid", True, "commit"), ("dense", True, "prefill")])
+def test_a_request_whose_decoding_raises_ends_alone(models, kind, spec, phase):
+    expected = references(models, kind, spec)
+    engine = engine_for(models, kind, spec)()
+    initial = free_memory(engine)
+    engine.fault_hook = FailOnce(phase, RuntimeError("injected fault"), "r1", nth=3 if phase == "commit" else 1)
+    runs = [submit(engine, r) for r in requests(kind)]
+    run_until_done(engine, runs)
+    assert engine.fault_hook.fired
+    failed = runs[1]
+    failed.check_events()
+    assert failed.finish_reason == "error" and "injected fault" in failed.events[-1].error
+    if phase == "prefill":
+        assert failed.output_ids == []
+    elif not spec:                                  # the prefill's token, then two committed steps
+        assert len(failed.output_ids) == 3
+    assert failed.output_ids == expected[1][: len(failed.output_ids)]
+    for run, reference in ((runs[0], expected[0]), (runs[2], expected[2])):
+        run.check_events()
+        assert (run.finish_reason, run.output_ids) == ("length", reference)
+    assert free_memory(engine) == initial          # pages and state slot of the failed one are back
+
+
+@pytest.mark.parametrize("kind,spec", [("dense", True), ("dense", False), ("hybrid", True)])
+def test_out_of_memory_in_a_batch_preempts_and_the_output_stays_exact(models, kind, spec):
+    expected = references(models, kind, spec)
+    engine = engine_for(models, kind, spec)()
+    initial = free_memory(engine)
+    engine.fault_hook = FailOnce("decode", torch.OutOfMemoryError("injected: CUDA out of memory"), nth=3)
+    runs = [submit(engine, r) for r in requests(kind)]
+    for _ in range(2_000):
+        if engine.fault_hook.fired:
+            break
+        engine.step()
+    # the failed step's sequences were preempted (pages and slots freed), not failed
+    assert engine.fault_hook.fired and engine.num_running == 0 and engine.scheduler.seat_limit == 1
+    assert free_memory(engine) == initial
+    run_until_done(engine, runs)
+    for run, reference in zip(runs, expected):
+        run.check_events()
+        assert (run.finish_reason, run.output_ids) == ("length", reference)
+    assert free_memory(engine) == initial
+
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_out_of_memory_inside_a_forward_preempts_and_the_output_stays_exact(models, kind):
+    """Raised by a middle layer, after the layers before it wrote K/V and recurrent state: the
+    preempted sequences recompute from their tokens, so nothing half-written survives."""
+    expected = references(models, kind, True)
+    engine = engine_for(models, kind, True)()
+    initial = free_memory(engine)
+    calls = {"n": 0}
+
+    def fail_on_the_ninth_call(*_):
+        calls["n"] += 1
+        if calls["n"] == 9:
+            raise torch.OutOfMemoryError("injected inside the forward")
+
+    handle = models[kind][0].model.layers[2].register_forward_pre_hook(fail_on_the_ninth_call)
+    try:
+        runs = [submit(engine, r) for r in requests(kind)]
+        run_until_done(engine, runs)
+    finally:
+        handle.remove()
+    assert calls["n"] > 9 and engine.scheduler.seat_limit < 8
+    for run, reference in zip(runs, expected):
+        run.check_events()
+        assert (run.finish_reason, run.output_ids) == ("length", reference)
+    assert free_memory(engine) == initial
+
+
+def test_out_of_memory_alone_is_an_error_for_that_request(models):
+    engine = engine_for(models, "dense", True)()
+    initial = free_memory(engine)
+    engine.fault_hook = FailOnce("decode", torch.OutOfMemoryError("injected: CUDA out of memory"), nth=2)
+    run = submit(engine, requests("dense")[0])
+    run_until_done(engine, [run])
+    run.check_events()
+    assert run.finish_reason == "error" and "out of memory" in run.events[-1].error
+    assert free_memory(engine) == initial
+    engine.fault_hook = None
+    again = submit(engine, requests("dense")[0])                     # the engine still serves
+    run_until_done(engine, [again])
+    assert again.finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------------------------
+# The same through HTTP (in-process server over a real tiny LLM): an error event for that
+# request only; a reader that stops reading stalls nobody
+# ---------------------------------------------------------------------------------------------
+
+from blockspec.llm import LLM  # noqa: E402
+from blockspec.server.app import ServerSettings  # noqa: E402
+from servers import InProcessServer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def live(qwen3_dir):
+    llm = LLM(str(qwen3_dir), show_progress=False, max_num_seqs=4, max_model_len=2048)
+    with InProcessServer(lambda: llm, ServerSettings(model="qwen3"), send_buffer=4096) as server:
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200, timeout=60)
+        yield llm, server
+        llm.engine.fault_hook = None
+
+
+def ask(url: str, content: str, max_tokens: int = 16, **fields) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0, **fields}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def test_a_failing_request_gets_an_error_the_others_their_answers(live):
+    llm, server = live
+    questions = [f"Question {i}?" for i in range(3)]
+    expected = [ask(server.url, q).json()["choices"][0]["message"]["content"] for q in questions]
+    initial = llm.engine.runner.allocator.num_free
+    for stream in (False, True):
+        target = llm.tokenizer.encode_chat([{"role": "user", "content": questions[1]}])
+
+        def fail_question_1(phase, seqs, seen=[0]):  # noqa: B006 - the hook's own counter
+            if phase == "commit" and seqs[0].request.prompt_ids == target:
+                seen[0] += 1
+                if seen[0] == 4:
+                    raise RuntimeError("injected fault")
+        llm.engine.fault_hook = fail_question_1
+        with ThreadPool(3) as pool:
+            answers = pool.map(lambda q: answer_of(server.url, q, stream), questions)
+        llm.engine.fault_hook = None
+        assert answers[0] == ("ok", expected[0]) and answers[2] == ("ok", expected[2])
+        status, message = answers[1]
+        assert status == ("stream-error" if stream else 500) and "injected fault" in message
+    assert wait_until(lambda: llm.engine.num_running == 0)
+    assert llm.engine.runner.allocator.num_free == initial
+
+
+def answer_of(url: str, question: str, stream: bool) -> tuple:
+    """("ok", text), (status, error message), or ("stream-error", message) after which [DONE] came."""
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": 16, "temperature": 0}
+    if not stream:
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        if response.status_code != 200:
+            return response.status_code, response.json()["error"]["message"]
+        return "ok", response.json()["choices"][0]["message"]["content"]
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        lines = [line[len("data: "):] for line in r.iter_lines() if line]
+    assert lines[-1] == "[DONE]"
+    payloads = [json.loads(line) for line in lines[:-1]]
+    if "error" in payloads[-1]:
+        return "stream-error", payloads[-1]["error"]["message"]
+    return "ok", "".join(p["choices"][0]["delta"].get("content") or "" for p in payloads if p["choices"])
+
+
+from multiprocessing.pool import ThreadPool  # noqa: E402
+
+
+def test_a_reader_that_stops_reading_stalls_nobody(live):
+    """One client asks for a long stream and never reads it (a 4 KiB receive buffer, so the
+    server's writes block); the engine runs on: others get their answers at once, the stuck
+    request's tokens wait merged in its one pending event, and the engine finishes it."""
+    llm, server = live
+    questions = [f"Another question {i}?" for i in range(3)]
+    expected = [ask(server.url, q).json()["choices"][0]["message"]["content"] for q in questions]
+    body = json.dumps({"messages": HELLO, "max_tokens": 600, "temperature": 0, "stream": True}).encode()
+    stuck = socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stuck.connect(("127.0.0.1", server.port))
+    try:
+        stuck.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert wait_until(lambda: llm.engine.num_running == 1)
+        started = time.monotonic()
+        for question, reference in zip(questions, expected):
+            assert ask(server.url, question).json()["choices"][0]["message"]["content"] == reference
+        assert time.monotonic() - started < 30
+        state = server.app.state.server
+        generation = next(g for g in state.generations if g.request.params.max_tokens == 600)
+        # the engine finished all 600 tokens while the client read none of them
+        assert wait_until(lambda: generation.request.is_finished, timeout=120)
+        assert generation.request.finish_reason == "length" and len(generation.request.output_ids) == 600
+        assert generation.num_pending_tokens > 100      # waiting, merged, in one event
+    finally:
+        stuck.close()
+    assert wait_until(lambda: not state.generations and llm.engine.num_running == 0)
+    assert ask(server.url, questions[0]).json()["choices"][0]["message"]["content"] == expected[0]

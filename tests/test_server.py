@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from blockspec.engine.request import Request, TokenEvent
-from blockspec.server.app import ServerSettings, create_app
+from blockspec.server.app import ServerSettings
 from blockspec.tokenizer import Tokenizer
-from servers import MAX_BODY_BYTES, ServerProcess, free_port, wait_until
+from servers import MAX_BODY_BYTES, InProcessServer, ServerProcess, wait_until
 
 API_KEY = "test-key-123"
 ALLOWED_ORIGIN = "http://allowed.example"
@@ -585,25 +585,6 @@ class ScriptedLLM:
 
     def make_request(self, request_id, prompt_ids, params) -> Request:
         return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)
-
-
-class InProcessServer:
-    def __init__(self, llm_factory, settings: ServerSettings) -> None:
-        import uvicorn
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(llm_factory, settings)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> InProcessServer:
-        self.thread.start()
-        assert wait_until(lambda: self.server.started, timeout=20)
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 def scripted_chat(url: str, content: str = "hi", **fields) -> httpx.Response:
