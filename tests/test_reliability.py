@@ -380,3 +380,81 @@ def test_a_reader_that_stops_reading_stalls_nobody(live):
         stuck.close()
     assert wait_until(lambda: not state.generations and llm.engine.num_running == 0)
     assert ask(server.url, questions[0]).json()["choices"][0]["message"]["content"] == expected[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Security: the chat template runs sandboxed; bounded requests
+# ---------------------------------------------------------------------------------------------
+
+import copy  # noqa: E402
+
+from blockspec.server.app import MAX_MESSAGES, MAX_TOOL_BYTES, MAX_TOOLS  # noqa: E402
+from blockspec.tokenizer import ChatTemplateError  # noqa: E402
+
+HOSTILE_TEMPLATES = {
+    "class walk": "{{ messages.__class__.__mro__[1].__subclasses__() }}",
+    "function globals": "{{ lipsum.__globals__['os'].popen('id').read() }}",
+    "constructor globals": "{{ cycler.__init__.__globals__.os }}",
+    "mutating the input": "{% set _ = messages.append(1) %}{{ messages }}",
+    "include a file": "{% include '/etc/passwd' %}",
+    "extends a file": "{% extends '/etc/passwd' %}",
+    "huge range": "{% for i in range(10**9) %}x{% endfor %}",
+}
+
+
+def hostile(tokenizer, template: str):
+    evil = copy.copy(tokenizer)
+    evil.chat_templates = {name: template for name in tokenizer.chat_templates}
+    evil._compiled = {}
+    return evil
+
+
+@pytest.mark.parametrize("template", HOSTILE_TEMPLATES.values(), ids=HOSTILE_TEMPLATES.keys())
+def test_a_hostile_template_fails_cleanly(qwen3_dir, template):
+    from blockspec.tokenizer import Tokenizer
+    tokenizer = hostile(Tokenizer.from_dir(qwen3_dir), template)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ChatTemplateError, match="chat template failed to render"):
+        tokenizer.apply_chat_template(messages)
+    assert messages == [{"role": "user", "content": "hi"}]
+
+
+def test_a_hostile_template_is_a_400_and_the_server_goes_on(live):
+    llm, server = live
+    expected = ask(server.url, "Hi").json()["choices"][0]["message"]["content"]
+    original = llm.tokenizer
+    try:
+        for template in ("{{ lipsum.__globals__['os'].popen('id').read() }}", "{% include '/etc/passwd' %}"):
+            llm.tokenizer = hostile(original, template)
+            response = ask(server.url, "Hi")
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "messages" and "chat template" in error["message"]
+            assert "uid=" not in response.text and "root:" not in response.text
+    finally:
+        llm.tokenizer = original
+    assert ask(server.url, "Hi").json()["choices"][0]["message"]["content"] == expected
+
+
+def tool(name: str, description: str = "") -> dict:
+    return {"type": "function", "function": {"name": name, "description": description,
+                                             "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("field,value,param,limit", [
+    ("messages", [{"role": "user", "content": "a"}] * (MAX_MESSAGES + 1), "messages", MAX_MESSAGES),
+    ("tools", [tool(f"f{i}") for i in range(MAX_TOOLS + 1)], "tools", MAX_TOOLS),
+    ("tools", [tool("big", "x" * MAX_TOOL_BYTES)], "tools", MAX_TOOL_BYTES),
+])
+def test_message_and_tool_bounds_are_400s(live, field, value, param, limit):
+    _, server = live
+    body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2, field: value}
+    started = time.monotonic()
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and f"the limit is {limit}" in error["message"]
+    assert time.monotonic() - started < 5
+    within = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2,
+              "tools": [tool(f"f{i}") for i in range(3)]}
+    assert httpx.post(server.url + "/v1/chat/completions", json=within, timeout=30).status_code == 200

@@ -63,6 +63,11 @@ FINAL_WRITE_S = 5.0
 # chat_template_kwargs may not replace the arguments the server itself passes to the template.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 DONE = b"data: [DONE]\n\n"
+# Bounds on what one request may ask the template and tokenizer to handle (besides
+# --max-body-bytes): beyond them a 400, before any rendering.
+MAX_MESSAGES = 1024
+MAX_TOOLS = 128
+MAX_TOOL_BYTES = 32 * 1024          # one tool definition, as JSON
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,6 +354,21 @@ def validate(model: type[pydantic.BaseModel], body: dict[str, Any]) -> Any:
         raise ApiError(400, message, param) from None
     except Exception as exc:  # a validator tripped on an odd shape: still the input's fault
         raise ApiError(400, f"Invalid request: {exc}.") from None
+
+
+def check_bounds(body: Any) -> None:
+    """Message count, tool count and tool size: 400 beyond MAX_MESSAGES / MAX_TOOLS / MAX_TOOL_BYTES."""
+    messages = getattr(body, "messages", None) or []
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(400, f"Invalid 'messages': {len(messages)} messages; the limit is {MAX_MESSAGES}.", "messages")
+    tools = getattr(body, "tools", None) or []
+    if len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"Invalid 'tools': {len(tools)} tools; the limit is {MAX_TOOLS}.", "tools")
+    for i, tool in enumerate(tools):
+        size = len(tool.model_dump_json(exclude_none=True))
+        if size > MAX_TOOL_BYTES:
+            raise ApiError(400, f"Invalid 'tools[{i}]': its definition has {size} bytes of JSON; the limit "
+                                f"is {MAX_TOOL_BYTES}.", "tools")
 
 
 def check_model_name(settings: ServerSettings, name: str | None) -> None:
@@ -810,6 +830,7 @@ async def generate(state: ServerState, request: Request, kind: str) -> Response:
     check_not_draining(state)
     raw = await read_json_object(request, settings.max_body_bytes)
     body = validate(ChatCompletionRequest if kind == "chat" else CompletionRequest, raw)
+    check_bounds(body)
     check_model_name(settings, body.model)
     check_seed(body.seed)
     llm, engine = state.ready()
