@@ -351,6 +351,28 @@ def answer_of(url: str, question: str, stream: bool) -> tuple:
 from multiprocessing.pool import ThreadPool  # noqa: E402
 
 
+def read_stream_text(sock: socket.socket) -> str:
+    """The content of a chunked SSE response read raw from `sock` until [DONE]."""
+    sock.settimeout(60)
+    raw = b""
+    while b"data: [DONE]" not in raw:
+        data = sock.recv(1 << 16)
+        assert data, "the connection closed before [DONE]"
+        raw += data
+    body = raw.partition(b"\r\n\r\n")[2]
+    payloads, rest = [], body
+    while rest:                                          # undo the chunked transfer encoding
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        payloads.append(rest[:size])
+        rest = rest[size + 2:]
+        if size == 0:
+            break
+    events = [line[len("data: "):] for line in b"".join(payloads).decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, events[:-1]) if c["choices"])
+
+
 def test_a_reader_that_stops_reading_stalls_nobody(live):
     """One client asks for a long stream and never reads it (a 4 KiB receive buffer, so the
     server's writes block); the engine runs on: others get their answers at once, the stuck
@@ -376,6 +398,9 @@ def test_a_reader_that_stops_reading_stalls_nobody(live):
         assert wait_until(lambda: generation.request.is_finished, timeout=120)
         assert generation.request.finish_reason == "length" and len(generation.request.output_ids) == 600
         assert generation.num_pending_tokens > 100      # waiting, merged, in one event
+        # read at last: the merged events still carry every token, in order, then [DONE]
+        text = read_stream_text(stuck)
+        assert text == llm.tokenizer.decode(generation.request.output_ids, skip_special_tokens=True)
     finally:
         stuck.close()
     assert wait_until(lambda: not state.generations and llm.engine.num_running == 0)
