@@ -120,7 +120,8 @@ MUTANTS = [
     Mutant("turn-end-not-a-stop-id", "blockspec/tokenizer.py",
            'TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>",',
            'TURN_END_TOKENS = ("<|endoftext|>",',
-           ("tests/test_tokenizer.py",)),
+           ("tests/test_tokenizer.py::test_stop_token_ids",
+            "tests/test_tokenizer.py::test_turn_end_tokens_are_stop_ids_whatever_eos_says")),
     # reliability (issue 14): a sequence's own failure is its own; out of memory preempts;
     # the drain ends what is left; merged events keep every token
     Mutant("fault-fails-the-batch", "blockspec/engine/engine.py",
