@@ -228,6 +228,11 @@ def run_serve(args: argparse.Namespace) -> int:
     check_engine_args(args)
     if not 0 < args.port < 65536:
         raise UsageError("--port must be in 1..65535")
+    from blockspec.server.app import ServerSettings
+    try:
+        ServerSettings.from_args(args)              # the server's own flags, checked in one place
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     check_address(args.host, args.port)
     use_demo_without_model(args)
     from blockspec.server.app import serve

@@ -2,16 +2,25 @@
 reader that stops never stalls the engine, templates run sandboxed, request sizes are bounded."""
 from __future__ import annotations
 
+import copy
 import json
 import signal
 import socket
 import threading
 import time
+from multiprocessing.pool import ThreadPool
 
 import httpx
 import pytest
+import torch
 
-from servers import ServerProcess, wait_until
+import fixtures
+from blockspec.llm import LLM
+from blockspec.loader import load_draft, load_model
+from blockspec.server.app import MAX_MESSAGES, MAX_TOOL_BYTES, MAX_TOOLS, ServerSettings
+from blockspec.tokenizer import ChatTemplateError, Tokenizer
+from helpers import make_engine, make_request, run_alone, run_until_done, submit
+from servers import InProcessServer, ServerProcess, wait_until
 
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 LONG = 3000                  # tokens: far longer than any drain here
@@ -132,12 +141,6 @@ def test_sigterm_drains_then_ends_every_open_request_with_done(draining_server):
 # ---------------------------------------------------------------------------------------------
 # Fault injection (Engine.fault_hook): one request's failure is its own; out of memory preempts
 # ---------------------------------------------------------------------------------------------
-
-import torch  # noqa: E402
-
-import fixtures  # noqa: E402
-from blockspec.loader import load_draft, load_model  # noqa: E402
-from helpers import make_engine, make_request, run_alone, run_until_done, submit  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -288,10 +291,6 @@ def test_out_of_memory_alone_is_an_error_for_that_request(models):
 # request only; a reader that stops reading stalls nobody
 # ---------------------------------------------------------------------------------------------
 
-from blockspec.llm import LLM  # noqa: E402
-from blockspec.server.app import ServerSettings  # noqa: E402
-from servers import InProcessServer  # noqa: E402
-
 
 @pytest.fixture(scope="module")
 def live(qwen3_dir):
@@ -314,13 +313,7 @@ def test_a_failing_request_gets_an_error_the_others_their_answers(live):
     initial = llm.engine.runner.allocator.num_free
     for stream in (False, True):
         target = llm.tokenizer.encode_chat([{"role": "user", "content": questions[1]}])
-
-        def fail_question_1(phase, seqs, seen=[0]):  # noqa: B006 - the hook's own counter
-            if phase == "commit" and seqs[0].request.prompt_ids == target:
-                seen[0] += 1
-                if seen[0] == 4:
-                    raise RuntimeError("injected fault")
-        llm.engine.fault_hook = fail_question_1
+        llm.engine.fault_hook = fail_on_commit(target, 4)
         with ThreadPool(3) as pool:
             answers = pool.map(lambda q: answer_of(server.url, q, stream), questions)
         llm.engine.fault_hook = None
@@ -329,6 +322,19 @@ def test_a_failing_request_gets_an_error_the_others_their_answers(live):
         assert status == ("stream-error" if stream else 500) and "injected fault" in message
     assert wait_until(lambda: llm.engine.num_running == 0)
     assert llm.engine.runner.allocator.num_free == initial
+
+
+def fail_on_commit(prompt_ids: list[int], nth: int):
+    """A fault hook: the nth commit of the request with these prompt ids raises."""
+    seen = 0
+
+    def hook(phase: str, seqs) -> None:
+        nonlocal seen
+        if phase == "commit" and seqs[0].request.prompt_ids == prompt_ids:
+            seen += 1
+            if seen == nth:
+                raise RuntimeError("injected fault")
+    return hook
 
 
 def answer_of(url: str, question: str, stream: bool) -> tuple:
@@ -346,9 +352,6 @@ def answer_of(url: str, question: str, stream: bool) -> tuple:
     if "error" in payloads[-1]:
         return "stream-error", payloads[-1]["error"]["message"]
     return "ok", "".join(p["choices"][0]["delta"].get("content") or "" for p in payloads if p["choices"])
-
-
-from multiprocessing.pool import ThreadPool  # noqa: E402
 
 
 def read_stream_text(sock: socket.socket) -> str:
@@ -411,10 +414,6 @@ def test_a_reader_that_stops_reading_stalls_nobody(live):
 # Security: the chat template runs sandboxed; bounded requests
 # ---------------------------------------------------------------------------------------------
 
-import copy  # noqa: E402
-
-from blockspec.server.app import MAX_MESSAGES, MAX_TOOL_BYTES, MAX_TOOLS  # noqa: E402
-from blockspec.tokenizer import ChatTemplateError  # noqa: E402
 
 HOSTILE_TEMPLATES = {
     "class walk": "{{ messages.__class__.__mro__[1].__subclasses__() }}",
@@ -436,7 +435,6 @@ def hostile(tokenizer, template: str):
 
 @pytest.mark.parametrize("template", HOSTILE_TEMPLATES.values(), ids=HOSTILE_TEMPLATES.keys())
 def test_a_hostile_template_fails_cleanly(qwen3_dir, template):
-    from blockspec.tokenizer import Tokenizer
     tokenizer = hostile(Tokenizer.from_dir(qwen3_dir), template)
     messages = [{"role": "user", "content": "hi"}]
     with pytest.raises(ChatTemplateError, match="chat template failed to render"):
