@@ -73,6 +73,10 @@ MUTANTS = [
            "context_lens=meta.context_lens - width",
            "context_lens=meta.context_lens - width + 1",
            ("tests/test_dflash.py",)),
+    Mutant("shutdown-forgets-waiting", "blockspec/engine/engine.py",
+           "for seq in [*self.scheduler.running, *self.scheduler.waiting]:",
+           "for seq in [*self.scheduler.running]:",
+           ("tests/test_acceptance.py::test_engine_shutdown_aborts_running_and_waiting_requests",)),
     # invariant 7: stop strings are cut once, after; a partial match is held back
     Mutant("stop-string-holdback-off", "blockspec/server/output.py",
            "keep = partial_suffix_len(self._held, self._stop)",

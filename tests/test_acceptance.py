@@ -240,3 +240,27 @@ def test_abort_stops_the_dflash_loop_within_one_cycle(dense, others):
     finally:
         for counter in counters:
             counter.handle.remove()
+
+
+def test_engine_shutdown_aborts_running_and_waiting_requests(dense):
+    """One seat: one request decodes, two wait (one admitted to the queue, one still in the inbox).
+    Shutdown ends all three with abort, exactly once, frees every page, and runs no forward."""
+    target, draft = dense
+    counter = ForwardCounter(target)
+    try:
+        engine = make_engine(target, draft, block_size=4, max_num_seqs=1)
+        runs = [submit(engine, make_request(f"r{i}", PROMPT, max_tokens=200)) for i in range(2)]
+        while len(runs[0].events) < 2:
+            engine.step()
+        assert engine.num_running == 1 and len(engine.scheduler.waiting) == 1
+        runs.append(submit(engine, make_request("r2", PROMPT, max_tokens=200)))      # still in the inbox
+        before = counter.count
+        engine.shutdown()
+        assert counter.count == before
+        for run in runs:
+            run.check_events()
+            assert run.request.finish_reason == "abort"
+        assert [len(r.output_ids) > 0 for r in runs] == [True, False, False]
+        assert engine.runner.allocator.usage == 0.0 and not engine.has_work
+    finally:
+        counter.handle.remove()
