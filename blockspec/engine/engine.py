@@ -173,18 +173,16 @@ class Engine:
             self.fault_hook("commit", [seq])
         emitted.append(self.scheduler.postprocess_decode(seq, num_accepted, new_tokens))
 
-    def _isolated(self, seq: Sequence, work: Callable[[], None]) -> bool:
+    def _isolated(self, seq: Sequence, work: Callable[[], None]) -> None:
         """One sequence's own work: if it fails, that sequence ends with an error and the rest
         of the step goes on (out of memory is the batch's problem: re-raised)."""
         try:
             work()
-            return True
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
             traceback.print_exc()
             self._end(seq, "error", error=f"{type(exc).__name__}: {exc}")
-            return False
 
     def _preempt_after_oom(self, seqs: list[Sequence]) -> None:
         """Out of memory in a step: free what the allocator cached, preempt the step's sequences
