@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together in one batch")
     serve.add_argument("--cors", default=None, help="comma-separated allowed origins (off by default)")
     serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds SIGTERM lets open requests finish (new ones get 503) before "
+                            "ending the rest with an error")
     bench = sub.add_parser("bench", help="GPU benchmark on random weights of real shapes")
     bench.add_argument("--shape", default="qwen3-8b")
     bench.add_argument("--out", default=None, help="write the results as JSON here")
@@ -231,6 +234,11 @@ def run_serve(args: argparse.Namespace) -> int:
     check_engine_args(args)
     if not 0 < args.port < 65536:
         raise UsageError("--port must be in 1..65535")
+    from blockspec.server.app import ServerSettings
+    try:
+        ServerSettings.from_args(args)              # the server's own flags, checked in one place
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     check_address(args.host, args.port)
     use_demo_without_model(args)
     from blockspec.server.app import serve

@@ -139,8 +139,8 @@ class Tokenizer:
             )
         except ChatTemplateError:
             raise
-        except jinja2.TemplateError as error:
-            raise ChatTemplateError(f"chat template failed to render: {error}") from error
+        except Exception as error:  # the sandbox's refusals, a missing loader, a range too big…
+            raise ChatTemplateError(f"chat template failed to render: {type(error).__name__}: {error}") from error
 
     def encode_chat(
         self,

@@ -4,6 +4,9 @@ repository and run the CPU tests that should catch it; every mutant must be kill
     OMP_NUM_THREADS=1 python scripts/mutation_check.py            # all mutants
     OMP_NUM_THREADS=1 python scripts/mutation_check.py bonus-p-n-1 # some, by name
 
+A mutant's tests are pytest arguments: files or node ids (file::test), so each runs only the
+tests meant to catch it.
+
 Not part of the default test run (it runs the targeted tests once per mutant). A mutant whose
 `old` text is missing from its file is an error, not a kill: the list must track the code.
 Exit status 0 only when every mutant is killed and the unmutated copy passes the same tests."""
@@ -70,6 +73,79 @@ MUTANTS = [
            "context_lens=meta.context_lens - width",
            "context_lens=meta.context_lens - width + 1",
            ("tests/test_dflash.py",)),
+    Mutant("shutdown-forgets-waiting", "blockspec/engine/engine.py",
+           "for seq in [*self.scheduler.running, *self.scheduler.waiting]:",
+           "for seq in [*self.scheduler.running]:",
+           ("tests/test_acceptance.py::test_engine_shutdown_aborts_running_and_waiting_requests",)),
+    # invariant 7: stop strings are cut once, after; a partial match is held back
+    Mutant("stop-string-holdback-off", "blockspec/server/output.py",
+           "keep = partial_suffix_len(self._held, self._stop)",
+           "keep = 0",
+           ("tests/test_output.py",)),
+    # invariant 8: the id that completes a stop string is counted, nothing after it
+    Mutant("usage-count-after-stop", "blockspec/server/output.py",
+           "            self.completion_tokens += 1\n"
+           "            if self._add_text(self._detokenizer.add([token_id]), delta):\n"
+           "                return self._finish(delta, \"stop\", stop_hit=True)\n",
+           "            if self._add_text(self._detokenizer.add([token_id]), delta):\n"
+           "                return self._finish(delta, \"stop\", stop_hit=True)\n"
+           "            self.completion_tokens += 1\n",
+           ("tests/test_output.py",)),
+    # invariant 3: a finished or preempted sequence's pages (and state slot) go back
+    Mutant("pages-kept-on-finish", "blockspec/engine/scheduler.py",
+           "    def finish(self, seq: Sequence) -> None:\n        self.runner.release(seq)\n",
+           "    def finish(self, seq: Sequence) -> None:\n        pass\n",
+           ("tests/test_acceptance.py::test_abort_stops_the_plain_loop_within_one_step",
+            "tests/test_reliability.py::test_a_request_whose_decoding_raises_ends_alone")),
+    Mutant("pages-kept-on-preempt", "blockspec/engine/scheduler.py",
+           "        self.runner.release(seq)\n        seq.reset_for_recompute()\n",
+           "        seq.reset_for_recompute()\n",
+           ("tests/test_reliability.py::test_out_of_memory_in_a_batch_preempts_and_the_output_stays_exact",
+            "tests/test_batching.py")),
+    Mutant("allocator-loses-a-page", "blockspec/cache/kv_pool.py",
+           "        self._free.extend(pages)",
+           "        self._free.extend(pages[1:])",
+           ("tests/test_acceptance.py::test_abort_stops_the_plain_loop_within_one_step",)),
+    # the CUDA-graph path: padding rows write only page 0 and read only state slot 0
+    Mutant("graph-padding-writes-page-1", "blockspec/engine/model_runner.py",
+           "slots += [j % self.page_size for j in range(width)]",
+           "slots += [self.page_size + j % self.page_size for j in range(width)]",
+           ("tests/test_batching.py::test_padding_rows_stay_inside_page_0_when_the_block_outgrows_a_page",)),
+    Mutant("graph-padding-uses-state-slot-1", "blockspec/engine/model_runner.py",
+           "            context_lens.append(width)\n            state_slots.append(0)",
+           "            context_lens.append(width)\n            state_slots.append(1)",
+           ("tests/test_batching.py::test_padded_graph_path_batch_equals_alone",)),
+    # invariant 6: the draft's context features are the outputs of layers l (hidden_states[l + 1])
+    Mutant("features-before-the-layer", "blockspec/models/base.py",
+           "            x = layer(x, rope, meta)\n            if i in capture_layers:\n                captured[i] = x\n",
+           "            if i in capture_layers:\n                captured[i] = x\n            x = layer(x, rope, meta)\n",
+           ("tests/test_dflash.py::test_context_features_are_transformers_hidden_states_of_the_layer_ids",)),
+    # invariant 4: the chat template's turn-end tokens are stop ids
+    Mutant("turn-end-not-a-stop-id", "blockspec/tokenizer.py",
+           'TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>",',
+           'TURN_END_TOKENS = ("<|endoftext|>",',
+           ("tests/test_tokenizer.py::test_stop_token_ids",
+            "tests/test_tokenizer.py::test_turn_end_tokens_are_stop_ids_whatever_eos_says")),
+    # reliability (issue 14): a sequence's own failure is its own; out of memory preempts;
+    # the drain ends what is left; merged events keep every token
+    Mutant("fault-fails-the-batch", "blockspec/engine/engine.py",
+           "        except torch.OutOfMemoryError:\n            raise\n        except Exception as exc:\n"
+           "            traceback.print_exc()\n            self._end(seq",
+           "        except torch.OutOfMemoryError:\n            raise\n        except ZeroDivisionError as exc:\n"
+           "            traceback.print_exc()\n            self._end(seq",
+           ("tests/test_reliability.py::test_a_request_whose_decoding_raises_ends_alone",)),
+    Mutant("oom-not-preempted", "blockspec/engine/engine.py",
+           "        if out_of_memory:\n            self._preempt_after_oom(",
+           "        if False:\n            self._preempt_after_oom(",
+           ("tests/test_reliability.py::test_out_of_memory_in_a_batch_preempts_and_the_output_stays_exact",)),
+    Mutant("drain-never-interrupts", "blockspec/server/app.py",
+           "        for generation in list(self.generations):\n            generation.interrupt()\n",
+           "        for generation in []:\n            generation.interrupt()\n",
+           ("tests/test_reliability.py::test_sigterm_drains_then_ends_every_open_request_with_done",)),
+    Mutant("merge-drops-tokens", "blockspec/server/app.py",
+           "return TokenEvent(then.request_id, first.token_ids + then.token_ids,",
+           "return TokenEvent(then.request_id, then.token_ids,",
+           ("tests/test_reliability.py::test_a_reader_that_stops_reading_stalls_nobody",)),
 ]
 
 

@@ -48,3 +48,17 @@ def qwen3_draft_dir(tmp_path_factory, qwen3_dir) -> Path:
 @pytest.fixture(scope="session")
 def llama_draft_dir(tmp_path_factory, llama_dir) -> Path:
     return fixtures.write_dflash_draft(tmp_path_factory.mktemp("draft") / "llama-dflash", llama_dir)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "soak: the full soak (tests/test_soak.py); run with -m soak")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Soak runs only when asked for by -m (not skipped: left out of the default run)."""
+    if "soak" in (config.option.markexpr or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("soak") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept

@@ -127,6 +127,21 @@ def dense(qwen3_dir, qwen3_draft_dir):
     return target, load_draft(str(qwen3_draft_dir), target)
 
 
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A tiny Qwen3.5 hybrid (Gated DeltaNet + gated attention) and a draft for it."""
+    import fixtures
+    root = tmp_path_factory.mktemp("acceptance-hybrid")
+    target_dir = fixtures.write_hybrid_checkpoint(root / "target")
+    target = load_model(str(target_dir)).model
+    draft_dir = fixtures.write_dflash_draft(root / "draft", target_dir, target_layer_ids=[0, 2],
+                                            mask_token_id=fixtures.HYBRID_VOCAB - 1)
+    return target, load_draft(str(draft_dir), target)
+
+
+HYBRID_PROMPT = [int(t) for t in torch.randint(0, 255, (40,), generator=torch.Generator().manual_seed(11))]
+
+
 def expected_lengths(max_tokens: int, block_size: int) -> list[int]:
     """Output 0 comes from prefill; each cycle drafts the next T − 1 positions, keeps the drafts
     up to the first wrong one, and adds the target's own token."""
@@ -140,23 +155,29 @@ def expected_lengths(max_tokens: int, block_size: int) -> list[int]:
     return lengths
 
 
-@pytest.mark.parametrize("block_size", [3, 4, 8])
-def test_partial_acceptance_on_a_dense_target_at_known_lengths(dense, block_size):
-    target, draft = dense
+@pytest.mark.parametrize("kind,block_size", [("dense", 3), ("dense", 4), ("dense", 8),
+                                             ("hybrid", 2), ("hybrid", 4), ("hybrid", 8)])
+def test_partial_acceptance_at_known_lengths(request, kind, block_size):
+    """An oracle draft right except at WRONG positions: acceptance lengths are known exactly,
+    and partial blocks occur. On the hybrid, each one selects a recurrent state in the middle of
+    the verified block (StatePool.select), so its output equal to plain decoding is the check."""
+    target, draft = request.getfixturevalue(kind)
+    prompt, vocab = (PROMPT, 151643) if kind == "dense" else (HYBRID_PROMPT, 255)
     max_tokens = 34
-    reference = run_alone(lambda: make_engine(target), make_request("r", PROMPT, max_tokens=max_tokens)).output_ids
-    corrupted = [(t + 1) % 151643 if i in WRONG else t for i, t in enumerate(reference)]
-    oracle = OracleDraft(draft, PROMPT + corrupted)
+    reference = run_alone(lambda: make_engine(target), make_request("r", prompt, max_tokens=max_tokens)).output_ids
+    corrupted = [(t + 1) % vocab if i in WRONG else t for i, t in enumerate(reference)]
+    oracle = OracleDraft(draft, prompt + corrupted)
 
     def engine():
         made = make_engine(target, oracle, block_size=block_size)
         oracle.bind(made)
         return made
 
-    run = run_alone(engine, make_request("r", PROMPT, max_tokens=max_tokens))
+    run = run_alone(engine, make_request("r", prompt, max_tokens=max_tokens))
     assert run.output_ids == reference
     lengths = expected_lengths(max_tokens, block_size)
-    assert any(1 < n < block_size for n in lengths) and 1 in lengths     # partial and rejected blocks
+    assert 1 in lengths and (block_size == 2 or any(1 < n < block_size for n in lengths))
+    assert block_size in lengths                                      # whole blocks too
     assert run.stats.acceptance_lengths == lengths
     assert run.stats.accepted_tokens == sum(lengths) - len(lengths)
 
@@ -184,5 +205,62 @@ def test_abort_stops_the_plain_loop_within_one_step(dense, others):
             run.check_events()
         assert [r.request.finish_reason for r in runs[1:]] == ["length"] * others
         assert engine.runner.allocator.usage == 0.0
+    finally:
+        counter.handle.remove()
+
+
+# ---- abort on the DFlash loop, alone and in a batch, counted in forwards ---------------------
+
+@pytest.mark.parametrize("others", [0, 2])
+def test_abort_stops_the_dflash_loop_within_one_cycle(dense, others):
+    """Forwards of the target and the draft are counted: after the abort flag the aborted
+    request costs none, the others (6 tokens each, block 4: at most 5 more cycles, one draft
+    and one target forward each) no more than their own."""
+    target, draft = dense
+    counters = ForwardCounter(target), ForwardCounter(draft)
+    try:
+        engine = make_engine(target, draft, block_size=4)
+        runs = [submit(engine, make_request(f"r{i}", PROMPT, max_tokens=200 if i == 0 else 6))
+                for i in range(others + 1)]
+        while len(runs[0].events) < 3:
+            engine.step()
+        runs[0].request.abort()
+        before = [c.count for c in counters]
+        run_until_done(engine, runs)
+        after = [c.count - b for c, b in zip(counters, before)]
+        if others:
+            assert max(after) <= 5
+        else:
+            assert after == [0, 0]
+        assert runs[0].request.finish_reason == "abort" and len(runs[0].output_ids) < 10
+        for run in runs:
+            run.check_events()
+        assert [r.request.finish_reason for r in runs[1:]] == ["length"] * others
+        assert engine.runner.allocator.usage == 0.0
+    finally:
+        for counter in counters:
+            counter.handle.remove()
+
+
+def test_engine_shutdown_aborts_running_and_waiting_requests(dense):
+    """One seat: one request decodes, two wait (one admitted to the queue, one still in the inbox).
+    Shutdown ends all three with abort, exactly once, frees every page, and runs no forward."""
+    target, draft = dense
+    counter = ForwardCounter(target)
+    try:
+        engine = make_engine(target, draft, block_size=4, max_num_seqs=1)
+        runs = [submit(engine, make_request(f"r{i}", PROMPT, max_tokens=200)) for i in range(2)]
+        while len(runs[0].events) < 2:
+            engine.step()
+        assert engine.num_running == 1 and len(engine.scheduler.waiting) == 1
+        runs.append(submit(engine, make_request("r2", PROMPT, max_tokens=200)))      # still in the inbox
+        before = counter.count
+        engine.shutdown()
+        assert counter.count == before
+        for run in runs:
+            run.check_events()
+            assert run.request.finish_reason == "abort"
+        assert [len(r.output_ids) > 0 for r in runs] == [True, False, False]
+        assert engine.runner.allocator.usage == 0.0 and not engine.has_work
     finally:
         counter.handle.remove()

@@ -289,9 +289,11 @@ def test_chunked_prefill_equals_unchunked(request, kind, name):
 
 # -- the CUDA-graph path, eagerly ------------------------------------------------------------
 
-@pytest.mark.parametrize("kind,name", [("dense", "oracle"), ("hybrid", "real"), ("hybrid", "oracle")])
+@pytest.mark.parametrize("kind,name", [("dense", "oracle"), ("hybrid", "plain"), ("hybrid", "real"),
+                                       ("hybrid", "oracle")])
 def test_padded_graph_path_batch_equals_alone(request, kind, name):
-    """Three sequences padded to a captured batch of 4 (padding rows on page 0 / state slot 0),
+    """Three sequences padded to a captured batch of 4 (padding rows on page 0 / state slot 0:
+    plain hybrid decoding writes the recurrent state in place, padding rows included),
     keys gathered to a fixed bucket, greedy and seeded sampling mixed in one batch: each
     request's output and acceptances are those it gets alone on the eager path."""
     models = request.getfixturevalue(kind)

@@ -72,7 +72,8 @@ def test_unknown_dtype_is_rejected_by_the_parser(qwen3_dir):
 
 
 @pytest.mark.parametrize("flag, value, message", [("--max-queue", "0", "--max-queue"), ("--port", "70000", "--port"),
-                                                   ("--device", "bogus", "--device 'bogus'")])
+                                                   ("--device", "bogus", "--device 'bogus'"),
+                                                   ("--shutdown-timeout", "-1", "--shutdown-timeout")])
 def test_serve_rejects_bad_flags_before_loading(qwen3_dir, flag, value, message):
     out = blockspec("serve", "--model", str(qwen3_dir), flag, value)
     assert out.returncode == 2

@@ -163,7 +163,10 @@ def test_chunked_equals_recurrent(num_tokens):
     assert (chunk_out - out).abs().max() < 1e-5
     assert (chunk_final - final).abs().max() < 1e-5
     assert steps.shape == (2, num_tokens, 4, 8, 6) and steps.dtype == torch.float32
-    assert torch.equal(steps[:, -1], final)
+    # the kept state after position t is the final state of the prefix [0, t] run on its own
+    for t in sorted({0, num_tokens // 2, num_tokens - 1}):
+        _, prefix_final, _ = recurrent_gated_delta_rule(*(x[:, : t + 1] for x in (q, k, v, g, beta)), state)
+        assert torch.allclose(steps[:, t], prefix_final, atol=1e-6), t
 
 
 def test_recurrent_follows_the_stated_rule():

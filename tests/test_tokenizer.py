@@ -433,3 +433,17 @@ def test_template_helpers(model_dirs: dict[str, Path], tmp_path: Path) -> None:
         [{"role": "user", "content": "<b>&'ü", "name": None}], tools=[{"a": 1}], custom="kw")
     # HF's tojson: no HTML escaping, no ASCII escaping, keys in order, None-valued keys dropped.
     assert rendered == '{"role": "user", "content": "<b>&\'ü"}|[\n {\n  "a": 1\n }\n]|4|<|im_end|>|False|kw'
+
+
+def test_turn_end_tokens_are_stop_ids_whatever_eos_says(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Invariant 4: the chat template's turn end (<|im_end|>) stops generation even when neither
+    the tokenizer's eos nor generation_config names it (base checkpoints say <|endoftext|>)."""
+    path = copy_model_dir(model_dirs["qwen3"], tmp_path / "model")
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["eos_token"] = "<|endoftext|>"
+    config_path.write_text(json.dumps(config))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 151643}))
+    tokenizer = Tokenizer.from_dir(path)
+    assert tokenizer.eos_token == "<|endoftext|>"
+    assert tokenizer.stop_token_ids == {151643, 151645}          # <|endoftext|>, <|im_end|>

@@ -5,6 +5,10 @@ Only the engine's caller touches models, pools and the GPU (invariant 2): the se
 both. Requests from other threads arrive through `submit` (a thread-safe inbox). Each request's
 events go to the callback given at submit, called on the engine's thread. A request ends exactly
 once, with one finish reason (invariant 3), and its pages and state slot are freed then.
+
+Failures cost as little as they can: a sequence whose own work fails (its prefill, its commit)
+ends with an error alone; a batched forward that fails ends its batch; an out-of-memory error
+preempts the batch (recomputed later, exact) and halves the seats until steps succeed again.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 from torch import nn
 
 from blockspec.config import EngineConfig
@@ -40,6 +45,10 @@ class EngineCounters:
 
 
 EventCallback = Callable[[TokenEvent], None]
+# Tests only (fault injection): called as hook(phase, seqs) before a prefill ("prefill", [seq]),
+# a decode forward ("decode", batch) and each sequence's commit ("commit", [seq]); it may raise.
+FaultHook = Callable[[str, list[Sequence]], None]
+SEATS_RESTORED_AFTER = 64          # successful steps after an out-of-memory before seats double
 
 
 class Engine:
@@ -57,6 +66,8 @@ class Engine:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self.fault_hook: FaultHook | None = None         # off: one `is None` test per call site
+        self._steps_since_oom = 0
 
     # -- what other threads may call --------------------------------------------------------
 
@@ -122,27 +133,82 @@ class Engine:
                                           f"or lower --max-model-len")
         if batch.is_empty:
             return
+        emitted: list[Emitted] = []
+        out_of_memory = False
         try:
-            emitted = self._run(batch)
-        except Exception as exc:  # a failed step costs its sequences, never the engine
+            self._run(batch, emitted)
+        except torch.OutOfMemoryError:
+            out_of_memory = True
+        except Exception as exc:  # a failed batched forward costs its sequences, never the engine
             traceback.print_exc()
-            for seq in [s for s, _ in batch.prefill] + batch.decode:
+            for seq in batch.decode:
                 self._end(seq, "error", error=f"{type(exc).__name__}: {exc}")
-            return
         for item in emitted:
             self._emit_tokens(item)
+        if out_of_memory:
+            self._preempt_after_oom([s for s, _ in batch.prefill] + batch.decode)
+        else:
+            self._restore_seats()
 
-    def _run(self, batch: Batch) -> list[Emitted]:
-        emitted = []
+    def _run(self, batch: Batch, emitted: list[Emitted]) -> None:
         for seq, length in batch.prefill:
-            item = self.scheduler.postprocess_prefill(seq, self.runner.prefill(seq, length))
-            if item is not None:
-                emitted.append(item)
+            self._isolated(seq, lambda: self._prefill(seq, length, emitted))
         if batch.decode:
             self.counters.decode_batch_sizes[len(batch.decode)] += 1
+            if self.fault_hook is not None:
+                self.fault_hook("decode", batch.decode)
             result = self.runner.decode(batch.decode)
-            emitted += self.scheduler.postprocess_decode(batch.decode, result)
-        return emitted
+            for b, seq in enumerate(batch.decode):
+                self._isolated(seq, lambda: self._commit(seq, result.num_accepted[b], result.new_tokens[b], emitted))
+
+    def _prefill(self, seq: Sequence, length: int, emitted: list[Emitted]) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook("prefill", [seq])
+        item = self.scheduler.postprocess_prefill(seq, self.runner.prefill(seq, length))
+        if item is not None:
+            emitted.append(item)
+
+    def _commit(self, seq: Sequence, num_accepted: int, new_tokens: list[int], emitted: list[Emitted]) -> None:
+        if self.fault_hook is not None:
+            self.fault_hook("commit", [seq])
+        emitted.append(self.scheduler.postprocess_decode(seq, num_accepted, new_tokens))
+
+    def _isolated(self, seq: Sequence, work: Callable[[], None]) -> None:
+        """One sequence's own work: if it fails, that sequence ends with an error and the rest
+        of the step goes on (out of memory is the batch's problem: re-raised)."""
+        try:
+            work()
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:
+            traceback.print_exc()
+            self._end(seq, "error", error=f"{type(exc).__name__}: {exc}")
+
+    def _preempt_after_oom(self, seqs: list[Sequence]) -> None:
+        """Out of memory in a step: free what the allocator cached, preempt the step's sequences
+        (recompute is exact) and halve the seats; alone and still out of memory is an error."""
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        live = [seq for seq in seqs if seq in self.scheduler.running]
+        self._steps_since_oom = 0
+        if len(self.scheduler.running) <= 1:
+            for seq in live:
+                self._end(seq, "error", error="out of memory even with this request alone; lower "
+                                              "--max-model-len or the prompt length")
+            return
+        self.scheduler.seat_limit = max(1, min(self.scheduler.seat_limit, len(self.scheduler.running)) // 2)
+        for seq in reversed(live):
+            self.scheduler.preempt(seq)
+        print(f"blockspec: out of memory in a step of {len(live)} sequences: preempted them; "
+              f"seats now {self.scheduler.seat_limit}", flush=True)
+
+    def _restore_seats(self) -> None:
+        if self.scheduler.seat_limit >= self.config.max_num_seqs:
+            return
+        self._steps_since_oom += 1
+        if self._steps_since_oom >= SEATS_RESTORED_AFTER:
+            self.scheduler.seat_limit = min(self.config.max_num_seqs, 2 * self.scheduler.seat_limit)
+            self._steps_since_oom = 0
 
     def _loop(self) -> None:
         while not self._stopping.is_set():

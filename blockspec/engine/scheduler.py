@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from blockspec.config import EngineConfig
-from blockspec.engine.model_runner import DecodeResult, ModelRunner
+from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.sequence import Sequence
 
 
@@ -45,6 +45,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.unservable: list[Sequence] = []        # too long for the whole pool: the engine ends them
+        self.seat_limit = config.max_num_seqs         # lowered by the engine after an out-of-memory
         self._last_was_prefill = False
 
     @property
@@ -68,7 +69,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         promised = 0                    # pages the sequences admitted in this call will claim
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and len(self.running) < self.seat_limit:
             seq = self.waiting[0]
             need = self.runner.pages_needed(seq, seq.prefill_len + self.runner.width)
             if need + promised > self.runner.allocator.num_free or not self.runner.has_free_state_slot:
@@ -142,19 +143,17 @@ class Scheduler:
         seq.request.stats.prefill_s = now - (seq.admitted_at or now)
         return Emitted(seq, commit(seq, [first_token]))
 
-    def postprocess_decode(self, seqs: list[Sequence], result: DecodeResult) -> list[Emitted]:
-        emitted = []
-        for seq, num_accepted, new_tokens in zip(seqs, result.num_accepted, result.new_tokens):
-            allowed = min(self.runner.width, seq.request.num_allowed)      # tokens this cycle could commit
-            committed = commit(seq, new_tokens)
-            # x and d_1 … d_a stay in the pools; the bonus (the next x) is fed by the next cycle.
-            seq.num_cached += num_accepted + 1
-            # Stats as if the block had been cut to the allowed length (drafts past it count for
-            # nothing); acceptance length = accepted + 1 holds for every cut (stop id or length).
-            accepted = max(0, min(num_accepted, len(committed) - 1))
-            record_cycle(seq, num_drafts=allowed - 1, num_accepted=accepted, committed=len(committed))
-            emitted.append(Emitted(seq, committed))
-        return emitted
+    def postprocess_decode(self, seq: Sequence, num_accepted: int, new_tokens: list[int]) -> Emitted:
+        """One sequence's cycle: commit its a + 1 new tokens, rewind it by length, count it."""
+        allowed = min(self.runner.width, seq.request.num_allowed)      # tokens this cycle could commit
+        committed = commit(seq, new_tokens)
+        # x and d_1 … d_a stay in the pools; the bonus (the next x) is fed by the next cycle.
+        seq.num_cached += num_accepted + 1
+        # Stats as if the block had been cut to the allowed length (drafts past it count for
+        # nothing); acceptance length = accepted + 1 holds for every cut (stop id or length).
+        accepted = max(0, min(num_accepted, len(committed) - 1))
+        record_cycle(seq, num_drafts=allowed - 1, num_accepted=accepted, committed=len(committed))
+        return Emitted(seq, committed)
 
 
 def commit(seq: Sequence, tokens: list[int]) -> list[int]:

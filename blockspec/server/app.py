@@ -56,11 +56,18 @@ from blockspec.server.protocol import (ChatCompletion, ChatCompletionChoice, Cha
 from blockspec.tokenizer import IncrementalDetokenizer
 
 RETRY_AFTER_S = 1
-GRACEFUL_SHUTDOWN_S = 30
+# After the drain (--shutdown-timeout) has ended every request, the streams get this long to
+# write their last events; uvicorn's own cancel is only a backstop behind it.
+FINAL_WRITE_S = 5.0
 # torch.Generator.manual_seed takes seeds in [-2**63, 2**64); outside it the engine would fail.
 # chat_template_kwargs may not replace the arguments the server itself passes to the template.
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt"})
 DONE = b"data: [DONE]\n\n"
+# Bounds on what one request may ask the template and tokenizer to handle (besides
+# --max-body-bytes): beyond them a 400, before any rendering.
+MAX_MESSAGES = 1024
+MAX_TOOLS = 128
+MAX_TOOL_BYTES = 32 * 1024          # one tool definition, as JSON
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,11 +89,14 @@ class ServerSettings:
     max_num_seqs: int = 32
     cors: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
+    shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         # Engine limits (block size, queue, sequences) are checked once, by EngineConfig.
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be at least 1 (got {self.max_body_bytes})")
+        if not 0 <= self.shutdown_timeout < float("inf"):
+            raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0 (got {self.shutdown_timeout})")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
 
@@ -118,11 +128,11 @@ class ApiError(Exception):
 
 
 class GenerationFailed(Exception):
-    """The engine ended a request with an error, or dropped it at shutdown."""
+    """The engine ended a request with an error, or dropped it at shutdown (finish_reason abort)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, finish_reason: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.finish_reason = status, message, finish_reason
 
 
 def retry_later(message: str) -> ApiError:
@@ -208,6 +218,11 @@ class ServerState:
         self.on_load_error: Callable[[BaseException], None] | None = None
         self.started_at = time.monotonic()
         self.metrics = Metrics(self)
+        # The drain (SIGTERM): requests being answered, and the generations still open.
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False
+        self.in_flight = 0
+        self.generations: set[Generation] = set()
 
     def start_loading(self) -> None:
         """Load in a daemon thread, so /health answers "loading" meanwhile."""
@@ -237,6 +252,42 @@ class ServerState:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+
+    async def drain(self, timeout: float) -> None:
+        """SIGTERM: admit nothing more (503), let open requests finish for up to `timeout`
+        seconds, then end the rest (a stream: error event and [DONE]; else a 503 body), queued
+        ones included, and give them FINAL_WRITE_S to write it."""
+        self.draining = True
+        await wait_for_condition(lambda: self.in_flight == 0, timeout)
+        for generation in list(self.generations):
+            generation.interrupt()
+        await wait_for_condition(lambda: self.in_flight == 0, FINAL_WRITE_S)
+
+
+async def wait_for_condition(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(interval)
+    return True
+
+
+class CountInFlight:
+    """ASGI wrapper counting HTTP requests until their last byte is sent (a stream's too), so
+    the drain knows when every answer is out."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.in_flight -= 1
 
 
 def default_llm_factory(settings: ServerSettings) -> LLMFactory:
@@ -305,10 +356,30 @@ def validate(model: type[pydantic.BaseModel], body: dict[str, Any]) -> Any:
         raise ApiError(400, f"Invalid request: {exc}.") from None
 
 
+def check_bounds(body: Any) -> None:
+    """Message count, tool count and tool size: 400 beyond MAX_MESSAGES / MAX_TOOLS / MAX_TOOL_BYTES."""
+    messages = getattr(body, "messages", None) or []
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(400, f"Invalid 'messages': {len(messages)} messages; the limit is {MAX_MESSAGES}.", "messages")
+    tools = getattr(body, "tools", None) or []
+    if len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"Invalid 'tools': {len(tools)} tools; the limit is {MAX_TOOLS}.", "tools")
+    for i, tool in enumerate(tools):
+        size = len(tool.model_dump_json(exclude_none=True))
+        if size > MAX_TOOL_BYTES:
+            raise ApiError(400, f"Invalid 'tools[{i}]': its definition has {size} bytes of JSON; the limit "
+                                f"is {MAX_TOOL_BYTES}.", "tools")
+
+
 def check_model_name(settings: ServerSettings, name: str | None) -> None:
     if name and name not in (settings.model_name, settings.model):
         raise ApiError(404, f"The model '{name}' does not exist; this server serves "
                             f"'{settings.model_name}'.", "model")
+
+
+def check_not_draining(state: ServerState) -> None:
+    if state.draining:
+        raise retry_later("the server is shutting down; retry on another server")
 
 
 def check_queue_room(engine: Engine) -> None:
@@ -485,7 +556,11 @@ class Generation:
         self.state, self.engine, self.request, self.processor = state, engine, request, processor
         self.arrival = arrival
         self._loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        # One pending event, at most: the engine thread merges into it while this side is
+        # behind (a slow reader), so it never blocks and memory stays bounded by the output.
+        self._pending: TokenEvent | None = None
+        self._pending_lock = threading.Lock()
+        self._ready = asyncio.Event()
         self._has_first_token = False
         self._ended = False
         self._final_stats: GenerationStats | None = None
@@ -505,17 +580,42 @@ class Generation:
             self.engine.submit(self.request, self._on_event)
         except QueueFullError as exc:
             raise retry_later(f"the server is busy: {exc}; retry shortly") from None
+        self.state.generations.add(self)
 
-    def _on_event(self, event: TokenEvent) -> None:  # engine thread
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            self.request.abort()
+    def _on_event(self, event: TokenEvent) -> None:  # engine thread (or the loop, for interrupt)
+        with self._pending_lock:
+            was_empty = self._pending is None
+            self._pending = event if was_empty else merge_events(self._pending, event)
+        if was_empty:
+            try:
+                self._loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                self.request.abort()
+
+    async def _next_event(self) -> TokenEvent:
+        while True:
+            await self._ready.wait()
+            with self._pending_lock:
+                event, self._pending = self._pending, None
+                self._ready.clear()
+            if event is not None:
+                return event
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Committed tokens not yet taken by the output side (tests: the slot stays bounded)."""
+        with self._pending_lock:
+            return len(self._pending.token_ids) if self._pending is not None else 0
+
+    def interrupt(self) -> None:
+        """The drain ran out: end this request now, whatever it is doing."""
+        self.request.abort()
+        self._on_event(TokenEvent(self.request.request_id, [], "shutdown"))
 
     async def deltas(self) -> AsyncIterator[OutputDelta]:
         try:
             while not self.processor.is_finished:
-                event = await self._events.get()
+                event = await self._next_event()
                 self._check(event)
                 self._observe_first_token(event)
                 delta = self._process(event)
@@ -554,9 +654,10 @@ class Generation:
         if event.finish_reason == "error":
             self._end("error")
             raise GenerationFailed(500, f"generation failed: {event.error or 'engine error'}")
-        if event.finish_reason == "abort":  # not ours: the engine dropped it (shutdown)
+        if event.finish_reason in ("abort", "shutdown"):  # not ours: the server is stopping
             self._end("abort")
-            raise GenerationFailed(503, "the server is shutting down; retry on another server")
+            raise GenerationFailed(503, "the server shut down before this request finished; retry on "
+                                        "another server", finish_reason="abort")
 
     def _observe_first_token(self, event: TokenEvent) -> None:
         if event.token_ids and not self._has_first_token:
@@ -567,8 +668,16 @@ class Generation:
         if self._ended:
             return
         self._ended = True
+        self.state.generations.discard(self)
         self.state.metrics.requests.labels(finish_reason=reason).inc()
         self.state.metrics.e2e_latency.observe(time.monotonic() - self.arrival)
+
+
+def merge_events(first: TokenEvent, then: TokenEvent) -> TokenEvent:
+    """Two events of one request not yet read, as one; a final event stays final."""
+    if first.finish_reason is not None:
+        return first
+    return TokenEvent(then.request_id, first.token_ids + then.token_ids, then.finish_reason, then.stats, then.error)
 
 
 def meta_info(stats: GenerationStats) -> MetaInfo:
@@ -677,6 +786,8 @@ async def chat_chunks(generation: Generation, response_id: str, model: str,
                 meta = meta_info(generation.stats) if body.return_meta_info else None
                 yield chunk(DeltaMessage(), delta.finish_reason, meta_info=meta)
     except GenerationFailed as exc:
+        if exc.finish_reason is not None:
+            yield sse(with_finish_reason(chunk(DeltaMessage()), exc.finish_reason))
         yield sse(error_body(exc.status, exc.message))
     else:
         if body.include_usage:
@@ -696,11 +807,21 @@ async def completion_chunks(generation: Generation, response_id: str, model: str
                 choice = CompletionChoice(text="", finish_reason=delta.finish_reason)
                 yield sse(Completion(id=response_id, model=model, choices=[choice], meta_info=meta))
     except GenerationFailed as exc:
+        if exc.finish_reason is not None:
+            final = sse(Completion(id=response_id, model=model, choices=[CompletionChoice(text="")]))
+            yield sse(with_finish_reason(final, exc.finish_reason))
         yield sse(error_body(exc.status, exc.message))
     else:
         if body.include_usage:
             yield sse(Completion(id=response_id, model=model, choices=[], usage=generation.usage))
     yield DONE
+
+
+def with_finish_reason(event: bytes, finish_reason: str) -> dict[str, Any]:
+    """An SSE chunk's payload with a finish reason outside OpenAI's set (abort: ended by us)."""
+    payload = json.loads(event[len(b"data: "):])
+    payload["choices"][0]["finish_reason"] = finish_reason
+    return payload
 
 
 def chat_body(generation: Generation, output: OutputAccumulator, response_id: str, model: str,
@@ -747,8 +868,10 @@ async def generate(state: ServerState, request: Request, kind: str) -> Response:
     """The shared path of both completion routes, from raw body to response."""
     arrival = time.monotonic()
     settings = state.settings
+    check_not_draining(state)
     raw = await read_json_object(request, settings.max_body_bytes)
     body = validate(ChatCompletionRequest if kind == "chat" else CompletionRequest, raw)
+    check_bounds(body)
     check_model_name(settings, body.model)
     check_seed(body.seed)
     llm, engine = state.ready()
@@ -787,6 +910,8 @@ def make_processor(tokenizer: Any, prompt: Prompt, body: Any, kind: str) -> Outp
 
 
 def health(state: ServerState) -> JSONResponse:
+    if state.draining:  # load balancers: send nothing more here
+        return JSONResponse({"status": "draining"}, 503)
     if state.engine is None:
         if state.load_error is not None:
             return JSONResponse({"status": "error", "message": str(state.load_error)}, 503)
@@ -868,9 +993,10 @@ def create_app(llm: Any = None, settings: ServerSettings | None = None) -> FastA
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        state.loop = asyncio.get_running_loop()
         state.start_loading()
         yield
-        await asyncio.to_thread(state.shutdown)  # after uvicorn's drain of open requests
+        await asyncio.to_thread(state.shutdown)  # after the drain of open requests
 
     app = FastAPI(title="blockspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -880,6 +1006,7 @@ def create_app(llm: Any = None, settings: ServerSettings | None = None) -> FastA
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
+    app.add_middleware(CountInFlight, state=state)
     return app
 
 
@@ -894,8 +1021,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = ServerSettings.from_args(args)
     app = create_app(None, settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=FINAL_WRITE_S)
+    server = draining_server(config, app.state.server)
     failures: list[BaseException] = []
 
     def on_load_error(exc: BaseException) -> None:
@@ -909,6 +1036,34 @@ def serve(args: argparse.Namespace) -> int:
         print(f"blockspec serve: error: {failures[0]}", file=sys.stderr)
         return 2
     return 0
+
+
+def draining_server(config: Any, state: ServerState) -> Any:
+    """uvicorn's Server, but the first SIGTERM/SIGINT drains (ServerState.drain) while still
+    listening, so new requests get a 503 rather than a refused connection; a second signal,
+    or the drain's end, stops it."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        drain_task: asyncio.Task | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.drain_task is not None or state.loop is None or self.should_exit:
+                return super().handle_exit(sig, frame)
+            self._captured_signals.append(sig)
+            state.loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self) -> None:
+            if self.drain_task is None:
+                self.drain_task = asyncio.ensure_future(self._drain_then_exit())
+
+        async def _drain_then_exit(self) -> None:
+            try:
+                await state.drain(state.settings.shutdown_timeout)
+            finally:
+                self.should_exit = True
+
+    return DrainingServer(config)
 
 
 class _sigterm_as_clean_exit:
