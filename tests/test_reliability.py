@@ -258,7 +258,8 @@ def test_out_of_memory_inside_a_forward_preempts_and_the_output_stays_exact(mode
         if calls["n"] == 9:
             raise torch.OutOfMemoryError("injected inside the forward")
 
-    handle = models[kind][0].model.layers[2].register_forward_pre_hook(fail_on_the_ninth_call)
+    # on the MLP: layers run through forward_residual (not __call__), their submodules through __call__
+    handle = models[kind][0].model.layers[2].mlp.register_forward_pre_hook(fail_on_the_ninth_call)
     try:
         runs = [submit(engine, r) for r in requests(kind)]
         run_until_done(engine, runs)
