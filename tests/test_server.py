@@ -249,8 +249,8 @@ def test_streaming_format_usage_and_meta_info(dflash):
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
     meta = next(c["meta_info"] for c in chunks if "meta_info" in c)
     assert sum(meta["spec_accept_histogram"]) == meta["spec_verify_ct"] > 0
-    # every token after the prefill's first one was committed by a verify pass
-    assert sum(i * n for i, n in enumerate(meta["spec_accept_histogram"])) == 12 - 1
+    # every token after the prefill's first one was committed by a verify pass (index i: i drafts accepted)
+    assert sum((i + 1) * n for i, n in enumerate(meta["spec_accept_histogram"])) == 12 - 1
     whole = chat(dflash, max_tokens=12, return_meta_info=True)
     assert streamed_chat_text(events) == whole["choices"][0]["message"]["content"]
     assert whole["usage"] == usage_chunk["usage"]

@@ -365,13 +365,27 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> Prompt:
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools_enabled else None
     messages = [template_message(message) for message in body.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True, **kwargs)
+        text = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=body.add_generation_prompt,
+                                             **kwargs)
     except Exception as exc:  # template errors, bad tool-call arguments: the request's fault
         raise ApiError(400, f"The chat template could not render these messages: {exc}", "messages") from None
+    if body.continue_final_message:
+        text = open_final_message(text, body.messages[-1].text or "")
     has_think = tokenizer.token_to_id("</think>") is not None
     reasoning = has_think and kwargs.get("enable_thinking") is not False
     started = text.rstrip().endswith("<think>")
     return Prompt(tokenizer.encode(text, add_special_tokens=False), reasoning, reasoning and started)
+
+
+def open_final_message(text: str, final: str) -> str:
+    """The rendered conversation cut right after the final message's text, so the template's
+    end-of-turn tokens are gone and the model continues that message (vLLM's and transformers'
+    continue_final_message)."""
+    for needle in (final, final.strip()):
+        if needle and needle in text:
+            return text[: text.rindex(needle) + len(needle)]
+    raise ApiError(400, "Invalid 'continue_final_message': the final message has no text that the chat "
+                        "template renders, so there is nothing to continue.", "continue_final_message")
 
 
 def completion_prompt(tokenizer: Any, body: CompletionRequest) -> Prompt:
@@ -530,14 +544,22 @@ class Generation:
         self.state.metrics.e2e_latency.observe(time.monotonic() - self.arrival)
 
 
-def meta_info(stats: GenerationStats) -> MetaInfo:
-    """SGLang's spec stats; histogram index i counts verify passes that committed i tokens."""
-    lengths = list(stats.acceptance_lengths) if stats.speculative else []   # plain: no verify passes
-    histogram = [0] * (max(lengths) + 1) if lengths else []
+def meta_info(stats: GenerationStats, completion_tokens: int) -> MetaInfo:
+    """SGLang's spec stats, computed as SGLang does: spec_accept_length = completion tokens ÷
+    verify passes (the prefill's first token included, so it is the mean acceptance length plus
+    1/verify passes); spec_accept_histogram[i] = verify passes that accepted i drafts (each
+    committed i + 1 tokens). A plain server reports zeros, having no verify passes."""
+    lengths = list(stats.acceptance_lengths) if stats.speculative else []
+    histogram = [0] * max(lengths) if lengths else []
     for length in lengths:
-        histogram[length] += 1
-    mean = sum(lengths) / len(lengths) if lengths else 0.0
-    return MetaInfo(spec_verify_ct=len(lengths), spec_accept_length=mean, spec_accept_histogram=histogram)
+        histogram[length - 1] += 1
+    num_verify = len(lengths)
+    accepted = sum(length - 1 for length in lengths)
+    drafts = stats.draft_tokens if stats.speculative else 0
+    return MetaInfo(spec_verify_ct=num_verify,
+                    spec_accept_length=completion_tokens / num_verify if num_verify else 0.0,
+                    spec_accept_histogram=histogram, spec_accept_rate=accepted / drafts if drafts else 0.0,
+                    spec_accept_token_num=accepted, spec_draft_token_num=drafts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -633,7 +655,7 @@ async def chat_chunks(generation: Generation, response_id: str, model: str,
             if message is not None:
                 yield chunk(message)
             if delta.finish_reason is not None:
-                meta = meta_info(generation.stats) if body.return_meta_info else None
+                meta = meta_info(generation.stats, generation.usage.completion_tokens) if body.return_meta_info else None
                 yield chunk(DeltaMessage(), delta.finish_reason, meta_info=meta)
     except GenerationFailed as exc:
         yield sse(error_body(exc.status, exc.message))
@@ -651,7 +673,7 @@ async def completion_chunks(generation: Generation, response_id: str, model: str
                 yield sse(Completion(id=response_id, model=model,
                                      choices=[CompletionChoice(text=delta.content)]))
             if delta.finish_reason is not None:
-                meta = meta_info(generation.stats) if body.return_meta_info else None
+                meta = meta_info(generation.stats, generation.usage.completion_tokens) if body.return_meta_info else None
                 choice = CompletionChoice(text="", finish_reason=delta.finish_reason)
                 yield sse(Completion(id=response_id, model=model, choices=[choice], meta_info=meta))
     except GenerationFailed as exc:
@@ -670,14 +692,14 @@ def chat_body(generation: Generation, output: OutputAccumulator, response_id: st
                                     reasoning_content=output.reasoning or None, tool_calls=calls or None)
     choice = ChatCompletionChoice(message=message, finish_reason=output.finish_reason)
     return ChatCompletion(id=response_id, model=model, choices=[choice], usage=generation.usage,
-                          meta_info=meta_info(generation.stats) if body.return_meta_info else None)
+                          meta_info=meta_info(generation.stats, generation.usage.completion_tokens) if body.return_meta_info else None)
 
 
 def completion_body(generation: Generation, output: OutputAccumulator, response_id: str, model: str,
                     body: CompletionRequest) -> Completion:
     choice = CompletionChoice(text=output.content, finish_reason=output.finish_reason)
     return Completion(id=response_id, model=model, choices=[choice], usage=generation.usage,
-                      meta_info=meta_info(generation.stats) if body.return_meta_info else None)
+                      meta_info=meta_info(generation.stats, generation.usage.completion_tokens) if body.return_meta_info else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -776,6 +798,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def models() -> JSONResponse:
         return JSONResponse(model_list(state).model_dump(mode="json"))
 
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        for card in model_list(state).data:
+            if model_id in (card.id, state.settings.model):
+                return JSONResponse(card.model_dump(mode="json"))
+        raise ApiError(404, f"The model '{model_id}' does not exist; this server serves "
+                            f"'{state.settings.model_name}'.", "model")
+
     @app.get("/health")
     async def health_route() -> JSONResponse:
         return health(state)
@@ -809,6 +839,29 @@ def add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), 500)
 
 
+class RequestIdMiddleware:
+    """Every response carries `x-request-id`: the client's own when it sent one (as vLLM and
+    OpenAI echo it), else a fresh one. Pure ASGI, so streamed bodies pass through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id")
+        request_id = given[:256] if given else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(llm: Any = None, settings: ServerSettings | None = None) -> FastAPI:
     """The app. `llm`: a loaded LLM, a zero-argument factory returning one (called in a
     background thread at startup), or None to load from `settings`."""
@@ -830,6 +883,7 @@ def create_app(llm: Any = None, settings: ServerSettings | None = None) -> FastA
 
     app = FastAPI(title="blockspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    app.add_middleware(RequestIdMiddleware)
     add_error_handlers(app)
     add_routes(app, state)
     if settings.cors_origins:

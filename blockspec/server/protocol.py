@@ -208,6 +208,30 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's prompt controls: continue_final_message leaves the last (assistant) message open,
+    # so the model continues it; it needs add_generation_prompt false, as vLLM requires.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # The legacy function-calling API (deprecated by OpenAI): refused, never ignored.
+    functions: Any = None
+    function_call: Any = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            replacement = "tools" if info.field_name == "functions" else "tool_choice"
+            raise ValueError(f"the legacy '{info.field_name}' API is not supported by this server; "
+                             f"send '{replacement}' instead")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_needs_no_generation_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                             "(send add_generation_prompt: false to continue the final message)")
+        return value
 
     @field_validator("messages")
     @classmethod
@@ -281,6 +305,16 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if value is not None and value != n:
+            raise ValueError(f"best_of={value} is not supported by this server: it must equal n ({n}), "
+                             "since choices are not ranked")
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -1,0 +1,118 @@
+"""The OpenAI surface beyond the basics (issue 13): model lookup, request ids, prompt controls,
+refused legacy parameters, SGLang's meta_info, logprobs, n > 1, prompt lists and echo; against
+in-process servers over the tiny random Qwen3 (plain and DFlash)."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from api_server import LiveServer, assert_error, load_llm
+
+HELLO = [{"role": "user", "content": "Hello, who are you?"}]
+
+
+@pytest.fixture(scope="module")
+def plain(qwen3_dir):
+    with LiveServer(load_llm(qwen3_dir), "qwen3") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def dflash(qwen3_dir, qwen3_draft_dir):
+    with LiveServer(load_llm(qwen3_dir, qwen3_draft_dir), "qwen3-dflash") as server:
+        yield server
+
+
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------
+# Defects
+# ---------------------------------------------------------------------------------------------
+
+
+def test_models_retrieve_and_unknown_model_is_404(plain):
+    model = client(plain).models.retrieve("qwen3")
+    assert (model.id, model.object) == ("qwen3", "model")
+    assert httpx.get(plain.url + "/v1/models/%2Fmodels%2Fqwen3").json()["id"] == "qwen3"  # the path works too
+    error = assert_error(httpx.get(plain.url + "/v1/models/nope"), 404, "'nope'")
+    assert error["type"] == "not_found_error"
+    with pytest.raises(openai.NotFoundError):
+        client(plain).models.retrieve("nope")
+
+
+def test_x_request_id_on_every_response(plain):
+    echoed = plain.post("/v1/chat/completions", {"messages": HELLO, "max_tokens": 1},
+                        headers={"x-request-id": "client-id-42"})
+    assert echoed.headers["x-request-id"] == "client-id-42"
+    fresh = [httpx.get(plain.url + "/health"), httpx.get(plain.url + "/v1/models"),
+             httpx.get(plain.url + "/v1/models/nope"), plain.post("/v1/chat/completions", {"messages": []})]
+    ids = [response.headers["x-request-id"] for response in fresh]
+    assert all(len(i) == 32 for i in ids) and len(set(ids)) == 4
+    with httpx.stream("POST", plain.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": HELLO, "max_tokens": 2, "stream": True},
+                      headers={"x-request-id": "streamed-7"}) as response:
+        assert response.headers["x-request-id"] == "streamed-7"
+        assert response.read().endswith(b"data: [DONE]\n\n")
+
+
+def test_continue_final_message_continues_the_prefill(plain, dflash):
+    """vLLM's semantics: the final assistant message stays open (no <|im_end|>), and the output
+    continues it; equal to a completion of the rendered, cut prompt."""
+    llm = plain.app.state.server.llm
+    prefill = "The answer is"
+    messages = [*HELLO, {"role": "assistant", "content": prefill}]
+    rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    prompt = rendered[: rendered.rindex(prefill) + len(prefill)]
+    assert rendered.endswith("<|im_end|>\n") and not prompt.endswith("<|im_end|>\n")
+    expected = plain.complete(llm.tokenizer.encode(prompt), max_tokens=8)["choices"][0]["text"]
+    for server in (plain, dflash):
+        answer = server.chat(messages, continue_final_message=True, add_generation_prompt=False)
+        assert answer["choices"][0]["message"]["content"] == expected
+        assert answer["usage"]["prompt_tokens"] == len(llm.tokenizer.encode(prompt))
+    closed = plain.chat(messages, add_generation_prompt=False)   # closed turn, no generation prompt
+    assert closed["usage"]["prompt_tokens"] == len(llm.tokenizer.encode(rendered))
+    both = plain.post("/v1/chat/completions", {"messages": messages, "continue_final_message": True})
+    assert_error(both, 400, "add_generation_prompt")["param"] == "continue_final_message"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
+    ("function_call", "auto"),
+])
+def test_legacy_function_calling_is_refused_by_name(plain, field, value):
+    error = assert_error(plain.post("/v1/chat/completions", {"messages": HELLO, field: value}), 400, field)
+    assert error["param"] == field
+
+
+def test_best_of_must_equal_n(plain):
+    assert plain.complete("Hi", best_of=1, max_tokens=2)["choices"][0]["text"]
+    error = assert_error(plain.post("/v1/completions", {"prompt": "Hi", "best_of": 3}), 400, "best_of")
+    assert error["param"] == "best_of"
+
+
+def test_meta_info_as_sglang_computes_it(dflash, plain):
+    answer = dflash.chat(HELLO, max_tokens=12, return_meta_info=True)
+    meta, tokens = answer["meta_info"], answer["usage"]["completion_tokens"]
+    histogram = meta["spec_accept_histogram"]
+    assert sum(histogram) == meta["spec_verify_ct"] > 0
+    # index i counts verify passes that accepted i drafts; with the prefill's token they make all
+    assert sum((i + 1) * n for i, n in enumerate(histogram)) == tokens - 1
+    assert meta["spec_accept_length"] == pytest.approx(tokens / meta["spec_verify_ct"])
+    assert meta["spec_accept_token_num"] == sum(i * n for i, n in enumerate(histogram))
+    assert 0 <= meta["spec_accept_rate"] <= 1
+    plain_meta = plain.chat(HELLO, max_tokens=4, return_meta_info=True)["meta_info"]
+    assert (plain_meta["spec_verify_ct"], plain_meta["spec_accept_length"]) == (0, 0.0)
+
+
+def test_max_tokens_limits(plain):
+    """Beyond the context: 400 naming the parameter. The completions default (16) is capped by
+    the context left, silently, as vLLM does (documented in ARCHITECTURE.md §7)."""
+    llm = plain.app.state.server.llm
+    error = assert_error(plain.post("/v1/completions", {"prompt": "Hi", "max_tokens": 10_000}), 400, "max_tokens")
+    assert error["param"] == "max_tokens"
+    long_prompt = [100] * (llm.max_model_len - 5)
+    answer = plain.post("/v1/completions", {"prompt": long_prompt, "temperature": 0}).json()
+    assert answer["usage"]["completion_tokens"] <= 5 and answer["choices"][0]["finish_reason"] in ("length", "stop")
