@@ -116,3 +116,86 @@ def test_max_tokens_limits(plain):
     long_prompt = [100] * (llm.max_model_len - 5)
     answer = plain.post("/v1/completions", {"prompt": long_prompt, "temperature": 0}).json()
     assert answer["usage"]["completion_tokens"] <= 5 and answer["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+# ---------------------------------------------------------------------------------------------
+# logprobs
+# ---------------------------------------------------------------------------------------------
+
+PROMPT_IDS = [785, 6722, 315, 9625, 374, 264, 3460, 3283, 11, 323]
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir):
+    """transformers' greedy continuation of PROMPT_IDS and the fp32 log-softmax of every position
+    that chose an output token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+    ids = list(PROMPT_IDS)
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return ids[len(PROMPT_IDS):], logprobs[len(PROMPT_IDS) - 1: -1]
+
+
+def test_completion_logprobs_equal_transformers_plain_and_dflash(plain, dflash, reference):
+    output_ids, rows = reference
+    llm = plain.app.state.server.llm
+    answers = {s.name: s.complete(PROMPT_IDS, max_tokens=8, logprobs=5)["choices"][0] for s in (plain, dflash)}
+    expected = [float(rows[i, t]) for i, t in enumerate(output_ids)]
+    texts = [llm.tokenizer.decode([t]) for t in output_ids]
+    for answer in answers.values():
+        logprobs = answer["logprobs"]
+        assert answer["text"] == llm.tokenizer.decode(output_ids)
+        assert logprobs["tokens"] == texts
+        assert logprobs["token_logprobs"] == pytest.approx(expected, abs=1e-4)
+        assert logprobs["text_offset"] == [sum(map(len, texts[:i])) for i in range(len(texts))]
+        for i, top in enumerate(logprobs["top_logprobs"]):
+            best = rows[i].topk(5)
+            assert sorted(top.values(), reverse=True)[:5] == pytest.approx(best.values.tolist(), abs=1e-4)
+            assert set(top) == {llm.tokenizer.decode([t]) for t in best.indices.tolist()} | {texts[i]}
+    plain_lp = answers["qwen3"]["logprobs"]["token_logprobs"]
+    dflash_lp = answers["qwen3-dflash"]["logprobs"]["token_logprobs"]
+    # fp32 rounding of different forward shapes (1 vs 16 rows); measured ≤ 8e-6 over 32 tokens
+    assert max(abs(a - b) for a, b in zip(plain_lp, dflash_lp)) < 5e-5
+
+
+def test_chat_logprobs_streamed_equal_whole_and_dflash_equals_plain(plain, dflash):
+    body = {"messages": HELLO, "temperature": 0, "max_tokens": 10, "logprobs": True, "top_logprobs": 3}
+    results = {}
+    for server in (plain, dflash):
+        whole = server.chat(**body)["choices"][0]
+        content = whole["logprobs"]["content"]
+        assert len(content) == 10 and all(len(entry["top_logprobs"]) == 3 for entry in content)
+        assert all(entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6 for entry in content)
+        assert all(entry["bytes"] == list(entry["token"].encode()) for entry in content)
+        events = server.stream("/v1/chat/completions", body)
+        streamed = [entry for event in events[:-1] for choice in event["choices"]
+                    for entry in ((choice.get("logprobs") or {}).get("content") or [])]
+        assert [e["token"] for e in streamed] == [e["token"] for e in content]
+        assert [e["logprob"] for e in streamed] == [e["logprob"] for e in content]
+        results[server.name] = content
+    for a, b in zip(results["qwen3"], results["qwen3-dflash"]):
+        assert a["token"] == b["token"] and abs(a["logprob"] - b["logprob"]) < 5e-5
+        assert [t["token"] for t in a["top_logprobs"]] == [t["token"] for t in b["top_logprobs"]]
+    without = plain.chat(HELLO, max_tokens=2)["choices"][0]
+    assert without["logprobs"] is None
+    only_chosen = plain.chat(HELLO, max_tokens=2, logprobs=True)["choices"][0]["logprobs"]["content"]
+    assert [entry["top_logprobs"] for entry in only_chosen] == [[], []]
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"top_logprobs": 2}, "top_logprobs"),                       # without logprobs: true
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+])
+def test_chat_logprobs_limits(plain, fields, param):
+    error = assert_error(plain.post("/v1/chat/completions", {"messages": HELLO, **fields}), 400, param)
+    assert error["param"] == param
+
+
+def test_completion_logprobs_limits_and_echo(plain):
+    assert_error(plain.post("/v1/completions", {"prompt": "Hi", "logprobs": 21}), 400, "logprobs")
+    error = assert_error(plain.post("/v1/completions", {"prompt": "Hi", "logprobs": 1, "echo": True}), 400, "echo")
+    assert error["param"] == "echo"

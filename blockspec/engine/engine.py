@@ -188,11 +188,20 @@ class Engine:
         request = item.seq.request
         self.counters.generation_tokens += len(item.token_ids)
         if request.is_finished:
-            self._end(item.seq, request.finish_reason, token_ids=item.token_ids)
+            self._end(item.seq, request.finish_reason, token_ids=item.token_ids, logprobs=self._logprobs(item))
         else:
-            self._emit(item.seq, TokenEvent(request.request_id, item.token_ids))
+            self._emit(item.seq, TokenEvent(request.request_id, item.token_ids, logprobs=self._logprobs(item)))
 
-    def _end(self, seq: Sequence, reason: str, token_ids: list[int] | None = None, error: str | None = None) -> None:
+    @staticmethod
+    def _logprobs(item: Emitted) -> list | None:
+        """The logprobs of the tokens just committed (the request's last ones), if it asked."""
+        request = item.seq.request
+        if request.num_logprobs is None:
+            return None
+        return request.output_logprobs[len(request.output_logprobs) - len(item.token_ids):]
+
+    def _end(self, seq: Sequence, reason: str, token_ids: list[int] | None = None, error: str | None = None,
+             logprobs: list | None = None) -> None:
         """The one place a request ends: free its memory, count it, send its final event."""
         request = seq.request
         request.finish_reason = reason
@@ -201,7 +210,8 @@ class Engine:
             self.counters.spec_verify += request.stats.cycles
             self.counters.spec_draft_tokens += request.stats.draft_tokens
             self.counters.spec_accepted_tokens += request.stats.accepted_tokens
-        self._emit(seq, TokenEvent(request.request_id, token_ids or [], reason, request.stats, error=error))
+        self._emit(seq, TokenEvent(request.request_id, token_ids or [], reason, request.stats, error=error,
+                                   logprobs=logprobs))
         self._callbacks.pop(id(seq), None)
         if self.on_finish is not None:
             self.on_finish(request)

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from blockspec.config import EngineConfig
-from blockspec.engine.model_runner import DecodeResult, ModelRunner
+from blockspec.engine.model_runner import DecodeResult, FirstToken, ModelRunner
 from blockspec.engine.sequence import Sequence
 
 
@@ -134,19 +134,20 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
 
-    def postprocess_prefill(self, seq: Sequence, first_token: int | None) -> Emitted | None:
+    def postprocess_prefill(self, seq: Sequence, first_token: FirstToken | None) -> Emitted | None:
         if first_token is None:
             return None
         now = time.perf_counter()
         seq.first_token_at = now
         seq.request.stats.prefill_s = now - (seq.admitted_at or now)
-        return Emitted(seq, seq.request.commit([first_token]))
+        return Emitted(seq, seq.request.commit([first_token.token_id], first_token.logprobs))
 
     def postprocess_decode(self, seqs: list[Sequence], result: DecodeResult) -> list[Emitted]:
         emitted = []
-        for seq, num_accepted, new_tokens in zip(seqs, result.num_accepted, result.new_tokens):
+        logprobs = result.logprobs or [None] * len(seqs)
+        for seq, num_accepted, new_tokens, scored in zip(seqs, result.num_accepted, result.new_tokens, logprobs):
             allowed = min(self.runner.width, seq.request.num_allowed)      # tokens this cycle could commit
-            committed = seq.request.commit(new_tokens)
+            committed = seq.request.commit(new_tokens, scored)
             # x and d_1 … d_a stay in the pools; the bonus (the next x) is fed by the next cycle.
             seq.num_cached += num_accepted + 1
             # Stats as if the block had been cut to the allowed length (drafts past it count for

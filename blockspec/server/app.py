@@ -46,6 +46,7 @@ from blockspec.engine.request import GenerationStats, TokenEvent
 from blockspec.engine.request import Request as EngineRequest
 from blockspec.sampling import SamplingParams
 from blockspec.sampling import check_seed as check_seed_range
+from blockspec.server.logprobs import chat_logprobs, completion_logprobs
 from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
 from blockspec.server.protocol import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                        ChatCompletionChunkChoice, ChatCompletionMessage,
@@ -311,9 +312,12 @@ def check_model_name(settings: ServerSettings, name: str | None) -> None:
                             f"'{settings.model_name}'.", "model")
 
 
-def check_queue_room(engine: Engine) -> None:
-    """503 while the queue is full, decided before any tokenizing."""
-    if engine.num_waiting >= engine.max_queue:
+def check_queue_room(engine: Engine, count: int = 1) -> None:
+    """503 while the queue has no room for `count` more requests, decided before any tokenizing."""
+    if count > engine.max_queue:
+        raise ApiError(400, f"This request makes {count} generations (n × prompts); this server queues at "
+                            f"most {engine.max_queue} at once.", "n")
+    if engine.num_waiting + count > engine.max_queue:
         raise retry_later(f"the server is busy ({engine.num_waiting} requests waiting); retry shortly")
 
 
@@ -324,7 +328,9 @@ def check_seed(seed: int | None) -> None:
         raise ApiError(400, f"Invalid 'seed': {exc}.", "seed") from None
 
 
-def sampling_params(body: Any, max_tokens: int) -> SamplingParams:
+def sampling_params(body: Any, max_tokens: int, choice: int = 0) -> SamplingParams:
+    """Choice i of a request samples with seed + i (vLLM's rule for n > 1): reproducible, and
+    the choices differ."""
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -332,7 +338,7 @@ def sampling_params(body: Any, max_tokens: int) -> SamplingParams:
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(0, body.top_k or 0),
             min_p=body.min_p or 0.0,
-            seed=body.seed,
+            seed=None if body.seed is None else body.seed + choice,
             stop_token_ids=tuple(body.stop_token_ids or ()),
         )
     except ValueError as exc:
@@ -349,6 +355,7 @@ class Prompt:
     token_ids: list[int]
     reasoning: bool = False             # parse <think> … </think> out of the output
     reasoning_started: bool = False     # the template opened <think> in the prompt
+    text: str | None = None             # the prompt as the client wrote it (completions' echo)
 
 
 def template_message(message: Any) -> dict[str, Any]:
@@ -388,14 +395,20 @@ def open_final_message(text: str, final: str) -> str:
                         "template renders, so there is nothing to continue.", "continue_final_message")
 
 
-def completion_prompt(tokenizer: Any, body: CompletionRequest) -> Prompt:
-    if isinstance(body.prompt, str):
-        return Prompt(tokenizer.encode(body.prompt, add_special_tokens=True))
-    too_big = [t for t in body.prompt if t >= tokenizer.vocab_size]
+def completion_prompt(tokenizer: Any, prompt: str | list[int]) -> Prompt:
+    if isinstance(prompt, str):
+        return Prompt(tokenizer.encode(prompt, add_special_tokens=True), text=prompt)
+    too_big = [t for t in prompt if t >= tokenizer.vocab_size]
     if too_big:
         raise ApiError(400, f"Invalid 'prompt': token id {too_big[0]} is outside the vocabulary "
                             f"of {tokenizer.vocab_size}.", "prompt")
-    return Prompt(list(body.prompt))
+    return Prompt(list(prompt))
+
+
+def render_prompts(tokenizer: Any, body: Any, kind: str) -> list[Prompt]:
+    if kind == "chat":
+        return [render_chat(tokenizer, body)]
+    return [completion_prompt(tokenizer, prompt) for prompt in body.prompts]
 
 
 def requested_max_tokens(body: Any) -> tuple[str, int] | None:
@@ -429,14 +442,16 @@ def check_stop_token_ids(tokenizer: Any, body: Any) -> None:
                             f"of {tokenizer.vocab_size}.", "stop_token_ids")
 
 
-def make_engine_request(llm: Any, request_id: str, prompt: Prompt, body: Any) -> EngineRequest:
+def make_engine_request(llm: Any, request_id: str, prompt: Prompt, body: Any, choice: int = 0) -> EngineRequest:
     check_stop_token_ids(llm.tokenizer, body)
-    params = sampling_params(body, output_budget(llm.max_model_len, prompt, body))
+    params = sampling_params(body, output_budget(llm.max_model_len, prompt, body), choice)
     try:
-        return llm.make_request(request_id, prompt.token_ids, params)
+        request = llm.make_request(request_id, prompt.token_ids, params)
     except ValueError as exc:  # too long for --max-model-len, or empty
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         raise ApiError(400, f"Invalid prompt: {exc}.", param) from None
+    request.num_logprobs = body.num_logprobs
+    return request
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,7 +519,7 @@ class Generation:
 
     def _process(self, event: TokenEvent) -> OutputDelta:
         try:
-            return self.processor.process(event.token_ids, event.finish_reason)
+            return self.processor.process(event.token_ids, event.finish_reason, event.logprobs)
         except Exception as exc:  # a parser bug must cost one request, never the connection
             traceback.print_exc()
             self.request.abort()
@@ -544,22 +559,106 @@ class Generation:
         self.state.metrics.e2e_latency.observe(time.monotonic() - self.arrival)
 
 
-def meta_info(stats: GenerationStats, completion_tokens: int) -> MetaInfo:
+def meta_info(choices: list[Choice]) -> MetaInfo:
     """SGLang's spec stats, computed as SGLang does: spec_accept_length = completion tokens ÷
     verify passes (the prefill's first token included, so it is the mean acceptance length plus
     1/verify passes); spec_accept_histogram[i] = verify passes that accepted i drafts (each
-    committed i + 1 tokens). A plain server reports zeros, having no verify passes."""
-    lengths = list(stats.acceptance_lengths) if stats.speculative else []
+    committed i + 1 tokens). A plain server reports zeros, having no verify passes. Several
+    choices (n > 1) add up."""
+    stats = [c.generation.stats for c in choices if c.generation.stats.speculative]
+    lengths = [length for s in stats for length in s.acceptance_lengths]
     histogram = [0] * max(lengths) if lengths else []
     for length in lengths:
         histogram[length - 1] += 1
-    num_verify = len(lengths)
-    accepted = sum(length - 1 for length in lengths)
-    drafts = stats.draft_tokens if stats.speculative else 0
+    completion_tokens = sum(c.generation.processor.completion_tokens for c in choices)
+    accepted, drafts, num_verify = sum(h * i for i, h in enumerate(histogram)), sum(s.draft_tokens for s in stats), len(lengths)
     return MetaInfo(spec_verify_ct=num_verify,
                     spec_accept_length=completion_tokens / num_verify if num_verify else 0.0,
                     spec_accept_histogram=histogram, spec_accept_rate=accepted / drafts if drafts else 0.0,
                     spec_accept_token_num=accepted, spec_draft_token_num=drafts)
+
+
+# ---------------------------------------------------------------------------------------------
+# The choices of one request: n per prompt, each its own engine request, decoded as one batch
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Choice:
+    index: int                  # prompt p, choice i → p · n + i (vLLM's order)
+    prompt: Prompt
+    generation: Generation
+    counts_prompt: bool         # usage counts each prompt once, not once per choice
+    echo: str = ""              # completions' echo: the prompt's text, sent before the output
+
+
+def make_choices(state: ServerState, llm: Any, engine: Engine, response_id: str, prompts: list[Prompt],
+                 body: Any, kind: str, arrival: float) -> list[Choice]:
+    n, choices = body.num_choices, []
+    for p, prompt in enumerate(prompts):
+        echo = ""
+        if kind != "chat" and body.echo:
+            echo = prompt.text if prompt.text is not None else llm.tokenizer.decode(prompt.token_ids)
+        for i in range(n):
+            index = p * n + i
+            request = make_engine_request(llm, f"{response_id}-{index}", prompt, body, choice=i)
+            processor = make_processor(llm.tokenizer, prompt, body, kind)
+            generation = Generation(state, engine, request, processor, arrival)
+            choices.append(Choice(index, prompt, generation, counts_prompt=i == 0, echo=echo))
+    return choices
+
+
+def submit_all(choices: list[Choice]) -> None:
+    """All or none: a refusal part-way aborts those already submitted."""
+    for k, choice in enumerate(choices):
+        try:
+            choice.generation.submit()
+        except ApiError:
+            close_all(choices[:k])
+            raise
+
+
+def close_all(choices: list[Choice]) -> None:
+    for choice in choices:
+        choice.generation.close()
+
+
+def total_usage(choices: list[Choice]) -> UsageInfo:
+    prompt_tokens = sum(len(c.prompt.token_ids) for c in choices if c.counts_prompt)
+    return UsageInfo.of(prompt_tokens, sum(c.generation.processor.completion_tokens for c in choices))
+
+
+_DONE_PUMPING = object()
+
+
+async def merged_deltas(choices: list[Choice]) -> AsyncIterator[tuple[Choice, OutputDelta]]:
+    """Every choice's deltas as they come (one choice: exactly its own order)."""
+    queue: asyncio.Queue[tuple[Choice, Any]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for delta in choice.generation.deltas():
+                queue.put_nowait((choice, delta))
+        except GenerationFailed as exc:
+            queue.put_nowait((choice, exc))
+        finally:
+            queue.put_nowait((choice, _DONE_PUMPING))
+
+    tasks = [asyncio.ensure_future(pump(choice)) for choice in choices]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            choice, item = await queue.get()
+            if item is _DONE_PUMPING:
+                remaining -= 1
+            elif isinstance(item, GenerationFailed):
+                raise item
+            else:
+                yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        close_all(choices)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,23 +709,27 @@ class SSEResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def until_disconnect(generation: Generation, request: Request) -> OutputAccumulator | None:
-    """Collect the whole output, or abort and return None if the client leaves first."""
-    collect = asyncio.ensure_future(generation.collect())
+async def until_disconnect(choices: list[Choice], request: Request) -> list[OutputAccumulator] | None:
+    """Collect every choice's whole output, or abort them all and return None if the client
+    leaves first (or one fails: then the others stop too)."""
+    collect = asyncio.ensure_future(asyncio.gather(*(c.generation.collect() for c in choices)))
     watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
     try:
         await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # the handler itself was cancelled (server stopping)
         collect.cancel()
-        generation.close()
+        close_all(choices)
         raise
     finally:
         watcher.cancel()
     if not collect.done():  # the client left first
         collect.cancel()
-        generation.close()
+        close_all(choices)
         return None
-    return collect.result()
+    try:
+        return collect.result()
+    finally:
+        close_all(choices)
 
 
 def sse(payload: pydantic.BaseModel | dict[str, Any]) -> bytes:
@@ -642,64 +745,92 @@ def delta_message(delta: OutputDelta) -> DeltaMessage | None:
                         tool_calls=calls or None)
 
 
-async def chat_chunks(generation: Generation, response_id: str, model: str,
-                      body: ChatCompletionRequest) -> AsyncIterator[bytes]:
-    def chunk(delta: DeltaMessage, finish_reason: Any = None, **extra: Any) -> bytes:
-        choice = ChatCompletionChunkChoice(delta=delta, finish_reason=finish_reason)
+async def chat_chunks(choices: list[Choice], response_id: str, model: str, body: ChatCompletionRequest,
+                      tokenizer: Any) -> AsyncIterator[bytes]:
+    def chunk(index: int, delta: DeltaMessage, finish_reason: Any = None, logprobs: Any = None,
+              **extra: Any) -> bytes:
+        choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
         return sse(ChatCompletionChunk(id=response_id, model=model, choices=[choice], **extra))
 
-    yield chunk(DeltaMessage(role="assistant", content=""))
+    for choice in choices:
+        yield chunk(choice.index, DeltaMessage(role="assistant", content=""))
     try:
-        async for delta in generation.deltas():
+        async for choice, delta in merged_deltas(choices):
             message = delta_message(delta)
-            if message is not None:
-                yield chunk(message)
+            logprobs = chat_logprobs(tokenizer, delta.logprobs) if delta.logprobs else None
+            if message is not None or logprobs is not None:
+                yield chunk(choice.index, message or DeltaMessage(content=""), logprobs=logprobs)
             if delta.finish_reason is not None:
-                meta = meta_info(generation.stats, generation.usage.completion_tokens) if body.return_meta_info else None
-                yield chunk(DeltaMessage(), delta.finish_reason, meta_info=meta)
+                meta = meta_info([choice]) if body.return_meta_info else None
+                yield chunk(choice.index, DeltaMessage(), delta.finish_reason, meta_info=meta)
     except GenerationFailed as exc:
         yield sse(error_body(exc.status, exc.message))
     else:
         if body.include_usage:
-            yield sse(ChatCompletionChunk(id=response_id, model=model, choices=[], usage=generation.usage))
+            yield sse(ChatCompletionChunk(id=response_id, model=model, choices=[], usage=total_usage(choices)))
     yield DONE
 
 
-async def completion_chunks(generation: Generation, response_id: str, model: str,
-                            body: CompletionRequest) -> AsyncIterator[bytes]:
+async def completion_chunks(choices: list[Choice], response_id: str, model: str, body: CompletionRequest,
+                            tokenizer: Any) -> AsyncIterator[bytes]:
+    def chunk(choice: CompletionChoice, **extra: Any) -> bytes:
+        return sse(Completion(id=response_id, model=model, choices=[choice], **extra))
+
+    offsets = {choice.index: len(choice.echo) for choice in choices}
+    for choice in choices:
+        if choice.echo:
+            yield chunk(CompletionChoice(index=choice.index, text=choice.echo))
     try:
-        async for delta in generation.deltas():
-            if delta.content:
-                yield sse(Completion(id=response_id, model=model,
-                                     choices=[CompletionChoice(text=delta.content)]))
+        async for choice, delta in merged_deltas(choices):
+            logprobs = None
+            if delta.logprobs:
+                logprobs, offsets[choice.index] = completion_logprobs(tokenizer, delta.logprobs, offsets[choice.index])
+            if delta.content or logprobs is not None:
+                yield chunk(CompletionChoice(index=choice.index, text=delta.content, logprobs=logprobs))
             if delta.finish_reason is not None:
-                meta = meta_info(generation.stats, generation.usage.completion_tokens) if body.return_meta_info else None
-                choice = CompletionChoice(text="", finish_reason=delta.finish_reason)
-                yield sse(Completion(id=response_id, model=model, choices=[choice], meta_info=meta))
+                meta = meta_info([choice]) if body.return_meta_info else None
+                yield chunk(CompletionChoice(index=choice.index, text="", finish_reason=delta.finish_reason),
+                            meta_info=meta)
     except GenerationFailed as exc:
         yield sse(error_body(exc.status, exc.message))
     else:
         if body.include_usage:
-            yield sse(Completion(id=response_id, model=model, choices=[], usage=generation.usage))
+            yield sse(Completion(id=response_id, model=model, choices=[], usage=total_usage(choices)))
     yield DONE
 
 
-def chat_body(generation: Generation, output: OutputAccumulator, response_id: str, model: str,
-              body: ChatCompletionRequest) -> ChatCompletion:
+def chat_choice(choice: Choice, output: OutputAccumulator, body: ChatCompletionRequest,
+                tokenizer: Any) -> ChatCompletionChoice:
     calls = [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
              for call in output.tool_calls]
     message = ChatCompletionMessage(content=output.content if output.content or not calls else None,
                                     reasoning_content=output.reasoning or None, tool_calls=calls or None)
-    choice = ChatCompletionChoice(message=message, finish_reason=output.finish_reason)
-    return ChatCompletion(id=response_id, model=model, choices=[choice], usage=generation.usage,
-                          meta_info=meta_info(generation.stats, generation.usage.completion_tokens) if body.return_meta_info else None)
+    logprobs = chat_logprobs(tokenizer, output.logprobs) if body.num_logprobs is not None else None
+    return ChatCompletionChoice(index=choice.index, message=message, finish_reason=output.finish_reason,
+                                logprobs=logprobs)
 
 
-def completion_body(generation: Generation, output: OutputAccumulator, response_id: str, model: str,
-                    body: CompletionRequest) -> Completion:
-    choice = CompletionChoice(text=output.content, finish_reason=output.finish_reason)
-    return Completion(id=response_id, model=model, choices=[choice], usage=generation.usage,
-                      meta_info=meta_info(generation.stats, generation.usage.completion_tokens) if body.return_meta_info else None)
+def chat_body(choices: list[Choice], outputs: list[OutputAccumulator], response_id: str, model: str,
+              body: ChatCompletionRequest, tokenizer: Any) -> ChatCompletion:
+    return ChatCompletion(id=response_id, model=model, usage=total_usage(choices),
+                          choices=[chat_choice(c, o, body, tokenizer) for c, o in zip(choices, outputs)],
+                          meta_info=meta_info(choices) if body.return_meta_info else None)
+
+
+def completion_choice(choice: Choice, output: OutputAccumulator, body: CompletionRequest,
+                      tokenizer: Any) -> CompletionChoice:
+    logprobs = None
+    if body.num_logprobs is not None:
+        logprobs, _ = completion_logprobs(tokenizer, output.logprobs, len(choice.echo))
+    return CompletionChoice(index=choice.index, text=choice.echo + output.content,
+                            finish_reason=output.finish_reason, logprobs=logprobs)
+
+
+def completion_body(choices: list[Choice], outputs: list[OutputAccumulator], response_id: str, model: str,
+                    body: CompletionRequest, tokenizer: Any) -> Completion:
+    return Completion(id=response_id, model=model, usage=total_usage(choices),
+                      choices=[completion_choice(c, o, body, tokenizer) for c, o in zip(choices, outputs)],
+                      meta_info=meta_info(choices) if body.return_meta_info else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -733,26 +864,23 @@ async def generate(state: ServerState, request: Request, kind: str) -> Response:
     check_model_name(settings, body.model)
     check_seed(body.seed)
     llm, engine = state.ready()
-    check_queue_room(engine)
-    render = render_chat if kind == "chat" else completion_prompt
-    prompt = await asyncio.to_thread(render, llm.tokenizer, body)
+    check_queue_room(engine, body.num_choices * (1 if kind == "chat" else len(body.prompts)))
+    prompts = await asyncio.to_thread(render_prompts, llm.tokenizer, body, kind)
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-    engine_request = make_engine_request(llm, response_id, prompt, body)
-    processor = make_processor(llm.tokenizer, prompt, body, kind)
-    generation = Generation(state, engine, engine_request, processor, arrival)
-    generation.submit()  # last: every rejection above came before any work
+    choices = make_choices(state, llm, engine, response_id, prompts, body, kind, arrival)
+    submit_all(choices)  # last: every rejection above came before any work
     model = settings.model_name
     if body.stream:
         chunks = chat_chunks if kind == "chat" else completion_chunks
-        return SSEResponse(chunks(generation, response_id, model, body), generation.close)
+        return SSEResponse(chunks(choices, response_id, model, body, llm.tokenizer), lambda: close_all(choices))
     try:
-        output = await until_disconnect(generation, request)
+        outputs = await until_disconnect(choices, request)
     except GenerationFailed as exc:
         return ApiError(exc.status, exc.message).response()
-    if output is None:
+    if outputs is None:
         return Response(status_code=499)  # nobody is there to read it
     build = chat_body if kind == "chat" else completion_body
-    return JSONResponse(build(generation, output, response_id, model, body).model_dump(mode="json"))
+    return JSONResponse(build(choices, outputs, response_id, model, body, llm.tokenizer).model_dump(mode="json"))
 
 
 def make_processor(tokenizer: Any, prompt: Prompt, body: Any, kind: str) -> OutputProcessor:

@@ -39,10 +39,11 @@ class OutputDelta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     stop_hit: bool = False  # a stop string matched: the caller must abort the engine request
     finish_reason: str | None = None  # set on the last delta of a request, exactly once
+    logprobs: list[Any] = field(default_factory=list)  # of the tokens counted here (when asked)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.content or self.reasoning or self.tool_calls or self.finish_reason)
+        return not (self.content or self.reasoning or self.tool_calls or self.finish_reason or self.logprobs)
 
 
 class StopStringFilter:
@@ -120,13 +121,17 @@ class OutputProcessor:
     def num_tool_calls(self) -> int:
         return self._tool_calls.num_calls if self._tool_calls else 0
 
-    def process(self, token_ids: Sequence[int], finished: str | None = None) -> OutputDelta:
+    def process(self, token_ids: Sequence[int], finished: str | None = None,
+                logprobs: Sequence[Any] | None = None) -> OutputDelta:
+        """`logprobs`, when given, has one entry per id; the delta keeps those of counted ids."""
         delta = OutputDelta()
         if self.is_finished:
             return delta
         # One id at a time, so a stop string ends the count at the id that completed it.
-        for token_id in token_ids:
+        for i, token_id in enumerate(token_ids):
             self.completion_tokens += 1
+            if logprobs is not None:
+                delta.logprobs.append(logprobs[i])
             if self._add_text(self._detokenizer.add([token_id]), delta):
                 return self._finish(delta, "stop", stop_hit=True)
         if finished is None:
@@ -174,10 +179,12 @@ class OutputAccumulator:
     content: str = ""
     reasoning: str = ""
     finish_reason: str | None = None
+    logprobs: list[Any] = field(default_factory=list)
     _calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [id, name, arguments]
 
     def add(self, delta: OutputDelta) -> None:
         self.content += delta.content
+        self.logprobs += delta.logprobs
         self.reasoning += delta.reasoning
         for piece in delta.tool_calls:
             call = self._calls.setdefault(piece.index, ["", "", ""])
