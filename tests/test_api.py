@@ -199,3 +199,89 @@ def test_completion_logprobs_limits_and_echo(plain):
     assert_error(plain.post("/v1/completions", {"prompt": "Hi", "logprobs": 21}), 400, "logprobs")
     error = assert_error(plain.post("/v1/completions", {"prompt": "Hi", "logprobs": 1, "echo": True}), 400, "echo")
     assert error["param"] == "echo"
+
+
+# ---------------------------------------------------------------------------------------------
+# n > 1, prompt lists, echo
+# ---------------------------------------------------------------------------------------------
+
+
+def batch_cycles(server: LiveServer) -> tuple[float, float]:
+    """(decode cycles so far, those that ran more than one sequence)."""
+    lines = [line for line in httpx.get(server.url + "/metrics").text.splitlines()
+             if line.startswith("blockspec_batch_size_bucket")]
+    one = next(float(line.split()[-1]) for line in lines if 'le="1.0"' in line or 'le="1"' in line)
+    total = next(float(line.split()[-1]) for line in lines if 'le="+Inf"' in line)
+    return total, total - one
+
+
+@pytest.mark.parametrize("name", ["plain", "dflash"])
+def test_chat_n_choices_use_seed_plus_index_and_run_as_one_batch(request, name):
+    server = request.getfixturevalue(name)
+    alone = [server.chat(HELLO, temperature=0.9, seed=11 + i, max_tokens=4) for i in range(3)]
+    _, batched_before = batch_cycles(server)
+    together = server.chat(HELLO, temperature=0.9, seed=11, max_tokens=4, n=3)
+    _, batched_after = batch_cycles(server)
+    assert [c["index"] for c in together["choices"]] == [0, 1, 2]
+    assert [c["message"] for c in together["choices"]] == [a["choices"][0]["message"] for a in alone]
+    assert len({c["message"]["content"] for c in together["choices"]}) > 1      # different seeds, different text
+    assert together["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]    # the prompt once
+    assert together["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    assert batched_after > batched_before                      # the three decoded in shared cycles
+    events = server.stream("/v1/chat/completions", {"messages": HELLO, "temperature": 0.9, "seed": 11,
+                                                    "max_tokens": 4, "n": 3})
+    streamed = {i: "" for i in range(3)}
+    finishes = {}
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            streamed[choice["index"]] += choice["delta"].get("content") or ""
+            if choice["finish_reason"]:
+                finishes[choice["index"]] = choice["finish_reason"]
+    assert [streamed[i] for i in range(3)] == [c["message"]["content"] for c in together["choices"]]
+    assert finishes == {0: "length", 1: "length", 2: "length"}
+
+
+def test_completion_prompt_lists_each_their_own_choices(plain, dflash):
+    llm = plain.app.state.server.llm
+    prompts = ["The sea is", "Once upon a time", "Numbers: 1, 2,"]
+    for server in (plain, dflash):
+        alone = [server.complete(p, max_tokens=6)["choices"][0]["text"] for p in prompts]
+        together = server.complete(prompts, max_tokens=6, n=2)
+        assert [c["index"] for c in together["choices"]] == list(range(6))
+        assert [c["text"] for c in together["choices"]] == [text for text in alone for _ in range(2)]
+        assert together["usage"]["prompt_tokens"] == sum(len(llm.tokenizer.encode(p)) for p in prompts)
+        token_lists = server.complete([llm.tokenizer.encode(p) for p in prompts[:2]], max_tokens=6)
+        assert [c["text"] for c in token_lists["choices"]] == alone[:2]
+        events = server.stream("/v1/completions", {"prompt": prompts, "max_tokens": 6, "temperature": 0})
+        streamed = {i: "" for i in range(3)}
+        for event in events[:-1]:
+            for choice in event["choices"]:
+                streamed[choice["index"]] += choice["text"]
+        assert [streamed[i] for i in range(3)] == alone
+
+
+def test_echo_prepends_the_prompt(plain):
+    llm = plain.app.state.server.llm
+    plain_answer = plain.complete("The sea is", max_tokens=5)["choices"][0]["text"]
+    echoed = plain.complete("The sea is", max_tokens=5, echo=True)
+    assert echoed["choices"][0]["text"] == "The sea is" + plain_answer
+    ids = llm.tokenizer.encode("Numbers: 1, 2,")
+    by_ids = plain.complete(ids, max_tokens=5, echo=True)["choices"][0]["text"]
+    assert by_ids.startswith(llm.tokenizer.decode(ids)) and len(by_ids) > len(llm.tokenizer.decode(ids))
+    events = plain.stream("/v1/completions", {"prompt": "The sea is", "max_tokens": 5, "temperature": 0, "echo": True})
+    assert events[0]["choices"][0]["text"] == "The sea is"
+    assert "".join(c["text"] for e in events[:-1] for c in e["choices"]) == echoed["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": HELLO, "n": 0}, "n"),
+    ({"messages": HELLO, "n": 129}, "n"),
+    ({"messages": HELLO, "n": 100}, "n"),            # more generations than the queue holds (64)
+    ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": [[1, 2], []]}, "prompt"),
+    ({"prompt": ["a", [1, 2]]}, "prompt"),
+])
+def test_choice_counts_and_prompt_lists_are_validated(plain, body, param):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    error = assert_error(plain.post(path, body), 400, param)
+    assert error["param"] == param

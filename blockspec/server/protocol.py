@@ -333,6 +333,8 @@ class CompletionRequest(_SamplingFields):
             raise ValueError(f"prompt holds {len(prompts)} prompts; at most {MAX_CHOICES}")
         for prompt in prompts:
             _check_one_prompt(prompt)
+        if len({isinstance(prompt, str) for prompt in prompts}) > 1:
+            raise ValueError("a prompt list must hold only strings or only token-id lists, not both")
         return value
 
     @property
