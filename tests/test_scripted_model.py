@@ -1,0 +1,82 @@
+"""A tool call and reasoning actually produced by a model: a target built so that its greedy
+output after any chat prompt is `<think>…</think><tool_call>{…}</tool_call><|im_end|>`
+(fixtures.write_chain_checkpoint), served plain and with a DFlash draft, streamed and not. The
+response must carry reasoning_content, one parsed tool call, and finish_reason tool_calls."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import fixtures
+from api_server import LiveServer, load_llm
+from blockspec.tokenizer import Tokenizer
+
+REASONING = "The user asks for the weather in Paris."
+CALL = '{"name":"get_weather","arguments":{"city": "Paris"}}'
+SCRIPT = f"<think>{REASONING}</think><tool_call>{CALL}</tool_call>"
+NEWLINE_ID = 198   # the chat template's generation prompt ends "<|im_start|>assistant\n"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def scripted_dirs(tmp_path_factory, qwen3_dir):
+    root = tmp_path_factory.mktemp("scripted")
+    tokenizer = Tokenizer.from_dir(qwen3_dir)
+    script = tokenizer.encode(SCRIPT)
+    assert tokenizer.decode(script) == SCRIPT and NEWLINE_ID not in script
+    chain = [NEWLINE_ID, *script, fixtures.IM_END_ID]
+    target = fixtures.write_chain_checkpoint(root / "target", chain, tokenizer_dir=qwen3_dir)
+    return target, fixtures.write_dflash_draft(root / "draft", target, block_size=4)
+
+
+@pytest.fixture(scope="module", params=["plain", "dflash"])
+def server(request, scripted_dirs):
+    target, draft = scripted_dirs
+    llm = load_llm(target, draft if request.param == "dflash" else None)
+    with LiveServer(llm, "scripted") as live:
+        yield live
+
+
+def test_reasoning_and_tool_call_in_one_response(server):
+    answer = server.chat(ASK, tools=TOOLS, max_tokens=64)
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["reasoning_content"] == REASONING
+    assert message["content"] is None
+    [call] = message["tool_calls"]
+    assert call["type"] == "function" and call["id"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_reasoning_and_tool_call_streamed(server):
+    events = server.stream("/v1/chat/completions", {"messages": ASK, "tools": TOOLS, "max_tokens": 64,
+                                                    "temperature": 0})
+    assert events[-1] == "[DONE]"
+    deltas = [c["delta"] for e in events[:-1] for c in e["choices"]]
+    finishes = [c["finish_reason"] for e in events[:-1] for c in e["choices"] if c["finish_reason"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == REASONING
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    pieces = [call for d in deltas for call in d.get("tool_calls") or []]
+    assert {p["index"] for p in pieces} == {0}
+    assert [p["function"]["name"] for p in pieces if p["function"].get("name")] == ["get_weather"]
+    assert json.loads("".join(p["function"].get("arguments") or "" for p in pieces)) == {"city": "Paris"}
+    assert finishes == ["tool_calls"]
+
+
+def test_without_tools_the_call_stays_text(server):
+    """No tools in the request: the tool-call markup is ordinary content, finish_reason stop;
+    the whole output is exactly the script and <|im_end|>."""
+    llm = server.app.state.server.llm
+    assert llm.tokenizer.encode_chat(ASK)[-1] == NEWLINE_ID
+    answer = server.chat(ASK, max_tokens=64)
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["reasoning_content"] == REASONING
+    assert choice["message"]["content"] == f"<tool_call>{CALL}</tool_call>"
+    assert answer["usage"]["completion_tokens"] == len(llm.tokenizer.encode(SCRIPT)) + 1    # and <|im_end|>
