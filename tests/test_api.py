@@ -286,3 +286,78 @@ def test_choice_counts_and_prompt_lists_are_validated(plain, body, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     error = assert_error(plain.post(path, body), 400, param)
     assert error["param"] == param
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/responses
+# ---------------------------------------------------------------------------------------------
+
+
+def test_responses_text_equals_chat_and_streams(plain, dflash):
+    """A Responses request is the chat request it means: instructions as the system message,
+    max_output_tokens as max_tokens; streamed events build the same output."""
+    messages = [{"role": "system", "content": "Be brief."}, *HELLO]
+    expected = plain.chat(messages, max_tokens=8)["choices"][0]["message"]["content"]
+    for server in (plain, dflash):
+        api = client(server)
+        response = api.responses.create(model=server.name, instructions="Be brief.", input=HELLO[0]["content"],
+                                        max_output_tokens=8, temperature=0)
+        assert response.output_text == expected
+        assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+        assert response.usage.output_tokens == 8 and response.id.startswith("resp_")
+        [message] = response.output
+        assert message.type == "message" and message.content[0].type == "output_text"
+        items = api.responses.create(model=server.name, instructions="Be brief.", max_output_tokens=8,
+                                     temperature=0, input=[{"role": "user", "content": [
+                                         {"type": "input_text", "text": HELLO[0]["content"]}]}])
+        assert items.output_text == expected
+        events = list(api.responses.create(model=server.name, instructions="Be brief.", input=HELLO[0]["content"],
+                                           max_output_tokens=8, temperature=0, stream=True))
+        kinds = [event.type for event in events]
+        assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                             "response.content_part.added"]
+        assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                              "response.output_item.done", "response.completed"]   # vLLM's: status says incomplete
+        assert events[-1].response.status == "incomplete"
+        assert [event.sequence_number for event in events] == list(range(len(events)))
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
+        assert events[-1].response.output_text == expected
+        with api.responses.stream(model=server.name, instructions="Be brief.", input=HELLO[0]["content"],
+                                  max_output_tokens=8, temperature=0) as stream:
+            assert stream.get_final_response().output_text == expected
+
+
+def test_responses_multi_turn_items_render_as_chat(plain):
+    """function_call and function_call_output items render as the assistant's tool call and
+    the tool's answer: the prompt equals the chat request with those messages."""
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+    items = [{"role": "user", "content": "Weather?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}]
+    expected = plain.chat(messages, tools=chat_tools, max_tokens=4)
+    response = plain.post("/v1/responses", {"input": items, "tools": [tool], "max_output_tokens": 4,
+                                            "temperature": 0}).json()
+    assert response["usage"]["input_tokens"] == expected["usage"]["prompt_tokens"]
+    text = "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])
+    assert text == (expected["choices"][0]["message"]["content"] or "")
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"max_output_tokens": 100_000}, "max_output_tokens"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
+    ({"input": ""}, "input"),
+])
+def test_responses_refusals_name_the_parameter(plain, fields, param):
+    error = assert_error(plain.post("/v1/responses", {"input": "Hi", **fields}), 400, param)
+    assert error["param"] == param
+    assert_error(httpx.get(plain.url + "/v1/responses/resp_123"), 404, "resp_123")

@@ -80,3 +80,31 @@ def test_without_tools_the_call_stays_text(server):
     assert choice["message"]["reasoning_content"] == REASONING
     assert choice["message"]["content"] == f"<tool_call>{CALL}</tool_call>"
     assert answer["usage"]["completion_tokens"] == len(llm.tokenizer.encode(SCRIPT)) + 1    # and <|im_end|>
+
+
+RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+
+
+def test_responses_api_reasoning_and_function_call(server):
+    """/v1/responses through the official client: a reasoning item, then a function_call item;
+    streamed, the typed events build the same items."""
+    import openai
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    response = api.responses.create(model="scripted", input=ASK[0]["content"], tools=RESPONSES_TOOLS,
+                                    max_output_tokens=64, temperature=0)
+    assert response.status == "completed"
+    reasoning, call = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == REASONING
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    assert json.loads(call.arguments) == {"city": "Paris"} and call.call_id
+    with api.responses.stream(model="scripted", input=ASK[0]["content"], tools=RESPONSES_TOOLS,
+                              max_output_tokens=64, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [event.type for event in events]
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == REASONING
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert json.loads(done.arguments) == {"city": "Paris"}
+    assert [item.type for item in final.output] == ["reasoning", "function_call"]
+    assert final.output[1].arguments == call.arguments

@@ -46,7 +46,9 @@ from blockspec.engine.request import GenerationStats, TokenEvent
 from blockspec.engine.request import Request as EngineRequest
 from blockspec.sampling import SamplingParams
 from blockspec.sampling import check_seed as check_seed_range
+from blockspec.server import responses
 from blockspec.server.logprobs import chat_logprobs, completion_logprobs
+from blockspec.server.responses import ResponsesRequest
 from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
 from blockspec.server.protocol import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                        ChatCompletionChunkChoice, ChatCompletionMessage,
@@ -883,6 +885,89 @@ async def generate(state: ServerState, request: Request, kind: str) -> Response:
     return JSONResponse(build(choices, outputs, response_id, model, body, llm.tokenizer).model_dump(mode="json"))
 
 
+async def create_response(state: ServerState, request: Request) -> Response:
+    """POST /v1/responses: the chat path under the Responses API's request and output shapes."""
+    arrival = time.monotonic()
+    settings = state.settings
+    raw = await read_json_object(request, settings.max_body_bytes)
+    body = validate(ResponsesRequest, raw)
+    check_model_name(settings, body.model)
+    check_seed(body.seed)
+    try:
+        chat = validate(ChatCompletionRequest, responses.chat_request_body(body))
+    except ValueError as exc:  # an input item the chat path has no message for
+        raise ApiError(400, f"Invalid 'input': {exc}.", "input") from None
+    except ApiError as exc:
+        raise as_responses_error(exc) from None
+    llm, engine = state.ready()
+    check_queue_room(engine)
+    response_id = responses.new_id("resp_")
+    try:
+        prompts = await asyncio.to_thread(render_prompts, llm.tokenizer, chat, "chat")
+        choices = make_choices(state, llm, engine, response_id, prompts, chat, "chat", arrival)
+    except ApiError as exc:
+        raise as_responses_error(exc) from None
+    submit_all(choices)
+    model, created = settings.model_name, int(time.time())
+    if body.stream:
+        return SSEResponse(response_events(choices, response_id, created, model, body), lambda: close_all(choices))
+    try:
+        outputs = await until_disconnect(choices, request)
+    except GenerationFailed as exc:
+        return ApiError(exc.status, exc.message).response()
+    if outputs is None:
+        return Response(status_code=499)
+    items = responses.OutputItems()
+    for delta in outputs[0].deltas:
+        items.add(delta)
+    usage = total_usage(choices)
+    finish = outputs[0].finish_reason
+    return JSONResponse(responses.response_object(response_id, created, model, body, items.items,
+                                                  responses.final_status(finish),
+                                                  (usage.prompt_tokens, usage.completion_tokens), finish))
+
+
+def as_responses_error(exc: ApiError) -> ApiError:
+    """A chat-path refusal, naming the parameter as the Responses request called it."""
+    param = responses.responses_param(exc.param)
+    message = exc.message.replace(f"'{exc.param}'", f"'{param}'") if exc.param else exc.message
+    return ApiError(exc.status, message, param, exc.headers)
+
+
+async def response_events(choices: list[Choice], response_id: str, created: int, model: str,
+                          body: ResponsesRequest) -> AsyncIterator[bytes]:
+    """The typed SSE events of a streamed response, numbered in order; no [DONE] (OpenAI's)."""
+    sequence = 0
+
+    def send(event: dict[str, Any]) -> bytes:
+        nonlocal sequence
+        sequence += 1
+        return responses.sse_event(sequence - 1, event)
+
+    def snapshot(status: str, items: list, finish: str | None = None) -> dict[str, Any]:
+        usage = total_usage(choices) if status != "in_progress" else None
+        counts = (usage.prompt_tokens, usage.completion_tokens) if usage else None
+        return responses.response_object(response_id, created, model, body, items, status, counts, finish)
+
+    yield send({"type": "response.created", "response": snapshot("in_progress", [])})
+    yield send({"type": "response.in_progress", "response": snapshot("in_progress", [])})
+    items = responses.OutputItems()
+    try:
+        async for _, delta in merged_deltas(choices):
+            items.add(delta)
+            for event in items.take_events():
+                yield send(event)
+            if delta.finish_reason is not None:
+                # Always response.completed (its status may say incomplete), as vLLM sends it:
+                # the SDK's stream helper and agent loops wait for exactly that event.
+                status = responses.final_status(delta.finish_reason)
+                yield send({"type": "response.completed", "response": snapshot(status, items.items, delta.finish_reason)})
+    except GenerationFailed as exc:
+        failed = snapshot("failed", items.items)
+        failed["error"] = {"code": "server_error", "message": exc.message}
+        yield send({"type": "response.failed", "response": failed})
+
+
 def make_processor(tokenizer: Any, prompt: Prompt, body: Any, kind: str) -> OutputProcessor:
     detokenizer = IncrementalDetokenizer(tokenizer, prompt.token_ids, skip_special_tokens=True)
     if kind != "chat":
@@ -921,6 +1006,14 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(state, request, "completion")
+
+    @api.post("/v1/responses")
+    async def create_responses(request: Request) -> Response:
+        return await create_response(state, request)
+
+    @api.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> JSONResponse:
+        raise ApiError(404, f"No response '{response_id}': this server stores no responses.", "response_id")
 
     @api.get("/v1/models")
     async def models() -> JSONResponse:

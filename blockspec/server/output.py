@@ -180,9 +180,11 @@ class OutputAccumulator:
     reasoning: str = ""
     finish_reason: str | None = None
     logprobs: list[Any] = field(default_factory=list)
+    deltas: list[OutputDelta] = field(default_factory=list)      # as they came (the Responses API regroups them)
     _calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [id, name, arguments]
 
     def add(self, delta: OutputDelta) -> None:
+        self.deltas.append(delta)
         self.content += delta.content
         self.logprobs += delta.logprobs
         self.reasoning += delta.reasoning
