@@ -48,3 +48,11 @@ def qwen3_draft_dir(tmp_path_factory, qwen3_dir) -> Path:
 @pytest.fixture(scope="session")
 def llama_draft_dir(tmp_path_factory, llama_dir) -> Path:
     return fixtures.write_dflash_draft(tmp_path_factory.mktemp("draft") / "llama-dflash", llama_dir)
+
+
+@pytest.fixture(scope="session")
+def scripted_dirs(tmp_path_factory, qwen3_dir) -> tuple[Path, Path]:
+    """A target whose greedy chat answer is reasoning and a tool call (tests/chain_script.py),
+    and a DFlash draft for it."""
+    from chain_script import write_scripted_pair
+    return write_scripted_pair(tmp_path_factory.mktemp("scripted"), qwen3_dir)

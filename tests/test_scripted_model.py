@@ -8,29 +8,8 @@ import json
 
 import pytest
 
-import fixtures
 from api_server import LiveServer, load_llm
-from blockspec.tokenizer import Tokenizer
-
-REASONING = "The user asks for the weather in Paris."
-CALL = '{"name":"get_weather","arguments":{"city": "Paris"}}'
-SCRIPT = f"<think>{REASONING}</think><tool_call>{CALL}</tool_call>"
-NEWLINE_ID = 198   # the chat template's generation prompt ends "<|im_start|>assistant\n"
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def scripted_dirs(tmp_path_factory, qwen3_dir):
-    root = tmp_path_factory.mktemp("scripted")
-    tokenizer = Tokenizer.from_dir(qwen3_dir)
-    script = tokenizer.encode(SCRIPT)
-    assert tokenizer.decode(script) == SCRIPT and NEWLINE_ID not in script
-    chain = [NEWLINE_ID, *script, fixtures.IM_END_ID]
-    target = fixtures.write_chain_checkpoint(root / "target", chain, tokenizer_dir=qwen3_dir)
-    return target, fixtures.write_dflash_draft(root / "draft", target, block_size=4)
+from chain_script import ASK, CALL, NEWLINE_ID, REASONING, SCRIPT, TOOLS
 
 
 @pytest.fixture(scope="module", params=["plain", "dflash"])
