@@ -974,7 +974,8 @@ def make_processor(tokenizer: Any, prompt: Prompt, body: Any, kind: str) -> Outp
         return OutputProcessor(detokenizer, body.stop_strings)
     return OutputProcessor(detokenizer, body.stop_strings, reasoning=prompt.reasoning,
                            reasoning_started_in_prompt=prompt.reasoning_started,
-                           tools_enabled=body.tools_enabled, tools=body.tools)
+                           tools_enabled=body.tools_enabled, tools=body.tools,
+                           max_tool_calls=1 if body.parallel_tool_calls is False else None)
 
 
 def health(state: ServerState) -> JSONResponse:

@@ -103,6 +103,7 @@ class OutputProcessor:
         reasoning_started_in_prompt: bool = False,
         tools_enabled: bool = False,
         tools: Iterable[Any] | None = None,
+        max_tool_calls: int | None = None,
     ) -> None:
         self._detokenizer = detokenizer
         self._stop = StopStringFilter(stop)
@@ -110,6 +111,7 @@ class OutputProcessor:
             ReasoningParser(started_in_prompt=reasoning_started_in_prompt) if reasoning else None
         )
         self._tool_calls = ToolCallParser(tools) if tools_enabled else None
+        self._max_tool_calls = max_tool_calls   # parallel_tool_calls: false → 1; later calls dropped
         self.completion_tokens = 0
         self.finish_reason: str | None = None
 
@@ -156,12 +158,17 @@ class OutputProcessor:
         delta.reasoning += reasoning
         if self._tool_calls is not None:
             content, calls = self._tool_calls.feed(content)
-            delta.tool_calls.extend(calls)
+            delta.tool_calls.extend(self._allowed(calls))
             if is_last:
                 more_content, calls = self._tool_calls.flush()
                 content += more_content
-                delta.tool_calls.extend(calls)
+                delta.tool_calls.extend(self._allowed(calls))
         delta.content += content
+
+    def _allowed(self, calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
+        if self._max_tool_calls is None:
+            return calls
+        return [call for call in calls if call.index < self._max_tool_calls]
 
     def _finish(self, delta: OutputDelta, reason: str, stop_hit: bool = False) -> OutputDelta:
         self._parse("", delta, is_last=True)

@@ -206,7 +206,67 @@ class _SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatOnlyFields(_Request):
+    """OpenAI chat parameters beyond sampling: refused with a 400 naming them where this server
+    cannot honour them (never accepted and ignored), accepted where honouring them is the
+    default answer (modalities ["text"], service_tier auto/default, store false). `user`,
+    `safety_identifier` and `prompt_cache_key` identify the caller for OpenAI's abuse
+    monitoring and cache routing, and `prompt_cache_options` / `prompt_cache_retention` are
+    cache hints; none can change an output, so they are accepted."""
+
+    audio: Any = None
+    moderation: Any = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    @field_validator("audio", "moderation", "prediction", "web_search_options", "reasoning_effort", "verbosity")
+    @classmethod
+    def _chat_only_not_served(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _chat_only_text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and set(value) != {"text"}:
+            raise ValueError(f"modalities {value} are not supported by this server (only ['text'])")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _chat_only_one_tier(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "default"):
+            raise ValueError(f"service_tier {value!r} is not supported by this server (only 'auto' or 'default')")
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _chat_only_nothing_stored(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("store=true is not supported: this server stores no completions")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _chat_only_no_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value:
+            raise ValueError("metadata is not supported: it tags stored completions, and this server stores none")
+        return value
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatOnlyFields):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -310,6 +370,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    user: str | None = None  # identifies the caller to OpenAI; cannot change an output
     max_tokens: int = Field(16, ge=1)  # OpenAI's default for /v1/completions
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
