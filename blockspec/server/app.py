@@ -481,10 +481,6 @@ class Generation:
         self._final_stats: GenerationStats | None = None
 
     @property
-    def usage(self) -> UsageInfo:
-        return UsageInfo.of(len(self.request.prompt_ids), self.processor.completion_tokens)
-
-    @property
     def stats(self) -> GenerationStats:
         """Frozen when the output finished: after a stop string the engine may still finish
         the cycle in flight, which must not change what this response reports."""
