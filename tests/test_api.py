@@ -156,6 +156,11 @@ def test_completion_logprobs_equal_transformers_plain_and_dflash(plain, dflash, 
             best = rows[i].topk(5)
             assert sorted(top.values(), reverse=True)[:5] == pytest.approx(best.values.tolist(), abs=1e-4)
             assert set(top) == {llm.tokenizer.decode([t]) for t in best.indices.tolist()} | {texts[i]}
+    events = dflash.stream("/v1/completions", {"prompt": PROMPT_IDS, "max_tokens": 8, "logprobs": 5, "temperature": 0})
+    pieces = [c["logprobs"] for e in events[:-1] for c in e["choices"] if c.get("logprobs")]
+    streamed = {key: [v for piece in pieces for v in piece[key]] for key in ("tokens", "token_logprobs", "text_offset")}
+    whole = answers["qwen3-dflash"]["logprobs"]
+    assert streamed == {key: whole[key] for key in streamed}
     plain_lp = answers["qwen3"]["logprobs"]["token_logprobs"]
     dflash_lp = answers["qwen3-dflash"]["logprobs"]["token_logprobs"]
     # fp32 rounding of different forward shapes (1 vs 16 rows); measured ≤ 8e-6 over 32 tokens

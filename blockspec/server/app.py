@@ -710,7 +710,10 @@ class SSEResponse(Response):
 async def until_disconnect(choices: list[Choice], request: Request) -> list[OutputAccumulator] | None:
     """Collect every choice's whole output, or abort them all and return None if the client
     leaves first (or one fails: then the others stop too)."""
-    collect = asyncio.ensure_future(asyncio.gather(*(c.generation.collect() for c in choices)))
+    async def collect_all() -> list[OutputAccumulator]:
+        return await asyncio.gather(*(c.generation.collect() for c in choices))
+
+    collect = asyncio.ensure_future(collect_all())  # a task: cancelling it leaves nothing unretrieved
     watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
     try:
         await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from blockspec.server.output import OutputDelta
 from blockspec.server.protocol import _Request
@@ -33,8 +33,6 @@ def new_id(prefix: str) -> str:
 
 
 class ResponsesRequest(_Request):
-    model_config = ConfigDict(extra="ignore")
-
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
