@@ -279,8 +279,38 @@ COMPLETIONS: dict[str, Any] = {
 }
 COMPLETION_REFUSALS = {"best_of": 3}     # values refused beyond what the table honours
 
-# vLLM's extensions that the logits branch implements, walked with the rest once it is merged.
+def check_top_k(server: LiveServer) -> None:
+    greedy = text_of(chat(server, temperature=0, max_tokens=12))
+    assert text_of(chat(server, temperature=2.0, seed=1, top_k=1, max_tokens=12)) == greedy
+    assert text_of(chat(server, temperature=2.0, seed=1, top_k=-1, max_tokens=12)) != greedy
+
+
+def check_min_p(server: LiveServer) -> None:
+    greedy = text_of(chat(server, temperature=0, max_tokens=12))
+    # min_p = 1 keeps only tokens as likely as the most likely one
+    assert text_of(chat(server, temperature=2.0, seed=1, min_p=1.0, max_tokens=12)) == greedy
+
+
+def check_template_controls(server: LiveServer) -> None:
+    tokens = chat(server)["usage"]["prompt_tokens"]
+    assert chat(server, add_generation_prompt=False)["usage"]["prompt_tokens"] < tokens
+    thinking_off = chat(server, chat_template_kwargs={"enable_thinking": False})
+    assert thinking_off["usage"]["prompt_tokens"] > tokens                  # the empty <think></think>
+
+
+def check_return_meta_info(server: LiveServer) -> None:
+    assert chat(server, return_meta_info=True)["meta_info"]["spec_verify_ct"] == 0     # plain: no verify passes
+    assert "meta_info" not in chat(server)
+
+
+# vLLM's / SGLang's extensions: those of this branch walked here; the logits branch's ones with
+# the rest once it is merged. (continue_final_message: tests/test_api.py.)
 VLLM_EXTENSIONS: dict[str, Any] = {
+    "top_k": Honoured(check_top_k),
+    "min_p": Honoured(check_min_p),
+    "add_generation_prompt": Honoured(check_template_controls),
+    "chat_template_kwargs": Honoured(check_template_controls),
+    "return_meta_info": Honoured(check_return_meta_info),
     "min_tokens": OWNED_BY_LOGITS_BRANCH,
     "ignore_eos": OWNED_BY_LOGITS_BRANCH,
     "repetition_penalty": OWNED_BY_LOGITS_BRANCH,
@@ -343,6 +373,11 @@ def test_chat_parameter(server, name):
 @pytest.mark.parametrize("name", walked(COMPLETIONS))
 def test_completion_parameter(server, name):
     assert_expectation(server, COMPLETION_PATH, COMPLETION_BODY, name, COMPLETIONS[name])
+
+
+@pytest.mark.parametrize("name", walked(VLLM_EXTENSIONS))
+def test_extension_parameter(server, name):
+    assert_expectation(server, CHAT_PATH, CHAT_BODY, name, VLLM_EXTENSIONS[name])
 
 
 @pytest.mark.parametrize("name,value", sorted(COMPLETION_REFUSALS.items()))
