@@ -62,3 +62,11 @@ def pytest_collection_modifyitems(config, items) -> None:
     if len(kept) != len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept
+
+
+@pytest.fixture(scope="session")
+def scripted_dirs(tmp_path_factory, qwen3_dir) -> tuple[Path, Path]:
+    """A target whose greedy chat answer is reasoning and a tool call (tests/chain_script.py),
+    and a DFlash draft for it."""
+    from chain_script import write_scripted_pair
+    return write_scripted_pair(tmp_path_factory.mktemp("scripted"), qwen3_dir)

@@ -190,3 +190,32 @@ if __name__ == "__main__":
     write_dense_checkpoint(root / "target", "qwen3")
     write_dflash_draft(root / "draft", root / "target")
     print(f"wrote {root / 'target'} and {root / 'draft'}")
+
+
+def write_chain_checkpoint(directory: Path, chain: list[int], tokenizer_dir: Path, margin: float = 4.0) -> Path:
+    """A Qwen3 target whose greedy output is scripted: after chain[k] it always says chain[k + 1]
+    (a bigram chain, built by construction, no training). Attention and MLP outputs are zero, so
+    the last position's hidden state is its own token's embedding: token chain[k] embeds as the
+    unit vector e_k, the final norm scales it to √H·e_k, and lm_head row chain[k + 1] reads e_k.
+    Each chain token must appear once (one successor each); tokens off the chain predict id 0.
+    The tokenizer files are copied from tokenizer_dir (building them takes seconds)."""
+    import shutil
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    if len(set(chain)) != len(chain) or len(chain) - 1 > TINY["hidden_size"]:
+        raise ValueError("a chain needs distinct tokens, at most hidden_size + 1 of them")
+    config = hf_dense_config("qwen3")
+    with torch.device("meta"):                   # names and shapes only: no random init
+        shapes = {name: p.shape for name, p in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    weights = {name: (torch.ones if name.endswith("norm.weight") else torch.zeros)(shape)
+               for name, shape in shapes.items()}
+    for k, (token, successor) in enumerate(zip(chain, chain[1:])):
+        weights["model.embed_tokens.weight"][token, k] = 1.0
+        weights["lm_head.weight"][successor, k] = margin
+    directory.mkdir(parents=True, exist_ok=True)
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(directory)
+    GenerationConfig(eos_token_id=[IM_END_ID, ENDOFTEXT_ID], bos_token_id=ENDOFTEXT_ID).save_pretrained(directory)
+    save_file(weights, str(directory / "model.safetensors"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+    return directory

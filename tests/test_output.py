@@ -339,3 +339,16 @@ def test_processor_counts_tokens_up_to_the_stop(text: str, cuts: list[int]) -> N
             break
     assert processor.completion_tokens == needed
     check_ends_once(deltas)
+
+
+def test_parallel_tool_calls_false_keeps_only_the_first_call():
+    """parallel_tool_calls: false (max_tool_calls=1): the second call of the output is dropped,
+    whatever the batching; finish_reason stays tool_calls."""
+    text = ('<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>\n'
+            '<tool_call>{"name": "b", "arguments": {"y": 2}}</tool_call>')
+    for batches in batchings(tokenize(text)):
+        _, _, both = run(batches, tools_enabled=True, tools=None)
+        assert [call.name for call in both.tool_calls] == ["a", "b"]
+        _, _, first = run(batches, tools_enabled=True, tools=None, max_tool_calls=1)
+        assert [(call.name, json.loads(call.arguments)) for call in first.tool_calls] == [("a", {"x": 1})]
+        assert first.finish_reason == "tool_calls"

@@ -368,9 +368,9 @@ def rejection(body: dict, model: type[pydantic.BaseModel] = ChatCompletionReques
         ({"messages": USER, "stop": {"a": 1}}, "stop", "string or a list of strings"),
         ({"messages": USER, "stop": ["x"] * 17}, "stop", "at most 16"),
         ({"messages": USER, "stop_token_ids": [-1]}, "stop_token_ids[0]", "greater than"),
-        ({"messages": USER, "n": 2}, "n", "not supported"),
-        ({"messages": USER, "logprobs": True}, "logprobs", "not supported"),
-        ({"messages": USER, "top_logprobs": 3}, "top_logprobs", "not supported"),
+        ({"messages": USER, "n": 0}, "n", "must be in [1, 128]"),
+        ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be in [0, 20]"),
+        ({"messages": USER, "top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
         ({"messages": USER, "presence_penalty": 2.5}, "presence_penalty", "must be in [-2, 2]"),
         ({"messages": USER, "frequency_penalty": -3}, "frequency_penalty", "must be in [-2, 2]"),
         ({"messages": USER, "repetition_penalty": 0}, "repetition_penalty", "must be in (0, 2]"),
@@ -427,17 +427,18 @@ def test_chat_request_rejections(body: dict, param: str, words: str) -> None:
 @pytest.mark.parametrize(
     "body,words",
     [
-        ({"prompt": ["a", "b"]}, "one prompt per request"),
+        ({"prompt": ["a", [1]]}, "only strings or only token-id lists"),
         ({"prompt": []}, "non-empty"),
         ({"prompt": ""}, "must not be empty"),
         ({"prompt": [1, -2]}, "non-negative"),
         ({"prompt": [1, True]}, "non-negative"),
         ({"prompt": 5}, "non-empty string"),
         ({"prompt": "x", "max_tokens": 0}, "greater than or equal to 1"),
-        ({"prompt": "x", "echo": True}, "not supported"),
-        ({"prompt": "x", "logprobs": 2}, "not supported"),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, "not supported"),
+        ({"prompt": "x", "logprobs": 21}, "less than or equal to 20"),
         ({"prompt": "x", "suffix": "y"}, "not supported"),
-        ({"prompt": "x", "n": 3}, "not supported"),
+        ({"prompt": "x", "n": 0}, "must be in [1, 128]"),
+        ({"prompt": "x", "n": 2, "best_of": 3}, "must equal n"),
     ],
 )
 def test_completion_request_rejections(body: dict, words: str) -> None:
@@ -517,8 +518,9 @@ def test_defaults() -> None:
         {"messages": USER, "tools": ONE_TOOL, "tool_choice": "none"}
     )
     assert not none_choice.tools_enabled
-    assert CompletionRequest.model_validate({"prompt": ["hi"]}).prompt == "hi"
-    assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompt == [1, 2]
+    assert CompletionRequest.model_validate({"prompt": ["hi"]}).prompts == ["hi"]
+    assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompts == [[1, 2]]
+    assert CompletionRequest.model_validate({"prompt": [[1], [2, 3]]}).prompts == [[1], [2, 3]]
     assert CompletionRequest.model_validate({"prompt": "x"}).max_new_tokens == 16
 
 

@@ -189,8 +189,8 @@ def test_streaming_format_usage_and_meta_info(dflash):
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
     meta = next(c["meta_info"] for c in chunks if "meta_info" in c)
     assert sum(meta["spec_accept_histogram"]) == meta["spec_verify_ct"] > 0
-    # every token after the prefill's first one was committed by a verify pass
-    assert sum(i * n for i, n in enumerate(meta["spec_accept_histogram"])) == 12 - 1
+    # every token after the prefill's first one was committed by a verify pass (index i: i drafts accepted)
+    assert sum((i + 1) * n for i, n in enumerate(meta["spec_accept_histogram"])) == 12 - 1
     whole = chat(dflash, max_tokens=12, return_meta_info=True)
     assert streamed_chat_text(events) == whole["choices"][0]["message"]["content"]
     assert whole["usage"] == usage_chunk["usage"]
@@ -371,7 +371,7 @@ BAD_CHAT_BODIES = {
     "temperature 3": ({"messages": HELLO, "temperature": 3}, 400),
     "top_p 0": ({"messages": HELLO, "top_p": 0}, 400),
     "stop int": ({"messages": HELLO, "stop": 5}, 400),
-    "n 2": ({"messages": HELLO, "n": 2}, 400),
+    "n 0": ({"messages": HELLO, "n": 0}, 400),
     "seed too big": ({"messages": HELLO, "seed": 2**70}, 400),
     "tool_choice odd shape": ({"messages": HELLO, "tools": [{"type": "function", "function": {"name": "f"}}],
                                "tool_choice": {"type": "function", "function": "f"}}, 400),
@@ -394,8 +394,8 @@ BAD_COMPLETION_BODIES = {
     "no prompt": ({"max_tokens": 2}, 400),
     "empty prompt": ({"prompt": ""}, 400),
     "token id outside vocabulary": ({"prompt": [1, 10**9]}, 400),
-    "two prompts": ({"prompt": ["a", "b"]}, 400),
-    "echo": ({"prompt": "a", "echo": True}, 400),
+    "strings and token ids mixed": ({"prompt": ["a", [1, 2]]}, 400),
+    "echo with logprobs": ({"prompt": "a", "echo": True, "logprobs": 1}, 400),
     "max_tokens beyond the context": ({"prompt": "a", "max_tokens": 10**9}, 400),
     "stop_token_ids outside vocabulary": ({"prompt": "a", "stop_token_ids": [10**9]}, 400),
     "top_k 2**31": ({"prompt": "a", "top_k": 2**31}, 400),

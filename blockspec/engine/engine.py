@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from blockspec.config import EngineConfig
-from blockspec.engine.model_runner import ModelRunner
+from blockspec.engine.model_runner import DecodeResult, ModelRunner
 from blockspec.engine.request import Request, TokenEvent
 from blockspec.engine.scheduler import Batch, Emitted, Scheduler
 from blockspec.engine.sequence import Sequence
@@ -159,7 +159,7 @@ class Engine:
                 self.fault_hook("decode", batch.decode)
             result = self.runner.decode(batch.decode)
             for b, seq in enumerate(batch.decode):
-                self._isolated(seq, lambda: self._commit(seq, result.num_accepted[b], result.new_tokens[b], emitted))
+                self._isolated(seq, lambda: self._commit(seq, result, b, emitted))
 
     def _prefill(self, seq: Sequence, length: int, emitted: list[Emitted]) -> None:
         if self.fault_hook is not None:
@@ -168,10 +168,11 @@ class Engine:
         if item is not None:
             emitted.append(item)
 
-    def _commit(self, seq: Sequence, num_accepted: int, new_tokens: list[int], emitted: list[Emitted]) -> None:
+    def _commit(self, seq: Sequence, result: DecodeResult, b: int, emitted: list[Emitted]) -> None:
         if self.fault_hook is not None:
             self.fault_hook("commit", [seq])
-        emitted.append(self.scheduler.postprocess_decode(seq, num_accepted, new_tokens))
+        logprobs = result.logprobs[b] if result.logprobs else None
+        emitted.append(self.scheduler.postprocess_decode(seq, result.num_accepted[b], result.new_tokens[b], logprobs))
 
     def _isolated(self, seq: Sequence, work: Callable[[], None]) -> None:
         """One sequence's own work: if it fails, that sequence ends with an error and the rest
@@ -254,11 +255,20 @@ class Engine:
         request = item.seq.request
         self.counters.generation_tokens += len(item.token_ids)
         if request.is_finished:
-            self._end(item.seq, request.finish_reason, token_ids=item.token_ids)
+            self._end(item.seq, request.finish_reason, token_ids=item.token_ids, logprobs=self._logprobs(item))
         else:
-            self._emit(item.seq, TokenEvent(request.request_id, item.token_ids))
+            self._emit(item.seq, TokenEvent(request.request_id, item.token_ids, logprobs=self._logprobs(item)))
 
-    def _end(self, seq: Sequence, reason: str, token_ids: list[int] | None = None, error: str | None = None) -> None:
+    @staticmethod
+    def _logprobs(item: Emitted) -> list | None:
+        """The logprobs of the tokens just committed (the request's last ones), if it asked."""
+        request = item.seq.request
+        if request.num_logprobs is None:
+            return None
+        return request.output_logprobs[len(request.output_logprobs) - len(item.token_ids):]
+
+    def _end(self, seq: Sequence, reason: str, token_ids: list[int] | None = None, error: str | None = None,
+             logprobs: list | None = None) -> None:
         """The one place a request ends: free its memory, count it, send its final event."""
         request = seq.request
         request.finish_reason = reason
@@ -267,7 +277,8 @@ class Engine:
             self.counters.spec_verify += request.stats.cycles
             self.counters.spec_draft_tokens += request.stats.draft_tokens
             self.counters.spec_accepted_tokens += request.stats.accepted_tokens
-        self._emit(seq, TokenEvent(request.request_id, token_ids or [], reason, request.stats, error=error))
+        self._emit(seq, TokenEvent(request.request_id, token_ids or [], reason, request.stats, error=error,
+                                   logprobs=logprobs))
         self._callbacks.pop(id(seq), None)
         if self.on_finish is not None:
             self.on_finish(request)

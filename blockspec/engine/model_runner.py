@@ -19,6 +19,7 @@ from torch import nn
 from blockspec.cache import KVPool, PageAllocator, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
+from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.logits import LogitsProcessor
 from blockspec.engine.spec.dflash import accept, process_verify, propose
@@ -31,6 +32,14 @@ from blockspec.sampling import sample
 class DecodeResult:
     num_accepted: list[int]          # drafts each sequence's verify accepted
     new_tokens: list[list[int]]      # a_b + 1 tokens per sequence (before stop / length cuts)
+    logprobs: list[list[TokenLogprob] | None] | None = None   # per sequence, for those that asked
+
+
+@dataclass
+class FirstToken:
+    """The token sampled at the prompt's end, with its logprob if the request asked."""
+    token_id: int
+    logprobs: list[TokenLogprob] | None = None
 
 
 class ModelRunner:
@@ -124,7 +133,7 @@ class ModelRunner:
     # -- prefill ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence, num_tokens: int) -> int | None:
+    def prefill(self, seq: Sequence, num_tokens: int) -> FirstToken | None:
         """Compute the next num_tokens positions of seq; return its first output token when the
         prompt is done and nothing was generated yet (else None)."""
         start = seq.num_cached
@@ -138,9 +147,11 @@ class ModelRunner:
         if seq.is_prefilling or seq.request.output_ids:
             return None
         logits = self.target.compute_logits(out.hidden[-1:])                      # [1, V]
+        raw = self.raw_logprobs([seq], logits.view(1, 1, -1))[0]          # before any processing
         if self.processor_of(seq) is not None:
             logits = seq.logits_processor.rows(logits, [])
-        return int(sample(logits[0], seq.request.params, seq.generator))
+        token = int(sample(logits[0], seq.request.params, seq.generator))
+        return FirstToken(token, self.scored(seq, raw, [token]))
 
     def processor_of(self, seq: Sequence) -> LogitsProcessor | None:
         """The sequence's logits processor, made here (the engine thread) when first needed;
@@ -168,10 +179,23 @@ class ModelRunner:
             meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts  # [x, d1 … dT−1]
         logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
         logits = logits.view(num_seqs, width, -1)
+        raw = self.raw_logprobs(seqs, logits)                                   # before any processing
         num_accepted, new_tokens = accept(seqs, proposal, logits, process_verify(seqs, proposal, logits))
         if meta.keep_steps:
             self.states.select(meta.state_slots[:num_seqs], [a + 1 for a in num_accepted])
-        return DecodeResult(num_accepted, new_tokens)
+        logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(seqs, raw, new_tokens)]
+        return DecodeResult(num_accepted, new_tokens, logprobs)
+
+    @staticmethod
+    def raw_logprobs(seqs: list[Sequence], logits: torch.Tensor) -> list[torch.Tensor | None]:
+        """logits [B, T, V] → per sequence that asked for logprobs, the log-softmax of its rows,
+        taken before sampling may process the logits (the raw distribution, as vLLM reports)."""
+        return [log_softmax_rows(logits[b]) if seq.request.num_logprobs is not None else None
+                for b, seq in enumerate(seqs)]
+
+    @staticmethod
+    def scored(seq: Sequence, rows: torch.Tensor | None, tokens: list[int]) -> list[TokenLogprob] | None:
+        return None if rows is None else token_logprobs(rows, tokens, seq.request.num_logprobs)
 
     def run_forward(self, kind: str, fn, meta: AttentionMetadata) -> torch.Tensor:
         self.num_forwards += 1

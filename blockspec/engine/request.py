@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from blockspec.engine.logprobs import TokenLogprob
 from blockspec.sampling import SamplingParams
 
 
@@ -45,6 +46,7 @@ class TokenEvent:
     finish_reason: str | None = None      # stop | length | abort | error
     stats: GenerationStats | None = None  # on the last event
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None   # one per token id, when the request asked for them
 
 
 class Request:
@@ -66,6 +68,8 @@ class Request:
         self.grammar_stop_ids = frozenset(stop_ids) | frozenset(params.stop_token_ids)
         self.max_model_len = max_model_len
         self.output_ids: list[int] = []
+        self.num_logprobs: int | None = None     # None: no logprobs; k: each token's and its top k
+        self.output_logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.arrival_time = time.monotonic()
@@ -94,8 +98,8 @@ class Request:
         by_context = self.max_model_len - len(self.prompt_ids) - len(self.output_ids)
         return max(0, min(by_max_tokens, by_context))
 
-    def commit(self, tokens: list[int]) -> list[int]:
-        """Append what may be emitted of `tokens`; return exactly that part."""
+    def commit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Append what may be emitted of `tokens` (and their logprobs); return exactly that part."""
         allowed = tokens[: self.num_allowed]
         for i, token in enumerate(allowed):
             if token in self.stop_ids:
@@ -103,6 +107,8 @@ class Request:
                 self.finish_reason = "stop"
                 break
         self.output_ids.extend(allowed)
+        if logprobs is not None:
+            self.output_logprobs.extend(logprobs[: len(allowed)])
         self.stats.output_tokens = len(self.output_ids)
         if self.finish_reason is None and self.num_allowed == 0:
             self.finish_reason = "length"

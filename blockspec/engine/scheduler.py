@@ -18,7 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from blockspec.config import EngineConfig
-from blockspec.engine.model_runner import ModelRunner
+from blockspec.engine.logprobs import TokenLogprob
+from blockspec.engine.model_runner import FirstToken, ModelRunner
 from blockspec.engine.sequence import Sequence
 
 
@@ -135,18 +136,19 @@ class Scheduler:
             if seq in queue:
                 queue.remove(seq)
 
-    def postprocess_prefill(self, seq: Sequence, first_token: int | None) -> Emitted | None:
+    def postprocess_prefill(self, seq: Sequence, first_token: FirstToken | None) -> Emitted | None:
         if first_token is None:
             return None
         now = time.perf_counter()
         seq.first_token_at = now
         seq.request.stats.prefill_s = now - (seq.admitted_at or now)
-        return Emitted(seq, commit(seq, [first_token]))
+        return Emitted(seq, commit(seq, [first_token.token_id], first_token.logprobs))
 
-    def postprocess_decode(self, seq: Sequence, num_accepted: int, new_tokens: list[int]) -> Emitted:
+    def postprocess_decode(self, seq: Sequence, num_accepted: int, new_tokens: list[int],
+                           logprobs: list[TokenLogprob] | None = None) -> Emitted:
         """One sequence's cycle: commit its a + 1 new tokens, rewind it by length, count it."""
         allowed = min(self.runner.width, seq.request.num_allowed)      # tokens this cycle could commit
-        committed = commit(seq, new_tokens)
+        committed = commit(seq, new_tokens, logprobs)
         # x and d_1 … d_a stay in the pools; the bonus (the next x) is fed by the next cycle.
         seq.num_cached += num_accepted + 1
         # Stats as if the block had been cut to the allowed length (drafts past it count for
@@ -156,9 +158,9 @@ class Scheduler:
         return Emitted(seq, committed)
 
 
-def commit(seq: Sequence, tokens: list[int]) -> list[int]:
+def commit(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
     """Request.commit, and the logits processor's committed state follows (engine/logits.py)."""
-    committed = seq.request.commit(tokens)
+    committed = seq.request.commit(tokens, logprobs)
     if seq.logits_processor is not None:
         seq.logits_processor.advance(committed)
     return committed

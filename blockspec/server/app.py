@@ -46,6 +46,9 @@ from blockspec.engine.request import GenerationStats, TokenEvent
 from blockspec.engine.request import Request as EngineRequest
 from blockspec.sampling import SamplingParams
 from blockspec.sampling import check_seed as check_seed_range
+from blockspec.server import responses
+from blockspec.server.logprobs import chat_logprobs, completion_logprobs
+from blockspec.server.responses import ResponsesRequest
 from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
 from blockspec.server.protocol import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                        ChatCompletionChunkChoice, ChatCompletionMessage,
@@ -133,6 +136,7 @@ class GenerationFailed(Exception):
     def __init__(self, status: int, message: str, finish_reason: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.finish_reason = status, message, finish_reason
+        self.index = 0                     # the choice it ended (set where several are merged)
 
 
 def retry_later(message: str) -> ApiError:
@@ -382,9 +386,12 @@ def check_not_draining(state: ServerState) -> None:
         raise retry_later("the server is shutting down; retry on another server")
 
 
-def check_queue_room(engine: Engine) -> None:
-    """503 while the queue is full, decided before any tokenizing."""
-    if engine.num_waiting >= engine.max_queue:
+def check_queue_room(engine: Engine, count: int = 1) -> None:
+    """503 while the queue has no room for `count` more requests, decided before any tokenizing."""
+    if count > engine.max_queue:
+        raise ApiError(400, f"This request makes {count} generations (n × prompts); this server queues at "
+                            f"most {engine.max_queue} at once.", "n")
+    if engine.num_waiting + count > engine.max_queue:
         raise retry_later(f"the server is busy ({engine.num_waiting} requests waiting); retry shortly")
 
 
@@ -395,7 +402,9 @@ def check_seed(seed: int | None) -> None:
         raise ApiError(400, f"Invalid 'seed': {exc}.", "seed") from None
 
 
-def sampling_params(body: Any, max_tokens: int) -> SamplingParams:
+def sampling_params(body: Any, max_tokens: int, choice: int = 0) -> SamplingParams:
+    """Choice i of a request samples with seed + i (vLLM's rule for n > 1): reproducible, and
+    the choices differ."""
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -403,7 +412,7 @@ def sampling_params(body: Any, max_tokens: int) -> SamplingParams:
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(0, body.top_k or 0),
             min_p=body.min_p or 0.0,
-            seed=body.seed,
+            seed=None if body.seed is None else body.seed + choice,
             stop_token_ids=tuple(body.stop_token_ids or ()),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
@@ -426,6 +435,7 @@ class Prompt:
     token_ids: list[int]
     reasoning: bool = False             # parse <think> … </think> out of the output
     reasoning_started: bool = False     # the template opened <think> in the prompt
+    text: str | None = None             # the prompt as the client wrote it (completions' echo)
 
 
 def template_message(message: Any) -> dict[str, Any]:
@@ -442,23 +452,43 @@ def render_chat(tokenizer: Any, body: ChatCompletionRequest) -> Prompt:
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools_enabled else None
     messages = [template_message(message) for message in body.messages]
     try:
-        text = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True, **kwargs)
+        text = tokenizer.apply_chat_template(messages, tools, add_generation_prompt=body.add_generation_prompt,
+                                             **kwargs)
     except Exception as exc:  # template errors, bad tool-call arguments: the request's fault
         raise ApiError(400, f"The chat template could not render these messages: {exc}", "messages") from None
+    if body.continue_final_message:
+        text = open_final_message(text, body.messages[-1].text or "")
     has_think = tokenizer.token_to_id("</think>") is not None
     reasoning = has_think and kwargs.get("enable_thinking") is not False
     started = text.rstrip().endswith("<think>")
     return Prompt(tokenizer.encode(text, add_special_tokens=False), reasoning, reasoning and started)
 
 
-def completion_prompt(tokenizer: Any, body: CompletionRequest) -> Prompt:
-    if isinstance(body.prompt, str):
-        return Prompt(tokenizer.encode(body.prompt, add_special_tokens=True))
-    too_big = [t for t in body.prompt if t >= tokenizer.vocab_size]
+def open_final_message(text: str, final: str) -> str:
+    """The rendered conversation cut right after the final message's text, so the template's
+    end-of-turn tokens are gone and the model continues that message (vLLM's and transformers'
+    continue_final_message)."""
+    for needle in (final, final.strip()):
+        if needle and needle in text:
+            return text[: text.rindex(needle) + len(needle)]
+    raise ApiError(400, "Invalid 'continue_final_message': the final message has no text that the chat "
+                        "template renders, so there is nothing to continue.", "continue_final_message")
+
+
+def completion_prompt(tokenizer: Any, prompt: str | list[int]) -> Prompt:
+    if isinstance(prompt, str):
+        return Prompt(tokenizer.encode(prompt, add_special_tokens=True), text=prompt)
+    too_big = [t for t in prompt if t >= tokenizer.vocab_size]
     if too_big:
         raise ApiError(400, f"Invalid 'prompt': token id {too_big[0]} is outside the vocabulary "
                             f"of {tokenizer.vocab_size}.", "prompt")
-    return Prompt(list(body.prompt))
+    return Prompt(list(prompt))
+
+
+def render_prompts(tokenizer: Any, body: Any, kind: str) -> list[Prompt]:
+    if kind == "chat":
+        return [render_chat(tokenizer, body)]
+    return [completion_prompt(tokenizer, prompt) for prompt in body.prompts]
 
 
 def requested_max_tokens(body: Any) -> tuple[str, int] | None:
@@ -522,18 +552,20 @@ def request_grammar(llm: Any, body: Any) -> Any:
         raise ApiError(400, f"Invalid '{param}': {where} cannot be compiled to a grammar: {exc}.", param) from None
 
 
-def make_engine_request(llm: Any, request_id: str, prompt: Prompt, body: Any, grammar: Any = None) -> EngineRequest:
+def make_engine_request(llm: Any, request_id: str, prompt: Prompt, body: Any, choice: int = 0,
+                        grammar: Any = None) -> EngineRequest:
     """grammar: request_grammar's compiled grammar; one may serve several requests (each
-    sequence makes its own matcher)."""
+    sequence makes its own matcher). choice: the index among n (its seed is seed + choice)."""
     check_stop_token_ids(llm.tokenizer, body)
     check_logit_bias(llm, body)
-    params = sampling_params(body, output_budget(llm.max_model_len, prompt, body))
+    params = sampling_params(body, output_budget(llm.max_model_len, prompt, body), choice)
     try:
         request = llm.make_request(request_id, prompt.token_ids, params)
     except ValueError as exc:  # too long for --max-model-len, or empty
         param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
         raise ApiError(400, f"Invalid prompt: {exc}.", param) from None
     request.grammar = grammar
+    request.num_logprobs = body.num_logprobs
     return request
 
 
@@ -564,10 +596,6 @@ class Generation:
         self._has_first_token = False
         self._ended = False
         self._final_stats: GenerationStats | None = None
-
-    @property
-    def usage(self) -> UsageInfo:
-        return UsageInfo.of(len(self.request.prompt_ids), self.processor.completion_tokens)
 
     @property
     def stats(self) -> GenerationStats:
@@ -631,7 +659,7 @@ class Generation:
 
     def _process(self, event: TokenEvent) -> OutputDelta:
         try:
-            return self.processor.process(event.token_ids, event.finish_reason)
+            return self.processor.process(event.token_ids, event.finish_reason, event.logprobs)
         except Exception as exc:  # a parser bug must cost one request, never the connection
             traceback.print_exc()
             self.request.abort()
@@ -677,17 +705,114 @@ def merge_events(first: TokenEvent, then: TokenEvent) -> TokenEvent:
     """Two events of one request not yet read, as one; a final event stays final."""
     if first.finish_reason is not None:
         return first
-    return TokenEvent(then.request_id, first.token_ids + then.token_ids, then.finish_reason, then.stats, then.error)
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = (first.logprobs or []) + (then.logprobs or [])
+    return TokenEvent(then.request_id, first.token_ids + then.token_ids, then.finish_reason, then.stats, then.error,
+                      logprobs)
 
 
-def meta_info(stats: GenerationStats) -> MetaInfo:
-    """SGLang's spec stats; histogram index i counts verify passes that committed i tokens."""
-    lengths = list(stats.acceptance_lengths) if stats.speculative else []   # plain: no verify passes
-    histogram = [0] * (max(lengths) + 1) if lengths else []
+def meta_info(choices: list[Choice]) -> MetaInfo:
+    """SGLang's spec stats, computed as SGLang does: spec_accept_length = completion tokens ÷
+    verify passes (the prefill's first token included, so it is the mean acceptance length plus
+    1/verify passes); spec_accept_histogram[i] = verify passes that accepted i drafts (each
+    committed i + 1 tokens). A plain server reports zeros, having no verify passes. Several
+    choices (n > 1) add up."""
+    stats = [c.generation.stats for c in choices if c.generation.stats.speculative]
+    lengths = [length for s in stats for length in s.acceptance_lengths]
+    histogram = [0] * max(lengths) if lengths else []
     for length in lengths:
-        histogram[length] += 1
-    mean = sum(lengths) / len(lengths) if lengths else 0.0
-    return MetaInfo(spec_verify_ct=len(lengths), spec_accept_length=mean, spec_accept_histogram=histogram)
+        histogram[length - 1] += 1
+    completion_tokens = sum(c.generation.processor.completion_tokens for c in choices)
+    accepted, drafts, num_verify = sum(h * i for i, h in enumerate(histogram)), sum(s.draft_tokens for s in stats), len(lengths)
+    return MetaInfo(spec_verify_ct=num_verify,
+                    spec_accept_length=completion_tokens / num_verify if num_verify else 0.0,
+                    spec_accept_histogram=histogram, spec_accept_rate=accepted / drafts if drafts else 0.0,
+                    spec_accept_token_num=accepted, spec_draft_token_num=drafts)
+
+
+# ---------------------------------------------------------------------------------------------
+# The choices of one request: n per prompt, each its own engine request, decoded as one batch
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Choice:
+    index: int                  # prompt p, choice i → p · n + i (vLLM's order)
+    prompt: Prompt
+    generation: Generation
+    counts_prompt: bool         # usage counts each prompt once, not once per choice
+    echo: str = ""              # completions' echo: the prompt's text, sent before the output
+
+
+def make_choices(state: ServerState, llm: Any, engine: Engine, response_id: str, prompts: list[Prompt],
+                 body: Any, kind: str, arrival: float, grammar: Any = None) -> list[Choice]:
+    n, choices = body.num_choices, []
+    for p, prompt in enumerate(prompts):
+        echo = ""
+        if kind != "chat" and body.echo:
+            echo = prompt.text if prompt.text is not None else llm.tokenizer.decode(prompt.token_ids)
+        for i in range(n):
+            index = p * n + i
+            request = make_engine_request(llm, f"{response_id}-{index}", prompt, body, choice=i, grammar=grammar)
+            processor = make_processor(llm.tokenizer, prompt, body, kind)
+            generation = Generation(state, engine, request, processor, arrival)
+            choices.append(Choice(index, prompt, generation, counts_prompt=i == 0, echo=echo))
+    return choices
+
+
+def submit_all(choices: list[Choice]) -> None:
+    """All or none: a refusal part-way aborts those already submitted."""
+    for k, choice in enumerate(choices):
+        try:
+            choice.generation.submit()
+        except ApiError:
+            close_all(choices[:k])
+            raise
+
+
+def close_all(choices: list[Choice]) -> None:
+    for choice in choices:
+        choice.generation.close()
+
+
+def total_usage(choices: list[Choice]) -> UsageInfo:
+    prompt_tokens = sum(len(c.prompt.token_ids) for c in choices if c.counts_prompt)
+    return UsageInfo.of(prompt_tokens, sum(c.generation.processor.completion_tokens for c in choices))
+
+
+_DONE_PUMPING = object()
+
+
+async def merged_deltas(choices: list[Choice]) -> AsyncIterator[tuple[Choice, OutputDelta]]:
+    """Every choice's deltas as they come (one choice: exactly its own order)."""
+    queue: asyncio.Queue[tuple[Choice, Any]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for delta in choice.generation.deltas():
+                queue.put_nowait((choice, delta))
+        except GenerationFailed as exc:
+            queue.put_nowait((choice, exc))
+        finally:
+            queue.put_nowait((choice, _DONE_PUMPING))
+
+    tasks = [asyncio.ensure_future(pump(choice)) for choice in choices]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            choice, item = await queue.get()
+            if item is _DONE_PUMPING:
+                remaining -= 1
+            elif isinstance(item, GenerationFailed):
+                item.index = choice.index
+                raise item
+            else:
+                yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        close_all(choices)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -738,23 +863,30 @@ class SSEResponse(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def until_disconnect(generation: Generation, request: Request) -> OutputAccumulator | None:
-    """Collect the whole output, or abort and return None if the client leaves first."""
-    collect = asyncio.ensure_future(generation.collect())
+async def until_disconnect(choices: list[Choice], request: Request) -> list[OutputAccumulator] | None:
+    """Collect every choice's whole output, or abort them all and return None if the client
+    leaves first (or one fails: then the others stop too)."""
+    async def collect_all() -> list[OutputAccumulator]:
+        return await asyncio.gather(*(c.generation.collect() for c in choices))
+
+    collect = asyncio.ensure_future(collect_all())  # a task: cancelling it leaves nothing unretrieved
     watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
     try:
         await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # the handler itself was cancelled (server stopping)
         collect.cancel()
-        generation.close()
+        close_all(choices)
         raise
     finally:
         watcher.cancel()
     if not collect.done():  # the client left first
         collect.cancel()
-        generation.close()
+        close_all(choices)
         return None
-    return collect.result()
+    try:
+        return collect.result()
+    finally:
+        close_all(choices)
 
 
 def sse(payload: pydantic.BaseModel | dict[str, Any]) -> bytes:
@@ -770,50 +902,62 @@ def delta_message(delta: OutputDelta) -> DeltaMessage | None:
                         tool_calls=calls or None)
 
 
-async def chat_chunks(generation: Generation, response_id: str, model: str,
-                      body: ChatCompletionRequest) -> AsyncIterator[bytes]:
-    def chunk(delta: DeltaMessage, finish_reason: Any = None, **extra: Any) -> bytes:
-        choice = ChatCompletionChunkChoice(delta=delta, finish_reason=finish_reason)
+async def chat_chunks(choices: list[Choice], response_id: str, model: str, body: ChatCompletionRequest,
+                      tokenizer: Any) -> AsyncIterator[bytes]:
+    def chunk(index: int, delta: DeltaMessage, finish_reason: Any = None, logprobs: Any = None,
+              **extra: Any) -> bytes:
+        choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
         return sse(ChatCompletionChunk(id=response_id, model=model, choices=[choice], **extra))
 
-    yield chunk(DeltaMessage(role="assistant", content=""))
+    for choice in choices:
+        yield chunk(choice.index, DeltaMessage(role="assistant", content=""))
     try:
-        async for delta in generation.deltas():
+        async for choice, delta in merged_deltas(choices):
             message = delta_message(delta)
-            if message is not None:
-                yield chunk(message)
+            logprobs = chat_logprobs(tokenizer, delta.logprobs) if delta.logprobs else None
+            if message is not None or logprobs is not None:
+                yield chunk(choice.index, message or DeltaMessage(content=""), logprobs=logprobs)
             if delta.finish_reason is not None:
-                meta = meta_info(generation.stats) if body.return_meta_info else None
-                yield chunk(DeltaMessage(), delta.finish_reason, meta_info=meta)
+                meta = meta_info([choice]) if body.return_meta_info else None
+                yield chunk(choice.index, DeltaMessage(), delta.finish_reason, meta_info=meta)
     except GenerationFailed as exc:
         if exc.finish_reason is not None:
-            yield sse(with_finish_reason(chunk(DeltaMessage()), exc.finish_reason))
+            yield sse(with_finish_reason(chunk(exc.index, DeltaMessage()), exc.finish_reason))
         yield sse(error_body(exc.status, exc.message))
     else:
         if body.include_usage:
-            yield sse(ChatCompletionChunk(id=response_id, model=model, choices=[], usage=generation.usage))
+            yield sse(ChatCompletionChunk(id=response_id, model=model, choices=[], usage=total_usage(choices)))
     yield DONE
 
 
-async def completion_chunks(generation: Generation, response_id: str, model: str,
-                            body: CompletionRequest) -> AsyncIterator[bytes]:
+async def completion_chunks(choices: list[Choice], response_id: str, model: str, body: CompletionRequest,
+                            tokenizer: Any) -> AsyncIterator[bytes]:
+    def chunk(choice: CompletionChoice, **extra: Any) -> bytes:
+        return sse(Completion(id=response_id, model=model, choices=[choice], **extra))
+
+    offsets = {choice.index: len(choice.echo) for choice in choices}
+    for choice in choices:
+        if choice.echo:
+            yield chunk(CompletionChoice(index=choice.index, text=choice.echo))
     try:
-        async for delta in generation.deltas():
-            if delta.content:
-                yield sse(Completion(id=response_id, model=model,
-                                     choices=[CompletionChoice(text=delta.content)]))
+        async for choice, delta in merged_deltas(choices):
+            logprobs = None
+            if delta.logprobs:
+                logprobs, offsets[choice.index] = completion_logprobs(tokenizer, delta.logprobs, offsets[choice.index])
+            if delta.content or logprobs is not None:
+                yield chunk(CompletionChoice(index=choice.index, text=delta.content, logprobs=logprobs))
             if delta.finish_reason is not None:
-                meta = meta_info(generation.stats) if body.return_meta_info else None
-                choice = CompletionChoice(text="", finish_reason=delta.finish_reason)
-                yield sse(Completion(id=response_id, model=model, choices=[choice], meta_info=meta))
+                meta = meta_info([choice]) if body.return_meta_info else None
+                yield chunk(CompletionChoice(index=choice.index, text="", finish_reason=delta.finish_reason),
+                            meta_info=meta)
     except GenerationFailed as exc:
         if exc.finish_reason is not None:
-            final = sse(Completion(id=response_id, model=model, choices=[CompletionChoice(text="")]))
+            final = sse(Completion(id=response_id, model=model, choices=[CompletionChoice(index=exc.index, text="")]))
             yield sse(with_finish_reason(final, exc.finish_reason))
         yield sse(error_body(exc.status, exc.message))
     else:
         if body.include_usage:
-            yield sse(Completion(id=response_id, model=model, choices=[], usage=generation.usage))
+            yield sse(Completion(id=response_id, model=model, choices=[], usage=total_usage(choices)))
     yield DONE
 
 
@@ -824,22 +968,38 @@ def with_finish_reason(event: bytes, finish_reason: str) -> dict[str, Any]:
     return payload
 
 
-def chat_body(generation: Generation, output: OutputAccumulator, response_id: str, model: str,
-              body: ChatCompletionRequest) -> ChatCompletion:
+def chat_choice(choice: Choice, output: OutputAccumulator, body: ChatCompletionRequest,
+                tokenizer: Any) -> ChatCompletionChoice:
     calls = [ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
              for call in output.tool_calls]
     message = ChatCompletionMessage(content=output.content if output.content or not calls else None,
                                     reasoning_content=output.reasoning or None, tool_calls=calls or None)
-    choice = ChatCompletionChoice(message=message, finish_reason=output.finish_reason)
-    return ChatCompletion(id=response_id, model=model, choices=[choice], usage=generation.usage,
-                          meta_info=meta_info(generation.stats) if body.return_meta_info else None)
+    logprobs = chat_logprobs(tokenizer, output.logprobs) if body.num_logprobs is not None else None
+    return ChatCompletionChoice(index=choice.index, message=message, finish_reason=output.finish_reason,
+                                logprobs=logprobs)
 
 
-def completion_body(generation: Generation, output: OutputAccumulator, response_id: str, model: str,
-                    body: CompletionRequest) -> Completion:
-    choice = CompletionChoice(text=output.content, finish_reason=output.finish_reason)
-    return Completion(id=response_id, model=model, choices=[choice], usage=generation.usage,
-                      meta_info=meta_info(generation.stats) if body.return_meta_info else None)
+def chat_body(choices: list[Choice], outputs: list[OutputAccumulator], response_id: str, model: str,
+              body: ChatCompletionRequest, tokenizer: Any) -> ChatCompletion:
+    return ChatCompletion(id=response_id, model=model, usage=total_usage(choices),
+                          choices=[chat_choice(c, o, body, tokenizer) for c, o in zip(choices, outputs)],
+                          meta_info=meta_info(choices) if body.return_meta_info else None)
+
+
+def completion_choice(choice: Choice, output: OutputAccumulator, body: CompletionRequest,
+                      tokenizer: Any) -> CompletionChoice:
+    logprobs = None
+    if body.num_logprobs is not None:
+        logprobs, _ = completion_logprobs(tokenizer, output.logprobs, len(choice.echo))
+    return CompletionChoice(index=choice.index, text=choice.echo + output.content,
+                            finish_reason=output.finish_reason, logprobs=logprobs)
+
+
+def completion_body(choices: list[Choice], outputs: list[OutputAccumulator], response_id: str, model: str,
+                    body: CompletionRequest, tokenizer: Any) -> Completion:
+    return Completion(id=response_id, model=model, usage=total_usage(choices),
+                      choices=[completion_choice(c, o, body, tokenizer) for c, o in zip(choices, outputs)],
+                      meta_info=meta_info(choices) if body.return_meta_info else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -875,27 +1035,107 @@ async def generate(state: ServerState, request: Request, kind: str) -> Response:
     check_model_name(settings, body.model)
     check_seed(body.seed)
     llm, engine = state.ready()
-    check_queue_room(engine)
-    render = render_chat if kind == "chat" else completion_prompt
-    prompt = await asyncio.to_thread(render, llm.tokenizer, body)
+    check_queue_room(engine, body.num_choices * (1 if kind == "chat" else len(body.prompts)))
+    prompts = await asyncio.to_thread(render_prompts, llm.tokenizer, body, kind)
     response_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     grammar = await asyncio.to_thread(request_grammar, llm, body)
-    engine_request = make_engine_request(llm, response_id, prompt, body, grammar)
-    processor = make_processor(llm.tokenizer, prompt, body, kind)
-    generation = Generation(state, engine, engine_request, processor, arrival)
-    generation.submit()  # last: every rejection above came before any work
+    choices = make_choices(state, llm, engine, response_id, prompts, body, kind, arrival, grammar)
+    submit_all(choices)  # last: every rejection above came before any work
     model = settings.model_name
     if body.stream:
         chunks = chat_chunks if kind == "chat" else completion_chunks
-        return SSEResponse(chunks(generation, response_id, model, body), generation.close)
+        return SSEResponse(chunks(choices, response_id, model, body, llm.tokenizer), lambda: close_all(choices))
     try:
-        output = await until_disconnect(generation, request)
+        outputs = await until_disconnect(choices, request)
     except GenerationFailed as exc:
         return ApiError(exc.status, exc.message).response()
-    if output is None:
+    if outputs is None:
         return Response(status_code=499)  # nobody is there to read it
     build = chat_body if kind == "chat" else completion_body
-    return JSONResponse(build(generation, output, response_id, model, body).model_dump(mode="json"))
+    return JSONResponse(build(choices, outputs, response_id, model, body, llm.tokenizer).model_dump(mode="json"))
+
+
+async def create_response(state: ServerState, request: Request) -> Response:
+    """POST /v1/responses: the chat path under the Responses API's request and output shapes."""
+    arrival = time.monotonic()
+    settings = state.settings
+    raw = await read_json_object(request, settings.max_body_bytes)
+    body = validate(ResponsesRequest, raw)
+    check_model_name(settings, body.model)
+    check_seed(body.seed)
+    try:
+        chat = validate(ChatCompletionRequest, responses.chat_request_body(body))
+    except ValueError as exc:  # an input item the chat path has no message for
+        raise ApiError(400, f"Invalid 'input': {exc}.", "input") from None
+    except ApiError as exc:
+        raise as_responses_error(exc) from None
+    llm, engine = state.ready()
+    check_queue_room(engine)
+    response_id = responses.new_id("resp_")
+    try:
+        prompts = await asyncio.to_thread(render_prompts, llm.tokenizer, chat, "chat")
+        choices = make_choices(state, llm, engine, response_id, prompts, chat, "chat", arrival)
+    except ApiError as exc:
+        raise as_responses_error(exc) from None
+    submit_all(choices)
+    model, created = settings.model_name, int(time.time())
+    if body.stream:
+        return SSEResponse(response_events(choices, response_id, created, model, body), lambda: close_all(choices))
+    try:
+        outputs = await until_disconnect(choices, request)
+    except GenerationFailed as exc:
+        return ApiError(exc.status, exc.message).response()
+    if outputs is None:
+        return Response(status_code=499)
+    items = responses.OutputItems()
+    for delta in outputs[0].deltas:
+        items.add(delta)
+    usage = total_usage(choices)
+    finish = outputs[0].finish_reason
+    return JSONResponse(responses.response_object(response_id, created, model, body, items.items,
+                                                  responses.final_status(finish),
+                                                  (usage.prompt_tokens, usage.completion_tokens), finish))
+
+
+def as_responses_error(exc: ApiError) -> ApiError:
+    """A chat-path refusal, naming the parameter as the Responses request called it."""
+    param = responses.responses_param(exc.param)
+    message = exc.message.replace(f"'{exc.param}'", f"'{param}'") if exc.param else exc.message
+    return ApiError(exc.status, message, param, exc.headers)
+
+
+async def response_events(choices: list[Choice], response_id: str, created: int, model: str,
+                          body: ResponsesRequest) -> AsyncIterator[bytes]:
+    """The typed SSE events of a streamed response, numbered in order; no [DONE] (OpenAI's)."""
+    sequence = 0
+
+    def send(event: dict[str, Any]) -> bytes:
+        nonlocal sequence
+        sequence += 1
+        return responses.sse_event(sequence - 1, event)
+
+    def snapshot(status: str, items: list, finish: str | None = None) -> dict[str, Any]:
+        usage = total_usage(choices) if status != "in_progress" else None
+        counts = (usage.prompt_tokens, usage.completion_tokens) if usage else None
+        return responses.response_object(response_id, created, model, body, items, status, counts, finish)
+
+    yield send({"type": "response.created", "response": snapshot("in_progress", [])})
+    yield send({"type": "response.in_progress", "response": snapshot("in_progress", [])})
+    items = responses.OutputItems()
+    try:
+        async for _, delta in merged_deltas(choices):
+            items.add(delta)
+            for event in items.take_events():
+                yield send(event)
+            if delta.finish_reason is not None:
+                # Always response.completed (its status may say incomplete), as vLLM sends it:
+                # the SDK's stream helper and agent loops wait for exactly that event.
+                status = responses.final_status(delta.finish_reason)
+                yield send({"type": "response.completed", "response": snapshot(status, items.items, delta.finish_reason)})
+    except GenerationFailed as exc:
+        failed = snapshot("failed", items.items)
+        failed["error"] = {"code": "server_error", "message": exc.message}
+        yield send({"type": "response.failed", "response": failed})
 
 
 def make_processor(tokenizer: Any, prompt: Prompt, body: Any, kind: str) -> OutputProcessor:
@@ -906,7 +1146,8 @@ def make_processor(tokenizer: Any, prompt: Prompt, body: Any, kind: str) -> Outp
     # where the template opened <think> in the prompt.
     return OutputProcessor(detokenizer, body.stop_strings, reasoning=prompt.reasoning,
                            reasoning_started_in_prompt=prompt.reasoning_started and body.grammar_request is None,
-                           tools_enabled=body.tools_enabled, tools=body.tools)
+                           tools_enabled=body.tools_enabled, tools=body.tools,
+                           max_tool_calls=1 if body.parallel_tool_calls is False else None)
 
 
 def health(state: ServerState) -> JSONResponse:
@@ -941,9 +1182,25 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(request: Request) -> Response:
         return await generate(state, request, "completion")
 
+    @api.post("/v1/responses")
+    async def create_responses(request: Request) -> Response:
+        return await create_response(state, request)
+
+    @api.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> JSONResponse:
+        raise ApiError(404, f"No response '{response_id}': this server stores no responses.", "response_id")
+
     @api.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse(model_list(state).model_dump(mode="json"))
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        for card in model_list(state).data:
+            if model_id in (card.id, state.settings.model):
+                return JSONResponse(card.model_dump(mode="json"))
+        raise ApiError(404, f"The model '{model_id}' does not exist; this server serves "
+                            f"'{state.settings.model_name}'.", "model")
 
     @app.get("/health")
     async def health_route() -> JSONResponse:
@@ -978,6 +1235,29 @@ def add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), 500)
 
 
+class RequestIdMiddleware:
+    """Every response carries `x-request-id`: the client's own when it sent one (as vLLM and
+    OpenAI echo it), else a fresh one. Pure ASGI, so streamed bodies pass through untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id")
+        request_id = given[:256] if given else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(llm: Any = None, settings: ServerSettings | None = None) -> FastAPI:
     """The app. `llm`: a loaded LLM, a zero-argument factory returning one (called in a
     background thread at startup), or None to load from `settings`."""
@@ -1000,6 +1280,7 @@ def create_app(llm: Any = None, settings: ServerSettings | None = None) -> FastA
 
     app = FastAPI(title="blockspec", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
+    app.add_middleware(RequestIdMiddleware)
     add_error_handlers(app)
     add_routes(app, state)
     if settings.cors_origins:

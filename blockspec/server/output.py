@@ -39,10 +39,11 @@ class OutputDelta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     stop_hit: bool = False  # a stop string matched: the caller must abort the engine request
     finish_reason: str | None = None  # set on the last delta of a request, exactly once
+    logprobs: list[Any] = field(default_factory=list)  # of the tokens counted here (when asked)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.content or self.reasoning or self.tool_calls or self.finish_reason)
+        return not (self.content or self.reasoning or self.tool_calls or self.finish_reason or self.logprobs)
 
 
 class StopStringFilter:
@@ -102,6 +103,7 @@ class OutputProcessor:
         reasoning_started_in_prompt: bool = False,
         tools_enabled: bool = False,
         tools: Iterable[Any] | None = None,
+        max_tool_calls: int | None = None,
     ) -> None:
         self._detokenizer = detokenizer
         self._stop = StopStringFilter(stop)
@@ -109,6 +111,7 @@ class OutputProcessor:
             ReasoningParser(started_in_prompt=reasoning_started_in_prompt) if reasoning else None
         )
         self._tool_calls = ToolCallParser(tools) if tools_enabled else None
+        self._max_tool_calls = max_tool_calls   # parallel_tool_calls: false → 1; later calls dropped
         self.completion_tokens = 0
         self.finish_reason: str | None = None
 
@@ -120,13 +123,17 @@ class OutputProcessor:
     def num_tool_calls(self) -> int:
         return self._tool_calls.num_calls if self._tool_calls else 0
 
-    def process(self, token_ids: Sequence[int], finished: str | None = None) -> OutputDelta:
+    def process(self, token_ids: Sequence[int], finished: str | None = None,
+                logprobs: Sequence[Any] | None = None) -> OutputDelta:
+        """`logprobs`, when given, has one entry per id; the delta keeps those of counted ids."""
         delta = OutputDelta()
         if self.is_finished:
             return delta
         # One id at a time, so a stop string ends the count at the id that completed it.
-        for token_id in token_ids:
+        for i, token_id in enumerate(token_ids):
             self.completion_tokens += 1
+            if logprobs is not None:
+                delta.logprobs.append(logprobs[i])
             if self._add_text(self._detokenizer.add([token_id]), delta):
                 return self._finish(delta, "stop", stop_hit=True)
         if finished is None:
@@ -151,12 +158,17 @@ class OutputProcessor:
         delta.reasoning += reasoning
         if self._tool_calls is not None:
             content, calls = self._tool_calls.feed(content)
-            delta.tool_calls.extend(calls)
+            delta.tool_calls.extend(self._allowed(calls))
             if is_last:
                 more_content, calls = self._tool_calls.flush()
                 content += more_content
-                delta.tool_calls.extend(calls)
+                delta.tool_calls.extend(self._allowed(calls))
         delta.content += content
+
+    def _allowed(self, calls: list[ToolCallDelta]) -> list[ToolCallDelta]:
+        if self._max_tool_calls is None:
+            return calls
+        return [call for call in calls if call.index < self._max_tool_calls]
 
     def _finish(self, delta: OutputDelta, reason: str, stop_hit: bool = False) -> OutputDelta:
         self._parse("", delta, is_last=True)
@@ -174,10 +186,14 @@ class OutputAccumulator:
     content: str = ""
     reasoning: str = ""
     finish_reason: str | None = None
+    logprobs: list[Any] = field(default_factory=list)
+    deltas: list[OutputDelta] = field(default_factory=list)      # as they came (the Responses API regroups them)
     _calls: dict[int, list[str]] = field(default_factory=dict)  # index -> [id, name, arguments]
 
     def add(self, delta: OutputDelta) -> None:
+        self.deltas.append(delta)
         self.content += delta.content
+        self.logprobs += delta.logprobs
         self.reasoning += delta.reasoning
         for piece in delta.tool_calls:
             call = self._calls.setdefault(piece.index, ["", "", ""])

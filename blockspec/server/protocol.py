@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 MAX_STOP_STRINGS = 16
 MAX_INT32 = 2**31 - 1  # bound on counts and token ids: beyond it, a request is nonsense
+MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_CHOICES = 128      # n × prompts of one request; each is an engine request
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -169,8 +171,15 @@ class _SamplingFields(_Request):
 
     @field_validator("n")
     @classmethod
-    def _only_one_choice(cls, value: int | None) -> int | None:
-        return _reject_unless(value, 1, "n")
+    def _some_choices(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}] (got {value})")
+        return value
+
+    @property
+    def num_choices(self) -> int:
+        """Choices per prompt."""
+        return self.n or 1
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -210,7 +219,67 @@ class _SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatOnlyFields(_Request):
+    """OpenAI chat parameters beyond sampling: refused with a 400 naming them where this server
+    cannot honour them (never accepted and ignored), accepted where honouring them is the
+    default answer (modalities ["text"], service_tier auto/default, store false). `user`,
+    `safety_identifier` and `prompt_cache_key` identify the caller for OpenAI's abuse
+    monitoring and cache routing, and `prompt_cache_options` / `prompt_cache_retention` are
+    cache hints; none can change an output, so they are accepted."""
+
+    audio: Any = None
+    moderation: Any = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    @field_validator("audio", "moderation", "prediction", "web_search_options", "reasoning_effort", "verbosity")
+    @classmethod
+    def _chat_only_not_served(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _chat_only_text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and set(value) != {"text"}:
+            raise ValueError(f"modalities {value} are not supported by this server (only ['text'])")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _chat_only_one_tier(cls, value: str | None) -> str | None:
+        if value not in (None, "auto", "default"):
+            raise ValueError(f"service_tier {value!r} is not supported by this server (only 'auto' or 'default')")
+        return value
+
+    @field_validator("store")
+    @classmethod
+    def _chat_only_nothing_stored(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("store=true is not supported: this server stores no completions")
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _chat_only_no_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value:
+            raise ValueError("metadata is not supported: it tags stored completions, and this server stores none")
+        return value
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatOnlyFields):
     messages: list[ChatMessage]
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -221,6 +290,30 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's prompt controls: continue_final_message leaves the last (assistant) message open,
+    # so the model continues it; it needs add_generation_prompt false, as vLLM requires.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # The legacy function-calling API (deprecated by OpenAI): refused, never ignored.
+    functions: Any = None
+    function_call: Any = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            replacement = "tools" if info.field_name == "functions" else "tool_choice"
+            raise ValueError(f"the legacy '{info.field_name}' API is not supported by this server; "
+                             f"send '{replacement}' instead")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_needs_no_generation_prompt(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
+                             "(send add_generation_prompt: false to continue the final message)")
+        return value
 
     @field_validator("messages")
     @classmethod
@@ -254,19 +347,19 @@ class ChatCompletionRequest(_SamplingFields):
                 )
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("logprobs is not supported by this server")
-        return value
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError("top_logprobs is not supported by this server")
+    def _top_logprobs_with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}] (got {value})")
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
         return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """None: no logprobs; k: each token's logprob and its top k alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("response_format")
     @classmethod
@@ -308,44 +401,52 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]
+    user: str | None = None  # identifies the caller to OpenAI; cannot change an output
     max_tokens: int = Field(16, ge=1)  # OpenAI's default for /v1/completions
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if value is not None and value != n:
+            raise ValueError(f"best_of={value} is not supported by this server: it must equal n ({n}), "
+                             "since choices are not ranked")
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
-            if len(value) != 1:
-                raise ValueError(
-                    f"prompt holds {len(value)} prompts; send one prompt per request"
-                )
-            value = value[0]
-        if isinstance(value, str):
-            if not value:
-                raise ValueError("prompt must not be empty")
-            return value
-        if not isinstance(value, list) or not value:
-            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
-            raise ValueError("prompt token ids must be non-negative integers")
+    def _check_prompts(cls, value: Any) -> Any:
+        prompts = value if isinstance(value, list) and value and not _is_token_id(value[0]) else [value]
+        if len(prompts) > MAX_CHOICES:
+            raise ValueError(f"prompt holds {len(prompts)} prompts; at most {MAX_CHOICES}")
+        for prompt in prompts:
+            _check_one_prompt(prompt)
+        if len({isinstance(prompt, str) for prompt in prompts}) > 1:
+            raise ValueError("a prompt list must hold only strings or only token-id lists, not both")
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("logprobs is not supported by this server")
-        return value
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: one string or token-id list per prompt."""
+        value = self.prompt
+        return [value] if isinstance(value, str) or _is_token_id(value[0]) else list(value)
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported by this server")
+    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("echo together with logprobs is not supported by this server (the prompt's "
+                             "logprobs are not computed); send one of them")
         return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("suffix")
     @classmethod
@@ -362,6 +463,21 @@ class CompletionRequest(_SamplingFields):
 # ---------------------------------------------------------------------------------------------
 # Responses
 # ---------------------------------------------------------------------------------------------
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_one_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError("a prompt must be a non-empty string or a non-empty list of token ids")
+    if not all(_is_token_id(t) and t >= 0 for t in prompt):
+        raise ValueError("prompt token ids must be non-negative integers")
 
 
 def _drop_none(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
@@ -406,11 +522,34 @@ class ChatCompletionMessage(BaseModel):
         return _drop_none(handler(self), ("reasoning_content", "tool_calls"))
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, top_logprobs as {token: logprob} maps."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class ChatCompletionChoice(BaseModel):
     index: int = 0
     message: ChatCompletionMessage
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -464,7 +603,7 @@ class ChatCompletionChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -489,7 +628,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):

@@ -1,0 +1,320 @@
+"""The OpenAI Responses API (`POST /v1/responses`), as vLLM serves it: text in, output items out.
+
+A Responses request is turned into the chat request it means (instructions → a system message,
+input items → messages, flat function tools → chat tools), so it runs the chat path unchanged:
+the chat template, the engine, the OutputProcessor. What comes back is regrouped into output
+items — `reasoning`, `message` (output_text), `function_call` — by one state machine
+(`OutputItems`) that both streams the typed events (response.created, response.output_item.added,
+response.output_text.delta, …, response.completed) and builds the final object, so the streamed
+and the whole answer cannot disagree.
+
+No response is stored: `previous_response_id` (and `background`, stored `prompt`s and
+`conversation`) are 400s naming them; `store` is accepted and every response says `store: false`.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import Field, ValidationInfo, field_validator
+
+from blockspec.server.output import OutputDelta
+from blockspec.server.protocol import _Request
+
+TEXT_PART_TYPES = ("input_text", "output_text", "text")
+
+
+def new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    text: dict[str, Any] | None = None
+    truncation: str | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    prompt: Any = None
+    conversation: Any = None
+    reasoning: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    @field_validator("previous_response_id", "prompt", "conversation")
+    @classmethod
+    def _nothing_stored(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"'{info.field_name}' is not supported: this server stores no responses, "
+                             "prompts or conversations; send the whole conversation in 'input'")
+        return value
+
+    @field_validator("background")
+    @classmethod
+    def _not_background(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("background responses are not supported (they need stored responses)")
+        return value
+
+    @field_validator("input")
+    @classmethod
+    def _some_input(cls, value: Any) -> Any:
+        if not value:
+            raise ValueError("input must be a non-empty string or a non-empty list of items")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _function_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for tool in value or []:
+            if tool.get("type") != "function" or not isinstance(tool.get("name"), str) or not tool["name"]:
+                raise ValueError(f"only function tools {{'type': 'function', 'name': ...}} are supported "
+                                 f"(got type {tool.get('type')!r})")
+        return value
+
+    @field_validator("text")
+    @classmethod
+    def _plain_text(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = ((value or {}).get("format") or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"text.format {kind!r} is not supported by this server (only 'text')")
+        return value
+
+    @field_validator("truncation")
+    @classmethod
+    def _no_truncation(cls, value: str | None) -> str | None:
+        if value not in (None, "disabled"):
+            raise ValueError(f"truncation {value!r} is not supported (only 'disabled')")
+        return value
+
+    @field_validator("reasoning")
+    @classmethod
+    def _no_reasoning_controls(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value and any(v is not None for v in value.values()):
+            raise ValueError("reasoning controls (effort, summary) are not supported by this server")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError("top_logprobs is not supported on /v1/responses (use /v1/chat/completions)")
+        return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Request → chat request
+# ---------------------------------------------------------------------------------------------
+
+
+def part_text(content: Any, where: str) -> str:
+    """A message's content (a string or text parts) as one string, parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}: content must be a string or a list of text parts")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}: only text content parts are supported (got type {kind!r})")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """instructions + input → chat messages. Past reasoning items are dropped, as Qwen's chat
+    templates drop the reasoning of earlier turns."""
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        return [*messages, {"role": "user", "content": body.input}]
+    for i, item in enumerate(body.input):
+        where, kind = f"input[{i}]", item.get("type", "message")
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": part_text(item.get("content"), where)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else part_text(output, where)})
+        elif kind != "reasoning":
+            raise ValueError(f"{where}: input items of type {kind!r} are not supported "
+                             "(message, function_call, function_call_output, reasoning)")
+    return messages
+
+
+def chat_tool_choice(choice: str | dict[str, Any] | None) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def chat_request_body(body: ResponsesRequest) -> dict[str, Any]:
+    """The chat request this Responses request means (validated by ChatCompletionRequest next)."""
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                               if t.get(k) is not None}} for t in body.tools or []]
+    chat = {"messages": input_messages(body), "tools": tools or None, "tool_choice": chat_tool_choice(body.tool_choice),
+            "max_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
+            "seed": body.seed, "parallel_tool_calls": body.parallel_tool_calls}
+    return {k: v for k, v in chat.items() if v is not None}
+
+
+CHAT_TO_RESPONSES_PARAM = {"messages": "input", "max_tokens": "max_output_tokens"}
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat parameter named in a validation error, as the Responses request calls it."""
+    if param is None:
+        return None
+    head = re.split(r"[.\[]", param, maxsplit=1)[0]
+    return CHAT_TO_RESPONSES_PARAM.get(head, head) + param[len(head):]
+
+
+# ---------------------------------------------------------------------------------------------
+# Output items and events
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OutputItems:
+    """Output deltas → output items, and (when streaming) the typed events that build them.
+
+    The current item is open while its kind of delta keeps coming; a delta of another kind closes
+    it (its *.done events) and opens the next. `events` collects the SSE payloads in order."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    _open: dict[str, Any] | None = None
+    _call_index: int | None = None
+
+    def add(self, delta: OutputDelta) -> None:
+        if delta.reasoning:
+            self._text("reasoning", delta.reasoning)
+        if delta.content:
+            self._text("message", delta.content)
+        for piece in delta.tool_calls:
+            if piece.index != self._call_index:
+                self._start_call(piece.index, piece.id or new_id("call_"), piece.name or "")
+            self._open["arguments"] += piece.arguments
+            self._emit("response.function_call_arguments.delta", item_id=self._open["id"], delta=piece.arguments)
+        if delta.finish_reason is not None:
+            self.close()
+
+    def close(self) -> None:
+        item, self._open, self._call_index = self._open, None, None
+        if item is None:
+            return
+        item["status"] = "completed"
+        ids = {"item_id": item["id"], "output_index": len(self.items) - 1}
+        if item["type"] == "message":
+            part = item["content"][0]
+            self.events.append({"type": "response.output_text.done", **ids, "content_index": 0,
+                                "text": part["text"], "logprobs": []})
+            self.events.append({"type": "response.content_part.done", **ids, "content_index": 0, "part": part})
+        elif item["type"] == "reasoning":
+            self.events.append({"type": "response.reasoning_text.done", **ids, "content_index": 0,
+                                "text": item["content"][0]["text"]})
+        else:
+            self.events.append({"type": "response.function_call_arguments.done", **ids,
+                                "name": item["name"], "arguments": item["arguments"]})
+        self.events.append({"type": "response.output_item.done", "output_index": ids["output_index"],
+                            "item": json.loads(json.dumps(item))})
+
+    def _text(self, kind: str, text: str) -> None:
+        if self._open is None or self._open["type"] != kind:
+            self.close()
+            self._start_text(kind)
+        part = self._open["content"][0]
+        part["text"] += text
+        event = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        self._emit(event, item_id=self._open["id"], content_index=0, delta=text, **extra)
+
+    def _start_text(self, kind: str) -> None:
+        if kind == "message":
+            item = {"type": "message", "id": new_id("msg_"), "status": "in_progress", "role": "assistant",
+                    "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            item = {"type": "reasoning", "id": new_id("rs_"), "status": "in_progress", "summary": [], "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        self._add_item(item)
+        item["content"].append(part)
+        if kind == "message":
+            self._emit("response.content_part.added", item_id=item["id"], content_index=0, part=dict(part))
+
+    def _start_call(self, index: int, call_id: str, name: str) -> None:
+        self.close()
+        self._call_index = index
+        self._add_item({"type": "function_call", "id": new_id("fc_"), "call_id": call_id, "name": name,
+                        "arguments": "", "status": "in_progress"})
+
+    def _add_item(self, item: dict[str, Any]) -> None:
+        self.items.append(item)
+        self._open = item
+        self.events.append({"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                            "item": json.loads(json.dumps(item))})
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        self.events.append({"type": kind, "output_index": len(self.items) - 1, **fields})
+
+    def take_events(self) -> list[dict[str, Any]]:
+        events, self.events = self.events, []
+        return events
+
+
+def response_object(response_id: str, created_at: int, model: str, body: ResponsesRequest,
+                    items: list[dict[str, Any]], status: str, usage: tuple[int, int] | None = None,
+                    finish_reason: str | None = None) -> dict[str, Any]:
+    """The Response object (status in_progress while streaming, then completed or incomplete)."""
+    incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
+    usage_object = None
+    if usage is not None:
+        usage_object = {"input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
+                        "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
+                        "total_tokens": usage[0] + usage[1]}
+    return {
+        "id": response_id, "object": "response", "created_at": created_at, "status": status,
+        "completed_at": int(time.time()) if status != "in_progress" else None,
+        "model": model, "output": items, "usage": usage_object, "error": None,
+        "incomplete_details": incomplete, "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
+        "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
+        "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
+        "previous_response_id": None, "store": False, "metadata": body.metadata or {},
+        "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
+        "background": False, "user": body.user,
+    }
+
+
+def final_status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def sse_event(sequence_number: int, event: dict[str, Any]) -> bytes:
+    payload = json.dumps({**event, "sequence_number": sequence_number}, ensure_ascii=False)
+    return f"event: {event['type']}\ndata: {payload}\n\n".encode()
