@@ -36,7 +36,7 @@ class LiveServer:
 
     def __init__(self, llm: Any, name: str, **settings: Any) -> None:
         import uvicorn
-        self.name = name
+        self.name, self.llm = name, llm
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(llm, ServerSettings(model=f"/models/{name}", served_model_name=name, **settings))

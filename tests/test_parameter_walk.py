@@ -4,9 +4,8 @@ caller identifiers and cache hints that cannot change an output — accepted wit
 unchanged. Nothing is accepted and silently ignored.
 
 The parameters that change the distribution being sampled (penalties, logit_bias,
-response_format, tool_choice; vLLM's min_tokens and ignore_eos) belong to the `logits` branch:
-they are listed as OWNED_BY_LOGITS_BRANCH and walked once that branch is merged, by replacing
-each entry with a Honoured(check) (or Refused) expectation.
+response_format, tool_choice; vLLM's min_tokens and ignore_eos) are walked with behavioural
+checks of their own here; tests/test_logits.py holds them to plain decoding under DFlash.
 """
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ from api_server import LiveServer, assert_error, load_llm
 
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 PROMPT = "The capital of France is"
-OWNED_BY_LOGITS_BRANCH = "owned by the logits branch"
 
 
 @dataclass(frozen=True)
@@ -58,6 +56,76 @@ def complete(server: LiveServer, **fields: Any) -> dict:
 def text_of(answer: dict) -> str:
     choice = answer["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The parameters that change the sampled distribution (engine/logits.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def token_of(server: LiveServer, text: str) -> int:
+    ids = server.llm.tokenizer.encode(text)
+    assert len(ids) == 1, (text, ids)
+    return ids[0]
+
+
+def end_of_turn(server: LiveServer) -> int:
+    return token_of(server, "<|im_end|>")
+
+
+def check_logit_bias(call: Callable) -> Callable[[LiveServer], None]:
+    def check(server: LiveServer) -> None:
+        forced = token_of(server, " Paris")
+        answer = call(server, logit_bias={str(forced): 100}, max_tokens=4)
+        assert text_of(answer) == " Paris" * 4
+        assert text_of(call(server, max_tokens=4)) != " Paris" * 4       # the bias did it
+    return check
+
+
+def check_penalty(name: str, value: float, call: Callable) -> Callable[[LiveServer], None]:
+    """The random model's greedy output says no token twice in 24; a penalty that rewards what
+    was already said (negative presence/frequency, repetition < 1) makes it repeat itself."""
+    def check(server: LiveServer) -> None:
+        tokenizer = server.llm.tokenizer
+        plain = tokenizer.encode(text_of(call(server, max_tokens=24)))
+        assert len(set(plain)) == len(plain), "the reference output repeats a token already"
+        penalised = tokenizer.encode(text_of(call(server, max_tokens=24, **{name: value})))
+        assert len(set(penalised)) < len(penalised)
+    return check
+
+
+def check_min_tokens(server: LiveServer) -> None:
+    eot = str(end_of_turn(server))
+    ends_at_once = chat(server, logit_bias={eot: 100}, max_tokens=8)
+    assert ends_at_once["usage"]["completion_tokens"] == 1
+    held = chat(server, logit_bias={eot: 100}, max_tokens=8, min_tokens=5)
+    assert held["usage"]["completion_tokens"] == 6 and held["choices"][0]["finish_reason"] == "stop"
+
+
+def check_ignore_eos(server: LiveServer) -> None:
+    eot = str(end_of_turn(server))
+    answer = chat(server, logit_bias={eot: 100}, max_tokens=5, ignore_eos=True)
+    assert answer["usage"]["completion_tokens"] == 5 and answer["choices"][0]["finish_reason"] == "length"
+
+
+def check_response_format(server: LiveServer) -> None:
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    answer = chat(server, max_tokens=10,
+                  response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert json.loads(text_of(answer)) in ("yes", "no")
+
+
+def check_tool_choice(server: LiveServer) -> None:
+    city = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": city}},
+             {"type": "function", "function": {"name": "time", "parameters": city}}]
+    answer = chat(server, max_tokens=48, tools=tools, tool_choice={"type": "function", "function": {"name": "time"}})
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "time"
+    assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,10 +260,10 @@ CHAT: dict[str, Any] = {
     "messages": Honoured(check_messages),
     "model": Honoured(check_model(chat, CHAT_PATH)),
     "audio": Refused({"voice": "alloy", "format": "wav"}),
-    "frequency_penalty": OWNED_BY_LOGITS_BRANCH,
+    "frequency_penalty": Honoured(check_penalty("frequency_penalty", -2.0, chat)),
     "function_call": Refused("auto"),
     "functions": Refused([{"name": "f", "parameters": {"type": "object"}}]),
-    "logit_bias": OWNED_BY_LOGITS_BRANCH,
+    "logit_bias": Honoured(check_logit_bias(chat)),
     "logprobs": Honoured(check_chat_logprobs),
     "max_completion_tokens": Honoured(check_max_tokens("max_completion_tokens", chat)),
     "max_tokens": Honoured(check_max_tokens("max_tokens", chat)),
@@ -205,12 +273,12 @@ CHAT: dict[str, Any] = {
     "n": Honoured(check_n(chat)),
     "parallel_tool_calls": Honoured(check_parallel_tool_calls),
     "prediction": Refused({"type": "content", "content": "Hello"}),
-    "presence_penalty": OWNED_BY_LOGITS_BRANCH,
+    "presence_penalty": Honoured(check_penalty("presence_penalty", -2.0, chat)),
     "prompt_cache_key": NoEffect("user-42-session"),
     "prompt_cache_options": NoEffect({"ttl": "24h"}),
     "prompt_cache_retention": NoEffect("24h"),
     "reasoning_effort": Refused("low"),
-    "response_format": OWNED_BY_LOGITS_BRANCH,
+    "response_format": Honoured(check_response_format),
     "safety_identifier": NoEffect("hashed-user-id"),
     "seed": Honoured(check_seed(chat)),
     "service_tier": Refused("flex"),
@@ -219,7 +287,7 @@ CHAT: dict[str, Any] = {
     "stream": Honoured(check_stream(CHAT_PATH, CHAT_BODY)),
     "stream_options": Honoured(check_stream_options(CHAT_PATH, CHAT_BODY)),
     "temperature": Honoured(check_temperature(chat)),
-    "tool_choice": OWNED_BY_LOGITS_BRANCH,
+    "tool_choice": Honoured(check_tool_choice),
     "tools": Honoured(check_tools),
     "top_logprobs": Honoured(check_top_logprobs),
     "top_p": Honoured(check_top_p(chat)),
@@ -260,13 +328,13 @@ COMPLETION_PATH, COMPLETION_BODY = "/v1/completions", {"prompt": PROMPT}
 COMPLETIONS: dict[str, Any] = {
     "best_of": Honoured(check_best_of),             # equal to n; any other value: Refused below
     "echo": Honoured(check_echo),
-    "frequency_penalty": OWNED_BY_LOGITS_BRANCH,
-    "logit_bias": OWNED_BY_LOGITS_BRANCH,
+    "frequency_penalty": Honoured(check_penalty("frequency_penalty", -2.0, complete)),
+    "logit_bias": Honoured(check_logit_bias(complete)),
     "logprobs": Honoured(check_completion_logprobs),
     "max_tokens": Honoured(check_max_tokens("max_tokens", complete)),
     "model": Honoured(check_model(complete, COMPLETION_PATH)),
     "n": Honoured(check_n(complete)),
-    "presence_penalty": OWNED_BY_LOGITS_BRANCH,
+    "presence_penalty": Honoured(check_penalty("presence_penalty", -2.0, complete)),
     "prompt": Honoured(check_prompt),
     "seed": Honoured(check_seed(complete)),
     "stop": Honoured(check_stop(complete)),
@@ -311,9 +379,9 @@ VLLM_EXTENSIONS: dict[str, Any] = {
     "add_generation_prompt": Honoured(check_template_controls),
     "chat_template_kwargs": Honoured(check_template_controls),
     "return_meta_info": Honoured(check_return_meta_info),
-    "min_tokens": OWNED_BY_LOGITS_BRANCH,
-    "ignore_eos": OWNED_BY_LOGITS_BRANCH,
-    "repetition_penalty": OWNED_BY_LOGITS_BRANCH,
+    "min_tokens": Honoured(check_min_tokens),
+    "ignore_eos": Honoured(check_ignore_eos),
+    "repetition_penalty": Honoured(check_penalty("repetition_penalty", 0.5, chat)),
 }
 
 # The OpenAI API reference, as of this writing (the request bodies of POST /v1/chat/completions
@@ -334,7 +402,7 @@ COMPLETIONS_REFERENCE = {
 
 
 def walked(table: dict[str, Any]) -> list[str]:
-    return [name for name, expectation in table.items() if expectation != OWNED_BY_LOGITS_BRANCH]
+    return list(table)
 
 
 def test_the_walk_covers_the_references():
@@ -344,10 +412,8 @@ def test_the_walk_covers_the_references():
     # the installed SDK sends nothing the walk does not know
     assert set(chat_create_params.CompletionCreateParamsBase.__annotations__) <= set(CHAT)
     assert set(completion_create_params.CompletionCreateParamsBase.__annotations__) <= set(COMPLETIONS)
-    owned = {name for table in (CHAT, COMPLETIONS, VLLM_EXTENSIONS) for name, e in table.items()
-             if e == OWNED_BY_LOGITS_BRANCH}
-    assert owned == {"frequency_penalty", "presence_penalty", "logit_bias", "response_format", "tool_choice",
-                     "min_tokens", "ignore_eos", "repetition_penalty"}
+    for table in (CHAT, COMPLETIONS, VLLM_EXTENSIONS):
+        assert all(isinstance(e, (Honoured, Refused, NoEffect)) for e in table.values())
 
 
 def assert_expectation(server: LiveServer, path: str, body: dict, name: str, expectation: Any) -> None:
