@@ -53,7 +53,7 @@ BAD_BODIES: dict[str, tuple[str, object, int]] = {
     "top_p 0": (CHAT, {"messages": HELLO, "top_p": 0}, 400),
     "top_k 10**23": (CHAT, {"messages": HELLO, "top_k": 10**23}, 400),
     "stop an int": (CHAT, {"messages": HELLO, "stop": 5}, 400),
-    "n 2": (CHAT, {"messages": HELLO, "n": 2}, 400),
+    "n 0": (CHAT, {"messages": HELLO, "n": 0}, 400),
     "seed 2**70": (CHAT, {"messages": HELLO, "seed": 2**70}, 400),
     "stop_token_ids 10**23": (CHAT, {"messages": HELLO, "stop_token_ids": [10**23]}, 400),
     "tools not a list": (CHAT, {"messages": HELLO, "tools": "get_weather"}, 400),
@@ -66,8 +66,8 @@ BAD_BODIES: dict[str, tuple[str, object, int]] = {
     "completion: no prompt": (COMPLETION, {"max_tokens": 2}, 400),
     "completion: empty prompt": (COMPLETION, {"prompt": ""}, 400),
     "completion: token outside vocabulary": (COMPLETION, {"prompt": [1, 10**9]}, 400),
-    "completion: two prompts": (COMPLETION, {"prompt": ["a", "b"]}, 400),
-    "completion: echo": (COMPLETION, {"prompt": "a", "echo": True}, 400),
+    "completion: mixed prompt list": (COMPLETION, {"prompt": ["a", [1, 2]]}, 400),
+    "completion: echo with logprobs": (COMPLETION, {"prompt": "a", "echo": True, "logprobs": 2}, 400),
     "completion: max_tokens beyond the context": (COMPLETION, {"prompt": "a", "max_tokens": 10**9}, 400),
 }
 

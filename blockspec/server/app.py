@@ -785,17 +785,42 @@ _DONE_PUMPING = object()
 
 
 async def merged_deltas(choices: list[Choice]) -> AsyncIterator[tuple[Choice, OutputDelta]]:
-    """Every choice's deltas as they come (one choice: exactly its own order)."""
-    queue: asyncio.Queue[tuple[Choice, Any]] = asyncio.Queue()
+    """Every choice's deltas as they come (one choice: exactly its own order).
+
+    Nothing here buffers without bound: one choice is read straight from its Generation, and
+    several through a queue of one slot each, so a client that reads slowly leaves the rest
+    merged in each Generation's one pending event (the engine never waits for a reader)."""
+    try:
+        if len(choices) == 1:
+            async for delta in deltas_of(choices[0]):
+                yield choices[0], delta
+        else:
+            async for item in interleaved(choices):
+                yield item
+    finally:
+        close_all(choices)
+
+
+async def deltas_of(choice: Choice) -> AsyncIterator[OutputDelta]:
+    """One choice's deltas; a failure names the choice it ended."""
+    try:
+        async for delta in choice.generation.deltas():
+            yield delta
+    except GenerationFailed as exc:
+        exc.index = choice.index
+        raise
+
+
+async def interleaved(choices: list[Choice]) -> AsyncIterator[tuple[Choice, OutputDelta]]:
+    queue: asyncio.Queue[tuple[Choice, Any]] = asyncio.Queue(maxsize=len(choices))
 
     async def pump(choice: Choice) -> None:
         try:
-            async for delta in choice.generation.deltas():
-                queue.put_nowait((choice, delta))
+            async for delta in deltas_of(choice):
+                await queue.put((choice, delta))
+            await queue.put((choice, _DONE_PUMPING))
         except GenerationFailed as exc:
-            queue.put_nowait((choice, exc))
-        finally:
-            queue.put_nowait((choice, _DONE_PUMPING))
+            await queue.put((choice, exc))
 
     tasks = [asyncio.ensure_future(pump(choice)) for choice in choices]
     remaining = len(tasks)
@@ -805,14 +830,12 @@ async def merged_deltas(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Ou
             if item is _DONE_PUMPING:
                 remaining -= 1
             elif isinstance(item, GenerationFailed):
-                item.index = choice.index
                 raise item
             else:
                 yield choice, item
     finally:
         for task in tasks:
             task.cancel()
-        close_all(choices)
 
 
 # ---------------------------------------------------------------------------------------------
