@@ -84,12 +84,13 @@ MUTANTS = [
            ("tests/test_output.py",)),
     # invariant 8: the id that completes a stop string is counted, nothing after it
     Mutant("usage-count-after-stop", "blockspec/server/output.py",
-           "            self.completion_tokens += 1\n"
-           "            if self._add_text(self._detokenizer.add([token_id]), delta):\n"
-           "                return self._finish(delta, \"stop\", stop_hit=True)\n",
            "            if self._add_text(self._detokenizer.add([token_id]), delta):\n"
            "                return self._finish(delta, \"stop\", stop_hit=True)\n"
-           "            self.completion_tokens += 1\n",
+           "        if finished is None:\n",
+           "            if self._add_text(self._detokenizer.add([token_id]), delta):\n"
+           "                self.completion_tokens -= 1\n"
+           "                return self._finish(delta, \"stop\", stop_hit=True)\n"
+           "        if finished is None:\n",
            ("tests/test_output.py",)),
     # invariant 3: a finished or preempted sequence's pages (and state slot) go back
     Mutant("pages-kept-on-finish", "blockspec/engine/scheduler.py",
@@ -108,17 +109,17 @@ MUTANTS = [
            ("tests/test_acceptance.py::test_abort_stops_the_plain_loop_within_one_step",)),
     # the CUDA-graph path: padding rows write only page 0 and read only state slot 0
     Mutant("graph-padding-writes-page-1", "blockspec/engine/model_runner.py",
-           "slots += [j % self.page_size for j in range(width)]",
-           "slots += [self.page_size + j % self.page_size for j in range(width)]",
+           "        tables += [0] * (num_padding * cols)\n",
+           "        tables += [1] * (num_padding * cols)\n",
            ("tests/test_batching.py::test_padding_rows_stay_inside_page_0_when_the_block_outgrows_a_page",)),
     Mutant("graph-padding-uses-state-slot-1", "blockspec/engine/model_runner.py",
-           "            context_lens.append(width)\n            state_slots.append(0)",
-           "            context_lens.append(width)\n            state_slots.append(1)",
+           "        state_slots += [0] * num_padding\n",
+           "        state_slots += [1] * num_padding\n",
            ("tests/test_batching.py::test_padded_graph_path_batch_equals_alone",)),
     # invariant 6: the draft's context features are the outputs of layers l (hidden_states[l + 1])
-    Mutant("features-before-the-layer", "blockspec/models/base.py",
-           "            x = layer(x, rope, meta)\n            if i in capture_layers:\n                captured[i] = x\n",
-           "            if i in capture_layers:\n                captured[i] = x\n            x = layer(x, rope, meta)\n",
+    Mutant("features-miss-the-residual", "blockspec/models/base.py",
+           "            if i in capture_layers:\n                captured[i] = x + residual\n",
+           "            if i in capture_layers:\n                captured[i] = x\n",
            ("tests/test_dflash.py::test_context_features_are_transformers_hidden_states_of_the_layer_ids",)),
     # invariant 4: the chat template's turn-end tokens are stop ids
     Mutant("turn-end-not-a-stop-id", "blockspec/tokenizer.py",
