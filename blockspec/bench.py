@@ -21,10 +21,12 @@ from typing import Any, Callable
 
 import torch
 
+from blockspec.cache import KVPool
 from blockspec.config import EngineConfig
 from blockspec.engine import model_runner
 from blockspec.engine.engine import Engine
 from blockspec.engine.request import Request
+from blockspec.layers import AttentionMetadata
 from blockspec.loader import build_empty, resolve_device
 from blockspec.models.dflash import DFlashDraftModel, DraftConfig, default_target_layer_ids
 from blockspec.layers.moe import SparseMoE, grouped_experts, select_experts_kernel
@@ -155,6 +157,74 @@ def graphed(fn: Callable[[], Any], device: torch.device) -> Callable[[], Any]:
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+# Kernel classes of a forward, by kernel (CUDA) or top-level op (CPU) name: where a step's time
+# goes, so a missed goal says which class to work on. First match wins.
+KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("attention", "attn", "sdpa", "flash", "softmax", "merge_splits")),
+    ("moe", ("moe", "expert", "topk", "route", "_align_kernel")),
+    ("recurrent", ("gated_delta", "delta_rule", "chunk_", "recurrent", "conv1d", "kda")),
+    ("gemm", ("gemm", "matmul", "sm90", "cutlass", "cublas", "aten::mm", "aten::addmm", "aten::linear", "splitk",
+              "aten::bmm", "nvjet")),
+    ("norm_rope_act", ("norm", "rope", "rotary", "silu", "swiglu", "qk_", "add_rms")),
+    ("copy_index", ("copy", "index", "gather", "scatter", "cat", "fill", "slice", "select", "view", "reshape")),
+)
+
+
+def kernel_class(name: str) -> str:
+    lowered = name.lower()
+    for label, needles in KERNEL_CLASSES:
+        if any(needle in lowered for needle in needles):
+            return label
+    return "other_elementwise"
+
+
+def forward_metadata(width: int, context: int, page_size: int, kv: KVPool, device: torch.device) -> AttentionMetadata:
+    """One sequence feeding `width` tokens after `context` cached ones (pages 1 …; 0 is padding)."""
+    num_pages = -(-(context + width) // page_size)
+    table = torch.arange(1, num_pages + 1, device=device)[None]
+    positions = torch.arange(context, context + width, device=device)
+    slots = table[0, positions // page_size] * page_size + positions % page_size
+    return AttentionMetadata(num_seqs=1, width=width, input_ids=torch.zeros(width, dtype=torch.long, device=device),
+                             positions=positions, slot_mapping=slots, block_tables=table,
+                             context_lens=torch.tensor([context + width], device=device),
+                             max_context_len=num_pages * page_size, page_size=page_size, kv=kv.layers)
+
+
+def kernel_breakdown(target: torch.nn.Module, device: torch.device, width: int, context: int = 512,
+                     page_size: int = 16) -> dict[str, Any]:
+    """One eager target forward (+ the LM head over the rows read) under torch.profiler: device
+    milliseconds per kernel class and kernels per layer (on CPU: top-level ops and their CPU
+    time, a smoke test of the same code). Dense targets: the metadata has no state pool."""
+    config = target.config
+    kv = KVPool(target.num_attention_layers, (-(-(context + width) // page_size) + 2) * page_size,
+                config.num_key_value_heads, config.head_dim, target.lm_head.weight.dtype, device)
+    meta = forward_metadata(width, context, page_size, kv, device)
+
+    def forward() -> torch.Tensor:
+        out = target(meta.input_ids, meta.positions, meta)
+        return target.compute_logits(out.hidden[-1:] if width == 1 else out.hidden)
+
+    is_cuda = device.type == "cuda"
+    with torch.inference_mode():
+        forward()
+        synchronize()
+        activity = torch.profiler.ProfilerActivity.CUDA if is_cuda else torch.profiler.ProfilerActivity.CPU
+        with torch.profiler.profile(activities=[activity]) as prof:
+            forward()
+            synchronize()
+    if is_cuda:
+        events = [(e.name, e.device_time) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    else:
+        events = [(e.name, e.cpu_time_total) for e in prof.events() if e.cpu_parent is None]
+    by_class: dict[str, float] = {}
+    for name, micros in events:
+        by_class[kernel_class(name)] = by_class.get(kernel_class(name), 0.0) + micros / 1e3
+    ordered = sorted(by_class.items(), key=lambda item: -item[1])
+    return {"ms_by_class": {label: round(ms, 4) for label, ms in ordered}, "ms_total": round(sum(by_class.values()), 4),
+            "kernels_per_layer": len(events) / target.num_layers}
 
 
 @torch.inference_mode()
@@ -300,7 +370,8 @@ def main(args) -> int:
     if getattr(args, "layers", None) is not None and args.layers < 1:
         raise ValueError("--layers must be at least 1")
     results = run(args.shape, device, args.vs, concurrency, args.accept_len, args.prompt_len, args.max_tokens,
-                  block_sizes, dflash2=not getattr(args, "no_dflash2", False), layers=getattr(args, "layers", None))
+                  block_sizes, dflash2=not getattr(args, "no_dflash2", False), layers=getattr(args, "layers", None),
+                  breakdown=getattr(args, "breakdown", False))
     print_table(results)
     if args.out:
         with open(args.out, "w") as f:
@@ -310,7 +381,7 @@ def main(args) -> int:
 
 def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[int], accept_len: float | None,
         prompt_len: int, max_tokens: int, block_sizes: list[int], dflash2: bool = True,
-        layers: int | None = None) -> dict[str, Any]:
+        layers: int | None = None, breakdown: bool = False) -> dict[str, Any]:
     """layers: the shape's first `layers` layers only (a per-layer comparison where the whole
     model and a peer's copy do not both fit)."""
     torch.manual_seed(0)
@@ -335,6 +406,12 @@ def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[
     if device.type == "cuda":
         r["copy_bandwidth_TBps"] = copy_bandwidth(device) / 1e12
         r["floor_ms_per_token"] = r["step_weight_GB"] / r["copy_bandwidth_TBps"]
+    if breakdown:
+        if target.recurrent_shapes or moe_layers:
+            r["breakdown"] = "dense targets only"
+        else:
+            for width in sorted({1, *block_sizes}):
+                r[f"breakdown_w{width}"] = kernel_breakdown(target, device, width, prompt_len)
     for c in concurrency:
         plain = throughput(target, None, 1, c, prompt_len, max_tokens, None)
         spec = throughput(target, draft, block_size, c, prompt_len, max_tokens, accept_len)

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated; the first is measured at every concurrency, the others' DFlash "
                             "cycle at the first concurrency")
     bench.add_argument("--no-dflash2", action="store_true", help="skip the DFlash 2 draft")
+    bench.add_argument("--breakdown", action="store_true",
+                       help="also profile one eager target forward per verify width: ms per kernel class")
     bench.add_argument("--layers", type=int, default=None, help="the shape's first N layers only")
     bench.add_argument("--prompt-len", type=int, default=512)
     bench.add_argument("--max-tokens", type=int, default=128)

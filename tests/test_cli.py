@@ -143,3 +143,37 @@ def test_bench_moe_figures_on_cpu(tmp_path):
     assert c1["dflash_b2_ms_per_cycle"] > 0 and c1["grouped_moe_plain_ms_per_step"] > 0
     assert c1["grouped_moe_step_over_ours"] == c1["grouped_moe_plain_ms_per_step"] / c1["plain_ms_per_step"]
     assert "draft2_weight_GB" not in result
+
+
+def test_bench_breakdown_on_cpu(tmp_path):
+    """--breakdown: one profiled eager forward per verify width, its time split by kernel class
+    (on CPU the classes of top-level ops: the linear layers are most of a forward)."""
+    out = blockspec("bench", "--shape", "tiny", "--device", "cpu", "--layers", "2", "--block-size", "4",
+                    "--prompt-len", "8", "--max-tokens", "2", "--no-dflash2", "--breakdown",
+                    "--out", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    for width in (1, 4):
+        figures = result[f"breakdown_w{width}"]
+        assert figures["ms_by_class"]["gemm"] > 0 and figures["kernels_per_layer"] > 0
+        assert abs(sum(figures["ms_by_class"].values()) - figures["ms_total"]) < 1e-2
+
+
+@pytest.mark.parametrize("name, label", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+    ("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT", "gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float>", "gemm"),
+    ("_paged_attention_kernel", "attention"),
+    ("_merge_splits_kernel", "attention"),
+    ("_expert_gemm_kernel", "moe"),
+    ("_align_kernel", "moe"),
+    ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "recurrent"),
+    ("_add_rms_norm_kernel", "norm_rope_act"),
+    ("_qk_norm_rope_kernel", "norm_rope_act"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float>", "copy_index"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::AUnaryFunctor>", "other_elementwise"),
+])
+def test_kernel_classes(name, label):
+    from blockspec.bench import kernel_class
+    assert kernel_class(name) == label
+

@@ -376,6 +376,8 @@ def test_draft_config_is_read_as_zlab_writes_it(qwen3_draft_dir, pairs):
     assert draft.block_size == 16
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]      # Qwen3-8B's published ids
     assert default_target_layer_ids(28, 1) == [14]
+    # targets too shallow for the rule (bench --layers 2): every id a real layer, never negative
+    assert default_target_layer_ids(2, 2) == [1, 1] and default_target_layer_ids(1, 3) == [0, 0, 0]
 
 
 

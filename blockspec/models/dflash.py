@@ -33,7 +33,9 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     """z-lab's rule: spread the draft's inputs evenly over layers 1 … L − 3 of the target."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
+    start, end = 1, max(1, num_target_layers - 3)          # (a target of < 4 layers: its layer 1)
+    if num_target_layers < 2:
+        return [0] * num_draft_layers
     span = end - start
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
