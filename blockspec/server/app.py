@@ -1082,12 +1082,14 @@ async def create_response(state: ServerState, request: Request) -> Response:
     """POST /v1/responses: the chat path under the Responses API's request and output shapes."""
     arrival = time.monotonic()
     settings = state.settings
+    check_not_draining(state)
     raw = await read_json_object(request, settings.max_body_bytes)
     body = validate(ResponsesRequest, raw)
     check_model_name(settings, body.model)
     check_seed(body.seed)
     try:
         chat = validate(ChatCompletionRequest, responses.chat_request_body(body))
+        check_bounds(chat)
     except ValueError as exc:  # an input item the chat path has no message for
         raise ApiError(400, f"Invalid 'input': {exc}.", "input") from None
     except ApiError as exc:
@@ -1097,7 +1099,8 @@ async def create_response(state: ServerState, request: Request) -> Response:
     response_id = responses.new_id("resp_")
     try:
         prompts = await asyncio.to_thread(render_prompts, llm.tokenizer, chat, "chat")
-        choices = make_choices(state, llm, engine, response_id, prompts, chat, "chat", arrival)
+        grammar = await asyncio.to_thread(request_grammar, llm, chat)   # tool_choice required / named
+        choices = make_choices(state, llm, engine, response_id, prompts, chat, "chat", arrival, grammar)
     except ApiError as exc:
         raise as_responses_error(exc) from None
     submit_all(choices)
