@@ -934,6 +934,7 @@ async def chat_chunks(choices: list[Choice], response_id: str, model: str, body:
 
     for choice in choices:
         yield chunk(choice.index, DeltaMessage(role="assistant", content=""))
+    finished: set[int] = set()
     try:
         async for choice, delta in merged_deltas(choices):
             message = delta_message(delta)
@@ -941,11 +942,12 @@ async def chat_chunks(choices: list[Choice], response_id: str, model: str, body:
             if message is not None or logprobs is not None:
                 yield chunk(choice.index, message or DeltaMessage(content=""), logprobs=logprobs)
             if delta.finish_reason is not None:
+                finished.add(choice.index)
                 meta = meta_info([choice]) if body.return_meta_info else None
                 yield chunk(choice.index, DeltaMessage(), delta.finish_reason, meta_info=meta)
     except GenerationFailed as exc:
-        if exc.finish_reason is not None:
-            yield sse(with_finish_reason(chunk(exc.index, DeltaMessage()), exc.finish_reason))
+        for index in ended_by(exc, choices, finished):
+            yield sse(with_finish_reason(chunk(index, DeltaMessage()), exc.finish_reason))
         yield sse(error_body(exc.status, exc.message))
     else:
         if body.include_usage:
@@ -962,6 +964,7 @@ async def completion_chunks(choices: list[Choice], response_id: str, model: str,
     for choice in choices:
         if choice.echo:
             yield chunk(CompletionChoice(index=choice.index, text=choice.echo))
+    finished: set[int] = set()
     try:
         async for choice, delta in merged_deltas(choices):
             logprobs = None
@@ -970,18 +973,29 @@ async def completion_chunks(choices: list[Choice], response_id: str, model: str,
             if delta.content or logprobs is not None:
                 yield chunk(CompletionChoice(index=choice.index, text=delta.content, logprobs=logprobs))
             if delta.finish_reason is not None:
+                finished.add(choice.index)
                 meta = meta_info([choice]) if body.return_meta_info else None
                 yield chunk(CompletionChoice(index=choice.index, text="", finish_reason=delta.finish_reason),
                             meta_info=meta)
     except GenerationFailed as exc:
-        if exc.finish_reason is not None:
-            final = sse(Completion(id=response_id, model=model, choices=[CompletionChoice(index=exc.index, text="")]))
+        for index in ended_by(exc, choices, finished):
+            final = sse(Completion(id=response_id, model=model, choices=[CompletionChoice(index=index, text="")]))
             yield sse(with_finish_reason(final, exc.finish_reason))
         yield sse(error_body(exc.status, exc.message))
     else:
         if body.include_usage:
             yield sse(Completion(id=response_id, model=model, choices=[], usage=total_usage(choices)))
     yield DONE
+
+
+def ended_by(exc: GenerationFailed, choices: list[Choice], finished: set[int]) -> list[int]:
+    """The choices a failed stream ends with exc's finish reason (abort: the server stopped),
+    before its error event: every choice not finished yet, the failed one first (merged_deltas
+    closed them all), so a client of n > 1 sees each choice end. An error has no finish reason."""
+    if exc.finish_reason is None:
+        return []
+    rest = [c.index for c in choices if c.index not in finished and c.index != exc.index]
+    return [exc.index, *rest]
 
 
 def with_finish_reason(event: bytes, finish_reason: str) -> dict[str, Any]:
