@@ -218,3 +218,31 @@ def test_out_of_memory_preemption_keeps_processors_and_logprobs_exact(dense, spe
         assert streamed == request.output_logprobs
         for got, want in zip(request.output_logprobs, reference.request.output_logprobs):
             assert abs(got.logprob - want.logprob) < 1e-4 and [t for t, _ in got.top] == [t for t, _ in want.top]
+
+
+def test_out_of_memory_while_a_commit_advances_its_processor(dense, monkeypatch):
+    """The processor's device work at commit (its token counts) runs out of memory: the batch is
+    preempted as for any out-of-memory error, and the commit that failed half-way leaves
+    nothing behind — neither output the client never got nor a processor that lags the output."""
+    import torch
+    from blockspec.engine.logits import LogitsProcessor
+    from helpers import make_engine, run_alone, submit, run_until_done
+    target, draft = dense
+    factory = lambda: make_engine(target, draft, block_size=4)  # noqa: E731
+    alone = [run_alone(factory, r) for r in processed_requests()]
+    engine = factory()
+    runs = [submit(engine, r) for r in processed_requests()]
+    calls, original = [], LogitsProcessor._bincount
+
+    def bincount(self, tokens):
+        calls.append(len(tokens))
+        if len(calls) == 8:
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return original(self, tokens)
+    monkeypatch.setattr(LogitsProcessor, "_bincount", bincount)
+    run_until_done(engine, runs)
+    assert len(calls) > 8
+    for run, reference in zip(runs, alone):
+        run.check_events()
+        assert run.request.output_ids == reference.request.output_ids
+        assert [lp.token_id for lp in run.request.output_logprobs] == run.request.output_ids
