@@ -152,7 +152,7 @@ def test_the_drain_ends_every_choice_of_a_stream(plain, path, body):
     try:
         asyncio.run_coroutine_threadsafe(state.drain(0.0), state.loop).result(30)
     finally:
-        state.draining = False
+        state.draining = state.interrupted = False
     reader.join(30)
     assert lines[-1] == "[DONE]" and "error" in json.loads(lines[-2])
     ends = [choice for line in lines[:-2] for choice in json.loads(line)["choices"] if choice["finish_reason"]]
@@ -246,3 +246,38 @@ def test_out_of_memory_while_a_commit_advances_its_processor(dense, monkeypatch)
         run.check_events()
         assert run.request.output_ids == reference.request.output_ids
         assert [lp.token_id for lp in run.request.output_logprobs] == run.request.output_ids
+
+
+def test_a_request_still_compiling_its_grammar_when_the_drain_ends_is_refused(plain, monkeypatch):
+    """Admitted before SIGTERM, still compiling its grammar (a worker thread) when the drain ran
+    out and interrupted the open generations: it must not start generating afterwards (nothing
+    would end it with an error and [DONE] before the server stops); a 503 to retry elsewhere."""
+    from blockspec import structured
+    state, engine = plain.app.state.server, plain.llm.engine
+    entered, release = threading.Event(), threading.Event()
+    compile_grammar = structured.compile_grammar
+
+    def slow_compile(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return compile_grammar(*args, **kwargs)
+    monkeypatch.setattr(structured, "compile_grammar", slow_compile)
+    answers: list[httpx.Response] = []
+    body = {"model": plain.name, "messages": HELLO, "tools": [CHAT_TIME], "tool_choice": "required", "max_tokens": 50}
+    client = threading.Thread(target=lambda: answers.append(plain.post("/v1/chat/completions", body)))
+    client.start()
+    assert entered.wait(30)
+    prompt_tokens = engine.counters.prompt_tokens
+    drained = asyncio.run_coroutine_threadsafe(state.drain(0.0), state.loop)
+    try:
+        assert wait_until(lambda: getattr(state, "interrupted", False), 10)
+        release.set()
+        drained.result(30)
+        client.join(30)
+    finally:
+        release.set()
+        state.draining = state.interrupted = False
+    [answer] = answers
+    assert_error(answer, 503, "shutting down")
+    assert answer.headers["retry-after"]
+    assert engine.counters.prompt_tokens == prompt_tokens          # nothing reached the engine

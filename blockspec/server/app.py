@@ -225,6 +225,7 @@ class ServerState:
         # The drain (SIGTERM): requests being answered, and the generations still open.
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
+        self.interrupted = False        # the drain ran out: open generations were ended, none may start
         self.in_flight = 0
         self.generations: set[Generation] = set()
 
@@ -263,6 +264,8 @@ class ServerState:
         ones included, and give them FINAL_WRITE_S to write it."""
         self.draining = True
         await wait_for_condition(lambda: self.in_flight == 0, timeout)
+        self.interrupted = True  # a request admitted before the signal but not submitted yet (its
+        # prompt or grammar still in a worker thread) would otherwise start after this point
         for generation in list(self.generations):
             generation.interrupt()
         await wait_for_condition(lambda: self.in_flight == 0, FINAL_WRITE_S)
@@ -604,6 +607,8 @@ class Generation:
         return self._final_stats or self.request.stats
 
     def submit(self) -> None:
+        if self.state.interrupted:
+            raise retry_later("the server is shutting down; retry on another server")
         try:
             self.engine.submit(self.request, self._on_event)
         except QueueFullError as exc:
