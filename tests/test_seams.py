@@ -94,11 +94,12 @@ def test_every_choice_follows_the_grammar(plain, stream):
         arguments, reasons, tokens = {}, {}, {}
         for event in events[:-1]:
             for choice in event["choices"]:
+                index = choice["index"]
                 for call in choice["delta"].get("tool_calls") or []:
-                    arguments[choice["index"]] = arguments.get(choice["index"], "") + call["function"].get("arguments", "")
+                    arguments[index] = arguments.get(index, "") + call["function"].get("arguments", "")
                 if choice.get("finish_reason"):
-                    reasons[choice["index"]] = choice["finish_reason"]
-                tokens[choice["index"]] = tokens.get(choice["index"], 0) + len((choice.get("logprobs") or {}).get("content") or [])
+                    reasons[index] = choice["finish_reason"]
+                tokens[index] = tokens.get(index, 0) + len((choice.get("logprobs") or {}).get("content") or [])
         assert reasons == {0: "tool_calls", 1: "tool_calls", 2: "tool_calls"}
         calls = [arguments[i] for i in range(3)]
     else:

@@ -164,7 +164,8 @@ def commit(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None
     preempts and recomputes), the request's commit is undone, so its output never holds tokens
     that were not emitted, nor runs ahead of its processor."""
     request = seq.request
-    num_output, num_logprobs, finish_reason = len(request.output_ids), len(request.output_logprobs), request.finish_reason
+    num_output, num_logprobs = len(request.output_ids), len(request.output_logprobs)
+    finish_reason = request.finish_reason
     committed = request.commit(tokens, logprobs)
     if seq.logits_processor is not None:
         try:
