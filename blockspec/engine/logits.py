@@ -69,9 +69,12 @@ class LogitsProcessor:
         """Tokens became output (Request.commit): the committed state moves past them."""
         if not tokens:
             return
+        # The one device allocation first, before any state moves: if it runs out of memory,
+        # the processor is as it was (scheduler.commit undoes the request's side).
+        counts = self._bincount(tokens) if self.counts is not None else None
         self.num_output += len(tokens)
-        if self.counts is not None:
-            self.counts += self._bincount(tokens)
+        if counts is not None:
+            self.counts += counts
         if self.matcher is not None:
             for token in tokens:
                 if self.matcher.is_terminated():    # past the grammar's end (ignore_eos): nothing to follow

@@ -159,10 +159,21 @@ class Scheduler:
 
 
 def commit(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
-    """Request.commit, and the logits processor's committed state follows (engine/logits.py)."""
-    committed = seq.request.commit(tokens, logprobs)
+    """Request.commit, and the logits processor's committed state follows (engine/logits.py).
+    Both or neither: if the processor's advance fails (out of memory on the device: the engine
+    preempts and recomputes), the request's commit is undone, so its output never holds tokens
+    that were not emitted, nor runs ahead of its processor."""
+    request = seq.request
+    num_output, num_logprobs = len(request.output_ids), len(request.output_logprobs)
+    finish_reason = request.finish_reason
+    committed = request.commit(tokens, logprobs)
     if seq.logits_processor is not None:
-        seq.logits_processor.advance(committed)
+        try:
+            seq.logits_processor.advance(committed)
+        except BaseException:
+            del request.output_ids[num_output:], request.output_logprobs[num_logprobs:]
+            request.finish_reason, request.stats.output_tokens = finish_reason, num_output
+            raise
     return committed
 
 

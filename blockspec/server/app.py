@@ -225,6 +225,7 @@ class ServerState:
         # The drain (SIGTERM): requests being answered, and the generations still open.
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
+        self.interrupted = False        # the drain ran out: open generations were ended, none may start
         self.in_flight = 0
         self.generations: set[Generation] = set()
 
@@ -263,6 +264,8 @@ class ServerState:
         ones included, and give them FINAL_WRITE_S to write it."""
         self.draining = True
         await wait_for_condition(lambda: self.in_flight == 0, timeout)
+        self.interrupted = True  # a request admitted before the signal but not submitted yet (its
+        # prompt or grammar still in a worker thread) would otherwise start after this point
         for generation in list(self.generations):
             generation.interrupt()
         await wait_for_condition(lambda: self.in_flight == 0, FINAL_WRITE_S)
@@ -604,6 +607,8 @@ class Generation:
         return self._final_stats or self.request.stats
 
     def submit(self) -> None:
+        if self.state.interrupted:
+            raise retry_later("the server is shutting down; retry on another server")
         try:
             self.engine.submit(self.request, self._on_event)
         except QueueFullError as exc:
@@ -934,6 +939,7 @@ async def chat_chunks(choices: list[Choice], response_id: str, model: str, body:
 
     for choice in choices:
         yield chunk(choice.index, DeltaMessage(role="assistant", content=""))
+    finished: set[int] = set()
     try:
         async for choice, delta in merged_deltas(choices):
             message = delta_message(delta)
@@ -941,11 +947,12 @@ async def chat_chunks(choices: list[Choice], response_id: str, model: str, body:
             if message is not None or logprobs is not None:
                 yield chunk(choice.index, message or DeltaMessage(content=""), logprobs=logprobs)
             if delta.finish_reason is not None:
+                finished.add(choice.index)
                 meta = meta_info([choice]) if body.return_meta_info else None
                 yield chunk(choice.index, DeltaMessage(), delta.finish_reason, meta_info=meta)
     except GenerationFailed as exc:
-        if exc.finish_reason is not None:
-            yield sse(with_finish_reason(chunk(exc.index, DeltaMessage()), exc.finish_reason))
+        for index in ended_by(exc, choices, finished):
+            yield sse(with_finish_reason(chunk(index, DeltaMessage()), exc.finish_reason))
         yield sse(error_body(exc.status, exc.message))
     else:
         if body.include_usage:
@@ -962,6 +969,7 @@ async def completion_chunks(choices: list[Choice], response_id: str, model: str,
     for choice in choices:
         if choice.echo:
             yield chunk(CompletionChoice(index=choice.index, text=choice.echo))
+    finished: set[int] = set()
     try:
         async for choice, delta in merged_deltas(choices):
             logprobs = None
@@ -970,18 +978,29 @@ async def completion_chunks(choices: list[Choice], response_id: str, model: str,
             if delta.content or logprobs is not None:
                 yield chunk(CompletionChoice(index=choice.index, text=delta.content, logprobs=logprobs))
             if delta.finish_reason is not None:
+                finished.add(choice.index)
                 meta = meta_info([choice]) if body.return_meta_info else None
                 yield chunk(CompletionChoice(index=choice.index, text="", finish_reason=delta.finish_reason),
                             meta_info=meta)
     except GenerationFailed as exc:
-        if exc.finish_reason is not None:
-            final = sse(Completion(id=response_id, model=model, choices=[CompletionChoice(index=exc.index, text="")]))
+        for index in ended_by(exc, choices, finished):
+            final = sse(Completion(id=response_id, model=model, choices=[CompletionChoice(index=index, text="")]))
             yield sse(with_finish_reason(final, exc.finish_reason))
         yield sse(error_body(exc.status, exc.message))
     else:
         if body.include_usage:
             yield sse(Completion(id=response_id, model=model, choices=[], usage=total_usage(choices)))
     yield DONE
+
+
+def ended_by(exc: GenerationFailed, choices: list[Choice], finished: set[int]) -> list[int]:
+    """The choices a failed stream ends with exc's finish reason (abort: the server stopped),
+    before its error event: every choice not finished yet, the failed one first (merged_deltas
+    closed them all), so a client of n > 1 sees each choice end. An error has no finish reason."""
+    if exc.finish_reason is None:
+        return []
+    rest = [c.index for c in choices if c.index not in finished and c.index != exc.index]
+    return [exc.index, *rest]
 
 
 def with_finish_reason(event: bytes, finish_reason: str) -> dict[str, Any]:
@@ -1082,12 +1101,14 @@ async def create_response(state: ServerState, request: Request) -> Response:
     """POST /v1/responses: the chat path under the Responses API's request and output shapes."""
     arrival = time.monotonic()
     settings = state.settings
+    check_not_draining(state)
     raw = await read_json_object(request, settings.max_body_bytes)
     body = validate(ResponsesRequest, raw)
     check_model_name(settings, body.model)
     check_seed(body.seed)
     try:
         chat = validate(ChatCompletionRequest, responses.chat_request_body(body))
+        check_bounds(chat)
     except ValueError as exc:  # an input item the chat path has no message for
         raise ApiError(400, f"Invalid 'input': {exc}.", "input") from None
     except ApiError as exc:
@@ -1097,7 +1118,8 @@ async def create_response(state: ServerState, request: Request) -> Response:
     response_id = responses.new_id("resp_")
     try:
         prompts = await asyncio.to_thread(render_prompts, llm.tokenizer, chat, "chat")
-        choices = make_choices(state, llm, engine, response_id, prompts, chat, "chat", arrival)
+        grammar = await asyncio.to_thread(request_grammar, llm, chat)   # tool_choice required / named
+        choices = make_choices(state, llm, engine, response_id, prompts, chat, "chat", arrival, grammar)
     except ApiError as exc:
         raise as_responses_error(exc) from None
     submit_all(choices)
