@@ -14,6 +14,7 @@ alone (DFlash 1: logits; DFlash 2: logits, top-k, edge scores, greedy walk) repl
 from __future__ import annotations
 
 import json
+import sys
 import time
 from contextlib import contextmanager
 from unittest import mock
@@ -330,21 +331,36 @@ def graph_replay_ms(engine: Engine, concurrency: int) -> dict[str, float]:
     return {f"{kind}_graph_ms": timed(graph.replay, repeat=10) for kind, graph in static.graphs.items()}
 
 
+class EngineFailed(RuntimeError):
+    """A bench request ended with an error: the figures would be of a broken run."""
+
+
 def run_batch(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(0)
     requests = [Request(f"bench-{i}", torch.randint(1000, 100000, (prompt_len,), generator=gen).tolist(),
                         SamplingParams(max_tokens=max_tokens), frozenset(), engine.config.max_model_len)
                 for i in range(concurrency)]
+    errors: list[str] = []
+
+    def on_event(event) -> None:
+        if event.error is not None:
+            errors.append(event.error)
+
+    def step() -> None:
+        engine.step()
+        if errors:               # a failed request never gets its tokens: stop, do not spin
+            raise EngineFailed(f"a bench request failed in the engine: {errors[0]}")
+
     for request in requests:
-        engine.submit(request, lambda event: None)
-    while not all(r.output_ids for r in requests):
-        engine.step()                                   # prefill everyone first: decode is measured alone
+        engine.submit(request, on_event)
+    while not all(r.output_ids or r.is_finished for r in requests):
+        step()                                          # prefill everyone first: decode is measured alone
     synchronize()
     started = time.perf_counter()
     tokens_before = sum(len(r.output_ids) for r in requests)
     batch_cycles = 0
     while not all(r.is_finished for r in requests):
-        engine.step()
+        step()
         batch_cycles += 1
     synchronize()
     seconds = time.perf_counter() - started
@@ -369,9 +385,13 @@ def main(args) -> int:
         raise ValueError(f"--block-size must be a comma-separated list of integers ≥ 2, not {args.block_size!r}")
     if getattr(args, "layers", None) is not None and args.layers < 1:
         raise ValueError("--layers must be at least 1")
-    results = run(args.shape, device, args.vs, concurrency, args.accept_len, args.prompt_len, args.max_tokens,
-                  block_sizes, dflash2=not getattr(args, "no_dflash2", False), layers=getattr(args, "layers", None),
-                  breakdown=getattr(args, "breakdown", False))
+    try:
+        results = run(args.shape, device, args.vs, concurrency, args.accept_len, args.prompt_len, args.max_tokens,
+                      block_sizes, dflash2=not getattr(args, "no_dflash2", False), layers=getattr(args, "layers", None),
+                      breakdown=getattr(args, "breakdown", False))
+    except EngineFailed as exc:
+        print(f"blockspec bench: error: {exc}", file=sys.stderr)
+        return 1
     print_table(results)
     if args.out:
         with open(args.out, "w") as f:

@@ -177,3 +177,21 @@ def test_kernel_classes(name, label):
     from blockspec.bench import kernel_class
     assert kernel_class(name) == label
 
+
+def test_a_failing_bench_request_stops_the_run(qwen3_dir):
+    """A request the engine ends with an error never gets tokens: the bench raises at once
+    (it used to wait for those tokens forever)."""
+    from blockspec.bench import EngineFailed, run_batch
+    from blockspec.loader import load_model
+    from helpers import make_engine
+
+    def fail(phase, seqs):
+        if phase == "prefill":
+            raise RuntimeError("injected")
+
+    engine = make_engine(load_model(str(qwen3_dir), device="cpu", dtype="float32").model,
+                         max_model_len=64, max_num_seqs=2, max_queue=2)
+    engine.fault_hook = fail
+    with pytest.raises(EngineFailed, match="injected"):
+        run_batch(engine, 2, 8, 4)
+
