@@ -19,20 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from blockspec.bench import SHAPES, build_models, graphed, timed  # noqa: E402
+from blockspec.bench import SHAPES, build_models, forward_metadata, graphed, timed  # noqa: E402
 from blockspec.cache import KVPool  # noqa: E402
-from blockspec.layers import AttentionMetadata  # noqa: E402
-
-
-def metadata(target, kv: KVPool, width: int, context: int, page_size: int, device) -> AttentionMetadata:
-    num_pages = -(-(context + width) // page_size)
-    table = torch.arange(1, num_pages + 1, device=device)[None]
-    positions = torch.arange(context, context + width, device=device)
-    slots = table[0, positions // page_size] * page_size + positions % page_size
-    return AttentionMetadata(num_seqs=1, width=width, input_ids=torch.zeros(width, dtype=torch.long, device=device),
-                             positions=positions, slot_mapping=slots, block_tables=table,
-                             context_lens=torch.tensor([context + width], device=device),
-                             max_context_len=num_pages * page_size, page_size=page_size, kv=kv.layers)
 
 
 def main() -> int:
@@ -60,7 +48,7 @@ def main() -> int:
     result = {"shape": args.shape, "code": label, "context": args.context}
     with torch.inference_mode():
         for width in (1, 16):
-            meta = metadata(target, kv, width, args.context, page_size, device)
+            meta = forward_metadata(width, args.context, page_size, kv, device)
 
             def forward(meta=meta, width=width):
                 out = target(meta.input_ids, meta.positions, meta)

@@ -4,9 +4,7 @@ test_server.py."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -14,21 +12,7 @@ import httpx
 
 from blockspec.llm import LLM
 from blockspec.server.app import ServerSettings, create_app
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_until(condition, timeout: float = 30.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
+from servers import free_port, wait_until
 
 
 class LiveServer:
