@@ -70,3 +70,13 @@ def scripted_dirs(tmp_path_factory, qwen3_dir) -> tuple[Path, Path]:
     and a DFlash draft for it."""
     from chain_script import write_scripted_pair
     return write_scripted_pair(tmp_path_factory.mktemp("scripted"), qwen3_dir)
+
+
+@pytest.fixture(scope="module")
+def plain(qwen3_dir):
+    """The tiny Qwen3 target served in-process (tests/api_server.py), one per test module that
+    asks (modules needing other settings define their own `plain`)."""
+    from api_server import LiveServer, load_llm
+    with LiveServer(load_llm(qwen3_dir), "qwen3") as server:
+        yield server
+

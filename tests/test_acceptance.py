@@ -184,6 +184,15 @@ def test_partial_acceptance_at_known_lengths(request, kind, block_size):
 
 # ---- abort on the plain loop, alone and in a batch, counted in forwards -----------------------
 
+def assert_only_the_first_aborted(engine, runs) -> None:
+    """runs[0] aborted early, the others ran to their length, every page back."""
+    assert runs[0].request.finish_reason == "abort" and len(runs[0].output_ids) < 10
+    for run in runs:
+        run.check_events()
+    assert [r.request.finish_reason for r in runs[1:]] == ["length"] * (len(runs) - 1)
+    assert engine.runner.allocator.usage == 0.0
+
+
 @pytest.mark.parametrize("others", [0, 2])
 def test_abort_stops_the_plain_loop_within_one_step(dense, others):
     target, _ = dense
@@ -200,11 +209,7 @@ def test_abort_stops_the_plain_loop_within_one_step(dense, others):
         # the aborted request costs no forward after the flag; the others (6 tokens each, run in
         # one batch) at most 6 more steps
         assert counter.count - before <= (6 if others else 0)
-        assert runs[0].request.finish_reason == "abort" and len(runs[0].output_ids) < 10
-        for run in runs:
-            run.check_events()
-        assert [r.request.finish_reason for r in runs[1:]] == ["length"] * others
-        assert engine.runner.allocator.usage == 0.0
+        assert_only_the_first_aborted(engine, runs)
     finally:
         counter.handle.remove()
 
@@ -232,11 +237,7 @@ def test_abort_stops_the_dflash_loop_within_one_cycle(dense, others):
             assert max(after) <= 5
         else:
             assert after == [0, 0]
-        assert runs[0].request.finish_reason == "abort" and len(runs[0].output_ids) < 10
-        for run in runs:
-            run.check_events()
-        assert [r.request.finish_reason for r in runs[1:]] == ["length"] * others
-        assert engine.runner.allocator.usage == 0.0
+        assert_only_the_first_aborted(engine, runs)
     finally:
         for counter in counters:
             counter.handle.remove()

@@ -13,12 +13,6 @@ HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 
 
 @pytest.fixture(scope="module")
-def plain(qwen3_dir):
-    with LiveServer(load_llm(qwen3_dir), "qwen3") as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def dflash(qwen3_dir, qwen3_draft_dir):
     with LiveServer(load_llm(qwen3_dir, qwen3_draft_dir), "qwen3-dflash") as server:
         yield server

@@ -21,12 +21,6 @@ HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 
 
 @pytest.fixture(scope="module")
-def plain(qwen3_dir):
-    with LiveServer(load_llm(qwen3_dir), "qwen3") as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def scripted(scripted_dirs):
     target, draft = scripted_dirs
     with LiveServer(load_llm(target, draft), "scripted") as server:

@@ -37,18 +37,11 @@ def test_the_soak_has_thirty_kinds_of_bad_body():
     assert len(BAD_BODIES) >= 30
 
 
-def test_soak_short(qwen3_dir, qwen3_draft_dir, tmp_path):
+@pytest.mark.parametrize("num_requests", [100, pytest.param(500, marks=pytest.mark.soak)])
+def test_soak(qwen3_dir, qwen3_draft_dir, tmp_path, num_requests):
+    """100 requests in the default run; the full 500 with -m soak."""
     server = soak_server(qwen3_dir, qwen3_draft_dir, tmp_path / "soak.log")
     try:
-        check(server, 100)
-    finally:
-        server.stop()
-
-
-@pytest.mark.soak
-def test_soak_full(qwen3_dir, qwen3_draft_dir, tmp_path):
-    server = soak_server(qwen3_dir, qwen3_draft_dir, tmp_path / "soak.log")
-    try:
-        check(server, 500)
+        check(server, num_requests)
     finally:
         server.stop()
