@@ -222,11 +222,11 @@ def check_address(host: str, port: int) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     check_engine_args(args)
-    from_namespace(ServerSettings, args, SERVE)           # the server's own flags, checked in one place
-    check_address(args.host, args.port)
+    from_namespace(ServerSettings, args, SERVE)      # the server's own flags, checked before loading
+    check_address(args.host, args.port)             # a taken port fails now, not after a long load
     use_demo_without_model(args)
     from blockspec.server.app import serve
-    return serve(args)
+    return serve(from_namespace(ServerSettings, args, SERVE))
 
 
 def run_bench(args: argparse.Namespace) -> int:

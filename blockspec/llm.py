@@ -77,6 +77,44 @@ class LLM:
     def max_model_len(self) -> int:
         return self.config.max_model_len
 
+    # -- what the server and its logs read (the public surface; never the modules) -----------
+
+    @property
+    def speculative(self) -> bool:
+        """DFlash decoding (a draft and a block size above 1), else plain."""
+        return self.draft is not None
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits: the token ids logit_bias and grammars may name."""
+        return int(self.target.lm_head.weight.shape[0])
+
+    @property
+    def dtype(self) -> str:
+        return str(self.target.lm_head.weight.dtype).removeprefix("torch.")
+
+    @property
+    def device(self) -> str:
+        return str(self.target.lm_head.weight.device)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV pool holds (page 0 is the padding rows' scratch page)."""
+        return (self.config.total_pages - 1) * self.config.page_size
+
+    @property
+    def max_concurrency(self) -> int:
+        """Sequences of the full context decoded at once: the pool's share or --max-num-seqs."""
+        return min(self.config.max_num_seqs, self.kv_cache_tokens // self.config.max_positions_per_seq)
+
+    @property
+    def cuda_graphs(self) -> str:
+        """"off", or the batch sizes graphs are captured for (on first use of each shape)."""
+        graphs = self.engine.runner.graphs
+        if graphs is None:
+            return "off"
+        return "batch sizes " + ",".join(str(size) for size in graphs.sizes) + " (captured on first use)"
+
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)
 

@@ -591,12 +591,13 @@ class ScriptedEngine:
 class ScriptedLLM:
     """Stands in for LLM: the real tokenizer and a scripted engine."""
 
-    draft = None
+    speculative = False
     block_size = 1
     max_model_len = 512
 
     def __init__(self, tokenizer: Tokenizer, max_queue: int = 64) -> None:
         self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size
         self.stop_ids = tokenizer.stop_token_ids
         self.release = threading.Event()
         self.word = tokenizer.encode(" ok")

@@ -22,6 +22,10 @@ class ServerSettings(EngineOptions):
     max_body_bytes: int = option(8 * 1024 * 1024, "largest request body accepted (more: 413)", (SERVE,))
     shutdown_timeout: float = option(30.0, "seconds SIGTERM lets open requests finish (new ones get 503) "
                                      "before ending the rest with an error", (SERVE,))
+    log_level: str = option("info", "level of the server's log (stderr)", (SERVE,), choices=LOG_LEVELS)
+    access_log: bool = option(True, "log one line per HTTP request (uvicorn's access log)", (SERVE,))
+    log_stats_interval: float = option(10.0, "seconds between stats lines: throughput, running / waiting, "
+                                       "KV usage, acceptance (0: none)", (SERVE,))
 
     def __post_init__(self) -> None:
         super().__post_init__()             # the engine's limits
@@ -31,6 +35,10 @@ class ServerSettings(EngineOptions):
             raise ValueError(f"--max-body-bytes must be at least 1 (got {self.max_body_bytes})")
         if not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0 (got {self.shutdown_timeout})")
+        if not 0 <= self.log_stats_interval < float("inf"):
+            raise ValueError(f"--log-stats-interval must be a number of seconds >= 0 (got {self.log_stats_interval})")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
 
