@@ -117,6 +117,27 @@ def test_serve_fails_on_a_taken_port_or_bad_host_before_loading(qwen3_dir):
 
 
 @pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/dir"], "not a directory"),
+    (["--model", "{empty}"], "config.json"),
+    (["--model", "{qwen3}", "--device", "cuda:99"], "cuda"),
+    (["--model", "{qwen3}", "--port", "{taken}"], "cannot listen on"),
+])
+def test_serve_startup_failure_is_one_line_and_nothing_about_serving(qwen3_dir, tmp_path, args, message):
+    """Everything is loaded and checked before the port is bound: a failure is one line on
+    stderr, exit 2, no traceback, and nothing announced (no uvicorn line, no summary)."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        fill = {"qwen3": qwen3_dir, "empty": tmp_path, "taken": taken.getsockname()[1]}
+        out = blockspec("serve", *[a.format(**fill) for a in args])
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("blockspec serve: error: ") and message in lines[0], out.stderr
+    assert out.stdout == "" and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args, message", [
     (["--block-size", "8,x"], "--block-size must be a comma-separated list of integers"),
     (["--block-size", "1"], "--block-size must be a comma-separated list of integers"),
     (["--layers", "0"], "--layers must be at least 1"),
