@@ -6,11 +6,14 @@ import json
 import os
 import sys
 import uuid
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from blockspec.config import EngineOptions
+from blockspec.config import EngineOptions, context_overflow
 from blockspec.options import BENCH, GENERATE, SERVE, HelpFormatter, add_flags, from_namespace
 from blockspec.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from blockspec.tokenizer import Tokenizer
 
 
 
@@ -27,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding server",
                                      formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = subcommand(sub, "generate", "generate once and print the result")
+    gen = subcommand(sub, "generate", "generate once and print the result",
+                     "Generate once and print the result: a chat prints the reply; text continued (--raw, "
+                     "--prompt-token-ids, the demo's default prompt) prints the prompt followed by its continuation.")
     add_flags(gen, EngineOptions, GENERATE)
     gen.add_argument("--max-tokens", type=int, default=128, metavar="N", help="output tokens at most")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="X", help="0: greedy")
@@ -41,9 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "tokens, prefill and decode seconds)")
     gen.add_argument("--enable-thinking", choices=["true", "false"], default=None,
                      help="chat template switch for reasoning models")
+    gen.add_argument("--raw", action="store_true",
+                     help="feed --prompt as text to continue, without the chat template")
     src = gen.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="a user message, rendered with the chat template "
-                     "(required with --model; the demo has a default)")
+    src.add_argument("--prompt", help="a user message, rendered with the chat template unless --raw "
+                     "(required with --model; the demo has a code prompt to continue)")
     src.add_argument("--messages", help="a JSON list of chat messages")
     src.add_argument("--prompt-token-ids", help="comma-separated token ids, fed as is")
     serve = subcommand(sub, "serve", "run the OpenAI-compatible HTTP server")
@@ -151,12 +158,22 @@ def use_demo_without_model(args: argparse.Namespace) -> None:
     if getattr(args, "served_model_name", "") is None:
         args.served_model_name = "blockspec-demo"
     if getattr(args, "prompt", "") is None and args.messages is None and args.prompt_token_ids is None:
-        args.raw_prompt = demo.DEFAULT_PROMPT     # code to continue, fed without the chat template
+        args.prompt, args.raw = demo.DEFAULT_PROMPT, True     # code to continue, without the chat template
+
+
+def check_model_paths(args: argparse.Namespace) -> None:
+    """A bad --model or --draft is the first thing said (before a missing prompt, say)."""
+    from blockspec.loader import resolve_model_path
+    for path in (args.model, args.draft):
+        if path is not None:
+            resolve_model_path(path)
 
 
 def check_generate_args(args: argparse.Namespace) -> None:
     if args.model is not None and args.prompt is None and args.messages is None and args.prompt_token_ids is None:
         raise UsageError("one of --prompt, --messages or --prompt-token-ids is required with --model")
+    if args.raw and args.prompt is None:
+        raise UsageError("--raw applies to --prompt (token ids are always raw; --messages are a chat)")
     if args.messages is not None:
         parse_messages(args.messages)       # before loading: the server's checks, the same answer
     if args.max_tokens < 1:
@@ -167,9 +184,9 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise UsageError("--top-p must be in (0, 1]")
 
 
-def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
-    if getattr(args, "raw_prompt", None) is not None:
-        return tokenizer.encode(args.raw_prompt)
+def prompt_ids_from_args(args: argparse.Namespace, tokenizer: Tokenizer) -> list[int]:
+    if args.raw:
+        return tokenizer.encode(args.prompt)
     if args.prompt_token_ids is not None:
         ids = parse_token_ids(args.prompt_token_ids)
         bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
@@ -182,6 +199,7 @@ def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    check_model_paths(args)
     check_generate_args(args)
     use_demo_without_model(args)
     check_engine_args(args)
@@ -191,12 +209,25 @@ def run_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed)   # bad values fail before loading
     llm = LLM(from_namespace(EngineOptions, args, GENERATE))
     prompt_ids = prompt_ids_from_args(args, llm.tokenizer)
+    overflow = context_overflow(args.max_tokens, len(prompt_ids), llm.max_model_len)
+    if overflow is not None:                   # the server's 400, not a silent cap
+        raise UsageError(f"--max-tokens: {overflow}")
     result = llm.generate_ids(prompt_ids, params, request_id=f"gen-{uuid.uuid4().hex[:8]}")
     if args.json:
         print(json.dumps(result.as_json(), ensure_ascii=False))
     else:
-        print((getattr(args, "raw_prompt", None) or "") + result.text)   # the demo's code prompt reads with its continuation
+        print(printed_text(args, llm.tokenizer, prompt_ids, result.text))
     return 0
+
+
+def printed_text(args: argparse.Namespace, tokenizer: Tokenizer, prompt_ids: list[int], output: str) -> str:
+    """Text continued (--raw, token ids, the demo) prints as prompt + continuation, so it reads
+    as one text; a chat prints the assistant's reply (its prompt is the template's markup)."""
+    if args.raw:
+        return args.prompt + output
+    if args.prompt_token_ids is not None:
+        return tokenizer.decode(prompt_ids, skip_special_tokens=True) + output
+    return output
 
 
 def check_engine_args(args: argparse.Namespace) -> None:

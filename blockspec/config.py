@@ -193,7 +193,7 @@ class EngineOptions:
                                (SERVE, GENERATE))
     block_size: int | None = option(None, "DFlash block size, at most the draft's own (none: the draft's)",
                                     (SERVE, GENERATE))
-    dtype: str = option("auto", "weights' dtype (auto: the checkpoint's, float32 on CPU)", (SERVE, GENERATE),
+    dtype: str = option("auto", "weights' dtype (auto: bfloat16 on CUDA, float32 on CPU)", (SERVE, GENERATE),
                         choices=DTYPES)
     device: str = option("auto", "auto | cpu | cuda[:N]")
     max_model_len: int | None = option(None, f"context limit, prompt + output tokens (none: {DEFAULT_MAX_MODEL_LEN} "
@@ -243,6 +243,16 @@ class EngineConfig(EngineOptions):
     @property
     def total_pages(self) -> int:
         return self.num_pages if self.num_pages is not None else self.max_num_seqs * self.pages_per_seq + 1
+
+
+def context_overflow(max_tokens: int, prompt_tokens: int, max_model_len: int) -> str | None:
+    """Why `max_tokens` output tokens do not fit after the prompt (None when they do): the one
+    wording of the server's 400 and `generate`'s error."""
+    room = max_model_len - prompt_tokens
+    if room < 1 or max_tokens <= room:      # room < 1: the prompt alone is too long (said elsewhere)
+        return None
+    return (f"{max_tokens} output tokens plus the prompt's {prompt_tokens} exceed the context of {max_model_len} "
+            f"tokens; ask for at most {room}")
 
 
 def resolve_engine_config(options: EngineOptions, max_positions: int, draft_block_size: int | None) -> EngineConfig:

@@ -41,8 +41,25 @@ def test_generate_renders_the_chat_template(qwen3_dir):
     assert out2.returncode == 0 and len(json.loads(out2.stdout)["prompt_token_ids"]) > len(prompt)
 
 
+def test_generate_raw_continues_the_text_and_prints_it_whole(qwen3_dir):
+    """--raw: the prompt's own tokens (no chat template), printed with its continuation."""
+    from blockspec.tokenizer import Tokenizer
+    text = "def add(a, b):"
+    as_json = blockspec("generate", "--model", str(qwen3_dir), "--prompt", text, "--raw", "--max-tokens", "4", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    result = json.loads(as_json.stdout)
+    assert result["prompt_token_ids"] == Tokenizer.from_dir(qwen3_dir).encode(text)
+    printed = blockspec("generate", "--model", str(qwen3_dir), "--prompt", text, "--raw", "--max-tokens", "4")
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == text + result["text"] + "\n"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "/nonexistent/dir", "--prompt", "x"], "not a directory"),
+    (["--model", "/nonexistent/dir"], "not a directory"),              # the path before the missing prompt
+    (["--model", "{qwen3}", "--prompt", "x", "--max-tokens", "100000000"],
+     "--max-tokens: 100000000 output tokens plus the prompt's"),     # the server's 400, not a silent cap
+    (["--model", "{qwen3}", "--prompt-token-ids", "1,2", "--raw"], "--raw applies to --prompt"),
     (["--model", "{qwen3}", "--draft", "/nonexistent/draft", "--prompt", "x"], "not a directory"),
     (["--model", "{qwen3}", "--prompt-token-ids", "1,a"], "comma-separated integers"),
     (["--model", "{qwen3}", "--prompt-token-ids", "99999999"], "outside the vocabulary"),

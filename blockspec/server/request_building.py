@@ -12,6 +12,7 @@ import pydantic
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from blockspec.config import context_overflow
 from blockspec.engine.engine import Engine
 from blockspec.engine.request import Request as EngineRequest
 from blockspec.sampling import SamplingParams
@@ -213,10 +214,9 @@ def output_budget(max_model_len: int, prompt: Prompt, body: Body) -> int:
     if asked is None:
         return max(1, min(body.max_new_tokens or room, room))
     name, value = asked
-    if room >= 1 and value > room:  # room < 1: make_request says the prompt is too long
-        raise ApiError(400, f"Invalid '{name}': {value} output tokens plus the prompt's "
-                            f"{len(prompt.token_ids)} exceed the context of {max_model_len} tokens; "
-                            f"ask for at most {room} (or leave '{name}' out).", name)
+    overflow = context_overflow(value, len(prompt.token_ids), max_model_len)
+    if overflow is not None:  # a prompt too long by itself: make_request says so
+        raise ApiError(400, f"Invalid '{name}': {overflow} (or leave '{name}' out).", name)
     return value
 
 
