@@ -134,7 +134,8 @@ def parse_messages(text: str) -> list[dict[str, Any]]:
 def check_message(index: int, message: dict[str, Any]) -> None:
     """The server's validation of one chat message (server/protocol.py), as a one-line error."""
     import pydantic
-    from blockspec.server.protocol import ChatMessage, validation_error_message
+    from blockspec.server.errors import validation_error_message
+    from blockspec.server.protocol import ChatMessage
     try:
         ChatMessage.model_validate(message)
     except pydantic.ValidationError as exc:
