@@ -187,7 +187,8 @@ class EngineConfig:
     max_queue: int = 64
     page_size: int = 16
     num_pages: int | None = None
-    max_prefill_tokens: int = 2048       # prompt tokens per prefill chunk (a long prompt never stalls decoding)
+    max_prefill_tokens: int = 2048       # prompt tokens per step (a long prompt never stalls decoding)
+    max_num_batched_tokens: int = 2048   # tokens of one step: every sequence's verify rows + prefill chunks
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -197,7 +198,9 @@ class EngineConfig:
                   (self.max_queue >= 1, "--max-queue must be at least 1"),
                   (self.page_size >= 1, "the page size must be at least 1"),
                   (self.num_pages is None or self.num_pages >= 2, "the KV pool needs at least 2 pages"),
-                  (self.max_prefill_tokens >= 1, "the prefill chunk must be at least 1 token")]
+                  (self.max_prefill_tokens >= 1, "the prefill chunk must be at least 1 token"),
+                  (self.max_num_batched_tokens >= self.block_size,
+                   "--max-num-batched-tokens must hold at least one block (--block-size)")]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)

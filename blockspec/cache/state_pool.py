@@ -51,6 +51,14 @@ class StatePool:
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
+    def clear(self, slots: list[int]) -> None:
+        """Zero these slots' state (a sequence starting from its first token). The engine's slot
+        ids come from cache/manager.py; allocate/free above serve standalone harnesses."""
+        for slot in slots:
+            for conv, ssm in zip(self.conv, self.ssm):
+                conv[slot].zero_()
+                ssm[slot].zero_()
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv[layer][slots], self.ssm[layer][slots]
 

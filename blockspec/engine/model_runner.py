@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from blockspec.cache import KVPool, PageAllocator, StatePool
+from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.logits import LogitsProcessor
+from blockspec.engine.scheduler import FirstToken
 from blockspec.engine.spec.dflash import accept, process_verify, propose
 from blockspec.layers import AttentionMetadata
 from blockspec.layers.attention import unpack, uses_kernels
@@ -33,13 +34,7 @@ class DecodeResult:
     num_accepted: list[int]          # drafts each sequence's verify accepted
     new_tokens: list[list[int]]      # a_b + 1 tokens per sequence (before stop / length cuts)
     logprobs: list[list[TokenLogprob] | None] | None = None   # per sequence, for those that asked
-
-
-@dataclass
-class FirstToken:
-    """The token sampled at the prompt's end, with its logprob if the request asked."""
-    token_id: int
-    logprobs: list[TokenLogprob] | None = None
+    num_drafts: list[int] | None = None   # k_i each sequence verified
 
 
 class ModelRunner:
@@ -52,7 +47,6 @@ class ModelRunner:
         # Target layers whose outputs feed the draft (none without a draft).
         self.capture_layers = tuple(self.draft.target_layer_ids) if self.draft is not None else ()
         self.page_size = config.page_size
-        self.allocator = PageAllocator(config.total_pages)
         num_slots = config.total_pages * config.page_size
         tc = target.config
         self.target_kv = KVPool(target.num_attention_layers, num_slots, tc.num_key_value_heads, tc.head_dim,
@@ -137,6 +131,7 @@ class ModelRunner:
         """Compute the next num_tokens positions of seq; return its first output token when the
         prompt is done and nothing was generated yet (else None)."""
         start = seq.num_cached
+        self.clear_states([seq])
         meta = self.prepare([seq], num_tokens, [start], [seq.tokens[start: start + num_tokens]])
         meta.keep_steps = False
         out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
@@ -184,7 +179,7 @@ class ModelRunner:
         if meta.keep_steps:
             self.states.select(meta.state_slots[:num_seqs], [a + 1 for a in num_accepted])
         logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(seqs, raw, new_tokens)]
-        return DecodeResult(num_accepted, new_tokens, logprobs)
+        return DecodeResult(num_accepted, new_tokens, logprobs, [width - 1] * num_seqs)
 
     @staticmethod
     def raw_logprobs(seqs: list[Sequence], logits: torch.Tensor) -> list[torch.Tensor | None]:
@@ -228,29 +223,10 @@ class ModelRunner:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         return self.target.compute_logits(out.hidden)
 
-    # -- memory -----------------------------------------------------------------------------
-
-    def pages_needed(self, seq: Sequence, num_positions: int) -> int:
-        return max(0, -(-num_positions // self.page_size) - len(seq.block_table))
-
-    def grow(self, seq: Sequence, num_positions: int) -> None:
-        """Give seq pages for positions [0, num_positions)."""
-        seq.block_table += self.allocator.allocate(self.pages_needed(seq, num_positions))
-
-    def release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
-        if seq.state_slot is not None:
-            self.states.free(seq.state_slot)
-            seq.state_slot = None
-
-    def claim_state_slot(self, seq: Sequence) -> None:
+    def clear_states(self, seqs: list[Sequence]) -> None:
+        """Zero the recurrent state of sequences starting from their first token."""
         if self.is_hybrid:
-            seq.state_slot = self.states.allocate()
-
-    @property
-    def has_free_state_slot(self) -> bool:
-        return not self.is_hybrid or self.states.num_free > 0
+            self.states.clear([seq.state_slot for seq in seqs if seq.num_cached == 0])
 
 
 def derive_positions(positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
