@@ -179,8 +179,11 @@ def eos_ids(value: Any) -> tuple[int, ...]:
 class EngineConfig:
     """How the engine runs, validated once here (block size, limits, pool sizes).
 
-    block_size 1 is plain decoding (no draft forward); num_pages None sizes the KV pool for
-    max_num_seqs sequences of max_model_len tokens (plus one block of verify slack each)."""
+    block_size 1 is plain decoding (no draft forward). The KV pool's size: num_gpu_blocks (or
+    num_pages, its older name) pages when given; else from memory (engine/memory.py): on CUDA what
+    gpu_memory_utilization of the device leaves after weights, one forward at the full token
+    budget and the graphs; elsewhere kv_cache_memory bytes. Never more than max_num_seqs
+    sequences of max_model_len tokens (plus one block of verify slack each) can use."""
     max_model_len: int = 4096
     block_size: int = 1
     max_num_seqs: int = 32
@@ -189,6 +192,9 @@ class EngineConfig:
     num_pages: int | None = None
     max_prefill_tokens: int = 2048       # prompt tokens per step (a long prompt never stalls decoding)
     max_num_batched_tokens: int = 2048   # tokens of one step: every sequence's verify rows + prefill chunks
+    gpu_memory_utilization: float = 0.9  # fraction of the device the engine may fill (weights, K/V, graphs)
+    num_gpu_blocks: int | None = None    # KV pages, overriding the memory-derived size
+    kv_cache_memory: int | None = None   # bytes of K/V off CUDA (None: DEFAULT_KV_CACHE_MEMORY)
     cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
@@ -199,6 +205,9 @@ class EngineConfig:
                   (self.page_size >= 1, "the page size must be at least 1"),
                   (self.num_pages is None or self.num_pages >= 2, "the KV pool needs at least 2 pages"),
                   (self.max_prefill_tokens >= 1, "the prefill chunk must be at least 1 token"),
+                  (0.0 < self.gpu_memory_utilization <= 1.0, "--gpu-memory-utilization must be in (0, 1]"),
+                  (self.num_gpu_blocks is None or self.num_gpu_blocks >= 2, "--num-gpu-blocks must be at least 2"),
+                  (self.kv_cache_memory is None or self.kv_cache_memory > 0, "--kv-cache-memory must be positive"),
                   (self.max_num_batched_tokens >= self.block_size,
                    "--max-num-batched-tokens must hold at least one block (--block-size)")]
         for ok, message in checks:
@@ -215,8 +224,18 @@ class EngineConfig:
         return -(-self.max_positions_per_seq // self.page_size)
 
     @property
+    def page_override(self) -> int | None:
+        return self.num_gpu_blocks if self.num_gpu_blocks is not None else self.num_pages
+
+    @property
+    def worst_case_pages(self) -> int:
+        """Pages max_num_seqs sequences of max_model_len can ever hold (+ the padding page)."""
+        return self.max_num_seqs * self.pages_per_seq + 1
+
+    @property
     def total_pages(self) -> int:
-        return self.num_pages if self.num_pages is not None else self.max_num_seqs * self.pages_per_seq + 1
+        """The pool when no memory measurement decides it (an override, else the worst case)."""
+        return self.page_override if self.page_override is not None else self.worst_case_pages
 
 
 def resolve_engine_config(config: EngineConfig, max_positions: int, draft_block_size: int | None,

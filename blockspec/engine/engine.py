@@ -60,7 +60,7 @@ class Engine:
         self.config = config
         self.runner = ModelRunner(target, draft, config)
         num_slots = config.max_num_seqs if self.runner.is_hybrid else 0
-        self.cache = CacheManager(config.total_pages, config.page_size, num_slots)
+        self.cache = CacheManager(self.runner.pool_size.num_pages, config.page_size, num_slots)
         self.scheduler = Scheduler(config, self.cache, self.runner.width)
         self.counters = EngineCounters()
         self.on_finish = on_finish
@@ -91,6 +91,16 @@ class Engine:
     @property
     def kv_cache_usage(self) -> float:
         return self.cache.usage
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Positions the K/V pool holds (its usable pages × page size)."""
+        return self.cache.num_usable_pages * self.config.page_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many sequences of max_model_len (+ a block) the pool holds at once (vLLM's figure)."""
+        return self.kv_cache_tokens / self.config.max_positions_per_seq
 
     def submit(self, request: Request, on_event: EventCallback) -> None:
         """Thread-safe; raises QueueFullError instead of queueing beyond max_queue or after
