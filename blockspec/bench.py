@@ -339,7 +339,8 @@ def burst(target, draft, block_size: int, arrivals: int, decoding: int, prompt_l
     decoding requests' streamed events during the burst (p50, p99), in milliseconds. With the
     ragged step their prefill chunks ride along with the decode rows instead of stalling them."""
     width = block_size if draft is not None else 1
-    config = EngineConfig(max_model_len=prompt_len + max_tokens + width, block_size=width,
+    # The decoding ones (64-token prompts) keep going past the burst: room for prompt_len + max_tokens more.
+    config = EngineConfig(max_model_len=64 + prompt_len + max_tokens + width, block_size=width,
                           max_num_seqs=arrivals + decoding, max_queue=arrivals + decoding,
                           max_num_batched_tokens=max_num_batched_tokens)
     engine = Engine(target, draft, config)

@@ -120,7 +120,8 @@ class ModelRunner:
         if self.graphs.bucket_keys:
             return
         from tqdm import tqdm
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        is_cuda = self.device.type == "cuda"
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
         sizes = sorted(self.graphs.sizes, reverse=True)
         idle = dummy_sequence(1)                      # no pages: every row is a padding row (page 0)
         for size in tqdm(sizes, desc="capturing CUDA graphs", unit="graph", disable=not sys.stderr.isatty()):
@@ -128,18 +129,22 @@ class ModelRunner:
             if self.draft is not None:
                 self.run_forward("propose", self.draft_proposal, meta)
             self.run_forward("verify", self.target_logits, meta)
-        torch.cuda.synchronize(self.device)
         self.num_forwards = 0
-        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        if is_cuda:
+            torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
         print(f"blockspec: captured CUDA graphs for {len(sizes)} decode batch sizes "
               f"({', '.join(str(size * self.width) for size in sorted(sizes))} tokens) in "
               f"{time.perf_counter() - start:.1f} s, {used / (1 << 20):.0f} MiB", file=sys.stderr, flush=True)
 
-    def make_graphs(self, capture: bool) -> GraphedForwards:
+    def make_graphs(self, capture: bool, bucket_keys: bool | None = None) -> GraphedForwards:
         """The decode cycle through fixed-shape buffers: CUDA graphs, or (capture=False) the
-        same padded path run eagerly, which CPU tests hold to the eager one."""
+        same padded path run eagerly, which CPU tests hold to the eager one. bucket_keys: key
+        buckets by live length (the default where the torch reference attention runs)."""
+        if bucket_keys is None:
+            bucket_keys = not self.attention_reads_live_length
         return GraphedForwards(self.width, self.config.max_num_seqs, self.config.pages_per_seq,
-                               self.page_size, self.device, capture, bucket_keys=not self.attention_reads_live_length)
+                               self.page_size, self.device, capture, bucket_keys=bucket_keys)
 
     @property
     def attention_reads_live_length(self) -> bool:
