@@ -105,9 +105,9 @@ class ModelRunner:
         out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
-            blocks = [Entry(seq, 0, [0] * self.width) for _ in range(self.config.max_num_seqs)]
+            blocks = [Entry(seq, 0, [0] * self.width) for _ in range(self.max_decode_seqs)]
             self.draft_proposal(self.prepare(blocks))
-        self.target.compute_logits(out.hidden[: min(num_tokens, self.config.max_num_seqs * self.width)])
+        self.target.compute_logits(out.hidden[: self.max_decode_seqs * self.width])
         del out, meta
         self.target_kv = self.draft_kv = None
 
@@ -143,7 +143,7 @@ class ModelRunner:
         buckets by live length (the default where the torch reference attention runs)."""
         if bucket_keys is None:
             bucket_keys = not self.attention_reads_live_length
-        return GraphedForwards(self.width, self.config.max_num_seqs, self.config.pages_per_seq,
+        return GraphedForwards(self.width, self.max_decode_seqs, self.config.pages_per_seq,
                                self.page_size, self.device, capture, bucket_keys=bucket_keys)
 
     @property
@@ -152,6 +152,11 @@ class ModelRunner:
         device); the reference, and with it any sliding-window draft layer, gathers a fixed count."""
         windows = getattr(self.draft.config, "layer_window", ()) if self.draft is not None else ()
         return uses_kernels(self.device) and all(window is None for window in windows)
+
+    @property
+    def max_decode_seqs(self) -> int:
+        """The most sequences one step can decode at the full block width (seats and token budget)."""
+        return max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // self.width))
 
     @property
     def is_hybrid(self) -> bool:
