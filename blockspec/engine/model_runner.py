@@ -266,10 +266,7 @@ class ModelRunner:
         over prefill chunks and verify rows → (verify logits [B, max k + 1, V], proposal,
         first tokens)."""
         decode, num_drafts = batch.decode, batch.num_drafts
-        proposal = None
-        if decode and self.draft is not None:
-            self.num_forwards += 1
-            proposal = propose(self.draft_proposal(self.prepare(self.blocks(decode))), decode)
+        proposal = self.propose_for(decode, num_drafts)
         entries = [Entry(seq, seq.num_cached, seq.tokens[seq.num_cached: seq.num_cached + n])
                    for seq, n in batch.prefill]
         entries += [Entry(seq, seq.num_cached, [seq.anchor] + [0] * k) for seq, k in zip(decode, num_drafts)]
@@ -293,6 +290,24 @@ class ModelRunner:
         offsets = [sum(k + 1 for k in num_drafts[:b]) for b in range(len(decode))]
         index = [[offset + min(j, k) for j in range(width)] for offset, k in zip(offsets, num_drafts)]
         return verify[torch.tensor(index, device=self.device)], proposal, first_tokens
+
+    def propose_for(self, decode: list[Sequence], num_drafts: list[int]) -> Proposal | None:
+        """The draft forward over the sequences that verify drafts (k_b > 0); rows of the others
+        hold no drafts (acceptance reads none of them)."""
+        drafting = [b for b, k in enumerate(num_drafts) if k > 0]
+        if self.draft is None or not drafting:
+            return None
+        self.num_forwards += 1
+        seqs = [decode[b] for b in drafting]
+        part = propose(self.draft_proposal(self.prepare(self.blocks(seqs))), seqs)
+        if len(drafting) == len(decode):
+            return part
+        drafts = torch.zeros(len(decode), self.width - 1, dtype=part.drafts.dtype, device=self.device)
+        drafts[torch.tensor(drafting, device=self.device)] = part.drafts
+        probs: list[torch.Tensor | None] = [None] * len(decode)
+        for i, b in enumerate(drafting):
+            probs[b] = part.probs[i]
+        return Proposal(drafts, probs)
 
     def place_drafts(self, meta: AttentionMetadata, proposal: Proposal, num_drafts: list[int], at: int) -> None:
         """The drafts go into their verify rows: sequence b's row 1 + j takes d_{j+1}, j < k_b."""
