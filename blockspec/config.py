@@ -189,6 +189,9 @@ class EngineConfig:
     num_pages: int | None = None
     max_prefill_tokens: int = 2048       # prompt tokens per prefill chunk (a long prompt never stalls decoding)
     cuda_graphs: bool = True
+    # adaptive: each cycle each sequence verifies the drafts that pay off (engine/spec/policy.py);
+    # fixed: every draft of the block; off: no draft even when one is loaded (plain decoding).
+    speculation: str = "adaptive"
 
     def __post_init__(self) -> None:
         checks = [(self.max_model_len >= 2, "--max-model-len must be at least 2"),
@@ -197,7 +200,9 @@ class EngineConfig:
                   (self.max_queue >= 1, "--max-queue must be at least 1"),
                   (self.page_size >= 1, "the page size must be at least 1"),
                   (self.num_pages is None or self.num_pages >= 2, "the KV pool needs at least 2 pages"),
-                  (self.max_prefill_tokens >= 1, "the prefill chunk must be at least 1 token")]
+                  (self.max_prefill_tokens >= 1, "the prefill chunk must be at least 1 token"),
+                  (self.speculation in ("adaptive", "fixed", "off"),
+                   f"--speculation must be adaptive, fixed or off (got {self.speculation!r})")]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)

@@ -42,6 +42,11 @@ class EngineCounters:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     decode_batch_sizes: Counter = field(default_factory=Counter)    # sequences per cycle → cycles
+    # Speculation per cycle (issue 21): drafts verified and accepted by the whole batch (total →
+    # cycles), and each sequence's chosen width k (→ sequence-cycles).
+    spec_verified_per_cycle: Counter = field(default_factory=Counter)
+    spec_accepted_per_cycle: Counter = field(default_factory=Counter)
+    spec_widths: Counter = field(default_factory=Counter)
 
 
 EventCallback = Callable[[TokenEvent], None]
@@ -158,6 +163,8 @@ class Engine:
             if self.fault_hook is not None:
                 self.fault_hook("decode", batch.decode)
             result = self.runner.decode(batch.decode)
+            if self.runner.draft is not None:
+                self._count_speculation(result)
             for b, seq in enumerate(batch.decode):
                 self._isolated(seq, lambda: self._commit(seq, result, b, emitted))
 
@@ -172,7 +179,15 @@ class Engine:
         if self.fault_hook is not None:
             self.fault_hook("commit", [seq])
         logprobs = result.logprobs[b] if result.logprobs else None
-        emitted.append(self.scheduler.postprocess_decode(seq, result.num_accepted[b], result.new_tokens[b], logprobs))
+        width = result.widths[b] if result.widths is not None else None
+        emitted.append(self.scheduler.postprocess_decode(seq, result.num_accepted[b], result.new_tokens[b], logprobs,
+                                                         width))
+
+    def _count_speculation(self, result: DecodeResult) -> None:
+        widths = result.widths if result.widths is not None else [self.runner.width - 1] * len(result.num_accepted)
+        self.counters.spec_verified_per_cycle[sum(widths)] += 1
+        self.counters.spec_accepted_per_cycle[sum(result.num_accepted)] += 1
+        self.counters.spec_widths.update(widths)
 
     def _isolated(self, seq: Sequence, work: Callable[[], None]) -> None:
         """One sequence's own work: if it fails, that sequence ends with an error and the rest
@@ -273,6 +288,7 @@ class Engine:
         request = seq.request
         request.finish_reason = reason
         self.scheduler.finish(seq)
+        self.runner.speculation.forget(seq)
         if self.runner.draft is not None:
             self.counters.spec_verify += request.stats.cycles
             self.counters.spec_draft_tokens += request.stats.draft_tokens

@@ -23,6 +23,7 @@ from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logp
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.logits import LogitsProcessor
 from blockspec.engine.spec.dflash import accept, process_verify, propose
+from blockspec.engine.spec.policy import Speculation
 from blockspec.layers import AttentionMetadata
 from blockspec.layers.attention import unpack, uses_kernels
 from blockspec.sampling import sample
@@ -33,6 +34,7 @@ class DecodeResult:
     num_accepted: list[int]          # drafts each sequence's verify accepted
     new_tokens: list[list[int]]      # a_b + 1 tokens per sequence (before stop / length cuts)
     logprobs: list[list[TokenLogprob] | None] | None = None   # per sequence, for those that asked
+    widths: list[int] | None = None  # drafts each sequence verified (k_b; None: the whole block)
 
 
 @dataclass
@@ -45,7 +47,7 @@ class FirstToken:
 class ModelRunner:
     def __init__(self, target: nn.Module, draft: nn.Module | None, config: EngineConfig) -> None:
         self.target, self.config = target, config
-        self.draft = draft if draft is not None and config.block_size > 1 else None
+        self.draft = draft if draft is not None and config.block_size > 1 and config.speculation != "off" else None
         self.width = config.block_size if self.draft is not None else 1
         weight = target.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -66,14 +68,33 @@ class ModelRunner:
         self.states = StatePool(config.max_num_seqs + 1, shapes, self.dtype, self.device) if shapes else None
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
         self.graphs = None
+        self._plain_graphs: GraphedForwards | None = None        # width-1 cycles of adaptive speculation
         if config.cuda_graphs and self.device.type == "cuda":
             self.graphs = self.make_graphs(capture=True)
+        # Which drafts each cycle verifies (engine/spec/policy.py); the cost table is measured
+        # on the first cycle that needs it (engine/spec/costs.py), or set by the caller.
+        self.speculation = Speculation(config.speculation if self.draft is not None else "fixed", self.width - 1,
+                                       layout="rectangle", measure=self.measure_costs,
+                                       buckets=self.graphs.sizes if self.graphs is not None else None)
 
-    def make_graphs(self, capture: bool) -> GraphedForwards:
+    def measure_costs(self):
+        from blockspec.engine.spec.costs import measure_costs
+        return measure_costs(self)
+
+    def make_graphs(self, capture: bool, width: int | None = None) -> GraphedForwards:
         """The decode cycle through fixed-shape buffers: CUDA graphs, or (capture=False) the
         same padded path run eagerly, which CPU tests hold to the eager one."""
-        return GraphedForwards(self.width, self.config.max_num_seqs, self.config.pages_per_seq,
+        return GraphedForwards(width or self.width, self.config.max_num_seqs, self.config.pages_per_seq,
                                self.page_size, self.device, capture, bucket_keys=not self.attention_reads_live_length)
+
+    def graphs_for(self, width: int) -> GraphedForwards | None:
+        """The graphs of cycles of this width: the block's, or (a cycle where adaptive speculation
+        runs no draft) width 1, made on first use in the same mode (captured or eager-padded)."""
+        if self.graphs is None or width == self.graphs.width:
+            return self.graphs
+        if self._plain_graphs is None or self._plain_graphs.capture != self.graphs.capture:
+            self._plain_graphs = self.make_graphs(self.graphs.capture, width)
+        return self._plain_graphs
 
     @property
     def attention_reads_live_length(self) -> bool:
@@ -96,7 +117,7 @@ class ModelRunner:
         and slot_mapping are derived inside each graph (run_forward), else right here."""
         live_keys = max(starts) + width
         if padded:
-            rows, cols, keys = self.graphs.shape(len(seqs), live_keys)
+            rows, cols, keys = self.graphs_for(width).shape(len(seqs), live_keys)
         else:
             rows, cols, keys = len(seqs), max(len(seq.block_table) for seq in seqs), live_keys
         host = self.pack(seqs, width, starts, tokens, rows, cols)
@@ -164,27 +185,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> DecodeResult:
-        """One cycle for every sequence: propose T − 1 drafts, verify T tokens, accept."""
-        num_seqs, width = len(seqs), self.width
+        """One cycle for every sequence: propose T − 1 drafts, verify T tokens, accept. Adaptive
+        speculation (policy.py) may skip the draft (a plain step of width 1 for everyone) or
+        give sequence b a width k_b: only d_1 … d_k are judged."""
+        num_seqs = len(seqs)
         for seq in seqs:
             self.processor_of(seq)
+        runs_draft = self.draft is not None and self.speculation.runs_draft(seqs)
+        width = self.width if runs_draft else 1
         mask = self.draft.mask_token_id if self.draft is not None else 0
         blocks = [[seq.anchor] + [mask] * (width - 1) for seq in seqs]          # [x, MASK × (T − 1)]
-        meta = self.prepare(seqs, width, [seq.num_cached for seq in seqs], blocks, padded=self.graphs is not None)
-        if self.graphs is not None:
-            meta = self.graphs.bind(meta)
-        proposal = None
-        if self.draft is not None:
-            proposal = propose(self.run_forward("propose", self.draft_proposal, meta), seqs)
+        graphs = self.graphs_for(width)
+        meta = self.prepare(seqs, width, [seq.num_cached for seq in seqs], blocks, padded=graphs is not None)
+        if graphs is not None:
+            meta = graphs.bind(meta)
+        proposal, widths, calibrated = None, [0] * num_seqs, None
+        if runs_draft:
+            proposal = propose(self.run_forward("propose", self.draft_proposal, meta), seqs,
+                               confidence=self.speculation.adaptive)
+            widths, calibrated = self.speculation.widths(seqs, proposal.confidence)
             meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts  # [x, d1 … dT−1]
         logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
         logits = logits.view(num_seqs, width, -1)
         raw = self.raw_logprobs(seqs, logits)                                   # before any processing
-        num_accepted, new_tokens = accept(seqs, proposal, logits, process_verify(seqs, proposal, logits))
+        num_accepted, new_tokens = accept(seqs, proposal, logits, process_verify(seqs, proposal, logits), widths)
+        if proposal is not None:
+            self.speculation.observe(seqs, proposal.confidence, calibrated, widths, num_accepted)
         if meta.keep_steps:
             self.states.select(meta.state_slots[:num_seqs], [a + 1 for a in num_accepted])
         logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(seqs, raw, new_tokens)]
-        return DecodeResult(num_accepted, new_tokens, logprobs)
+        return DecodeResult(num_accepted, new_tokens, logprobs, widths)
 
     @staticmethod
     def raw_logprobs(seqs: list[Sequence], logits: torch.Tensor) -> list[torch.Tensor | None]:
@@ -199,13 +229,14 @@ class ModelRunner:
 
     def run_forward(self, kind: str, fn, meta: AttentionMetadata) -> torch.Tensor:
         self.num_forwards += 1
-        if self.graphs is None:
+        graphs = self.graphs_for(meta.width)
+        if graphs is None:
             return fn(meta)
 
         def graphed(m: AttentionMetadata) -> torch.Tensor:
             derive_positions(m.positions, m.slot_mapping, m.block_tables, m.context_lens, m.width, self.page_size)
             return fn(m)
-        return self.graphs.run(kind, graphed, meta)
+        return graphs.run(kind, graphed, meta)
 
     def draft_proposal(self, meta: AttentionMetadata):
         """The draft's B blocks [x, MASK × (T − 1)] at the verify's positions, seeing the

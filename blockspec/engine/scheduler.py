@@ -145,9 +145,11 @@ class Scheduler:
         return Emitted(seq, commit(seq, [first_token.token_id], first_token.logprobs))
 
     def postprocess_decode(self, seq: Sequence, num_accepted: int, new_tokens: list[int],
-                           logprobs: list[TokenLogprob] | None = None) -> Emitted:
-        """One sequence's cycle: commit its a + 1 new tokens, rewind it by length, count it."""
-        allowed = min(self.runner.width, seq.request.num_allowed)      # tokens this cycle could commit
+                           logprobs: list[TokenLogprob] | None = None, width: int | None = None) -> Emitted:
+        """One sequence's cycle: commit its a + 1 new tokens, rewind it by length, count it.
+        width: the drafts it verified (adaptive speculation), else the whole block."""
+        block = self.runner.width if width is None else width + 1
+        allowed = min(block, seq.request.num_allowed)                  # tokens this cycle could commit
         committed = commit(seq, new_tokens, logprobs)
         # x and d_1 … d_a stay in the pools; the bonus (the next x) is fed by the next cycle.
         seq.num_cached += num_accepted + 1

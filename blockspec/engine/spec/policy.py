@@ -1,0 +1,354 @@
+"""Adaptive speculation (issue 21): how many of its drafts each sequence verifies this cycle.
+
+Verifying d_1 … d_k (k ∈ 0 … T − 1; k = 0 is a plain step) commits the accepted prefix plus the
+target's own token. If p_i is the chance that d_i is accepted given d_1 … d_{i−1} were, the
+expected committed tokens are
+
+    E(k) = 1 + Σ_{j ≤ k} Π_{i ≤ j} p_i                                  (expected_committed)
+
+so extending a sequence from k − 1 to k adds g_k = Π_{i ≤ k} p_i tokens, and g_k never grows
+with k. What it costs is read from a table of measured forward times (CostTable, costs.py
+measures it on the device): the target forward by rows, the draft forward by batch.
+
+The allocation (allocate), per cycle, for the whole batch: start from k_b = 0 for every sequence
+(a plain step: B rows, no draft forward), take positions (b, k) in decreasing g order — within a
+sequence that is k = 1, 2, … since g falls with k — and after each one evaluate the batch's
+committed tokens per second, tokens(n) / (draft_ms(B) + target_ms(rows(n))). The widths of the
+best prefix n are chosen (n = 0: every k is 0 and the draft is not run at all). Scanning every
+prefix rather than stopping at the first drop keeps the step costs right: the draft forward is
+paid once as soon as any k > 0, and a forward padded to a graph bucket costs the bucket's time,
+so a few more positions can be free.
+
+Layouts: "ragged" (the token-level engine) computes Σ_b (1 + k_b) rows; "rectangle" (a batch of
+equal blocks) computes B · T rows whenever any k > 0, so there the choice is all-or-nothing
+(rows it computes anyway are verified: dropping them would save nothing and lose tokens).
+
+Confidence (p_i): the draft's own probability of each drafted token (DFlash 1: softmax of its
+logits at d_i, or q_i(d_i) when it samples; DFlash 2: the walk's softmax over the candidate
+edges), calibrated online (Calibration): a per-(slot group, confidence bin) estimate of
+P(accept | confidence), engine-wide, with a prior at the bin's centre; each sequence's own
+counts shrink toward it. Before the draft runs, each sequence's recent calibrated p (an
+exponential average per slot) predicts whether any k would be > 0; only then is the draft run.
+
+Everything here is host arithmetic on small tensors: no model, no device.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence as Seq
+
+import torch
+
+LAYOUTS = ("ragged", "rectangle")
+NUM_BINS = 10                       # confidence bins on [0, 1]
+PRIOR_STRENGTH = 4.0                # pseudo-observations behind each prior
+SEQUENCE_DECAY = 0.98               # a sequence's old observations fade (its text changes)
+SLOT_EMA = 0.3                      # weight of the newest cycle in a sequence's per-slot prediction
+
+
+def expected_committed(probs: Seq[float], k: int) -> float:
+    """1 + Σ_{j ≤ k} Π_{i ≤ j} p_i: the expected tokens committed by verifying d_1 … d_k."""
+    total, run = 1.0, 1.0
+    for p in probs[:k]:
+        run *= p
+        total += run
+    return total
+
+
+def slot_group(slot: int) -> int:
+    """Draft slot 0, 1 … (d_1, d_2 …) → 0 for d_1, 1 for d_2–d_3, 2 for d_4–d_7, 3 beyond:
+    acceptance at equal confidence drifts with the distance from the anchor."""
+    return min(3, int(math.log2(slot + 1)))
+
+
+def confidence_bin(confidence: float) -> int:
+    return min(NUM_BINS - 1, max(0, int(confidence * NUM_BINS)))
+
+
+# ---- cost ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CostTable:
+    """Measured milliseconds: target forward by rows, draft forward by batch (sequences).
+    Between points, linear; past the last point, the last segment's slope (a compute-bound
+    forward grows linearly); before the first, the first point's time."""
+    target_rows: tuple[int, ...]
+    target_ms: tuple[float, ...]
+    draft_batch: tuple[int, ...]
+    draft_ms: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        for xs, ys in ((self.target_rows, self.target_ms), (self.draft_batch, self.draft_ms)):
+            if len(xs) != len(ys) or not xs or list(xs) != sorted(set(xs)):
+                raise ValueError("a cost table needs strictly increasing points, one time each")
+
+    def target(self, rows: torch.Tensor | int) -> torch.Tensor:
+        return interpolate(torch.as_tensor(rows, dtype=torch.float64), self.target_rows, self.target_ms)
+
+    def draft(self, batch: int) -> float:
+        return float(interpolate(torch.tensor(float(batch), dtype=torch.float64), self.draft_batch, self.draft_ms))
+
+    @staticmethod
+    def analytic(flat_rows: int, ms_flat: float, ms_per_row: float, draft_ms: float,
+                 draft_ms_per_seq: float = 0.0, max_rows: int = 8192) -> "CostTable":
+        """A roofline-shaped table (no device needed; tests and a documented fallback): flat at
+        ms_flat up to flat_rows (memory-bound), then ms_per_row for each row beyond."""
+        flat_rows = max(1, flat_rows)
+        end = max(flat_rows + 1, max_rows)
+        rows, ms = ((1, flat_rows, end), (ms_flat, ms_flat)) if flat_rows > 1 else ((1, end), (ms_flat,))
+        return CostTable(rows, (*ms, ms_flat + ms_per_row * (end - flat_rows)),
+                         (1, max_rows), (draft_ms, draft_ms + draft_ms_per_seq * (max_rows - 1)))
+
+    def describe(self) -> str:
+        target = " ".join(f"{r}:{ms:.3g}" for r, ms in zip(self.target_rows, self.target_ms))
+        draft = " ".join(f"{b}:{ms:.3g}" for b, ms in zip(self.draft_batch, self.draft_ms))
+        return f"target ms by rows {target}; draft ms by batch {draft}"
+
+
+def interpolate(x: torch.Tensor, xs: Seq[int], ys: Seq[float]) -> torch.Tensor:
+    """Piecewise-linear y(x) through (xs, ys), flat before xs[0], extended by the last slope."""
+    px = torch.tensor(xs, dtype=torch.float64)
+    py = torch.tensor(ys, dtype=torch.float64)
+    if len(xs) == 1:
+        return torch.full_like(x, float(py[0]))
+    i = torch.searchsorted(px, x.clamp_min(px[0])).clamp(1, len(xs) - 1)
+    x0, x1, y0, y1 = px[i - 1], px[i], py[i - 1], py[i]
+    return y0 + (y1 - y0) * (x.clamp_min(px[0]) - x0) / (x1 - x0)
+
+
+def pad_to(values: torch.Tensor, buckets: Seq[int] | None) -> torch.Tensor:
+    """Each value rounded up to the next bucket (a captured graph's size); past the last, itself."""
+    if not buckets:
+        return values
+    b = torch.tensor(buckets, dtype=values.dtype)
+    i = torch.searchsorted(b, values).clamp_max(len(buckets) - 1)
+    return torch.where(values <= b[-1], b[i], values)
+
+
+# ---- allocation ----------------------------------------------------------------------------
+
+@dataclass
+class Allocation:
+    widths: list[int]                # k_b: drafts each sequence verifies
+    expected_tokens: float           # Σ_b E_b(k_b)
+    ms: float                        # predicted cycle time
+
+    @property
+    def runs_draft(self) -> bool:
+        return any(self.widths)
+
+
+def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, layout: str = "ragged",
+             buckets: Seq[int] | None = None, floors: Seq[int] | None = None) -> Allocation:
+    """probs [B, L] (calibrated p of each draft slot), caps[b] ≤ L (the most drafts b may
+    verify: its block, or fewer when max_tokens is near), floors[b] (drafts b must verify:
+    e.g. a seeded sampling request keeps its whole block so its output stays reproducible)
+    → the widths that maximise expected committed tokens per millisecond (module docstring).
+    buckets: the sizes forwards are padded to (rows for "ragged", sequences for "rectangle")."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}")
+    num_seqs, num_slots = probs.shape
+    caps_t = torch.tensor(list(caps), dtype=torch.long).clamp(0, num_slots)
+    floors_t = torch.zeros(num_seqs, dtype=torch.long) if floors is None else \
+        torch.minimum(torch.tensor(list(floors), dtype=torch.long), caps_t)
+    slot = torch.arange(num_slots)
+    gains = probs.double().clamp(0.0, 1.0).cumprod(1).masked_fill(slot[None] >= caps_t[:, None], -1.0)
+    if num_seqs == 0:
+        return Allocation([], 0.0, 0.0)
+    if layout == "rectangle":
+        return rectangle(gains, caps_t, floors_t, costs, buckets)
+    # Forced positions first (gain +inf keeps their per-sequence order), then by gain.
+    forced = slot[None] < floors_t[:, None]
+    keys = gains.masked_fill(forced, math.inf).flatten()
+    order = torch.sort(keys, descending=True, stable=True).indices       # stable: k ascending within b
+    order = order[keys[order] >= 0]                                       # past a cap: never
+    num_forced = int(forced.sum())
+    taken = gains.flatten()[order]
+    tokens = num_seqs + torch.cat((torch.zeros(1, dtype=torch.float64), taken.cumsum(0)))
+    rows = num_seqs + torch.arange(len(order) + 1, dtype=torch.float64)
+    ms = costs.target(pad_to(rows, buckets))
+    ms[1:] += costs.draft(num_seqs)
+    rate = tokens / ms
+    rate[:num_forced] = -math.inf                                         # the floors are not optional
+    best = int(torch.argmax(rate))
+    widths = torch.bincount(order[:best] // num_slots, minlength=num_seqs)
+    return Allocation(widths.tolist(), float(tokens[best]), float(ms[best]))
+
+
+def rectangle(gains: torch.Tensor, caps: torch.Tensor, floors: torch.Tensor, costs: CostTable,
+              buckets: Seq[int] | None) -> Allocation:
+    """All-or-nothing: a plain step (B rows) or every sequence at its cap (B · T rows computed)."""
+    num_seqs, num_slots = gains.shape
+    seqs = float(pad_to(torch.tensor([float(num_seqs)], dtype=torch.float64), buckets)[0])
+    full_tokens = num_seqs + float(gains.clamp_min(0.0).sum())
+    full_ms = costs.draft(num_seqs) + float(costs.target(seqs * (num_slots + 1)))
+    off_ms = float(costs.target(seqs))
+    if bool((floors > 0).any()) or full_tokens / full_ms > num_seqs / off_ms:
+        return Allocation(caps.tolist(), full_tokens, full_ms)
+    return Allocation([0] * num_seqs, float(num_seqs), off_ms)
+
+
+# ---- calibration ---------------------------------------------------------------------------
+
+@dataclass
+class Counts:
+    """Accepted / seen per (slot group, confidence bin); seen decays when `decay` < 1."""
+    accepted: torch.Tensor = field(default_factory=lambda: torch.zeros(4, NUM_BINS, dtype=torch.float64))
+    seen: torch.Tensor = field(default_factory=lambda: torch.zeros(4, NUM_BINS, dtype=torch.float64))
+
+    def add(self, groups: torch.Tensor, bins: torch.Tensor, outcomes: torch.Tensor, decay: float = 1.0) -> None:
+        if decay < 1.0:
+            self.accepted *= decay
+            self.seen *= decay
+        self.accepted.index_put_((groups, bins), outcomes.double(), accumulate=True)
+        self.seen.index_put_((groups, bins), torch.ones_like(outcomes, dtype=torch.float64), accumulate=True)
+
+
+BIN_CENTRES = (torch.arange(NUM_BINS, dtype=torch.float64) + 0.5) / NUM_BINS
+
+
+class SequenceAcceptance:
+    """One sequence's observed acceptance (decaying counts) and its recent per-slot calibrated p
+    (what the next cycle's draft decision is predicted from)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.counts = Counts()
+        self.recent: torch.Tensor | None = None            # [L] calibrated p, exponential average
+
+
+class Calibration:
+    """P(accept | slot group, confidence bin): engine-wide counts with a prior at the bin's
+    centre (an uncalibrated draft is taken at its word until observed), and per sequence its own
+    counts shrunk toward the engine-wide estimate with PRIOR_STRENGTH pseudo-observations."""
+
+    def __init__(self, prior_strength: float = PRIOR_STRENGTH) -> None:
+        self.strength = prior_strength
+        self.engine = Counts()
+
+    def engine_estimate(self) -> torch.Tensor:
+        return (self.engine.accepted + self.strength * BIN_CENTRES) / (self.engine.seen + self.strength)
+
+    def calibrate(self, confidence: torch.Tensor, seqs: Seq[SequenceAcceptance]) -> torch.Tensor:
+        """confidence [B, L] (the draft's own probabilities) → calibrated p [B, L]."""
+        num_slots = confidence.shape[1]
+        groups = torch.tensor([slot_group(i) for i in range(num_slots)])
+        bins = (confidence.double() * NUM_BINS).long().clamp(0, NUM_BINS - 1)
+        engine = self.engine_estimate()[groups[None].expand_as(bins), bins]
+        out = torch.empty_like(engine)
+        for b, acc in enumerate(seqs):
+            mine_acc = acc.counts.accepted[groups, bins[b]]
+            mine_seen = acc.counts.seen[groups, bins[b]]
+            out[b] = (mine_acc + self.strength * engine[b]) / (mine_seen + self.strength)
+        return out
+
+    def observe(self, confidence: torch.Tensor, calibrated: torch.Tensor, widths: Seq[int],
+                accepted: Seq[int], seqs: Seq[SequenceAcceptance]) -> None:
+        """After a verify: slots 1 … a of b were accepted, slot a + 1 (if ≤ k_b) rejected; later
+        slots were not judged (acceptance is conditional on the prefix). Each sequence's per-slot
+        prediction moves toward this cycle's calibrated p."""
+        num_slots = confidence.shape[1]
+        bins = (confidence.double() * NUM_BINS).long().clamp(0, NUM_BINS - 1)
+        for b, (k, a, acc) in enumerate(zip(widths, accepted, seqs)):
+            judged = min(k, a + 1)
+            if judged > 0:
+                slots = torch.arange(judged)
+                groups = torch.tensor([slot_group(i) for i in range(judged)])
+                outcomes = (slots < a).double()
+                self.engine.add(groups, bins[b, :judged], outcomes)
+                acc.counts.add(groups, bins[b, :judged], outcomes, decay=SEQUENCE_DECAY)
+            row = calibrated[b].double()
+            acc.recent = row.clone() if acc.recent is None or acc.recent.numel() != num_slots else \
+                (1 - SLOT_EMA) * acc.recent + SLOT_EMA * row
+
+    def predicted(self, seqs: Seq[SequenceAcceptance], num_slots: int) -> torch.Tensor:
+        """[B, L]: each sequence's recent calibrated p; a new sequence gets the engine-wide
+        estimate at its bins' typical confidence (the top bin: a fresh draft is tried)."""
+        default = self.engine_estimate()[[slot_group(i) for i in range(num_slots)], NUM_BINS - 1]
+        rows = [acc.recent if acc.recent is not None and acc.recent.numel() == num_slots else default
+                for acc in seqs]
+        return torch.stack(rows) if rows else torch.zeros(0, num_slots, dtype=torch.float64)
+
+
+# ---- the engine's speculation state ----------------------------------------------------------
+
+MODES = ("adaptive", "fixed", "off")
+PROBE_EVERY = 16                    # cycles without a draft before one is run anyway (new evidence)
+
+
+class Speculation:
+    """What the runner asks each cycle (engine thread only): run the draft? which widths? and,
+    after the verify, what was accepted. `fixed` verifies every draft (today's DFlash); `off` never
+    gets here (no draft is loaded into the runner); `adaptive` allocates as above."""
+
+    def __init__(self, mode: str, num_slots: int, costs: CostTable | None = None, layout: str = "rectangle",
+                 buckets: Seq[int] | None = None, measure: Callable[[], CostTable] | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"speculation must be one of {', '.join(MODES)}")
+        self.mode, self.num_slots, self.costs, self.layout = mode, num_slots, costs, layout
+        self.measure = measure
+        self.buckets = list(buckets) if buckets else None
+        self.calibration = Calibration()
+        self._seqs: dict[int, tuple[object, SequenceAcceptance]] = {}
+        self._cycles_without_draft = 0
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether widths are allocated (the first time: the cost table is measured now)."""
+        if self.mode != "adaptive" or self.num_slots == 0:
+            return False
+        if self.costs is None and self.measure is not None:
+            self.costs = self.measure()
+        return self.costs is not None
+
+    def acceptance(self, seqs: Seq) -> list[SequenceAcceptance]:
+        out = []
+        for seq in seqs:
+            entry = self._seqs.get(id(seq))
+            if entry is None or entry[0] is not seq:
+                entry = self._seqs[id(seq)] = (seq, SequenceAcceptance(self.num_slots))
+            out.append(entry[1])
+        return out
+
+    def forget(self, seq) -> None:
+        """The sequence ended (or was preempted and will start over): drop its counts."""
+        self._seqs.pop(id(seq), None)
+
+    def caps(self, seqs: Seq) -> list[int]:
+        """Drafts worth verifying: the block's, fewer when fewer tokens are allowed."""
+        return [max(0, min(self.num_slots, seq.request.num_allowed - 1)) for seq in seqs]
+
+    def floors(self, seqs: Seq) -> list[int]:
+        """A sampling request with an explicit seed verifies its whole block: its random draws
+        (and so its output) then do not depend on the load (invariant 1: a fixed seed, a fixed
+        output)."""
+        return [self.num_slots if (not seq.request.params.is_greedy and seq.request.params.seed is not None) else 0
+                for seq in seqs]
+
+    def runs_draft(self, seqs: Seq) -> bool:
+        """Before the draft: would any sequence verify anything, by its recent calibrated p?"""
+        if not self.adaptive or not seqs:
+            return True
+        if any(self.floors(seqs)) or self._cycles_without_draft >= PROBE_EVERY:
+            return True
+        predicted = self.calibration.predicted(self.acceptance(seqs), self.num_slots)
+        plan = allocate(predicted, self.caps(seqs), self.costs, self.layout, self.buckets)
+        if not plan.runs_draft:
+            self._cycles_without_draft += 1
+        return plan.runs_draft
+
+    def widths(self, seqs: Seq, confidence: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
+        """After the draft: k_b for each sequence, and the calibrated p it was chosen from."""
+        self._cycles_without_draft = 0
+        if not self.adaptive or confidence is None:
+            return [self.num_slots] * len(seqs), None
+        calibrated = self.calibration.calibrate(confidence.double().cpu(), self.acceptance(seqs))
+        plan = allocate(calibrated, self.caps(seqs), self.costs, self.layout, self.buckets, self.floors(seqs))
+        return plan.widths, calibrated
+
+    def observe(self, seqs: Seq, confidence: torch.Tensor | None, calibrated: torch.Tensor | None,
+                widths: Seq[int], accepted: Seq[int]) -> None:
+        if calibrated is None or confidence is None:
+            return
+        self.calibration.observe(confidence.double().cpu(), calibrated, widths, accepted, self.acceptance(seqs))
