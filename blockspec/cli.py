@@ -77,6 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-len", type=int, default=512)
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--demo", action="store_true", help="the shipped demo pair on held-out code: plain vs DFlash (CPU by default)")
+    bench.add_argument("--compare-speculation", action="store_true",
+                       help="plain / fixed block / adaptive speculation tok/s at each --concurrency, one run "
+                            "(random weights: with --accept-profile or --accept-len; with --demo: the demo "
+                            "pair's real confidences)")
+    bench.add_argument("--accept-profile", default=None, metavar="latent:MEAN[:KAPPA]",
+                       help="random weights: each drafted token at output position j is accepted iff u_j < pi_j, "
+                            "pi_j ~ Beta(m*KAPPA, (1-m)*KAPPA) and u_j ~ U(0,1) seeded per request; the draft "
+                            "reports pi_j as its confidence; m gives mean acceptance length MEAN for the whole "
+                            "block (KAPPA default 1: spread difficulties). See BENCHMARKS.md")
     add_train_args(sub.add_parser("train-draft", help="train a DFlash draft for a target (DFlash recipe)"))
     return parser
 

@@ -15,7 +15,7 @@ from scipy.stats import chi2_contingency
 import fixtures
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.engine.spec.dflash import Proposal, accept
-from blockspec.engine.spec.policy import (Calibration, CostTable, SequenceAcceptance, Speculation, allocate,
+from blockspec.engine.spec.policy import (Calibration, CostTable, Speculation, allocate,
                                           expected_committed, interpolate)
 from blockspec.loader import load_draft, load_model
 from blockspec.sampling import SamplingParams
@@ -115,25 +115,48 @@ def test_cost_table_interpolates_and_extrapolates():
 
 def test_calibration_learns_an_overconfident_draft_and_each_sequence_its_own():
     """The draft says 0.95 for everything; sequence 0's drafts are accepted 20 % of the time,
-    sequence 1's 90 %. After some cycles the calibrated p follows the observed rates."""
-    cal = Calibration()
-    seqs = [SequenceAcceptance(4), SequenceAcceptance(4)]
+    sequence 1's 90 %. After some cycles the calibrated p follows the observed rates, and the
+    pre-draft prediction (recent prefix products) tells the two apart."""
+    cal = Calibration(4)
+    rows = torch.tensor([0, 1])
     conf = torch.full((2, 4), 0.95, dtype=torch.float64)
-    assert cal.calibrate(conf, seqs)[0, 0] == pytest.approx(0.95)                  # prior: its word
+    assert cal.calibrate(conf, rows)[0, 0] == pytest.approx(0.95)                  # prior: its word
     rng = random.Random(0)
     for _ in range(300):
-        calibrated = cal.calibrate(conf, seqs)
+        calibrated = cal.calibrate(conf, rows)
         accepted = []
         for rate_ in (0.2, 0.9):
             a = 0
             while a < 4 and rng.random() < rate_:
                 a += 1
             accepted.append(a)
-        cal.observe(conf, calibrated, [4, 4], accepted, seqs)
-    calibrated = cal.calibrate(conf, seqs)
+        cal.observe(conf, calibrated, [4, 4], accepted, rows)
+    calibrated = cal.calibrate(conf, rows)
     assert abs(float(calibrated[0, 0]) - 0.2) < 0.12 and abs(float(calibrated[1, 0]) - 0.9) < 0.08
-    predicted = cal.predicted(seqs, 4)
+    predicted = cal.predicted(rows)
     assert predicted[0, 0] < 0.4 < 0.8 < predicted[1, 0]
+    # A new sequence (row 2, never seen) is predicted at the engine-wide top bin: it gets drafts.
+    assert float(cal.predicted(torch.tensor([2]))[0, 0]) > 0.3
+    cal.reset(0)
+    assert cal.calibrate(conf, rows)[0, 0] != calibrated[0, 0]
+
+
+def test_speculation_skips_the_draft_when_nothing_pays_and_probes_now_and_then():
+    """A sequence whose drafts are never accepted, at a load where rows are dear: after it is
+    learnt, cycles run without the draft, and a probe still comes (new evidence)."""
+    dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.5)
+    spec = Speculation("adaptive", 7, costs=dear, layout="ragged")
+    seqs = [SimpleNamespace(request=SimpleNamespace(num_allowed=100, params=SamplingParams())) for _ in range(4)]
+    conf = torch.full((4, 7), 0.9, dtype=torch.float64)
+    decisions = []
+    for _ in range(400):
+        runs = spec.runs_draft(seqs)
+        decisions.append(runs)
+        if runs:
+            widths, calibrated = spec.widths(seqs, conf)
+            spec.observe(seqs, conf, calibrated, widths, [0] * 4)
+    assert decisions[0] and not all(decisions[50:]) and any(decisions[50:])
+    assert sum(decisions[50:]) <= 350 // 64 + 1
 
 
 # ---- losslessness at any width: greedy ------------------------------------------------------

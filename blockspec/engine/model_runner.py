@@ -205,6 +205,14 @@ class ModelRunner:
                                confidence=self.speculation.adaptive)
             widths, calibrated = self.speculation.widths(seqs, proposal.confidence)
             meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts  # [x, d1 … dT−1]
+        if proposal is not None and not any(widths):
+            # Nobody verifies a draft after all: a plain step of width 1, not T rows for nothing.
+            self.speculation.observe(seqs, proposal.confidence, calibrated, widths, widths)
+            proposal, width, graphs = None, 1, self.graphs_for(1)
+            meta = self.prepare(seqs, 1, [seq.num_cached for seq in seqs], [[seq.anchor] for seq in seqs],
+                                padded=graphs is not None)
+            if graphs is not None:
+                meta = graphs.bind(meta)
         logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
         logits = logits.view(num_seqs, width, -1)
         raw = self.raw_logprobs(seqs, logits)                                   # before any processing

@@ -192,89 +192,100 @@ def rectangle(gains: torch.Tensor, caps: torch.Tensor, floors: torch.Tensor, cos
 
 # ---- calibration ---------------------------------------------------------------------------
 
-@dataclass
-class Counts:
-    """Accepted / seen per (slot group, confidence bin); seen decays when `decay` < 1."""
-    accepted: torch.Tensor = field(default_factory=lambda: torch.zeros(4, NUM_BINS, dtype=torch.float64))
-    seen: torch.Tensor = field(default_factory=lambda: torch.zeros(4, NUM_BINS, dtype=torch.float64))
-
-    def add(self, groups: torch.Tensor, bins: torch.Tensor, outcomes: torch.Tensor, decay: float = 1.0) -> None:
-        if decay < 1.0:
-            self.accepted *= decay
-            self.seen *= decay
-        self.accepted.index_put_((groups, bins), outcomes.double(), accumulate=True)
-        self.seen.index_put_((groups, bins), torch.ones_like(outcomes, dtype=torch.float64), accumulate=True)
-
-
+NUM_GROUPS = 4
 BIN_CENTRES = (torch.arange(NUM_BINS, dtype=torch.float64) + 0.5) / NUM_BINS
 
 
-class SequenceAcceptance:
-    """One sequence's observed acceptance (decaying counts) and its recent per-slot calibrated p
-    (what the next cycle's draft decision is predicted from)."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.counts = Counts()
-        self.recent: torch.Tensor | None = None            # [L] calibrated p, exponential average
-
-
 class Calibration:
-    """P(accept | slot group, confidence bin): engine-wide counts with a prior at the bin's
-    centre (an uncalibrated draft is taken at its word until observed), and per sequence its own
-    counts shrunk toward the engine-wide estimate with PRIOR_STRENGTH pseudo-observations."""
+    """P(accept | slot group, confidence bin), vectorised over the batch.
 
-    def __init__(self, prior_strength: float = PRIOR_STRENGTH) -> None:
-        self.strength = prior_strength
-        self.engine = Counts()
+    Engine-wide counts with a prior at the bin's centre (an uncalibrated draft is taken at its
+    word until observed); each sequence (a row of the per-sequence tables, `rows` from
+    Speculation) has its own decaying counts, shrunk toward the engine-wide estimate with
+    PRIOR_STRENGTH pseudo-observations. `recent[row]` is the sequence's exponential average of
+    its calibrated prefix products Π_{i ≤ j} p_i (an average of products, not a product of
+    averages: what the next cycle's expected tokens are), from which the draft decision is made
+    before the draft runs."""
+
+    def __init__(self, num_slots: int, prior_strength: float = PRIOR_STRENGTH, capacity: int = 64) -> None:
+        self.strength, self.num_slots = prior_strength, num_slots
+        self.engine_accepted = torch.zeros(NUM_GROUPS, NUM_BINS, dtype=torch.float64)
+        self.engine_seen = torch.zeros(NUM_GROUPS, NUM_BINS, dtype=torch.float64)
+        self.groups = torch.tensor([slot_group(i) for i in range(num_slots)])
+        self.accepted = torch.zeros(0, NUM_GROUPS, NUM_BINS, dtype=torch.float64)    # [rows, G, bins]
+        self.seen = torch.zeros_like(self.accepted)
+        self.recent = torch.zeros(0, num_slots, dtype=torch.float64)                 # [rows, L]
+        self.grow(capacity)
+
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` sequences' rows (doubling: rows are handed out one at a time)."""
+        have = self.accepted.shape[0]
+        if capacity <= have:
+            return
+        more = max(capacity, 2 * have) - have
+        self.accepted = torch.cat((self.accepted, self.accepted.new_zeros(more, NUM_GROUPS, NUM_BINS)))
+        self.seen = torch.cat((self.seen, self.seen.new_zeros(more, NUM_GROUPS, NUM_BINS)))
+        self.recent = torch.cat((self.recent, self.recent.new_full((more, self.num_slots), math.nan)))
+
+    def reset(self, row: int) -> None:
+        self.accepted[row] = 0.0
+        self.seen[row] = 0.0
+        self.recent[row] = math.nan
 
     def engine_estimate(self) -> torch.Tensor:
-        return (self.engine.accepted + self.strength * BIN_CENTRES) / (self.engine.seen + self.strength)
+        return (self.engine_accepted + self.strength * BIN_CENTRES) / (self.engine_seen + self.strength)
 
-    def calibrate(self, confidence: torch.Tensor, seqs: Seq[SequenceAcceptance]) -> torch.Tensor:
-        """confidence [B, L] (the draft's own probabilities) → calibrated p [B, L]."""
-        num_slots = confidence.shape[1]
-        groups = torch.tensor([slot_group(i) for i in range(num_slots)])
-        bins = (confidence.double() * NUM_BINS).long().clamp(0, NUM_BINS - 1)
-        engine = self.engine_estimate()[groups[None].expand_as(bins), bins]
-        out = torch.empty_like(engine)
-        for b, acc in enumerate(seqs):
-            mine_acc = acc.counts.accepted[groups, bins[b]]
-            mine_seen = acc.counts.seen[groups, bins[b]]
-            out[b] = (mine_acc + self.strength * engine[b]) / (mine_seen + self.strength)
-        return out
+    def bins(self, confidence: torch.Tensor) -> torch.Tensor:
+        return (confidence.double() * NUM_BINS).long().clamp(0, NUM_BINS - 1)
+
+    def calibrate(self, confidence: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """confidence [B, L] (the draft's own probabilities), rows [B] → calibrated p [B, L]."""
+        bins = self.bins(confidence)
+        groups = self.groups[None].expand_as(bins)
+        engine = self.engine_estimate()[groups, bins]
+        mine = rows[:, None].expand_as(bins)
+        return (self.accepted[mine, groups, bins] + self.strength * engine) / (self.seen[mine, groups, bins]
+                                                                               + self.strength)
 
     def observe(self, confidence: torch.Tensor, calibrated: torch.Tensor, widths: Seq[int],
-                accepted: Seq[int], seqs: Seq[SequenceAcceptance]) -> None:
+                accepted: Seq[int], rows: torch.Tensor) -> None:
         """After a verify: slots 1 … a of b were accepted, slot a + 1 (if ≤ k_b) rejected; later
-        slots were not judged (acceptance is conditional on the prefix). Each sequence's per-slot
-        prediction moves toward this cycle's calibrated p."""
-        num_slots = confidence.shape[1]
-        bins = (confidence.double() * NUM_BINS).long().clamp(0, NUM_BINS - 1)
-        for b, (k, a, acc) in enumerate(zip(widths, accepted, seqs)):
-            judged = min(k, a + 1)
-            if judged > 0:
-                slots = torch.arange(judged)
-                groups = torch.tensor([slot_group(i) for i in range(judged)])
-                outcomes = (slots < a).double()
-                self.engine.add(groups, bins[b, :judged], outcomes)
-                acc.counts.add(groups, bins[b, :judged], outcomes, decay=SEQUENCE_DECAY)
-            row = calibrated[b].double()
-            acc.recent = row.clone() if acc.recent is None or acc.recent.numel() != num_slots else \
-                (1 - SLOT_EMA) * acc.recent + SLOT_EMA * row
+        slots were not judged (acceptance is conditional on the prefix)."""
+        bins = self.bins(confidence)
+        slot = torch.arange(self.num_slots)[None]
+        k = torch.tensor(list(widths), dtype=torch.long)[:, None]
+        a = torch.tensor(list(accepted), dtype=torch.long)[:, None]
+        judged = slot < torch.minimum(k, a + 1)
+        outcome = (slot < a).double()
+        mine = rows[:, None].expand_as(bins)
+        groups = self.groups[None].expand_as(bins)
+        self.accepted[rows] *= SEQUENCE_DECAY
+        self.seen[rows] *= SEQUENCE_DECAY
+        index = (mine[judged], groups[judged], bins[judged])
+        self.accepted.index_put_(index, outcome[judged], accumulate=True)
+        self.seen.index_put_(index, torch.ones_like(outcome[judged]), accumulate=True)
+        self.engine_accepted.index_put_(index[1:], outcome[judged], accumulate=True)
+        self.engine_seen.index_put_(index[1:], torch.ones_like(outcome[judged]), accumulate=True)
+        products = calibrated.double().cumprod(1)
+        old = self.recent[rows]
+        self.recent[rows] = torch.where(torch.isnan(old), products, (1 - SLOT_EMA) * old + SLOT_EMA * products)
 
-    def predicted(self, seqs: Seq[SequenceAcceptance], num_slots: int) -> torch.Tensor:
-        """[B, L]: each sequence's recent calibrated p; a new sequence gets the engine-wide
-        estimate at its bins' typical confidence (the top bin: a fresh draft is tried)."""
-        default = self.engine_estimate()[[slot_group(i) for i in range(num_slots)], NUM_BINS - 1]
-        rows = [acc.recent if acc.recent is not None and acc.recent.numel() == num_slots else default
-                for acc in seqs]
-        return torch.stack(rows) if rows else torch.zeros(0, num_slots, dtype=torch.float64)
+    def predicted(self, rows: torch.Tensor) -> torch.Tensor:
+        """[B, L] per-slot p whose prefix products are each sequence's recent average ones; a
+        sequence never drafted yet gets the engine-wide estimate of the top confidence bin
+        (a fresh draft is tried)."""
+        default = self.engine_estimate()[self.groups, NUM_BINS - 1].cumprod(0)
+        products = self.recent[rows]
+        products = torch.where(torch.isnan(products), default[None].expand_as(products), products)
+        previous = torch.cat((torch.ones_like(products[:, :1]), products[:, :-1]), dim=1)
+        return (products / previous.clamp_min(1e-12)).clamp(0.0, 1.0)
 
 
 # ---- the engine's speculation state ----------------------------------------------------------
 
 MODES = ("adaptive", "fixed", "off")
-PROBE_EVERY = 16                    # cycles without a draft before one is run anyway (new evidence)
+PROBE_EVERY = 64                    # plain cycles before the draft is run anyway (new evidence),
+                                    # times how many plain steps one draft forward costs
 
 
 class Speculation:
@@ -289,8 +300,9 @@ class Speculation:
         self.mode, self.num_slots, self.costs, self.layout = mode, num_slots, costs, layout
         self.measure = measure
         self.buckets = list(buckets) if buckets else None
-        self.calibration = Calibration()
-        self._seqs: dict[int, tuple[object, SequenceAcceptance]] = {}
+        self.calibration = Calibration(max(1, num_slots))
+        self._rows: dict[int, tuple[object, int]] = {}                   # id(seq) → (seq, table row)
+        self._free_rows: list[int] = []
         self._cycles_without_draft = 0
 
     @property
@@ -302,18 +314,24 @@ class Speculation:
             self.costs = self.measure()
         return self.costs is not None
 
-    def acceptance(self, seqs: Seq) -> list[SequenceAcceptance]:
+    def rows(self, seqs: Seq) -> torch.Tensor:
+        """Each sequence's row in the calibration tables (given on first sight, kept until forget)."""
         out = []
         for seq in seqs:
-            entry = self._seqs.get(id(seq))
+            entry = self._rows.get(id(seq))
             if entry is None or entry[0] is not seq:
-                entry = self._seqs[id(seq)] = (seq, SequenceAcceptance(self.num_slots))
+                row = self._free_rows.pop() if self._free_rows else len(self._rows)
+                self.calibration.grow(row + 1)
+                self.calibration.reset(row)
+                entry = self._rows[id(seq)] = (seq, row)
             out.append(entry[1])
-        return out
+        return torch.tensor(out, dtype=torch.long)
 
     def forget(self, seq) -> None:
-        """The sequence ended (or was preempted and will start over): drop its counts."""
-        self._seqs.pop(id(seq), None)
+        """The sequence ended: its row is free."""
+        entry = self._rows.pop(id(seq), None)
+        if entry is not None:
+            self._free_rows.append(entry[1])
 
     def caps(self, seqs: Seq) -> list[int]:
         """Drafts worth verifying: the block's, fewer when fewer tokens are allowed."""
@@ -330,10 +348,13 @@ class Speculation:
         """Before the draft: would any sequence verify anything, by its recent calibrated p?"""
         if not self.adaptive or not seqs:
             return True
-        if any(self.floors(seqs)) or self._cycles_without_draft >= PROBE_EVERY:
+        if any(self.floors(seqs)):
             return True
-        predicted = self.calibration.predicted(self.acceptance(seqs), self.num_slots)
-        plan = allocate(predicted, self.caps(seqs), self.costs, self.layout, self.buckets)
+        plain_ms = float(self.costs.target(len(seqs)))
+        if self._cycles_without_draft >= PROBE_EVERY * max(1.0, self.costs.draft(len(seqs)) / plain_ms):
+            return True
+        plan = allocate(self.calibration.predicted(self.rows(seqs)), self.caps(seqs), self.costs, self.layout,
+                        self.buckets)
         if not plan.runs_draft:
             self._cycles_without_draft += 1
         return plan.runs_draft
@@ -343,7 +364,7 @@ class Speculation:
         self._cycles_without_draft = 0
         if not self.adaptive or confidence is None:
             return [self.num_slots] * len(seqs), None
-        calibrated = self.calibration.calibrate(confidence.double().cpu(), self.acceptance(seqs))
+        calibrated = self.calibration.calibrate(confidence.double().cpu(), self.rows(seqs))
         plan = allocate(calibrated, self.caps(seqs), self.costs, self.layout, self.buckets, self.floors(seqs))
         return plan.widths, calibrated
 
@@ -351,4 +372,4 @@ class Speculation:
                 widths: Seq[int], accepted: Seq[int]) -> None:
         if calibrated is None or confidence is None:
             return
-        self.calibration.observe(confidence.double().cpu(), calibrated, widths, accepted, self.acceptance(seqs))
+        self.calibration.observe(confidence.double().cpu(), calibrated, widths, accepted, self.rows(seqs))
