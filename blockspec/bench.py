@@ -290,12 +290,13 @@ def forced_accept(accept_len: float):
     for random weights whose drafts are never right."""
     credit = [0.0]
 
-    def accept(seqs, proposal, logits, processed=None):
-        num_accepted, new_tokens = real_accept(seqs, proposal, logits, processed)
+    def accept(seqs, proposal, logits, processed=None, widths=None):
+        num_accepted, new_tokens = real_accept(seqs, proposal, logits, processed, widths)
         target_ids = logits.argmax(-1).tolist()
         for b in range(len(seqs)):
             credit[0] += accept_len
-            kept = max(1, min(int(credit[0]), logits.shape[1]))
+            width = logits.shape[1] if widths is None else widths[b] + 1      # never past k (issue 21)
+            kept = max(1, min(int(credit[0]), width))
             credit[0] -= kept
             num_accepted[b], new_tokens[b] = kept - 1, target_ids[b][:kept]
         return num_accepted, new_tokens
@@ -308,7 +309,8 @@ def throughput(target, draft, block_size: int, concurrency: int, prompt_len: int
     """Output tok/s of `concurrency` requests decoded together through the engine (a warm-up
     batch first), and the decode milliseconds per cycle of the batch."""
     config = EngineConfig(max_model_len=prompt_len + max_tokens + 8, block_size=block_size if draft else 1,
-                          max_num_seqs=concurrency, max_queue=concurrency, max_prefill_tokens=prompt_len)
+                          max_num_seqs=concurrency, max_queue=concurrency, max_prefill_tokens=prompt_len,
+                          speculation="fixed")      # the whole block: --compare-speculation measures adaptive
     engine = Engine(target, draft, config)
     forcing = accept_len is not None and draft is not None
     with mock.patch.object(model_runner, "accept", forced_accept(accept_len) if forcing else model_runner.accept):
