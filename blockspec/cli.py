@@ -242,8 +242,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from blockspec.llm import apply_threads
     apply_threads(from_namespace(EngineOptions, args, BENCH).threads)
     if args.demo:
-        from blockspec.demo.measure import main as measure_demo
+        from blockspec.demo.measure import main as measure_demo, main_compare
         concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+        if args.compare_speculation:
+            return main_compare(args.device, args.out, concurrency)
         return measure_demo(args.device, args.out, concurrency)
     from blockspec.bench import main as bench_main
     return bench_main(args)

@@ -15,7 +15,7 @@ from scipy.stats import chi2_contingency
 import fixtures
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.engine.spec.dflash import Proposal, accept
-from blockspec.engine.spec.policy import (Calibration, CostTable, Speculation, allocate,
+from blockspec.engine.spec.policy import (WARMUP_OBSERVATIONS, Calibration, CostTable, Speculation, allocate,
                                           expected_committed, interpolate)
 from blockspec.loader import load_draft, load_model
 from blockspec.sampling import SamplingParams
@@ -155,8 +155,9 @@ def test_speculation_skips_the_draft_when_nothing_pays_and_probes_now_and_then()
         if runs:
             widths, calibrated = spec.widths(seqs, conf)
             spec.observe(seqs, conf, calibrated, widths, [0] * 4)
-    assert decisions[0] and not all(decisions[50:]) and any(decisions[50:])
-    assert sum(decisions[50:]) <= 350 // 64 + 1
+    assert decisions[0] and not all(decisions[100:]) and any(decisions[100:])
+    assert sum(decisions[100:]) <= 300 // 64 + 1
+    assert spec.calibration.engine_seen.sum() >= WARMUP_OBSERVATIONS                # it learnt first
 
 
 # ---- losslessness at any width: greedy ------------------------------------------------------
@@ -276,6 +277,38 @@ def test_adaptive_policy_is_lossless_and_chooses_by_confidence(dense, reference)
     counts = engine.counters.spec_widths
     assert sum(counts.values()) == run.stats.cycles
     assert sum(k * n for k, n in counts.items()) < (BLOCK - 1) * run.stats.cycles
+
+
+def test_speculation_metrics_are_exact_histograms(dense, reference):
+    """/metrics' three speculation histograms (server/spec_metrics.py) after a run with known
+    widths: one width observation per sequence-cycle, summing to the drafts verified; accepted
+    tokens summing to the request's accepted drafts."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from blockspec.server.app import EngineCollector
+    engine, _ = oracle_engine(dense, reference, ForcedWidths(BLOCK - 1, k=3))
+    run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(SimpleNamespace(engine=engine)))
+    text = generate_latest(registry).decode()
+
+    def value(line_start: str) -> float:
+        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start))
+    cycles = run.stats.cycles
+    assert value("blockspec_spec_verify_width_count") == cycles
+    assert value("blockspec_spec_verify_width_sum") == 3 * cycles
+    assert value('blockspec_spec_verify_width_bucket{le="2"}') == 0
+    assert value('blockspec_spec_verify_width_bucket{le="3"}') == cycles
+    assert value("blockspec_spec_verified_tokens_per_cycle_sum") == 3 * cycles
+    # As the verify judged them, before max_tokens cut the last block (the request's stats after).
+    judged, committed = [], 1
+    while committed < 30:
+        good = 0
+        while good < 3 and committed + good not in WRONG:
+            good += 1
+        judged.append(good)
+        committed += good + 1
+    assert value("blockspec_spec_accepted_tokens_per_cycle_sum") == sum(judged) >= run.stats.accepted_tokens
+    assert value("blockspec_spec_accepted_tokens_per_cycle_count") == cycles
 
 
 def test_adaptive_default_measures_its_costs_and_is_lossless(dense, reference):

@@ -284,8 +284,9 @@ class Calibration:
 # ---- the engine's speculation state ----------------------------------------------------------
 
 MODES = ("adaptive", "fixed", "off")
-PROBE_EVERY = 64                    # plain cycles before the draft is run anyway (new evidence),
-                                    # times how many plain steps one draft forward costs
+PROBE_EVERY = 64                    # cycles before a learning cycle (whole blocks verified: new
+                                    # evidence), times how many plain steps one draft forward costs
+WARMUP_OBSERVATIONS = 256           # judged drafts, engine-wide, before the calibration is trusted
 
 
 class Speculation:
@@ -303,7 +304,8 @@ class Speculation:
         self.calibration = Calibration(max(1, num_slots))
         self._rows: dict[int, tuple[object, int]] = {}                   # id(seq) → (seq, table row)
         self._free_rows: list[int] = []
-        self._cycles_without_draft = 0
+        self._cycles_since_learning = 0
+        self._learning = False
 
     @property
     def adaptive(self) -> bool:
@@ -345,26 +347,34 @@ class Speculation:
                 for seq in seqs]
 
     def runs_draft(self, seqs: Seq) -> bool:
-        """Before the draft: would any sequence verify anything, by its recent calibrated p?"""
+        """Before the draft: would any sequence verify anything, by its recent calibrated p? Now
+        and then (and until the calibration has seen WARMUP_OBSERVATIONS judged drafts) a learning
+        cycle instead: the draft runs and every sequence verifies its whole block, so what the
+        confidences are worth is observed even where the policy would verify nothing (without it,
+        an underconfident draft would never be tried again). A learning cycle costs what a fixed
+        block's cycle costs; they come PROBE_EVERY × (draft / plain step) cycles apart."""
+        self._learning = False
         if not self.adaptive or not seqs:
+            return True
+        self._cycles_since_learning += 1
+        plain_ms = float(self.costs.target(len(seqs)))
+        if (float(self.calibration.engine_seen.sum()) < WARMUP_OBSERVATIONS or self._cycles_since_learning
+                >= PROBE_EVERY * max(1.0, self.costs.draft(len(seqs)) / plain_ms)):
+            self._learning, self._cycles_since_learning = True, 0
             return True
         if any(self.floors(seqs)):
             return True
-        plain_ms = float(self.costs.target(len(seqs)))
-        if self._cycles_without_draft >= PROBE_EVERY * max(1.0, self.costs.draft(len(seqs)) / plain_ms):
-            return True
         plan = allocate(self.calibration.predicted(self.rows(seqs)), self.caps(seqs), self.costs, self.layout,
                         self.buckets)
-        if not plan.runs_draft:
-            self._cycles_without_draft += 1
         return plan.runs_draft
 
     def widths(self, seqs: Seq, confidence: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
         """After the draft: k_b for each sequence, and the calibrated p it was chosen from."""
-        self._cycles_without_draft = 0
         if not self.adaptive or confidence is None:
             return [self.num_slots] * len(seqs), None
         calibrated = self.calibration.calibrate(confidence.double().cpu(), self.rows(seqs))
+        if self._learning:
+            return self.caps(seqs), calibrated
         plan = allocate(calibrated, self.caps(seqs), self.costs, self.layout, self.buckets, self.floors(seqs))
         return plan.widths, calibrated
 
