@@ -103,6 +103,19 @@ def test_caps_floors_buckets_and_the_rectangle_layout():
     assert allocate(poor, [7] * 3, ROOFLINE, layout="rectangle").widths == [0] * 3
 
 
+def test_host_work_per_cycle_makes_more_tokens_per_cycle_worth_it():
+    """Forwards alone favour plain steps here; a cycle's fixed host work (learnt online by
+    Speculation.record_cycle) tips the balance toward verifying the drafts."""
+    steep = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.5, draft_ms=1.0)
+    probs = torch.full((8, 7), 0.6, dtype=torch.float64)
+    assert not allocate(probs, [7] * 8, steep).runs_draft
+    assert min(allocate(probs, [7] * 8, steep, fixed_ms=200.0).widths) >= 4
+    spec = Speculation("adaptive", 7, costs=steep, layout="ragged")
+    spec.predicted_ms = 10.0
+    spec.record_cycle(0.090, 8)                      # 90 ms measured, 10 predicted: 10 ms per sequence
+    assert spec.overhead_ms_per_seq == pytest.approx(1.0)
+
+
 def test_cost_table_interpolates_and_extrapolates():
     table = CostTable((1, 16, 64), (2.0, 2.0, 8.0), (1,), (1.0,))
     assert interpolate(torch.tensor([0.5, 1.0, 8.0, 40.0, 128.0], dtype=torch.float64),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
@@ -162,11 +163,13 @@ class Engine:
             self.counters.decode_batch_sizes[len(batch.decode)] += 1
             if self.fault_hook is not None:
                 self.fault_hook("decode", batch.decode)
+            started = time.perf_counter()
             result = self.runner.decode(batch.decode)
             if self.runner.draft is not None:
                 self._count_speculation(result)
             for b, seq in enumerate(batch.decode):
                 self._isolated(seq, lambda: self._commit(seq, result, b, emitted))
+            self.runner.speculation.record_cycle(time.perf_counter() - started, len(batch.decode))
 
     def _prefill(self, seq: Sequence, length: int, emitted: list[Emitted]) -> None:
         if self.fault_hook is not None:

@@ -141,12 +141,14 @@ class Allocation:
 
 
 def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, layout: str = "ragged",
-             buckets: Seq[int] | None = None, floors: Seq[int] | None = None) -> Allocation:
+             buckets: Seq[int] | None = None, floors: Seq[int] | None = None, fixed_ms: float = 0.0) -> Allocation:
     """probs [B, L] (calibrated p of each draft slot), caps[b] ≤ L (the most drafts b may
     verify: its block, or fewer when max_tokens is near), floors[b] (drafts b must verify:
     e.g. a seeded sampling request keeps its whole block so its output stays reproducible)
     → the widths that maximise expected committed tokens per millisecond (module docstring).
-    buckets: the sizes forwards are padded to (rows for "ragged", sequences for "rectangle")."""
+    buckets: the sizes forwards are padded to (rows for "ragged", sequences for "rectangle").
+    fixed_ms: what a cycle costs whatever the widths (the engine's host work, measured online):
+    the more of it, the more each extra committed token is worth."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}")
     num_seqs, num_slots = probs.shape
@@ -158,7 +160,7 @@ def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, layout: str 
     if num_seqs == 0:
         return Allocation([], 0.0, 0.0)
     if layout == "rectangle":
-        return rectangle(gains, caps_t, floors_t, costs, buckets)
+        return rectangle(gains, caps_t, floors_t, costs, buckets, fixed_ms)
     # Forced positions first (gain +inf keeps their per-sequence order), then by gain.
     forced = slot[None] < floors_t[:, None]
     keys = gains.masked_fill(forced, math.inf).flatten()
@@ -168,7 +170,7 @@ def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, layout: str 
     taken = gains.flatten()[order]
     tokens = num_seqs + torch.cat((torch.zeros(1, dtype=torch.float64), taken.cumsum(0)))
     rows = num_seqs + torch.arange(len(order) + 1, dtype=torch.float64)
-    ms = costs.target(pad_to(rows, buckets))
+    ms = costs.target(pad_to(rows, buckets)) + fixed_ms
     ms[1:] += costs.draft(num_seqs)
     rate = tokens / ms
     rate[:num_forced] = -math.inf                                         # the floors are not optional
@@ -178,13 +180,13 @@ def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, layout: str 
 
 
 def rectangle(gains: torch.Tensor, caps: torch.Tensor, floors: torch.Tensor, costs: CostTable,
-              buckets: Seq[int] | None) -> Allocation:
+              buckets: Seq[int] | None, fixed_ms: float = 0.0) -> Allocation:
     """All-or-nothing: a plain step (B rows) or every sequence at its cap (B · T rows computed)."""
     num_seqs, num_slots = gains.shape
     seqs = float(pad_to(torch.tensor([float(num_seqs)], dtype=torch.float64), buckets)[0])
     full_tokens = num_seqs + float(gains.clamp_min(0.0).sum())
-    full_ms = costs.draft(num_seqs) + float(costs.target(seqs * (num_slots + 1)))
-    off_ms = float(costs.target(seqs))
+    full_ms = costs.draft(num_seqs) + float(costs.target(seqs * (num_slots + 1))) + fixed_ms
+    off_ms = float(costs.target(seqs)) + fixed_ms
     if bool((floors > 0).any()) or full_tokens / full_ms > num_seqs / off_ms:
         return Allocation(caps.tolist(), full_tokens, full_ms)
     return Allocation([0] * num_seqs, float(num_seqs), off_ms)
@@ -287,6 +289,7 @@ MODES = ("adaptive", "fixed", "off")
 PROBE_EVERY = 64                    # cycles before a learning cycle (whole blocks verified: new
                                     # evidence), times how many plain steps one draft forward costs
 WARMUP_OBSERVATIONS = 256           # judged drafts, engine-wide, before the calibration is trusted
+OVERHEAD_EMA = 0.1                  # weight of the newest cycle in the host-work estimate
 
 
 class Speculation:
@@ -306,6 +309,8 @@ class Speculation:
         self._free_rows: list[int] = []
         self._cycles_since_learning = 0
         self._learning = False
+        self.overhead_ms_per_seq = 0.0      # a cycle's time beyond the table's forwards, per sequence
+        self.predicted_ms: float | None = None   # the forwards of the cycle now running, by the table
 
     @property
     def adaptive(self) -> bool:
@@ -365,7 +370,9 @@ class Speculation:
         if any(self.floors(seqs)):
             return True
         plan = allocate(self.calibration.predicted(self.rows(seqs)), self.caps(seqs), self.costs, self.layout,
-                        self.buckets)
+                        self.buckets, fixed_ms=self.overhead_ms_per_seq * len(seqs))
+        if not plan.runs_draft:
+            self.predicted_ms = plan.ms - self.overhead_ms_per_seq * len(seqs)
         return plan.runs_draft
 
     def widths(self, seqs: Seq, confidence: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
@@ -374,9 +381,24 @@ class Speculation:
             return [self.num_slots] * len(seqs), None
         calibrated = self.calibration.calibrate(confidence.double().cpu(), self.rows(seqs))
         if self._learning:
+            self.predicted_ms = None                      # not a typical cycle: not timed
             return self.caps(seqs), calibrated
-        plan = allocate(calibrated, self.caps(seqs), self.costs, self.layout, self.buckets, self.floors(seqs))
+        fixed = self.overhead_ms_per_seq * len(seqs)
+        plan = allocate(calibrated, self.caps(seqs), self.costs, self.layout, self.buckets, self.floors(seqs),
+                        fixed_ms=fixed)
+        # The draft already ran: a cycle that keeps no draft still paid for it.
+        self.predicted_ms = plan.ms - fixed + (0.0 if plan.runs_draft else self.costs.draft(len(seqs)))
         return plan.widths, calibrated
+
+    def record_cycle(self, seconds: float, num_seqs: int) -> None:
+        """The engine's wall time of a whole decode cycle (forwards, accept, commits): what the
+        table does not see (host work per sequence, launch gaps) is learnt as an overhead per
+        sequence, so the allocation weighs tokens against the cycle's real time."""
+        if self.predicted_ms is None or num_seqs == 0:
+            return
+        extra = max(0.0, seconds * 1e3 - self.predicted_ms) / num_seqs
+        self.overhead_ms_per_seq += OVERHEAD_EMA * (extra - self.overhead_ms_per_seq)
+        self.predicted_ms = None
 
     def observe(self, seqs: Seq, confidence: torch.Tensor | None, calibrated: torch.Tensor | None,
                 widths: Seq[int], accepted: Seq[int]) -> None:
