@@ -162,7 +162,7 @@ MUTANTS = [
            "judged = slot < k",
            ("tests/test_adaptive.py::test_calibration_learns_an_overconfident_draft_and_each_sequence_its_own",)),
     Mutant("allocation-forgets-the-draft", "blockspec/engine/spec/policy.py",
-           "        ms[1:] += costs.draft(num_seqs)\n",
+           "    ms[1:] += costs.draft(num_seqs)\n",
            "",
            ("tests/test_adaptive.py::test_the_allocation_is_the_best_of_every_greedy_prefix",)),
     Mutant("merge-drops-tokens", "blockspec/server/app.py",

@@ -146,6 +146,8 @@ def test_calibration_learns_an_overconfident_draft_and_each_sequence_its_own():
         cal.observe(conf, calibrated, [4, 4], accepted, rows)
     calibrated = cal.calibrate(conf, rows)
     assert abs(float(calibrated[0, 0]) - 0.2) < 0.12 and abs(float(calibrated[1, 0]) - 0.9) < 0.08
+    # A later slot is judged only when the ones before it were accepted: still ≈ 0.9 there.
+    assert abs(float(calibrated[1, 3]) - 0.9) < 0.08
     predicted = cal.predicted(rows)
     assert predicted[0, 0] < 0.4 < 0.8 < predicted[1, 0]
     # A new sequence (row 2, never seen) is predicted at the engine-wide top bin: it gets drafts.
