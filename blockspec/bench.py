@@ -590,6 +590,9 @@ def print_table(r: dict[str, Any]) -> None:
 
 # ---- adaptive speculation (issue 21): plain / fixed block / adaptive, side by side ---------------
 
+LATENT_CHUNK = 1024
+
+
 class LatentProfile:
     """`--accept-profile latent:MEAN[:CONCENTRATION]`: an acceptance model for random weights in
     which the draft's reported confidence is informative, seeded and the same for every mode.
@@ -617,17 +620,20 @@ class LatentProfile:
         self._latents: dict[str, tuple[list[float], list[float]]] = {}
 
     def latents(self, request, length: int) -> tuple[list[float], list[float]]:
+        """(π, u) of the request's output positions 0 … length − 1 (at least), drawn in chunks of
+        LATENT_CHUNK positions, each from its own seeded generator: any length gives the same
+        values at the same positions."""
         key = request.request_id
-        cached = self._latents.get(key)
-        if cached is None or len(cached[0]) < length:
-            gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{key}".encode()))   # stable across runs
-            a, b = max(self.m * self.concentration, 1e-3), max((1 - self.m) * self.concentration, 1e-3)
-            gamma_a = torch._standard_gamma(torch.full((length,), a, dtype=torch.float64), generator=gen)
-            gamma_b = torch._standard_gamma(torch.full((length,), b, dtype=torch.float64), generator=gen)
-            pi = (gamma_a / (gamma_a + gamma_b).clamp_min(1e-300)).tolist()
-            u = torch.rand(length, generator=gen, dtype=torch.float64).tolist()
-            cached = self._latents[key] = (pi, u)
-        return cached
+        pi, u = self._latents.setdefault(key, ([], []))
+        a, b = max(self.m * self.concentration, 1e-3), max((1 - self.m) * self.concentration, 1e-3)
+        while len(pi) < length:
+            chunk = len(pi) // LATENT_CHUNK
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{key}:{chunk}".encode()))   # stable
+            gamma_a = torch._standard_gamma(torch.full((LATENT_CHUNK,), a, dtype=torch.float64), generator=gen)
+            gamma_b = torch._standard_gamma(torch.full((LATENT_CHUNK,), b, dtype=torch.float64), generator=gen)
+            pi += (gamma_a / (gamma_a + gamma_b).clamp_min(1e-300)).tolist()
+            u += torch.rand(LATENT_CHUNK, generator=gen, dtype=torch.float64).tolist()
+        return pi, u
 
     def positions(self, seq, num_slots: int) -> list[int]:
         """Output positions of draft slots 1 … L of this cycle (the anchor is output position

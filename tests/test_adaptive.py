@@ -443,3 +443,36 @@ def test_sampled_output_keeps_plain_sampling_distribution_at_random_widths(dense
         table = np.array([[a.count(t) for t in support], [b.count(t) for t in support]])
         table = table[:, table.sum(0) >= 5]
         assert chi2_contingency(table).pvalue > 1e-3
+
+
+# ---- the bench's latent acceptance profile ----------------------------------------------------
+
+def test_latent_profile_hits_its_mean_and_its_confidence_is_informative():
+    """Whole blocks of 16 verified along many requests: the mean acceptance length is the asked
+    6.5; drafts reported at high confidence are accepted far more often than low ones; the same
+    request id gives the same latents (every mode sees the same text difficulty)."""
+    from blockspec.bench import LatentProfile, parse_accept_profile, solve_mean_probability
+    m = solve_mean_probability(6.5, 16)
+    assert 1 + sum(m ** i for i in range(1, 16)) == pytest.approx(6.5, abs=1e-6)
+    profile = parse_accept_profile("latent:6.5", 16)
+    lengths, by_confidence = [], {True: [], False: []}
+    for r in range(200):
+        request = SimpleNamespace(request_id=f"r{r}")
+        pi, u = profile.latents(request, 2000)
+        j = 0
+        while j < 1900:
+            a = 0
+            while a < 15 and u[j + 1 + a] < pi[j + 1 + a]:
+                a += 1
+            lengths.append(a + 1)
+            for i in range(min(a + 1, 15)):
+                by_confidence[pi[j + 1 + i] > 0.5].append(i < a)
+            j += a + 1
+    assert abs(sum(lengths) / len(lengths) - 6.5) < 0.35
+    assert np.mean(by_confidence[True]) > 0.9 > 0.35 > np.mean(by_confidence[False])
+    r3 = SimpleNamespace(request_id="r3")
+    assert LatentProfile(6.5, 16).latents(r3, 50)[0][:50] == profile.latents(r3, 2000)[0][:50]
+    assert LatentProfile(6.5, 16).latents(r3, 2000)[0][:2000] == profile.latents(r3, 2000)[0][:2000]
+    for bad in ("latent", "latent:x", "flat:3", "latent:20", "latent:3:0"):
+        with pytest.raises(ValueError):
+            parse_accept_profile(bad, 16)
