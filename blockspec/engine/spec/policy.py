@@ -286,8 +286,8 @@ class Calibration:
 # ---- the engine's speculation state ----------------------------------------------------------
 
 MODES = ("adaptive", "fixed", "off")
-PROBE_EVERY = 64                    # cycles before a learning cycle (whole blocks verified: new
-                                    # evidence), times how many plain steps one draft forward costs
+LEARNING_BUDGET = 0.01              # learning cycles (whole blocks verified: new evidence) may
+                                    # cost this fraction of the plain steps' time
 WARMUP_OBSERVATIONS = 256           # judged drafts, engine-wide, before the calibration is trusted
 OVERHEAD_EMA = 0.1                  # weight of the newest cycle in the host-work estimate
 
@@ -357,14 +357,15 @@ class Speculation:
         cycle instead: the draft runs and every sequence verifies its whole block, so what the
         confidences are worth is observed even where the policy would verify nothing (without it,
         an underconfident draft would never be tried again). A learning cycle costs what a fixed
-        block's cycle costs; they come PROBE_EVERY × (draft / plain step) cycles apart."""
+        block's cycle costs; they are spaced so that their extra time stays within LEARNING_BUDGET
+        of the plain steps' (every 100 cycles where a whole block costs 2 plain steps, every
+        1 500 where it costs 16)."""
         self._learning = False
         if not self.adaptive or not seqs:
             return True
         self._cycles_since_learning += 1
-        plain_ms = float(self.costs.target(len(seqs)))
-        if (float(self.calibration.engine_seen.sum()) < WARMUP_OBSERVATIONS or self._cycles_since_learning
-                >= PROBE_EVERY * max(1.0, self.costs.draft(len(seqs)) / plain_ms)):
+        if (float(self.calibration.engine_seen.sum()) < WARMUP_OBSERVATIONS
+                or self._cycles_since_learning >= self.learning_interval(len(seqs))):
             self._learning, self._cycles_since_learning = True, 0
             return True
         if any(self.floors(seqs)):
@@ -374,6 +375,14 @@ class Speculation:
         if not plan.runs_draft:
             self.predicted_ms = plan.ms - self.overhead_ms_per_seq * len(seqs)
         return plan.runs_draft
+
+    def learning_interval(self, num_seqs: int) -> float:
+        """Cycles between learning cycles: (whole-block cycle − plain step) / (budget × plain step)."""
+        rows = pad_to(torch.tensor([float(num_seqs)], dtype=torch.float64), self.buckets)
+        fixed = self.overhead_ms_per_seq * num_seqs
+        plain = float(self.costs.target(rows)[0]) + fixed
+        whole = float(self.costs.target(rows * (self.num_slots + 1))[0]) + self.costs.draft(num_seqs) + fixed
+        return (whole - plain) / (LEARNING_BUDGET * plain)
 
     def widths(self, seqs: Seq, confidence: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
         """After the draft: k_b for each sequence, and the calibrated p it was chosen from."""
