@@ -110,10 +110,13 @@ def test_host_work_per_cycle_makes_more_tokens_per_cycle_worth_it():
     probs = torch.full((8, 7), 0.6, dtype=torch.float64)
     assert not allocate(probs, [7] * 8, steep).runs_draft
     assert min(allocate(probs, [7] * 8, steep, fixed_ms=200.0).widths) >= 4
+    # The fit: cycles of 8 sequences whose host work is 2 ms per sequence + 0.5 ms per token.
     spec = Speculation("adaptive", 7, costs=steep, layout="ragged")
-    spec.predicted_ms = 10.0
-    spec.record_cycle(0.090, 8)                      # 90 ms measured, 10 predicted: 10 ms per sequence
-    assert spec.overhead_ms_per_seq == pytest.approx(1.0)
+    for tokens in [8, 30, 12, 50, 8, 20] * 20:
+        spec.predicted_ms = 10.0
+        spec.record_cycle((10.0 + 2.0 * 8 + 0.5 * tokens) / 1e3, 8, tokens)
+    assert spec.overhead_ms_per_seq == pytest.approx(2.0, rel=0.05)
+    assert spec.overhead_ms_per_token == pytest.approx(0.5, rel=0.05)
 
 
 def test_cost_table_interpolates_and_extrapolates():

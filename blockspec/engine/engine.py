@@ -169,7 +169,8 @@ class Engine:
                 self._count_speculation(result)
             for b, seq in enumerate(batch.decode):
                 self._isolated(seq, lambda: self._commit(seq, result, b, emitted))
-            self.runner.speculation.record_cycle(time.perf_counter() - started, len(batch.decode))
+            self.runner.speculation.record_cycle(time.perf_counter() - started, len(batch.decode),
+                                                 sum(a + 1 for a in result.num_accepted))
 
     def _prefill(self, seq: Sequence, length: int, emitted: list[Emitted]) -> None:
         if self.fault_hook is not None:

@@ -141,14 +141,16 @@ class Allocation:
 
 
 def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, layout: str = "ragged",
-             buckets: Seq[int] | None = None, floors: Seq[int] | None = None, fixed_ms: float = 0.0) -> Allocation:
+             buckets: Seq[int] | None = None, floors: Seq[int] | None = None, fixed_ms: float = 0.0,
+             per_token_ms: float = 0.0) -> Allocation:
     """probs [B, L] (calibrated p of each draft slot), caps[b] ≤ L (the most drafts b may
     verify: its block, or fewer when max_tokens is near), floors[b] (drafts b must verify:
     e.g. a seeded sampling request keeps its whole block so its output stays reproducible)
     → the widths that maximise expected committed tokens per millisecond (module docstring).
     buckets: the sizes forwards are padded to (rows for "ragged", sequences for "rectangle").
-    fixed_ms: what a cycle costs whatever the widths (the engine's host work, measured online):
-    the more of it, the more each extra committed token is worth."""
+    fixed_ms, per_token_ms: the host work of a cycle beyond the forwards (learnt online,
+    Speculation.record_cycle): a part per cycle, which makes more tokens per cycle worth more,
+    and a part per committed token (commit, detokenising), which speculation cannot save."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}")
     num_seqs, num_slots = probs.shape
@@ -160,7 +162,7 @@ def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, layout: str 
     if num_seqs == 0:
         return Allocation([], 0.0, 0.0)
     if layout == "rectangle":
-        return rectangle(gains, caps_t, floors_t, costs, buckets, fixed_ms)
+        return rectangle(gains, caps_t, floors_t, costs, buckets, fixed_ms, per_token_ms)
     # Forced positions first (gain +inf keeps their per-sequence order), then by gain.
     forced = slot[None] < floors_t[:, None]
     keys = gains.masked_fill(forced, math.inf).flatten()
@@ -170,7 +172,7 @@ def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, layout: str 
     taken = gains.flatten()[order]
     tokens = num_seqs + torch.cat((torch.zeros(1, dtype=torch.float64), taken.cumsum(0)))
     rows = num_seqs + torch.arange(len(order) + 1, dtype=torch.float64)
-    ms = costs.target(pad_to(rows, buckets)) + fixed_ms
+    ms = costs.target(pad_to(rows, buckets)) + fixed_ms + per_token_ms * tokens
     ms[1:] += costs.draft(num_seqs)
     rate = tokens / ms
     rate[:num_forced] = -math.inf                                         # the floors are not optional
@@ -180,13 +182,14 @@ def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, layout: str 
 
 
 def rectangle(gains: torch.Tensor, caps: torch.Tensor, floors: torch.Tensor, costs: CostTable,
-              buckets: Seq[int] | None, fixed_ms: float = 0.0) -> Allocation:
+              buckets: Seq[int] | None, fixed_ms: float = 0.0, per_token_ms: float = 0.0) -> Allocation:
     """All-or-nothing: a plain step (B rows) or every sequence at its cap (B · T rows computed)."""
     num_seqs, num_slots = gains.shape
     seqs = float(pad_to(torch.tensor([float(num_seqs)], dtype=torch.float64), buckets)[0])
     full_tokens = num_seqs + float(gains.clamp_min(0.0).sum())
-    full_ms = costs.draft(num_seqs) + float(costs.target(seqs * (num_slots + 1))) + fixed_ms
-    off_ms = float(costs.target(seqs)) + fixed_ms
+    full_ms = costs.draft(num_seqs) + float(costs.target(seqs * (num_slots + 1))) + fixed_ms \
+        + per_token_ms * full_tokens
+    off_ms = float(costs.target(seqs)) + fixed_ms + per_token_ms * num_seqs
     if bool((floors > 0).any()) or full_tokens / full_ms > num_seqs / off_ms:
         return Allocation(caps.tolist(), full_tokens, full_ms)
     return Allocation([0] * num_seqs, float(num_seqs), off_ms)
@@ -289,7 +292,7 @@ MODES = ("adaptive", "fixed", "off")
 LEARNING_BUDGET = 0.01              # learning cycles (whole blocks verified: new evidence) may
                                     # cost this fraction of the plain steps' time
 WARMUP_OBSERVATIONS = 256           # judged drafts, engine-wide, before the calibration is trusted
-OVERHEAD_EMA = 0.1                  # weight of the newest cycle in the host-work estimate
+HOST_WORK_MEMORY = 0.98             # forgetting factor of the host-work fit (per cycle)
 
 
 class Speculation:
@@ -309,7 +312,12 @@ class Speculation:
         self._free_rows: list[int] = []
         self._cycles_since_learning = 0
         self._learning = False
-        self.overhead_ms_per_seq = 0.0      # a cycle's time beyond the table's forwards, per sequence
+        # A cycle's time beyond the table's forwards ≈ per_seq · B + per_token · committed tokens,
+        # fitted online (least squares with forgetting) from the engine's wall time per cycle.
+        self.overhead_ms_per_seq = 0.0
+        self.overhead_ms_per_token = 0.0
+        self._xtx = torch.zeros(2, 2, dtype=torch.float64)
+        self._xty = torch.zeros(2, dtype=torch.float64)
         self.predicted_ms: float | None = None   # the forwards of the cycle now running, by the table
 
     @property
@@ -371,15 +379,17 @@ class Speculation:
         if any(self.floors(seqs)):
             return True
         plan = allocate(self.calibration.predicted(self.rows(seqs)), self.caps(seqs), self.costs, self.layout,
-                        self.buckets, fixed_ms=self.overhead_ms_per_seq * len(seqs))
+                        self.buckets, fixed_ms=self.overhead_ms_per_seq * len(seqs),
+                        per_token_ms=self.overhead_ms_per_token)
         if not plan.runs_draft:
-            self.predicted_ms = plan.ms - self.overhead_ms_per_seq * len(seqs)
+            self.predicted_ms = float(self.costs.target(pad_to(torch.tensor([float(len(seqs))],
+                                                                            dtype=torch.float64), self.buckets))[0])
         return plan.runs_draft
 
     def learning_interval(self, num_seqs: int) -> float:
         """Cycles between learning cycles: (whole-block cycle − plain step) / (budget × plain step)."""
         rows = pad_to(torch.tensor([float(num_seqs)], dtype=torch.float64), self.buckets)
-        fixed = self.overhead_ms_per_seq * num_seqs
+        fixed = self.overhead_ms_per_seq * num_seqs + self.overhead_ms_per_token * num_seqs
         plain = float(self.costs.target(rows)[0]) + fixed
         whole = float(self.costs.target(rows * (self.num_slots + 1))[0]) + self.costs.draft(num_seqs) + fixed
         return (whole - plain) / (LEARNING_BUDGET * plain)
@@ -394,19 +404,30 @@ class Speculation:
             return self.caps(seqs), calibrated
         fixed = self.overhead_ms_per_seq * len(seqs)
         plan = allocate(calibrated, self.caps(seqs), self.costs, self.layout, self.buckets, self.floors(seqs),
-                        fixed_ms=fixed)
-        # The draft already ran: a cycle that keeps no draft still paid for it.
-        self.predicted_ms = plan.ms - fixed + (0.0 if plan.runs_draft else self.costs.draft(len(seqs)))
+                        fixed_ms=fixed, per_token_ms=self.overhead_ms_per_token)
+        # The forwards alone (the draft already ran: a cycle that keeps no draft still paid for it).
+        self.predicted_ms = plan.ms - fixed - self.overhead_ms_per_token * plan.expected_tokens \
+            + (0.0 if plan.runs_draft else self.costs.draft(len(seqs)))
         return plan.widths, calibrated
 
-    def record_cycle(self, seconds: float, num_seqs: int) -> None:
-        """The engine's wall time of a whole decode cycle (forwards, accept, commits): what the
-        table does not see (host work per sequence, launch gaps) is learnt as an overhead per
-        sequence, so the allocation weighs tokens against the cycle's real time."""
+    def record_cycle(self, seconds: float, num_seqs: int, num_tokens: int) -> None:
+        """The engine's wall time of a whole decode cycle (forwards, accept, commits) that
+        committed num_tokens: what the table does not see (host work, launch gaps) is fitted as
+        per_seq · B + per_token · tokens (ridge least squares, forgetting HOST_WORK_MEMORY per
+        cycle; both ≥ 0), so the allocation weighs tokens against the cycle's real time."""
         if self.predicted_ms is None or num_seqs == 0:
             return
-        extra = max(0.0, seconds * 1e3 - self.predicted_ms) / num_seqs
-        self.overhead_ms_per_seq += OVERHEAD_EMA * (extra - self.overhead_ms_per_seq)
+        extra = seconds * 1e3 - self.predicted_ms
+        x = torch.tensor([float(num_seqs), float(num_tokens)], dtype=torch.float64)
+        self._xtx = HOST_WORK_MEMORY * self._xtx + torch.outer(x, x)
+        self._xty = HOST_WORK_MEMORY * self._xty + x * extra
+        ridge = 1e-3 * float(self._xtx.trace()) / 2 + 1e-12
+        theta = torch.linalg.solve(self._xtx + ridge * torch.eye(2, dtype=torch.float64), self._xty)
+        if float(theta[1]) < 0:                  # the per-token part cannot be negative: refit without it
+            theta = torch.tensor([max(0.0, float(self._xty[0]) / (float(self._xtx[0, 0]) + ridge)), 0.0])
+        elif float(theta[0]) < 0:
+            theta = torch.tensor([0.0, max(0.0, float(self._xty[1]) / (float(self._xtx[1, 1]) + ridge))])
+        self.overhead_ms_per_seq, self.overhead_ms_per_token = float(theta[0]), float(theta[1])
         self.predicted_ms = None
 
     def observe(self, seqs: Seq, confidence: torch.Tensor | None, calibrated: torch.Tensor | None,
