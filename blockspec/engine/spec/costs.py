@@ -15,6 +15,7 @@ CPU, where the test models take milliseconds per forward, a fraction of a second
 """
 from __future__ import annotations
 
+import sys
 import time
 from types import SimpleNamespace
 
@@ -50,7 +51,7 @@ def measure_costs(runner, log: bool = True) -> CostTable:
     _CACHE[key] = (runner.target, runner.draft, table)
     if log:
         print(f"blockspec: speculation cost table ({runner.device}, {time.perf_counter() - started:.1f} s): "
-              f"{table.describe()}", flush=True)
+              f"{table.describe()}", file=sys.stderr, flush=True)        # stdout may be `generate --json`
     return table
 
 
