@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--layers", type=int, default=None, help="the shape's first N layers only")
     bench.add_argument("--prompt-len", type=int, default=512, metavar="N", help="prompt tokens per request")
     bench.add_argument("--max-tokens", type=int, default=128, metavar="N", help="output tokens per request")
+    bench.add_argument("--burst", type=int, default=None, metavar="N",
+                       help="burst mode: N requests of --prompt-len tokens arriving at once; reports their time "
+                            "to first token (p50, p99), plain and DFlash")
+    bench.add_argument("--burst-decoding", type=int, default=0, metavar="M",
+                       help="with --burst: M requests already decoding when the burst arrives; reports the p99 "
+                            "gap between their streamed tokens during it")
     bench.add_argument("--demo", action="store_true", help="the shipped demo pair on held-out code: plain vs DFlash (CPU by default)")
     bench.add_argument("--compare-speculation", action="store_true",
                        help="plain / fixed block / adaptive speculation tok/s at each --concurrency, one run "

@@ -187,6 +187,11 @@ WRONG = {2, 5, 6, 13, 20, 21, 27}
 BLOCK = 8
 
 
+def use_policy(engine, policy) -> None:
+    """The engine's speculation policy, for the scheduler (before the draft) and the runner."""
+    engine.runner.speculation = engine.scheduler.speculation = policy
+
+
 class ForcedWidths(Speculation):
     """Widths chosen by the test: a fixed k, or seeded random ones per cycle (0 included; an
     all-zero cycle sometimes skips the draft, sometimes runs it and verifies nothing)."""
@@ -234,7 +239,7 @@ def oracle_engine(dense, reference, policy, honest=False, **config):
     oracle = (HonestOracle if honest else OracleDraft)(draft, PROMPT + corrupted)
     engine = make_engine(target, oracle, block_size=BLOCK, **config)
     oracle.bind(engine)
-    engine.runner.speculation = policy
+    use_policy(engine, policy)
     return engine, oracle
 
 
@@ -334,8 +339,7 @@ def test_speculation_metrics_are_exact_histograms(dense, reference):
 def test_adaptive_default_measures_its_costs_and_is_lossless(dense, reference):
     """The default mode: a cost table measured on this CPU at the first cycle, then allocation."""
     engine, _ = oracle_engine(dense, reference, None, speculation="adaptive")
-    engine.runner.speculation = Speculation("adaptive", BLOCK - 1, layout="rectangle",
-                                            measure=engine.runner.measure_costs)
+    use_policy(engine, Speculation("adaptive", BLOCK - 1, layout="ragged", measure=engine.runner.measure_costs))
     run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
     assert run.output_ids == reference
     table = engine.runner.speculation.costs
@@ -386,7 +390,7 @@ def test_dflash1_and_2_with_grammar_and_penalties_at_random_widths(dense, qwen3_
                     made = make_engine(target, draft, block_size=BLOCK)
                     if draft is oracle1:
                         oracle1.bind(made)
-                    made.runner.speculation = ForcedWidths(BLOCK - 1, seed=seed)
+                    use_policy(made, ForcedWidths(BLOCK - 1, seed=seed))
                     return made
                 run = run_alone(factory, req())
                 assert run.output_ids == expected, (name, kind, seed)
@@ -413,7 +417,7 @@ def test_sampled_accept_never_reads_past_k():
                               generator=torch.Generator().manual_seed(0))
         rows = logits.clone()
         rows[0, k + 1:] = float("nan")
-        num_accepted, new_tokens = accept([seq], Proposal(drafts, [q]), rows, widths=[k])
+        num_accepted, new_tokens = accept([seq], Proposal(drafts, [q]), rows, num_drafts=[k])
         assert num_accepted == [k] and new_tokens[0][:k] == drafts[0, :k].tolist()
 
 
@@ -435,7 +439,7 @@ def test_sampled_output_keeps_plain_sampling_distribution_at_random_widths(dense
     def spec():
         made = make_engine(target, oracle, block_size=4, max_num_seqs=runs)
         oracle.bind(made)
-        made.runner.speculation = ForcedWidths(3, seed=5)
+        use_policy(made, ForcedWidths(3, seed=5))
         return made
 
     plain_out = outputs(lambda: make_engine(target, max_num_seqs=runs), 0)

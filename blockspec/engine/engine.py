@@ -23,10 +23,11 @@ from typing import Callable
 import torch
 from torch import nn
 
+from blockspec.cache import CacheManager
 from blockspec.config import EngineConfig
 from blockspec.engine.model_runner import DecodeResult, ModelRunner
 from blockspec.engine.request import Request, TokenEvent
-from blockspec.engine.scheduler import Batch, Emitted, Scheduler
+from blockspec.engine.scheduler import Batch, Emitted, FirstToken, Scheduler
 from blockspec.engine.sequence import Sequence
 
 
@@ -51,8 +52,10 @@ class EngineCounters:
 
 
 EventCallback = Callable[[TokenEvent], None]
-# Tests only (fault injection): called as hook(phase, seqs) before a prefill ("prefill", [seq]),
-# a decode forward ("decode", batch) and each sequence's commit ("commit", [seq]); it may raise.
+# Tests only (fault injection): called as hook(phase, seqs) before a step's forward for each
+# prefill chunk ("prefill", [seq]: failing ends that sequence alone) and for its decoding
+# sequences ("decode", batch: failing is the forward's failure), and before each sequence's
+# commit ("commit", [seq]); it may raise.
 FaultHook = Callable[[str, list[Sequence]], None]
 SEATS_RESTORED_AFTER = 64          # successful steps after an out-of-memory before seats double
 
@@ -62,7 +65,10 @@ class Engine:
                  on_finish: Callable[[Request], None] | None = None) -> None:
         self.config = config
         self.runner = ModelRunner(target, draft, config)
-        self.scheduler = Scheduler(config, self.runner)
+        num_slots = config.max_num_seqs if self.runner.is_hybrid else 0
+        self.cache = CacheManager(self.runner.pool_size.num_pages, config.page_size, num_slots)
+        self.scheduler = Scheduler(config, self.cache, self.runner.width)
+        self.scheduler.speculation = self.runner.speculation       # widths before the draft (policy.py)
         self.counters = EngineCounters()
         self.on_finish = on_finish
         self._callbacks: dict[int, EventCallback] = {}
@@ -91,7 +97,17 @@ class Engine:
 
     @property
     def kv_cache_usage(self) -> float:
-        return self.runner.allocator.usage
+        return self.cache.usage
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Positions the K/V pool holds (its usable pages × page size)."""
+        return self.cache.num_usable_pages * self.config.page_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many sequences of max_model_len (+ a block) the pool holds at once (vLLM's figure)."""
+        return self.kv_cache_tokens / self.config.max_positions_per_seq
 
     def submit(self, request: Request, on_event: EventCallback) -> None:
         """Thread-safe; raises QueueFullError instead of queueing beyond max_queue or after
@@ -135,7 +151,7 @@ class Engine:
                 self._end(seq, "length")
                 continue
             self._end(seq, "error", error=f"the sequence needs more KV-cache pages than the pool has "
-                                          f"({self.runner.allocator.num_pages - 1}); raise the pool size "
+                                          f"({self.cache.num_usable_pages}); raise the pool size "
                                           f"or lower --max-model-len")
         if batch.is_empty:
             return
@@ -147,7 +163,7 @@ class Engine:
             out_of_memory = True
         except Exception as exc:  # a failed batched forward costs its sequences, never the engine
             traceback.print_exc()
-            for seq in batch.decode:
+            for seq in [s for s, _ in batch.prefill] + batch.decode:
                 self._end(seq, "error", error=f"{type(exc).__name__}: {exc}")
         for item in emitted:
             self._emit_tokens(item)
@@ -157,25 +173,33 @@ class Engine:
             self._restore_seats()
 
     def _run(self, batch: Batch, emitted: list[Emitted]) -> None:
-        for seq, length in batch.prefill:
-            self._isolated(seq, lambda: self._prefill(seq, length, emitted))
+        """One forward for the whole step (runner.step), then each sequence's own postprocess."""
+        if self.fault_hook is not None:
+            for seq, _ in batch.prefill:
+                self._isolated(seq, lambda: self.fault_hook("prefill", [seq]))
+            batch.prefill = [(seq, n) for seq, n in batch.prefill if seq in self.scheduler.running]
+            if batch.decode:
+                self.fault_hook("decode", batch.decode)
+        if batch.is_empty:
+            return
         if batch.decode:
             self.counters.decode_batch_sizes[len(batch.decode)] += 1
-            if self.fault_hook is not None:
-                self.fault_hook("decode", batch.decode)
-            started = time.perf_counter()
-            result = self.runner.decode(batch.decode)
-            if self.runner.draft is not None:
-                self._count_speculation(result)
-            for b, seq in enumerate(batch.decode):
-                self._isolated(seq, lambda: self._commit(seq, result, b, emitted))
+        started = time.perf_counter()
+        result = self.runner.step(batch)
+        if result.decode is not None and self.runner.draft is not None:
+            self._count_speculation(result.decode)
+        for (seq, _), first_token in zip(batch.prefill, result.first_tokens):
+            self._isolated(seq, lambda: self._first_token(seq, first_token, emitted))
+        for b, seq in enumerate(batch.decode):
+            self._isolated(seq, lambda: self._commit(seq, result.decode, b, emitted))
+        if result.decode is not None and not batch.prefill:      # a decode-only step: its time is the cycle's
             self.runner.speculation.record_cycle(time.perf_counter() - started, len(batch.decode),
-                                                 sum(a + 1 for a in result.num_accepted))
+                                                 sum(a + 1 for a in result.decode.num_accepted))
+        else:
+            self.runner.speculation.predicted_ms = None
 
-    def _prefill(self, seq: Sequence, length: int, emitted: list[Emitted]) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook("prefill", [seq])
-        item = self.scheduler.postprocess_prefill(seq, self.runner.prefill(seq, length))
+    def _first_token(self, seq: Sequence, first_token: FirstToken | None, emitted: list[Emitted]) -> None:
+        item = self.scheduler.postprocess_prefill(seq, first_token)
         if item is not None:
             emitted.append(item)
 
@@ -183,12 +207,12 @@ class Engine:
         if self.fault_hook is not None:
             self.fault_hook("commit", [seq])
         logprobs = result.logprobs[b] if result.logprobs else None
-        width = result.widths[b] if result.widths is not None else None
         emitted.append(self.scheduler.postprocess_decode(seq, result.num_accepted[b], result.new_tokens[b], logprobs,
-                                                         width))
+                                                         result.num_drafts[b]))
 
     def _count_speculation(self, result: DecodeResult) -> None:
-        widths = result.widths if result.widths is not None else [self.runner.width - 1] * len(result.num_accepted)
+        widths = result.num_drafts if result.num_drafts is not None else \
+            [self.runner.width - 1] * len(result.num_accepted)
         self.counters.spec_verified_per_cycle[sum(widths)] += 1
         self.counters.spec_accepted_per_cycle[sum(result.num_accepted)] += 1
         self.counters.spec_widths.update(widths)

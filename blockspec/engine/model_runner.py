@@ -1,47 +1,61 @@
 """The model runner: owns the target, the draft, their pools and the CUDA graphs, and runs one
-batch at a time for the scheduler. Only the engine thread calls it (invariant 2).
+step at a time for the scheduler. Only the engine thread calls it (invariant 2). It allocates
+nothing: pages and state slots come from the scheduler's cache manager (cache/manager.py).
 
-Two kinds of forward:
-- prefill(seq, n): the next n positions of one sequence's prompt (a chunk); its features go
-  into the draft's context K/V; at the prompt's end the first token is sampled.
-- decode(seqs): one DFlash cycle for the whole batch (spec/dflash.py): propose → verify →
-  accept, then every sequence's recurrent state is set to its own accepted position. Plain
-  decoding is the same cycle with T = 1 and no draft.
+step(batch) is one flat ragged target forward (layers/attention.py) over every prefill chunk
+of the step and the verify rows [x, d1 … dk_i] of every decoding sequence (k_i = 0: a plain
+decode row), preceded by one draft forward over the decoding sequences' blocks
+[x, MASK × (T − 1)] (spec/dflash.py: propose). The prefill rows' features go into the draft's
+context K/V with the verify rows'; a prompt that ends in this step samples its first token from
+its last row; each decoding sequence accepts at most its k_i drafts, and a hybrid target's
+recurrent state is set to its own accepted position. A decode-only step at the full block
+width runs through the CUDA graphs (engine/cuda_graphs.py) when they are on.
 """
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from blockspec.cache import KVPool, PageAllocator, StatePool
+from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
-from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
-from blockspec.engine.sequence import Sequence
 from blockspec.engine.logits import LogitsProcessor
-from blockspec.engine.spec.dflash import accept, process_verify, propose
+from blockspec.engine.memory import dummy_sequence, size_pool, startup_line
+from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
+from blockspec.engine.scheduler import Batch, FirstToken
+from blockspec.engine.sequence import Sequence
+from blockspec.engine.spec.dflash import Proposal, accept, process_verify, propose
 from blockspec.engine.spec.policy import Speculation
 from blockspec.layers import AttentionMetadata
-from blockspec.layers.attention import unpack, uses_kernels
+from blockspec.layers.attention import token_rows, unpack, uses_kernels
 from blockspec.sampling import sample
 
 
 @dataclass
 class DecodeResult:
-    num_accepted: list[int]          # drafts each sequence's verify accepted
+    num_accepted: list[int]          # drafts each sequence's verify accepted (≤ its k_i)
     new_tokens: list[list[int]]      # a_b + 1 tokens per sequence (before stop / length cuts)
     logprobs: list[list[TokenLogprob] | None] | None = None   # per sequence, for those that asked
-    widths: list[int] | None = None  # drafts each sequence verified (k_b; None: the whole block)
+    num_drafts: list[int] | None = None   # k_i each sequence verified
 
 
 @dataclass
-class FirstToken:
-    """The token sampled at the prompt's end, with its logprob if the request asked."""
-    token_id: int
-    logprobs: list[TokenLogprob] | None = None
+class StepResult:
+    first_tokens: list[FirstToken | None]     # per prefill chunk: its first token when the prompt ended
+    decode: DecodeResult | None
+
+
+@dataclass
+class Entry:
+    """One sequence's rows of a forward: tokens fed from position start."""
+    seq: Sequence
+    start: int
+    tokens: list[int]
 
 
 class ModelRunner:
@@ -54,47 +68,94 @@ class ModelRunner:
         # Target layers whose outputs feed the draft (none without a draft).
         self.capture_layers = tuple(self.draft.target_layer_ids) if self.draft is not None else ()
         self.page_size = config.page_size
-        self.allocator = PageAllocator(config.total_pages)
-        num_slots = config.total_pages * config.page_size
-        tc = target.config
-        self.target_kv = KVPool(target.num_attention_layers, num_slots, tc.num_key_value_heads, tc.head_dim,
-                                self.dtype, self.device)
-        self.draft_kv = None
-        if self.draft is not None:
-            dc = self.draft.config
-            self.draft_kv = KVPool(dc.num_hidden_layers, num_slots, dc.num_key_value_heads, dc.head_dim,
-                                   self.dtype, self.device)
         shapes = target.recurrent_shapes
         self.states = StatePool(config.max_num_seqs + 1, shapes, self.dtype, self.device) if shapes else None
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
         self.graphs = None
-        self._plain_graphs: GraphedForwards | None = None        # width-1 cycles of adaptive speculation
+        # The pool: measured after the weights and one full-budget forward (engine/memory.py).
+        self.pool_size = size_pool(config, target, self.draft, self.device, self.dtype,
+                                   self.profile if self.device.type == "cuda" else None)
+        self.target_kv, self.draft_kv = self.make_pools(self.pool_size.num_pages)
+        print(startup_line(config, self.pool_size), file=sys.stderr, flush=True)
         if config.cuda_graphs and self.device.type == "cuda":
             self.graphs = self.make_graphs(capture=True)
-        # Which drafts each cycle verifies (engine/spec/policy.py); the cost table is measured
-        # on the first cycle that needs it (engine/spec/costs.py), or set by the caller.
+            self.capture_graphs()
+        # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
+        # draft (verify_widths), the step narrows after it; the cost table is measured on the
+        # first adaptive step (engine/spec/costs.py), or set by the caller.
         self.speculation = Speculation(config.speculation if self.draft is not None else "fixed", self.width - 1,
-                                       layout="rectangle", measure=self.measure_costs,
-                                       buckets=self.graphs.sizes if self.graphs is not None else None)
+                                       layout="ragged", measure=self.measure_costs)
+        self._calibrated: torch.Tensor | None = None
 
     def measure_costs(self):
         from blockspec.engine.spec.costs import measure_costs
         return measure_costs(self)
 
-    def make_graphs(self, capture: bool, width: int | None = None) -> GraphedForwards:
-        """The decode cycle through fixed-shape buffers: CUDA graphs, or (capture=False) the
-        same padded path run eagerly, which CPU tests hold to the eager one."""
-        return GraphedForwards(width or self.width, self.config.max_num_seqs, self.config.pages_per_seq,
-                               self.page_size, self.device, capture, bucket_keys=not self.attention_reads_live_length)
+    def make_pools(self, num_pages: int) -> tuple[KVPool, KVPool | None]:
+        num_slots = num_pages * self.page_size
+        tc = self.target.config
+        target_kv = KVPool(self.target.num_attention_layers, num_slots, tc.num_key_value_heads, tc.head_dim,
+                           self.dtype, self.device)
+        draft_kv = None
+        if self.draft is not None:
+            dc = self.draft.config
+            draft_kv = KVPool(dc.num_hidden_layers, num_slots, dc.num_key_value_heads, dc.head_dim,
+                              self.dtype, self.device)
+        return target_kv, draft_kv
 
-    def graphs_for(self, width: int) -> GraphedForwards | None:
-        """The graphs of cycles of this width: the block's, or (a cycle where adaptive speculation
-        runs no draft) width 1, made on first use in the same mode (captured or eager-padded)."""
-        if self.graphs is None or width == self.graphs.width:
-            return self.graphs
-        if self._plain_graphs is None or self._plain_graphs.capture != self.graphs.capture:
-            self._plain_graphs = self.make_graphs(self.graphs.capture, width)
-        return self._plain_graphs
+    @torch.inference_mode()
+    def profile(self, num_pages: int) -> None:
+        """The largest forward the scheduler can produce, on a throwaway pool of num_pages: a
+        prefill chunk of the whole token budget through the target (its features into the
+        draft's context, the logits of a full decode batch's rows), and a full decode batch's
+        blocks through the draft."""
+        self.target_kv, self.draft_kv = self.make_pools(num_pages)
+        num_tokens = self.config.max_num_batched_tokens
+        seq = dummy_sequence(num_pages)
+        meta = self.prepare([Entry(seq, 0, [0] * num_tokens)], num_prefill_seqs=1)
+        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
+        if self.draft is not None:
+            self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
+            blocks = [Entry(seq, 0, [0] * self.width) for _ in range(self.max_decode_seqs)]
+            self.draft_proposal(self.prepare(blocks))
+        self.target.compute_logits(out.hidden[: self.max_decode_seqs * self.width])
+        del out, meta
+        self.target_kv = self.draft_kv = None
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Every decode batch the scheduler can produce, captured now so no request pays for a
+        capture (largest first: the graphs' shared pool grows once). The torch reference path
+        (a sliding-window draft layer, BLOCKSPEC_ATTENTION=reference) buckets keys by the live
+        length, so its graphs are still captured on first use."""
+        if self.graphs.bucket_keys:
+            return
+        from tqdm import tqdm
+        is_cuda = self.device.type == "cuda"
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
+        sizes = sorted(self.graphs.sizes, reverse=True)
+        idle = dummy_sequence(1)                      # no pages: every row is a padding row (page 0)
+        for size in tqdm(sizes, desc="capturing CUDA graphs", unit="graph", disable=not sys.stderr.isatty()):
+            meta = self.graphs.bind(self.prepare([Entry(idle, 0, [0] * self.width)] * size, padded=True))
+            if self.draft is not None:
+                self.run_forward("propose", self.draft_proposal, meta)
+            self.run_forward("verify", self.target_logits, meta)
+        self.num_forwards = 0
+        if is_cuda:
+            torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
+        print(f"blockspec: captured CUDA graphs for {len(sizes)} decode batch sizes "
+              f"({', '.join(str(size * self.width) for size in sorted(sizes))} tokens) in "
+              f"{time.perf_counter() - start:.1f} s, {used / (1 << 20):.0f} MiB", file=sys.stderr, flush=True)
+
+    def make_graphs(self, capture: bool, bucket_keys: bool | None = None) -> GraphedForwards:
+        """The decode cycle through fixed-shape buffers: CUDA graphs, or (capture=False) the
+        same padded path run eagerly, which CPU tests hold to the eager one. bucket_keys: key
+        buckets by live length (the default where the torch reference attention runs)."""
+        if bucket_keys is None:
+            bucket_keys = not self.attention_reads_live_length
+        return GraphedForwards(self.width, self.max_decode_seqs, self.config.pages_per_seq,
+                               self.page_size, self.device, capture, bucket_keys=bucket_keys)
 
     @property
     def attention_reads_live_length(self) -> bool:
@@ -104,75 +165,63 @@ class ModelRunner:
         return uses_kernels(self.device) and all(window is None for window in windows)
 
     @property
+    def max_decode_seqs(self) -> int:
+        """The most sequences one step can decode at the full block width (seats and token budget)."""
+        return max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // self.width))
+
+    @property
     def is_hybrid(self) -> bool:
         return self.states is not None
 
     # -- batches ----------------------------------------------------------------------------
 
-    def prepare(self, seqs: list[Sequence], width: int, starts: list[int], tokens: list[list[int]],
-                padded: bool = False) -> AttentionMetadata:
-        """The target's metadata for sequences feeding tokens[b] (width each) from starts[b],
-        packed on the host and moved to the device in one copy. padded: rows and keys rounded
-        up to a captured graph's shape (the real sequences are the first rows); then positions
-        and slot_mapping are derived inside each graph (run_forward), else right here."""
-        live_keys = max(starts) + width
+    def prepare(self, entries: list[Entry], num_prefill_seqs: int = 0, padded: bool = False) -> AttentionMetadata:
+        """The target's metadata for a flat ragged batch, packed on the host and moved to the
+        device in one copy; positions and slot_mapping are derived on the device from the query
+        starts, context lengths and block tables (the host's work grows with sequences and
+        pages, not with tokens). padded (a uniform decode batch): rows and keys rounded up to a
+        captured graph's shape (the real sequences first); positions are then derived inside
+        the graph (run_forward)."""
+        lens = [len(entry.tokens) for entry in entries]
+        live_keys = max(entry.start + n for entry, n in zip(entries, lens))
+        width = lens[0] if all(n == lens[0] for n in lens) else 0
         if padded:
-            rows, cols, keys = self.graphs_for(width).shape(len(seqs), live_keys)
+            assert width == self.width, "graphs serve decode batches of the full block width"
+            rows, cols, keys = self.graphs.shape(len(entries), live_keys)
         else:
-            rows, cols, keys = len(seqs), max(len(seq.block_table) for seq in seqs), live_keys
-        host = self.pack(seqs, width, starts, tokens, rows, cols)
+            rows, cols, keys = len(entries), max(len(entry.seq.block_table) for entry in entries), live_keys
+        host = self.pack(entries, rows, cols, width)
+        num_tokens = sum(lens) + (rows - len(entries)) * width
         is_cuda = self.device.type == "cuda"
         packed = torch.tensor(host, dtype=torch.long, pin_memory=is_cuda).to(self.device, non_blocking=is_cuda)
-        views = unpack(packed, rows, width, cols)
-        if not padded:
-            derive_positions(views["positions"], views["slot_mapping"], views["block_tables"], views["context_lens"],
-                             width, self.page_size)
+        views = unpack(packed, rows, num_tokens, cols)
         if not self.is_hybrid:
             views["state_slots"] = None
-        return AttentionMetadata(num_seqs=rows, width=width, **views, max_context_len=keys, page_size=self.page_size,
-                                 kv=self.target_kv.layers, states=self.states,
-                                 keep_steps=self.is_hybrid and width > 1, packed=packed)
+        meta = AttentionMetadata(num_seqs=rows, width=width, **views, max_context_len=keys, page_size=self.page_size,
+                                 kv=self.target_kv.layers, states=self.states, packed=packed,
+                                 query_lens=None if width else lens, num_prefill_seqs=num_prefill_seqs,
+                                 keep_steps=self.is_hybrid and self.draft is not None)
+        if not padded:
+            derive_positions(meta, self.page_size)
+        return meta
 
-    def pack(self, seqs: list[Sequence], width: int, starts: list[int], tokens: list[list[int]],
-             rows: int, cols: int) -> list[int]:
-        """Host ints in `unpack`'s layout; padding rows use page 0 and state slot 0. Positions
-        and slot_mapping are left 0: `derive_positions` computes them on the device from
-        context_lens and the block tables, so the host's work grows with pages, not tokens."""
-        ids, tables, context_lens, state_slots = [], [], [], []
-        for seq, start, row in zip(seqs, starts, tokens):
-            ids += row
-            tables += seq.block_table + [0] * (cols - len(seq.block_table))
-            context_lens.append(start + width)
-            state_slots.append(seq.state_slot or 0)
-        num_padding = rows - len(seqs)
+    def pack(self, entries: list[Entry], rows: int, cols: int, width: int) -> list[int]:
+        """Host ints in `unpack`'s layout; padding rows (of a uniform batch) use page 0 and state
+        slot 0. Positions and slot_mapping are left 0 (`derive_positions`)."""
+        ids, starts, tables, context_lens, state_slots = [], [0], [], [], []
+        for entry in entries:
+            ids += entry.tokens
+            starts.append(starts[-1] + len(entry.tokens))
+            tables += entry.seq.block_table + [0] * (cols - len(entry.seq.block_table))
+            context_lens.append(entry.start + len(entry.tokens))
+            state_slots.append(entry.seq.state_slot or 0)
+        num_padding = rows - len(entries)
         ids += [0] * (num_padding * width)
+        starts += [starts[-1] + width * (i + 1) for i in range(num_padding)]
         tables += [0] * (num_padding * cols)
         context_lens += [width] * num_padding                   # positions 0 … T − 1, inside page 0
         state_slots += [0] * num_padding
-        return ids + [0] * (2 * rows * width) + tables + context_lens + state_slots
-
-    # -- prefill ----------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def prefill(self, seq: Sequence, num_tokens: int) -> FirstToken | None:
-        """Compute the next num_tokens positions of seq; return its first output token when the
-        prompt is done and nothing was generated yet (else None)."""
-        start = seq.num_cached
-        meta = self.prepare([seq], num_tokens, [start], [seq.tokens[start: start + num_tokens]])
-        meta.keep_steps = False
-        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
-        self.num_forwards += 1
-        if self.draft is not None:
-            self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
-        seq.num_cached += num_tokens
-        if seq.is_prefilling or seq.request.output_ids:
-            return None
-        logits = self.target.compute_logits(out.hidden[-1:])                      # [1, V]
-        raw = self.raw_logprobs([seq], logits.view(1, 1, -1))[0]          # before any processing
-        if self.processor_of(seq) is not None:
-            logits = seq.logits_processor.rows(logits, [])
-        token = int(sample(logits[0], seq.request.params, seq.generator))
-        return FirstToken(token, self.scored(seq, raw, [token]))
+        return ids + [0] * (2 * len(ids)) + starts + tables + context_lens + state_slots
 
     def processor_of(self, seq: Sequence) -> LogitsProcessor | None:
         """The sequence's logits processor, made here (the engine thread) when first needed;
@@ -181,48 +230,172 @@ class ModelRunner:
             seq.logits_processor = LogitsProcessor(seq.request, self.target.lm_head.weight.shape[0], self.device)
         return seq.logits_processor
 
-    # -- decode -----------------------------------------------------------------------------
+    def clear_states(self, seqs: list[Sequence]) -> None:
+        """Zero the recurrent state of sequences starting from their first token."""
+        if self.is_hybrid:
+            self.states.clear([seq.state_slot for seq in seqs if seq.num_cached == 0])
+
+    # -- the step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> DecodeResult:
-        """One cycle for every sequence: propose T − 1 drafts, verify T tokens, accept. Adaptive
-        speculation (policy.py) may skip the draft (a plain step of width 1 for everyone) or
-        give sequence b a width k_b: only d_1 … d_k are judged."""
-        num_seqs = len(seqs)
-        for seq in seqs:
+    def step(self, batch: Batch) -> StepResult:
+        """One forward of the target over the whole step (after one of the draft over the
+        decoding sequences' blocks)."""
+        decode, num_drafts = batch.decode, batch.num_drafts
+        self._calibrated = None
+        for seq in [s for s, _ in batch.prefill] + decode:
             self.processor_of(seq)
-        runs_draft = self.draft is not None and self.speculation.runs_draft(seqs)
-        width = self.width if runs_draft else 1
+        self.clear_states([seq for seq, _ in batch.prefill])
+        use_graphs = (self.graphs is not None and not batch.prefill and bool(decode)
+                      and all(k == self.width - 1 for k in num_drafts))
+        if use_graphs:
+            logits, proposal = self.graphed_decode(decode)
+            first_tokens: list[FirstToken | None] = []
+        else:
+            logits, proposal, first_tokens = self.ragged_forward(batch)
+        result = self.finish_decode(decode, batch.num_drafts, logits, proposal) if decode else None
+        return StepResult(first_tokens, result)
+
+    def blocks(self, decode: list[Sequence]) -> list[Entry]:
+        """The draft's blocks [x, MASK × (T − 1)] at each sequence's next positions."""
         mask = self.draft.mask_token_id if self.draft is not None else 0
-        blocks = [[seq.anchor] + [mask] * (width - 1) for seq in seqs]          # [x, MASK × (T − 1)]
-        graphs = self.graphs_for(width)
-        meta = self.prepare(seqs, width, [seq.num_cached for seq in seqs], blocks, padded=graphs is not None)
-        if graphs is not None:
-            meta = graphs.bind(meta)
-        proposal, widths, calibrated = None, [0] * num_seqs, None
-        if runs_draft:
-            proposal = propose(self.run_forward("propose", self.draft_proposal, meta), seqs,
+        return [Entry(seq, seq.num_cached, [seq.anchor] + [mask] * (self.width - 1)) for seq in decode]
+
+    def graphed_decode(self, decode: list[Sequence]) -> tuple[torch.Tensor, Proposal | None]:
+        """A decode-only step at the full block width through the graphs' fixed shapes →
+        verify logits [B, T, V] and the proposal."""
+        num_seqs, width = len(decode), self.width
+        meta = self.graphs.bind(self.prepare(self.blocks(decode), padded=True))
+        proposal = None
+        if self.draft is not None:
+            proposal = propose(self.run_forward("propose", self.draft_proposal, meta), decode,
                                confidence=self.speculation.adaptive)
-            widths, calibrated = self.speculation.widths(seqs, proposal.confidence)
-            meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts  # [x, d1 … dT−1]
-        if proposal is not None and not any(widths):
-            # Nobody verifies a draft after all: a plain step of width 1, not T rows for nothing.
-            self.speculation.observe(seqs, proposal.confidence, calibrated, widths, widths)
-            proposal, width, graphs = None, 1, self.graphs_for(1)
-            meta = self.prepare(seqs, 1, [seq.num_cached for seq in seqs], [[seq.anchor] for seq in seqs],
-                                padded=graphs is not None)
-            if graphs is not None:
-                meta = graphs.bind(meta)
+            # The whole block's rows are computed in the graph anyway: every draft is verified
+            # (the calibration still learns from them).
+            self._calibrated = self.speculation.calibrated(decode, proposal.confidence)
+            meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts   # [x, d1 … dT−1]
         logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
-        logits = logits.view(num_seqs, width, -1)
-        raw = self.raw_logprobs(seqs, logits)                                   # before any processing
-        num_accepted, new_tokens = accept(seqs, proposal, logits, process_verify(seqs, proposal, logits), widths)
+        return logits.view(num_seqs, width, -1), proposal
+
+    def ragged_forward(self, batch: Batch) -> tuple[torch.Tensor | None, Proposal | None, list[FirstToken | None]]:
+        """The eager step: the draft over the decoding sequences, then one flat target forward
+        over prefill chunks and verify rows → (verify logits [B, max k + 1, V], proposal,
+        first tokens)."""
+        decode, num_drafts = batch.decode, batch.num_drafts
+        proposal = self.propose_for(decode, num_drafts)
         if proposal is not None:
-            self.speculation.observe(seqs, proposal.confidence, calibrated, widths, num_accepted)
-        if meta.keep_steps:
-            self.states.select(meta.state_slots[:num_seqs], [a + 1 for a in num_accepted])
-        logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(seqs, raw, new_tokens)]
-        return DecodeResult(num_accepted, new_tokens, logprobs, widths)
+            # After the draft its confidences narrow each k_i (never widen: the pages and the
+            # token budget were reserved for the scheduler's k_i); rows past k_i are not computed.
+            widths, self._calibrated = self.speculation.widths(decode, proposal.confidence)
+            num_drafts = batch.num_drafts = [min(k, w) for k, w in zip(num_drafts, widths)]
+            if not any(num_drafts):
+                self.speculation.observe(decode, proposal.confidence, self._calibrated, num_drafts, num_drafts)
+                proposal = None
+        entries = [Entry(seq, seq.num_cached, seq.tokens[seq.num_cached: seq.num_cached + n])
+                   for seq, n in batch.prefill]
+        entries += [Entry(seq, seq.num_cached, [seq.anchor] + [0] * k) for seq, k in zip(decode, num_drafts)]
+        meta = self.prepare(entries, num_prefill_seqs=len(batch.prefill))
+        if proposal is not None and any(num_drafts):
+            self.place_drafts(meta, proposal, num_drafts, sum(n for _, n in batch.prefill))
+        rows = self.logit_rows(batch)
+        self.num_forwards += 1
+        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
+        if self.draft is not None:
+            self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
+        logits = self.target.compute_logits(out.hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        first_tokens = self.first_tokens(batch, logits)
+        if not decode:
+            return None, proposal, first_tokens
+        verify = logits[sum(token is not None for token in first_tokens):]
+        width = max(num_drafts) + 1
+        if all(k + 1 == width for k in num_drafts):
+            return verify.view(len(decode), width, -1), proposal, first_tokens
+        # Rows past a sequence's k_b repeat its last row (never read: acceptance stops at k_b).
+        offsets = [sum(k + 1 for k in num_drafts[:b]) for b in range(len(decode))]
+        index = [[offset + min(j, k) for j in range(width)] for offset, k in zip(offsets, num_drafts)]
+        return verify[torch.tensor(index, device=self.device)], proposal, first_tokens
+
+    def propose_for(self, decode: list[Sequence], num_drafts: list[int]) -> Proposal | None:
+        """The draft forward over the sequences that verify drafts (k_b > 0); rows of the others
+        hold no drafts (acceptance reads none of them)."""
+        drafting = [b for b, k in enumerate(num_drafts) if k > 0]
+        if self.draft is None or not drafting:
+            return None
+        self.num_forwards += 1
+        seqs = [decode[b] for b in drafting]
+        part = propose(self.draft_proposal(self.prepare(self.blocks(seqs))), seqs, confidence=self.speculation.adaptive)
+        if len(drafting) == len(decode):
+            return part
+        index = torch.tensor(drafting, device=self.device)
+        drafts = torch.zeros(len(decode), self.width - 1, dtype=part.drafts.dtype, device=self.device)
+        drafts[index] = part.drafts
+        probs: list[torch.Tensor | None] = [None] * len(decode)
+        for i, b in enumerate(drafting):
+            probs[b] = part.probs[i]
+        confidence = None
+        if part.confidence is not None:
+            confidence = torch.zeros(len(decode), self.width - 1, dtype=part.confidence.dtype,
+                                     device=part.confidence.device)
+            confidence[index.to(confidence.device)] = part.confidence
+        return Proposal(drafts, probs, confidence)
+
+    def place_drafts(self, meta: AttentionMetadata, proposal: Proposal, num_drafts: list[int], at: int) -> None:
+        """The drafts go into their verify rows: sequence b's row 1 + j takes d_{j+1}, j < k_b."""
+        dst, src_row, src_col = [], [], []
+        for b, k in enumerate(num_drafts):
+            dst += range(at + 1, at + 1 + k)
+            src_row += [b] * k
+            src_col += range(k)
+            at += k + 1
+        index = torch.tensor([dst, src_row, src_col], device=self.device)
+        meta.input_ids[index[0]] = proposal.drafts[index[1], index[2]]
+
+    def logit_rows(self, batch: Batch) -> list[int]:
+        """Rows of the flat batch whose logits are needed: the last row of each prefill chunk
+        that ends its prompt (its first token), then every verify row."""
+        rows, at = [], 0
+        for seq, n in batch.prefill:
+            at += n
+            if samples_first_token(seq, n):
+                rows.append(at - 1)
+        for k in batch.num_drafts:
+            rows += range(at, at + k + 1)
+            at += k + 1
+        return rows
+
+    def first_tokens(self, batch: Batch, logits: torch.Tensor | None) -> list[FirstToken | None]:
+        """Advance each prefill chunk's sequence; sample a first token where its prompt ended."""
+        result: list[FirstToken | None] = []
+        row = 0
+        for seq, n in batch.prefill:
+            samples = samples_first_token(seq, n)
+            seq.num_cached += n
+            if not samples:
+                result.append(None)
+                continue
+            scores = logits[row: row + 1]                                                  # [1, V]
+            row += 1
+            raw = self.raw_logprobs([seq], scores.view(1, 1, -1))[0]           # before any processing
+            if self.processor_of(seq) is not None:
+                scores = seq.logits_processor.rows(scores, [])
+            token = int(sample(scores[0], seq.request.params, seq.generator))
+            result.append(FirstToken(token, self.scored(seq, raw, [token])))
+        return result
+
+    def finish_decode(self, decode: list[Sequence], num_drafts: list[int], logits: torch.Tensor,
+                      proposal: Proposal | None) -> DecodeResult:
+        """Verify logits [B, max k + 1, V] → accepted drafts (each ≤ its k_b), new tokens,
+        logprobs; a hybrid target keeps the state after each sequence's last accepted row."""
+        raw = self.raw_logprobs(decode, logits)                                 # before any processing
+        processed = process_verify(decode, proposal, logits, num_drafts)
+        num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts)
+        if proposal is not None:
+            self.speculation.observe(decode, proposal.confidence, self._calibrated, num_drafts, num_accepted)
+        if self.is_hybrid and self.draft is not None:
+            slots = torch.tensor([seq.state_slot for seq in decode], device=self.device)
+            self.states.select(slots, [a + 1 for a in num_accepted])
+        logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(decode, raw, new_tokens)]
+        return DecodeResult(num_accepted, new_tokens, logprobs, list(num_drafts))
 
     @staticmethod
     def raw_logprobs(seqs: list[Sequence], logits: torch.Tensor) -> list[torch.Tensor | None]:
@@ -237,14 +410,13 @@ class ModelRunner:
 
     def run_forward(self, kind: str, fn, meta: AttentionMetadata) -> torch.Tensor:
         self.num_forwards += 1
-        graphs = self.graphs_for(meta.width)
-        if graphs is None:
+        if self.graphs is None:
             return fn(meta)
 
         def graphed(m: AttentionMetadata) -> torch.Tensor:
-            derive_positions(m.positions, m.slot_mapping, m.block_tables, m.context_lens, m.width, self.page_size)
+            derive_positions(m, self.page_size)
             return fn(m)
-        return graphs.run(kind, graphed, meta)
+        return self.graphs.run(kind, graphed, meta)
 
     def draft_proposal(self, meta: AttentionMetadata):
         """The draft's B blocks [x, MASK × (T − 1)] at the verify's positions, seeing the
@@ -267,36 +439,19 @@ class ModelRunner:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         return self.target.compute_logits(out.hidden)
 
-    # -- memory -----------------------------------------------------------------------------
 
-    def pages_needed(self, seq: Sequence, num_positions: int) -> int:
-        return max(0, -(-num_positions // self.page_size) - len(seq.block_table))
-
-    def grow(self, seq: Sequence, num_positions: int) -> None:
-        """Give seq pages for positions [0, num_positions)."""
-        seq.block_table += self.allocator.allocate(self.pages_needed(seq, num_positions))
-
-    def release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_table)
-        seq.block_table = []
-        if seq.state_slot is not None:
-            self.states.free(seq.state_slot)
-            seq.state_slot = None
-
-    def claim_state_slot(self, seq: Sequence) -> None:
-        if self.is_hybrid:
-            seq.state_slot = self.states.allocate()
-
-    @property
-    def has_free_state_slot(self) -> bool:
-        return not self.is_hybrid or self.states.num_free > 0
+def samples_first_token(seq: Sequence, num_tokens: int) -> bool:
+    """Whether a chunk of num_tokens ends seq's prompt with nothing generated yet."""
+    return seq.num_cached + num_tokens >= seq.prefill_len and not seq.request.output_ids
 
 
-def derive_positions(positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, width: int, page_size: int) -> None:
-    """Fill positions and slot_mapping [B·T] in place: row b feeds positions context_lens[b] − T …
-    context_lens[b] − 1, stored at its block table's slot of each (graph-safe: no host sync)."""
-    rows = positions.view(-1, width)
-    torch.add((context_lens - width)[:, None], torch.arange(width, device=positions.device), out=rows)
-    pages = block_tables.gather(1, rows // page_size)
-    torch.add(pages * page_size, rows % page_size, out=slot_mapping.view(-1, width))
+def derive_positions(meta: AttentionMetadata, page_size: int) -> None:
+    """Fill positions and slot_mapping [N] in place: sequence b's rows feed positions
+    context_lens[b] − n_b … context_lens[b] − 1, stored at its block table's slot of each
+    (graph-safe: no host sync)."""
+    seq, row = token_rows(meta)
+    starts = meta.starts
+    lengths = starts[1:] - starts[:-1]
+    torch.add((meta.context_lens - lengths)[seq], row, out=meta.positions)
+    pages = meta.block_tables[seq, meta.positions // page_size]
+    torch.add(pages * page_size, meta.positions % page_size, out=meta.slot_mapping)

@@ -1,16 +1,16 @@
 """The cost table adaptive speculation allocates with (policy.py): target-forward milliseconds
 by rows and draft-forward milliseconds by batch, measured on the device the engine runs on.
 
-Measured once per (models, device, block, seats) in a process, at the first decode cycle that
-needs it, through the runner's own path (the padded batch shapes and, on CUDA, the same graphs
-the cycle replays; capturing them here is work the first cycles would do anyway). The rows are
-padding rows (page 0, state slot 0: nobody's memory) with a short context, so the table prices
-the weights and the per-row work; attention over long contexts is not in it (at a few thousand
-tokens of context the per-row GEMMs still dominate a dense 8B forward).
+Measured once per (models, device, block, seats) in a process, at the first decode step that
+needs it, through the runner's own eager ragged path (the one narrowed steps run; a step at the
+full block runs its graphs, a little faster at small batches). The rows are padding rows (page
+0, state slot 0: nobody's memory) with a short context, so the table prices the weights and the
+per-row work; attention over long contexts is not in it (at a few thousand tokens of context
+the per-row GEMMs still dominate a dense 8B forward), nor the host's work per step, which the
+policy learns online (Speculation.record_cycle).
 
 Points: B sequences of the full block (B · T rows) and of 1 token (B rows), B over the graph
-capture sizes up to max_num_seqs (every size the engine pads to), so the table is exact at the
-shapes the rectangle engine runs and interpolated between them. A few seconds on an H200; on
+capture sizes up to the most sequences a step decodes, interpolated between them. A few seconds on an H200; on
 CPU, where the test models take milliseconds per forward, a fraction of a second.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def measure_costs(runner, log: bool = True) -> CostTable:
     if cached is not None and cached[0] is runner.target and cached[1] is runner.draft:
         return cached[2]
     started = time.perf_counter()
-    sizes = capture_sizes(runner.config.max_num_seqs)
+    sizes = capture_sizes(runner.max_decode_seqs)
     target: dict[int, float] = {}
     draft: dict[int, float] = {}
     for batch in sizes:
@@ -66,20 +66,24 @@ def monotone(values: list[float]) -> list[float]:
 
 @torch.inference_mode()
 def forward_ms(runner, batch: int, width: int, kind: str) -> float:
-    """Median milliseconds of one target verify (kind "verify") or draft propose ("propose") of
-    `batch` padding sequences of `width` tokens, through the runner's padded / graphed path."""
-    fakes = [SimpleNamespace(block_table=[0], state_slot=0) for _ in range(batch)]
-    blocks = [[0] * width for _ in range(batch)]
-    graphs = runner.graphs_for(width)
-    meta = runner.prepare(fakes, width, [0] * batch, blocks, padded=graphs is not None)
-    if graphs is not None:
-        meta = graphs.bind(meta)
-    fn = runner.target_logits if kind == "verify" else runner.draft_proposal
+    """Median milliseconds of one target forward (kind "verify": `batch` rows of `width` tokens,
+    logits of every row, as a step's verify) or one draft propose ("propose": `batch` blocks),
+    eager, on rows with no pages (every row at page 0, the padding page: nobody's memory)."""
+    from blockspec.engine.model_runner import Entry
+    pages = -(-runner.width // runner.page_size)
+    idle = SimpleNamespace(block_table=[0] * pages, state_slot=0)      # page 0 only: the padding page
     forwards = runner.num_forwards
+    if kind == "verify":
+        meta = runner.prepare([Entry(idle, 0, [0] * width) for _ in range(batch)])
 
-    def once() -> None:
-        runner.run_forward(kind, fn, meta)
-    once()                                                               # warm-up (and capture)
+        def once() -> None:
+            runner.target_logits(meta)
+    else:
+        meta = runner.prepare([Entry(idle, 0, [0] * runner.width) for _ in range(batch)])
+
+        def once() -> None:
+            runner.draft_proposal(meta)
+    once()                                                               # warm-up
     times = []
     for _ in range(REPEAT):
         sync(runner.device)

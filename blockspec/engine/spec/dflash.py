@@ -170,61 +170,69 @@ def sample_walk(walk: CandidateWalk, row: int, temperature: float,
     return ids.gather(1, torch.stack(path)).view(-1), q_full
 
 
-def process_verify(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Target logits [B, T, V] → the processed rows [T, V] of each sequence with a logits
-    processor (row i with the state after d_1 … d_i); the others are not touched."""
+def process_verify(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor,
+                   num_drafts: list[int] | None = None) -> dict[int, torch.Tensor]:
+    """Target logits [B, T, V] → the processed rows [k_b + 1, V] of each sequence with a logits
+    processor (row i with the state after d_1 … d_i; k_b = num_drafts[b], T − 1 when not given);
+    the others are not touched."""
     processed = {}
     for b, seq in enumerate(seqs):
         if seq.logits_processor is not None:
-            drafts = proposal.drafts[b].tolist() if proposal is not None else []
-            processed[b] = seq.logits_processor.rows(logits[b], drafts)
+            k = logits.shape[1] - 1 if num_drafts is None else num_drafts[b]
+            drafts = proposal.drafts[b, :k].tolist() if proposal is not None else []
+            processed[b] = seq.logits_processor.rows(logits[b, : k + 1], drafts)
     return processed
 
 
 def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor,
-           processed: dict[int, torch.Tensor] | None = None,
-           widths: list[int] | None = None) -> tuple[list[int], list[list[int]]]:
+           processed: dict[int, torch.Tensor] | None = None, num_drafts: list[int] | None = None
+           ) -> tuple[list[int], list[list[int]]]:
     """Target logits [B, T, V] → (accepted drafts a_b, the a_b + 1 new tokens of each sequence).
+    num_drafts: k_b, the drafts sequence b verified (rows 0 … k_b of its logits are real);
+    a_b ≤ k_b always (T − 1 each when not given).
 
     Greedy: d_i is kept while it equals the target's argmax after [x, d_1 … d_{i−1}]; the kept
     drafts then equal the target's own tokens, so the new tokens are target_ids[: a + 1].
     One device→host read serves every greedy sequence of the batch. processed: sequence row →
     its processed rows [T, V] (process_verify), which replace its logits for both rules.
 
-    widths[b] = k_b: sequence b verifies only d_1 … d_k (adaptive speculation), so a_b ≤ k_b and
-    the bonus comes from row a_b ≤ k_b. Lossless for any k: the prefix a verify of d_1 … d_k
-    accepts is the full verify's accepted prefix cut at k, and row a's token (argmax, or the
-    residual / p draw) depends only on [x, d_1 … d_a]; rows past k are never read."""
+    Lossless for any k (adaptive speculation, issue 21): the prefix a verify of d_1 … d_k accepts
+    is the full verify's accepted prefix cut at k, and row a's token (argmax, or the residual / p
+    draw, the bonus from p_k after k kept drafts) depends only on [x, d_1 … d_a]; rows past k
+    are never read."""
     processed = processed or {}
     num_seqs, width = logits.shape[:2]
+    num_drafts = [width - 1] * num_seqs if num_drafts is None else num_drafts
     target_ids = logits.argmax(-1)                                              # [B, T]
     for b, scores in processed.items():
-        target_ids[b] = scores.argmax(-1)
-    if proposal is None:
+        target_ids[b, : scores.shape[0]] = scores.argmax(-1)
+    if proposal is None or width == 1:
         accepted = torch.zeros(num_seqs, 1, dtype=torch.long, device=logits.device)
     else:
-        agree = (proposal.drafts == target_ids[:, :-1]).long()
+        agree = (proposal.drafts[:, : width - 1] == target_ids[:, :-1]).long()
+        if any(k != width - 1 for k in num_drafts):         # a draft past k_b was never verified
+            verified = torch.arange(width - 1, device=logits.device)[None] < torch.tensor(
+                num_drafts, device=logits.device)[:, None]
+            agree = agree * verified
         accepted = agree.cumprod(1).sum(1, keepdim=True)                        # [B, 1]
     host = torch.cat((accepted, target_ids), dim=1).tolist()
-    num_accepted = [row[0] if widths is None else min(row[0], widths[b]) for b, row in enumerate(host)]
-    new_tokens = [row[1: a + 2] for row, a in zip(host, num_accepted)]
+    num_accepted = [row[0] for row in host]
+    new_tokens = [row[1: row[0] + 2] for row in host]
     for b, seq in enumerate(seqs):
         if not seq.request.params.is_greedy:
-            k = None if widths is None else widths[b]
-            num_accepted[b], new_tokens[b] = accept_sampled(seq, proposal, b, processed.get(b, logits[b]), k)
+            k = num_drafts[b]
+            num_accepted[b], new_tokens[b] = accept_sampled(seq, proposal, b, processed.get(b, logits[b, : k + 1]), k)
     return num_accepted, new_tokens
 
 
 def accept_sampled(seq: Sequence, proposal: Proposal | None, row: int, logits: torch.Tensor,
-                   width: int | None = None) -> tuple[int, list[int]]:
-    """The rejection rule (sampling.rejection_sample) for one sampling sequence; logits [T, V].
-    width k: only the first k drafts are judged; after all k are kept the bonus is drawn from p_k."""
+                   num_drafts: int) -> tuple[int, list[int]]:
+    """The rejection rule (sampling.rejection_sample) for one sampling sequence over its k
+    verified drafts; logits [k + 1, V]."""
     p = probs_from_logits(logits, seq.request.params)
-    k = proposal.drafts.shape[1] if proposal is not None else 0
-    if width is not None:
-        k = min(k, width)
-    if k == 0:
+    if proposal is None or num_drafts == 0:
         return 0, [int(sample_from_probs(p[0], seq.generator))]
-    drafts = proposal.drafts[row, :k]
-    num_accepted, bonus = rejection_sample(drafts, p[: k + 1], proposal.probs[row][:k], seq.generator)
+    drafts = proposal.drafts[row, :num_drafts]
+    q = proposal.probs[row]
+    num_accepted, bonus = rejection_sample(drafts, p, q[:num_drafts] if q is not None else None, seq.generator)
     return num_accepted, drafts[:num_accepted].tolist() + [bonus]

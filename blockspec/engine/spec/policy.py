@@ -312,6 +312,7 @@ class Speculation:
         self._free_rows: list[int] = []
         self._cycles_since_learning = 0
         self._learning = False
+        self._plan: list[int] | None = None   # the pre-draft allocation of the step being scheduled
         # A cycle's time beyond the table's forwards ≈ per_seq · B + per_token · committed tokens,
         # fitted online (least squares with forgetting) from the engine's wall time per cycle.
         self.overhead_ms_per_seq = 0.0
@@ -368,7 +369,7 @@ class Speculation:
         block's cycle costs; they are spaced so that their extra time stays within LEARNING_BUDGET
         of the plain steps' (every 100 cycles where a whole block costs 2 plain steps, every
         1 500 where it costs 16)."""
-        self._learning = False
+        self._learning, self._plan = False, None
         if not self.adaptive or not seqs:
             return True
         self._cycles_since_learning += 1
@@ -384,7 +385,21 @@ class Speculation:
         if not plan.runs_draft:
             self.predicted_ms = float(self.costs.target(pad_to(torch.tensor([float(len(seqs))],
                                                                             dtype=torch.float64), self.buckets))[0])
+        self._plan = plan.widths
         return plan.runs_draft
+
+    def planned_widths(self, seqs: Seq) -> list[int]:
+        """Before the draft (the scheduler's reservation of pages and token budget; the step
+        only narrows them after the draft): every k = 0 when no draft would pay (runs_draft),
+        else the allocation over each sequence's predicted p (its cap in a learning cycle or for
+        a seeded request). The fixed mode: the whole block for everyone."""
+        if not self.runs_draft(seqs):
+            return [0] * len(seqs)
+        if not self.adaptive:
+            return [self.num_slots] * len(seqs)
+        if self._plan is not None:
+            return [max(k, f) for k, f in zip(self._plan, self.floors(seqs))]
+        return self.caps(seqs)
 
     def learning_interval(self, num_seqs: int) -> float:
         """Cycles between learning cycles: (whole-block cycle − plain step) / (budget × plain step)."""
@@ -429,6 +444,13 @@ class Speculation:
             theta = torch.tensor([0.0, max(0.0, float(self._xty[1]) / (float(self._xtx[1, 1]) + ridge))])
         self.overhead_ms_per_seq, self.overhead_ms_per_token = float(theta[0]), float(theta[1])
         self.predicted_ms = None
+
+    def calibrated(self, seqs: Seq, confidence: torch.Tensor | None) -> torch.Tensor | None:
+        """The calibrated p of drafts that are all verified anyway (a graphed whole-block step)."""
+        if not self.adaptive or confidence is None:
+            return None
+        self.predicted_ms = None                          # not allocated: not timed
+        return self.calibration.calibrate(confidence.double().cpu(), self.rows(seqs))
 
     def observe(self, seqs: Seq, confidence: torch.Tensor | None, calibrated: torch.Tensor | None,
                 widths: Seq[int], accepted: Seq[int]) -> None:
