@@ -274,19 +274,25 @@ def test_greedy_random_widths_equals_plain_alone_batched_and_padded(dense, refer
     run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
     assert run.output_ids == reference
     assert {0, BLOCK - 1} <= set(forced.chosen) and len(set(forced.chosen)) >= 4
-    # A batch of four (each its own widths) through the padded graph-shaped path.
     others = [[int(t) for t in torch.randint(0, 151643, (n,), generator=torch.Generator().manual_seed(n))]
               for n in (5, 17, 40)]
     expected = [run_alone(lambda: make_engine(target), make_request("o", p, max_tokens=20)).output_ids
                 for p in others]
 
-    def factory():
-        made, _ = oracle_engine(dense, reference, ForcedWidths(BLOCK - 1, seed=4), max_num_seqs=4)
-        made.runner.graphs = made.runner.make_graphs(capture=False)
-        return made
-    _, runs = run_batch(factory, [make_request("r", PROMPT, max_tokens=30)]
-                        + [make_request(f"o{i}", p, max_tokens=20) for i, p in enumerate(others)])
-    assert [r.output_ids for r in runs] == [reference] + expected
+    # A batch of four, each with its own width in one ragged step (eager), then through the
+    # padded graph-shaped path (whole-block steps there).
+    for graph_shaped in (False, True):
+        forced = ForcedWidths(BLOCK - 1, seed=4)
+
+        def factory():
+            made, _ = oracle_engine(dense, reference, forced, max_num_seqs=4)
+            if graph_shaped:
+                made.runner.graphs = made.runner.make_graphs(capture=False)
+            return made
+        _, runs = run_batch(factory, [make_request("r", PROMPT, max_tokens=30)]
+                            + [make_request(f"o{i}", p, max_tokens=20) for i, p in enumerate(others)])
+        assert [r.output_ids for r in runs] == [reference] + expected, graph_shaped
+        assert graph_shaped or len(set(forced.chosen)) >= 4      # graph steps verify whole blocks
 
 
 def test_adaptive_policy_is_lossless_and_chooses_by_confidence(dense, reference):
