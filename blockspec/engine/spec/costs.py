@@ -15,7 +15,7 @@ CPU, where the test models take milliseconds per forward, a fraction of a second
 """
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from types import SimpleNamespace
 
@@ -24,6 +24,7 @@ import torch
 from blockspec.engine.cuda_graphs import capture_sizes
 from blockspec.engine.spec.policy import CostTable
 
+logger = logging.getLogger("blockspec.engine")
 _CACHE: dict[tuple, tuple[object, object, CostTable]] = {}
 REPEAT = 3
 
@@ -50,8 +51,8 @@ def measure_costs(runner, log: bool = True) -> CostTable:
                       tuple(sorted(draft)), tuple(monotone([draft[b] for b in sorted(draft)])))
     _CACHE[key] = (runner.target, runner.draft, table)
     if log:
-        print(f"blockspec: speculation cost table ({runner.device}, {time.perf_counter() - started:.1f} s): "
-              f"{table.describe()}", file=sys.stderr, flush=True)        # stdout may be `generate --json`
+        logger.info(f"blockspec: speculation cost table ({runner.device}, {time.perf_counter() - started:.1f} s): "
+                    f"{table.describe()}")            # the startup lines' logger (never stdout: generate --json)
     return table
 
 
