@@ -203,7 +203,7 @@ class ForcedWidths(Speculation):
     def runs_draft(self, seqs) -> bool:
         return self.k != 0 if self.k is not None else self.rng.random() < 0.8
 
-    def widths(self, seqs, confidence):
+    def widths(self, seqs, confidence, reserved=None):
         widths = [self.k if self.k is not None else self.rng.randint(0, self.num_slots) for _ in seqs]
         self.chosen += widths
         return widths, None

@@ -292,7 +292,7 @@ class ModelRunner:
         if proposal is not None:
             # After the draft its confidences narrow each k_i (never widen: the pages and the
             # token budget were reserved for the scheduler's k_i); rows past k_i are not computed.
-            widths, self._calibrated = self.speculation.widths(decode, proposal.confidence)
+            widths, self._calibrated = self.speculation.widths(decode, proposal.confidence, reserved=num_drafts)
             num_drafts = batch.num_drafts = [min(k, w) for k, w in zip(num_drafts, widths)]
             if not any(num_drafts):
                 self.speculation.observe(decode, proposal.confidence, self._calibrated, num_drafts, num_drafts)

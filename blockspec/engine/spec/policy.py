@@ -409,16 +409,19 @@ class Speculation:
         whole = float(self.costs.target(rows * (self.num_slots + 1))[0]) + self.costs.draft(num_seqs) + fixed
         return (whole - plain) / (LEARNING_BUDGET * plain)
 
-    def widths(self, seqs: Seq, confidence: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
-        """After the draft: k_b for each sequence, and the calibrated p it was chosen from."""
+    def widths(self, seqs: Seq, confidence: torch.Tensor | None,
+               reserved: Seq[int] | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """After the draft: k_b for each sequence (within `reserved`, the scheduler's k_b), and
+        the calibrated p it was chosen from."""
         if not self.adaptive or confidence is None:
             return [self.num_slots] * len(seqs), None
         calibrated = self.calibration.calibrate(confidence.double().cpu(), self.rows(seqs))
+        caps = self.caps(seqs) if reserved is None else [min(c, r) for c, r in zip(self.caps(seqs), reserved)]
         if self._learning:
             self.predicted_ms = None                      # not a typical cycle: not timed
-            return self.caps(seqs), calibrated
+            return caps, calibrated
         fixed = self.overhead_ms_per_seq * len(seqs)
-        plan = allocate(calibrated, self.caps(seqs), self.costs, self.layout, self.buckets, self.floors(seqs),
+        plan = allocate(calibrated, caps, self.costs, self.layout, self.buckets, self.floors(seqs),
                         fixed_ms=fixed, per_token_ms=self.overhead_ms_per_token)
         # The forwards alone (the draft already ran: a cycle that keeps no draft still paid for it).
         self.predicted_ms = plan.ms - fixed - self.overhead_ms_per_token * plan.expected_tokens \
