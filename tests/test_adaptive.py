@@ -110,13 +110,17 @@ def test_host_work_per_cycle_makes_more_tokens_per_cycle_worth_it():
     probs = torch.full((8, 7), 0.6, dtype=torch.float64)
     assert not allocate(probs, [7] * 8, steep).runs_draft
     assert min(allocate(probs, [7] * 8, steep, fixed_ms=200.0).widths) >= 4
-    # The fit: cycles of 8 sequences whose host work is 2 ms per sequence + 0.5 ms per token.
+    # The fit: steps whose real time is half the table's forwards + 2 ms per sequence + 0.5 ms
+    # per committed token (the host terms are kept in the table's units: ÷ the scale).
     spec = Speculation("adaptive", 7, costs=steep, layout="ragged")
-    for tokens in [8, 30, 12, 50, 8, 20] * 20:
-        spec.predicted_ms = 10.0
-        spec.record_cycle((10.0 + 2.0 * 8 + 0.5 * tokens) / 1e3, 8, tokens)
-    assert spec.overhead_ms_per_seq == pytest.approx(2.0, rel=0.05)
-    assert spec.overhead_ms_per_token == pytest.approx(0.5, rel=0.05)
+    rng = random.Random(0)
+    for _ in range(200):
+        forwards, seqs, tokens = rng.uniform(5, 50), rng.randint(1, 16), rng.randint(1, 60)
+        spec.predicted_ms = forwards
+        spec.record_cycle((0.5 * forwards + 2.0 * seqs + 0.5 * tokens) / 1e3, seqs, tokens)
+    assert spec.forward_scale == pytest.approx(0.5, rel=0.05)
+    assert spec.overhead_ms_per_seq == pytest.approx(4.0, rel=0.05)
+    assert spec.overhead_ms_per_token == pytest.approx(1.0, rel=0.05)
 
 
 def test_cost_table_interpolates_and_extrapolates():

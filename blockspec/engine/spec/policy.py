@@ -317,8 +317,9 @@ class Speculation:
         # fitted online (least squares with forgetting) from the engine's wall time per cycle.
         self.overhead_ms_per_seq = 0.0
         self.overhead_ms_per_token = 0.0
-        self._xtx = torch.zeros(2, 2, dtype=torch.float64)
-        self._xty = torch.zeros(2, dtype=torch.float64)
+        self.forward_scale = 1.0            # measured step time ÷ the table's (fitted with the above)
+        self._xtx = torch.zeros(3, 3, dtype=torch.float64)
+        self._xty = torch.zeros(3, dtype=torch.float64)
         self.predicted_ms: float | None = None   # the forwards of the cycle now running, by the table
 
     @property
@@ -429,24 +430,28 @@ class Speculation:
         return plan.widths, calibrated
 
     def record_cycle(self, seconds: float, num_seqs: int, num_tokens: int) -> None:
-        """The engine's wall time of a whole decode cycle (forwards, accept, commits) that
-        committed num_tokens: what the table does not see (host work, launch gaps) is fitted as
-        per_seq · B + per_token · tokens (ridge least squares, forgetting HOST_WORK_MEMORY per
-        cycle; both ≥ 0), so the allocation weighs tokens against the cycle's real time."""
+        """The engine's wall time of a whole decode step (forwards, accept, commits) that
+        committed num_tokens, against the table's forwards for it: fitted as
+        scale · forwards + per_seq · B + per_token · tokens (ridge least squares, forgetting
+        HOST_WORK_MEMORY per step; each ≥ 0), so the allocation weighs tokens against the step's
+        real time — the table may have been measured under another load (scale), and the host's
+        work per sequence and per committed token is not in it. The host terms are kept in the
+        table's units (divided by the scale): maximising tokens per ms does not see the scale."""
         if self.predicted_ms is None or num_seqs == 0:
             return
-        extra = seconds * 1e3 - self.predicted_ms
-        x = torch.tensor([float(num_seqs), float(num_tokens)], dtype=torch.float64)
+        x = torch.tensor([self.predicted_ms, float(num_seqs), float(num_tokens)], dtype=torch.float64)
         self._xtx = HOST_WORK_MEMORY * self._xtx + torch.outer(x, x)
-        self._xty = HOST_WORK_MEMORY * self._xty + x * extra
-        ridge = 1e-3 * float(self._xtx.trace()) / 2 + 1e-12
-        theta = torch.linalg.solve(self._xtx + ridge * torch.eye(2, dtype=torch.float64), self._xty)
-        if float(theta[1]) < 0:                  # the per-token part cannot be negative: refit without it
-            theta = torch.tensor([max(0.0, float(self._xty[0]) / (float(self._xtx[0, 0]) + ridge)), 0.0])
-        elif float(theta[0]) < 0:
-            theta = torch.tensor([0.0, max(0.0, float(self._xty[1]) / (float(self._xtx[1, 1]) + ridge))])
-        self.overhead_ms_per_seq, self.overhead_ms_per_token = float(theta[0]), float(theta[1])
+        self._xty = HOST_WORK_MEMORY * self._xty + x * (seconds * 1e3)
         self.predicted_ms = None
+        ridge = 1e-3 * float(self._xtx.trace()) / 3 + 1e-12
+        # The prior: scale 1 (the table is right) until the steps say otherwise.
+        prior = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+        theta = torch.linalg.solve(self._xtx + ridge * torch.eye(3, dtype=torch.float64),
+                                   self._xty + ridge * prior)
+        scale = max(0.1, float(theta[0]))
+        self.forward_scale = scale
+        self.overhead_ms_per_seq = max(0.0, float(theta[1])) / scale
+        self.overhead_ms_per_token = max(0.0, float(theta[2])) / scale
 
     def calibrated(self, seqs: Seq, confidence: torch.Tensor | None) -> torch.Tensor | None:
         """The calibrated p of drafts that are all verified anyway (a graphed whole-block step)."""
