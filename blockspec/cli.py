@@ -83,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --burst: M requests already decoding when the burst arrives; reports the p99 "
                             "gap between their streamed tokens during it")
     bench.add_argument("--demo", action="store_true", help="the shipped demo pair on held-out code: plain vs DFlash (CPU by default)")
+    bench.add_argument("--compare-speculation", action="store_true",
+                       help="plain / fixed block / adaptive speculation tok/s at each --concurrency, one run "
+                            "(random weights: with --accept-profile or --accept-len; with --demo: the demo "
+                            "pair's real confidences)")
+    bench.add_argument("--accept-profile", default=None, metavar="latent:MEAN[:KAPPA]",
+                       help="random weights: each drafted token at output position j is accepted iff u_j < pi_j, "
+                            "pi_j ~ Beta(m*KAPPA, (1-m)*KAPPA) and u_j ~ U(0,1) seeded per request; the draft "
+                            "reports pi_j as its confidence; m gives mean acceptance length MEAN for the whole "
+                            "block (KAPPA default 1: spread difficulties). See BENCHMARKS.md")
     add_train_args(subcommand(sub, "train-draft", "train a DFlash draft for a target (DFlash recipe)"))
     return parser
 
@@ -276,8 +285,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from blockspec.llm import apply_threads
     apply_threads(from_namespace(EngineOptions, args, BENCH).threads)
     if args.demo:
-        from blockspec.demo.measure import main as measure_demo
+        from blockspec.demo.measure import main as measure_demo, main_compare
         concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+        if args.compare_speculation:
+            return main_compare(args.device, args.out, concurrency)
         return measure_demo(args.device, args.out, concurrency)
     from blockspec.bench import main as bench_main
     return bench_main(args)

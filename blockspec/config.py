@@ -178,6 +178,7 @@ def eos_ids(value: Any) -> tuple[int, ...]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATION_MODES = ("adaptive", "fixed", "off")      # engine/spec/policy.py
 DEFAULT_MAX_MODEL_LEN = 4096             # EngineConfig's own default (built directly, as tests do); the
                                          # options resolve an unset --max-model-len to the model's positions
 
@@ -216,6 +217,9 @@ class EngineOptions:
     kv_cache_memory: int | None = option(None, "bytes of KV cache off CUDA (none: 4 GiB, at most what "
                                          "max_num_seqs full-length sequences use)", metavar="BYTES")
     cuda_graphs: bool = option(True, "capture CUDA graphs for decoding", ())
+    speculation: str = option("adaptive", "with a draft: adaptive (each cycle each sequence verifies the drafts "
+                              "that pay off at this load, measured at startup), fixed (every draft of the "
+                              "block), off (plain decoding)", (SERVE, GENERATE), choices=SPECULATION_MODES)
 
     def __post_init__(self) -> None:
         checks = [(self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),
@@ -231,7 +235,9 @@ class EngineOptions:
                   (self.num_gpu_blocks is None or self.num_gpu_blocks >= 2, "--num-gpu-blocks must be at least 2"),
                   (self.kv_cache_memory is None or self.kv_cache_memory > 0, "--kv-cache-memory must be positive"),
                   (self.max_num_batched_tokens >= (self.block_size or 1),
-                   "--max-num-batched-tokens must hold at least one block (--block-size)")]
+                   "--max-num-batched-tokens must hold at least one block (--block-size)"),
+                  (self.speculation in SPECULATION_MODES,
+                   f"--speculation must be one of {', '.join(SPECULATION_MODES)} (got {self.speculation!r})")]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)

@@ -114,8 +114,10 @@ def graph_shaped(num_rows: int) -> Callable[[AttentionMetadata], AttentionMetada
 # -- engines ---------------------------------------------------------------------------------
 
 def engine_config(**overrides) -> EngineConfig:
-    """Small pools for CPU tests (the default sizing is for 32 sequences of 4096 tokens)."""
-    settings = dict(max_model_len=1024, max_num_seqs=8, max_queue=256)
+    """Small pools for CPU tests (the default sizing is for 32 sequences of 4096 tokens). The
+    whole block is verified every cycle (speculation "fixed"), so acceptance lengths are exact;
+    tests of adaptive speculation ask for it (tests/test_adaptive.py)."""
+    settings = dict(max_model_len=1024, max_num_seqs=8, max_queue=256, speculation="fixed")
     settings.update(overrides)
     return EngineConfig(**settings)
 

@@ -93,3 +93,65 @@ def main(device: str, out: str | None, concurrency: list[int] | None = None) -> 
         with open(out, "w") as f:
             json.dump(result, f, indent=2)
     return 0
+
+
+def compare_speculation(device: str, concurrency: list[int], block_size: int = 8, max_tokens: int = 48,
+                        rounds: int = 3) -> dict[str, Any]:
+    """`bench --demo --compare-speculation`: the demo pair (real drafts, real confidences) on
+    held-out prompts, plain / fixed block / adaptive output tok/s at each concurrency, in one
+    process; at each concurrency the three run in turn on the same prompts (`rounds` times,
+    interleaved; the best of each is kept) and must give the same greedy output. Adaptive measures its cost table on its first cycle (in the warm-up)."""
+    from blockspec.demo import require_built
+    from blockspec.llm import LLM
+    from blockspec.sampling import SamplingParams
+    target, draft = require_built()
+    seats = max(concurrency)
+    engines = {"plain": LLM(str(target), device=device, max_num_seqs=seats, show_progress=False)}
+    for mode in ("fixed", "adaptive"):
+        engines[mode] = LLM(str(target), draft=str(draft), block_size=block_size, device=device, max_num_seqs=seats,
+                            speculation=mode, show_progress=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    prompts = held_out_prompts(engines["plain"].tokenizer, seats + 1)
+    for llm in engines.values():                                    # warm-up (allocator; adaptive's costs)
+        llm.generate(prompts[:2], params)
+    result: dict[str, Any] = {"device": device, "block_size": block_size, "max_tokens": max_tokens,
+                              "rounds": rounds}
+    for c in concurrency:
+        row: dict[str, Any] = {}
+        outputs = {}
+        for _ in range(rounds):                   # interleaved rounds, the best of each: a shared
+            for name, llm in engines.items():     # machine's noise hits every mode alike
+                started = time.perf_counter()
+                done = llm.generate(prompts[1: c + 1], params)
+                seconds = time.perf_counter() - started
+                outputs[name] = [o.token_ids for o in done]
+                tok_s = round(sum(len(o.token_ids) for o in done) / seconds, 1)
+                row[f"{name}_tok_s"] = max(row.get(f"{name}_tok_s", 0.0), tok_s)
+                if name != "plain":
+                    lengths = [n for o in done for n in o.stats.acceptance_lengths]
+                    row[f"{name}_acceptance_length"] = round(sum(lengths) / max(1, len(lengths)), 3)
+        if not outputs["plain"] == outputs["fixed"] == outputs["adaptive"]:
+            raise AssertionError(f"c={c}: the three modes' greedy outputs differ")
+        widths = engines["adaptive"].engine.counters.spec_widths
+        row["adaptive_mean_width"] = round(sum(k * n for k, n in widths.items()) / max(1, sum(widths.values())), 2)
+        widths.clear()
+        best = max(row["plain_tok_s"], row["fixed_tok_s"])
+        row["adaptive_over_best"] = round(row["adaptive_tok_s"] / best, 3)
+        result[f"c{c}"] = row
+    return result
+
+
+def main_compare(device: str, out: str | None, concurrency: list[int]) -> int:
+    started = time.perf_counter()
+    result = compare_speculation("cpu" if device == "auto" else device, concurrency)
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    print(f"{'conc':>5} {'plain':>9} {'fixed':>9} {'adaptive':>9} {'a/best':>7} {'width':>6} {'acc(fixed)':>10}")
+    for key, row in result.items():
+        if key.startswith("c") and isinstance(row, dict):
+            print(f"{key[1:]:>5} {row['plain_tok_s']:>9} {row['fixed_tok_s']:>9} {row['adaptive_tok_s']:>9} "
+                  f"{row['adaptive_over_best']:>7} {row['adaptive_mean_width']:>6} {row['fixed_acceptance_length']:>10}")
+    print(json.dumps(result))
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

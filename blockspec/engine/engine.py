@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
@@ -43,6 +44,11 @@ class EngineCounters:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     decode_batch_sizes: Counter = field(default_factory=Counter)    # sequences per cycle → cycles
+    # Speculation per cycle (issue 21): drafts verified and accepted by the whole batch (total →
+    # cycles), and each sequence's chosen width k (→ sequence-cycles).
+    spec_verified_per_cycle: Counter = field(default_factory=Counter)
+    spec_accepted_per_cycle: Counter = field(default_factory=Counter)
+    spec_widths: Counter = field(default_factory=Counter)
 
 
 EventCallback = Callable[[TokenEvent], None]
@@ -62,6 +68,7 @@ class Engine:
         num_slots = config.max_num_seqs if self.runner.is_hybrid else 0
         self.cache = CacheManager(self.runner.pool_size.num_pages, config.page_size, num_slots)
         self.scheduler = Scheduler(config, self.cache, self.runner.width)
+        self.scheduler.speculation = self.runner.speculation       # widths before the draft (policy.py)
         self.counters = EngineCounters()
         self.on_finish = on_finish
         self._callbacks: dict[int, EventCallback] = {}
@@ -177,11 +184,19 @@ class Engine:
             return
         if batch.decode:
             self.counters.decode_batch_sizes[len(batch.decode)] += 1
+        started = time.perf_counter()
         result = self.runner.step(batch)
+        if result.decode is not None and self.runner.draft is not None:
+            self._count_speculation(result.decode)
         for (seq, _), first_token in zip(batch.prefill, result.first_tokens):
             self._isolated(seq, lambda: self._first_token(seq, first_token, emitted))
         for b, seq in enumerate(batch.decode):
             self._isolated(seq, lambda: self._commit(seq, result.decode, b, emitted))
+        if result.decode is not None and not batch.prefill:      # a decode-only step: its time is the cycle's
+            self.runner.speculation.record_cycle(time.perf_counter() - started, len(batch.decode),
+                                                 sum(a + 1 for a in result.decode.num_accepted))
+        else:
+            self.runner.speculation.predicted_ms = None
 
     def _first_token(self, seq: Sequence, first_token: FirstToken | None, emitted: list[Emitted]) -> None:
         item = self.scheduler.postprocess_prefill(seq, first_token)
@@ -194,6 +209,13 @@ class Engine:
         logprobs = result.logprobs[b] if result.logprobs else None
         emitted.append(self.scheduler.postprocess_decode(seq, result.num_accepted[b], result.new_tokens[b], logprobs,
                                                          result.num_drafts[b]))
+
+    def _count_speculation(self, result: DecodeResult) -> None:
+        widths = result.num_drafts if result.num_drafts is not None else \
+            [self.runner.width - 1] * len(result.num_accepted)
+        self.counters.spec_verified_per_cycle[sum(widths)] += 1
+        self.counters.spec_accepted_per_cycle[sum(result.num_accepted)] += 1
+        self.counters.spec_widths.update(widths)
 
     def _isolated(self, seq: Sequence, work: Callable[[], None]) -> None:
         """One sequence's own work: if it fails, that sequence ends with an error and the rest
@@ -294,6 +316,7 @@ class Engine:
         request = seq.request
         request.finish_reason = reason
         self.scheduler.finish(seq)
+        self.runner.speculation.forget(seq)
         if self.runner.draft is not None:
             self.counters.spec_verify += request.stats.cycles
             self.counters.spec_draft_tokens += request.stats.draft_tokens

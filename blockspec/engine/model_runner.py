@@ -31,6 +31,7 @@ from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logp
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.spec.dflash import Proposal, accept, process_verify, propose
+from blockspec.engine.spec.policy import Speculation
 from blockspec.layers import AttentionMetadata
 from blockspec.layers.attention import token_rows, unpack, uses_kernels
 from blockspec.sampling import sample
@@ -66,7 +67,7 @@ class Entry:
 class ModelRunner:
     def __init__(self, target: nn.Module, draft: nn.Module | None, config: EngineConfig) -> None:
         self.target, self.config = target, config
-        self.draft = draft if draft is not None and config.block_size > 1 else None
+        self.draft = draft if draft is not None and config.block_size > 1 and config.speculation != "off" else None
         self.width = config.block_size if self.draft is not None else 1
         weight = target.lm_head.weight
         self.device, self.dtype = weight.device, weight.dtype
@@ -85,6 +86,16 @@ class ModelRunner:
         if config.cuda_graphs and self.device.type == "cuda":
             self.graphs = self.make_graphs(capture=True)
             self.capture_graphs()
+        # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
+        # draft (verify_widths), the step narrows after it; the cost table is measured on the
+        # first adaptive step (engine/spec/costs.py), or set by the caller.
+        self.speculation = Speculation(config.speculation if self.draft is not None else "fixed", self.width - 1,
+                                       layout="ragged", measure=self.measure_costs)
+        self._calibrated: torch.Tensor | None = None
+
+    def measure_costs(self):
+        from blockspec.engine.spec.costs import measure_costs
+        return measure_costs(self)
 
     def make_pools(self, num_pages: int) -> tuple[KVPool, KVPool | None]:
         num_slots = num_pages * self.page_size
@@ -237,6 +248,7 @@ class ModelRunner:
         """One forward of the target over the whole step (after one of the draft over the
         decoding sequences' blocks)."""
         decode, num_drafts = batch.decode, batch.num_drafts
+        self._calibrated = None
         for seq in [s for s, _ in batch.prefill] + decode:
             self.processor_of(seq)
         self.clear_states([seq for seq, _ in batch.prefill])
@@ -247,7 +259,7 @@ class ModelRunner:
             first_tokens: list[FirstToken | None] = []
         else:
             logits, proposal, first_tokens = self.ragged_forward(batch)
-        result = self.finish_decode(decode, num_drafts, logits, proposal) if decode else None
+        result = self.finish_decode(decode, batch.num_drafts, logits, proposal) if decode else None
         return StepResult(first_tokens, result)
 
     def blocks(self, decode: list[Sequence]) -> list[Entry]:
@@ -262,7 +274,11 @@ class ModelRunner:
         meta = self.graphs.bind(self.prepare(self.blocks(decode), padded=True))
         proposal = None
         if self.draft is not None:
-            proposal = propose(self.run_forward("propose", self.draft_proposal, meta), decode)
+            proposal = propose(self.run_forward("propose", self.draft_proposal, meta), decode,
+                               confidence=self.speculation.adaptive)
+            # The whole block's rows are computed in the graph anyway: every draft is verified
+            # (the calibration still learns from them).
+            self._calibrated = self.speculation.calibrated(decode, proposal.confidence)
             meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts   # [x, d1 … dT−1]
         logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
         return logits.view(num_seqs, width, -1), proposal
@@ -273,6 +289,14 @@ class ModelRunner:
         first tokens)."""
         decode, num_drafts = batch.decode, batch.num_drafts
         proposal = self.propose_for(decode, num_drafts)
+        if proposal is not None:
+            # After the draft its confidences narrow each k_i (never widen: the pages and the
+            # token budget were reserved for the scheduler's k_i); rows past k_i are not computed.
+            widths, self._calibrated = self.speculation.widths(decode, proposal.confidence, reserved=num_drafts)
+            num_drafts = batch.num_drafts = [min(k, w) for k, w in zip(num_drafts, widths)]
+            if not any(num_drafts):
+                self.speculation.observe(decode, proposal.confidence, self._calibrated, num_drafts, num_drafts)
+                proposal = None
         entries = [Entry(seq, seq.num_cached, seq.tokens[seq.num_cached: seq.num_cached + n])
                    for seq, n in batch.prefill]
         entries += [Entry(seq, seq.num_cached, [seq.anchor] + [0] * k) for seq, k in zip(decode, num_drafts)]
@@ -305,15 +329,21 @@ class ModelRunner:
             return None
         self.num_forwards += 1
         seqs = [decode[b] for b in drafting]
-        part = propose(self.draft_proposal(self.prepare(self.blocks(seqs))), seqs)
+        part = propose(self.draft_proposal(self.prepare(self.blocks(seqs))), seqs, confidence=self.speculation.adaptive)
         if len(drafting) == len(decode):
             return part
+        index = torch.tensor(drafting, device=self.device)
         drafts = torch.zeros(len(decode), self.width - 1, dtype=part.drafts.dtype, device=self.device)
-        drafts[torch.tensor(drafting, device=self.device)] = part.drafts
+        drafts[index] = part.drafts
         probs: list[torch.Tensor | None] = [None] * len(decode)
         for i, b in enumerate(drafting):
             probs[b] = part.probs[i]
-        return Proposal(drafts, probs)
+        confidence = None
+        if part.confidence is not None:
+            confidence = torch.zeros(len(decode), self.width - 1, dtype=part.confidence.dtype,
+                                     device=part.confidence.device)
+            confidence[index.to(confidence.device)] = part.confidence
+        return Proposal(drafts, probs, confidence)
 
     def place_drafts(self, meta: AttentionMetadata, proposal: Proposal, num_drafts: list[int], at: int) -> None:
         """The drafts go into their verify rows: sequence b's row 1 + j takes d_{j+1}, j < k_b."""
@@ -365,6 +395,8 @@ class ModelRunner:
         raw = self.raw_logprobs(decode, logits)                                 # before any processing
         processed = process_verify(decode, proposal, logits, num_drafts)
         num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts)
+        if proposal is not None:
+            self.speculation.observe(decode, proposal.confidence, self._calibrated, num_drafts, num_accepted)
         if self.is_hybrid and self.draft is not None:
             slots = torch.tensor([seq.state_slot for seq in decode], device=self.device)
             self.states.select(slots, [a + 1 for a in num_accepted])

@@ -62,6 +62,7 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, cache: CacheManager, width: int) -> None:
         self.config, self.cache, self.width = config, cache, width
+        self.speculation = None                      # the runner's Speculation (the engine sets it)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.unservable: list[Sequence] = []        # too long for the whole pool: the engine ends them
@@ -79,9 +80,12 @@ class Scheduler:
     # -- schedule ---------------------------------------------------------------------------
 
     def verify_widths(self, decoding: list[Sequence]) -> list[int]:
-        """k_i: how many drafts each decoding sequence verifies this step (0 … width − 1; 0 is a
-        plain decode row). The one hook for an adaptive policy; today every sequence takes the
-        full block."""
+        """k_i: how many drafts each decoding sequence may verify this step (0 … width − 1; 0 is
+        a plain decode row), before the draft runs: the speculation policy's (engine/spec/policy.py;
+        adaptive: 0 for all when no draft would pay, else each one's cap — the runner narrows them
+        after the draft from its confidences), else the full block."""
+        if self.speculation is not None:
+            return self.speculation.planned_widths(decoding)
         return [self.width - 1] * len(decoding)
 
     def schedule(self) -> Batch:
@@ -96,7 +100,10 @@ class Scheduler:
         for seq, num_drafts in zip(decoding, self.verify_widths(decoding)):
             if num_drafts + 1 > budget:
                 break                        # the rest decode next step (oldest first keeps order)
-            if seq in self.running and self._make_room(seq, seq.num_cached + num_drafts + 1):
+            # A sequence that drafts at all feeds the draft its whole block [x, MASK × (T − 1)]:
+            # pages for T positions, whatever k it verifies (adaptive narrows k after the draft).
+            positions = self.width if num_drafts > 0 else 1
+            if seq in self.running and self._make_room(seq, seq.num_cached + positions):
                 decode.append((seq, num_drafts))
                 budget -= num_drafts + 1
         prefilling = [s for s in self.running if s.is_prefilling]

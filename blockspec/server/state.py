@@ -20,6 +20,7 @@ from blockspec.engine.request import Request as EngineRequest
 from blockspec.sampling import SamplingParams
 from blockspec.server.errors import ApiError, retry_later
 from blockspec.server.settings import ServerSettings
+from blockspec.server.spec_metrics import speculation_histograms
 from blockspec.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class EngineCollector:
         yield GaugeMetricFamily("blockspec_kv_cache_usage_perc", "Fraction of KV-pool pages in use (0..1)",
                                 value=engine.kv_cache_usage if engine else 0.0)
         yield batch_size_histogram(counters.decode_batch_sizes if counters else {})
+        yield from speculation_histograms(counters)
         for name, field, doc in (
             ("blockspec_prompt_tokens", "prompt_tokens", "Prompt tokens prefilled"),
             ("blockspec_generation_tokens", "generation_tokens", "Output tokens committed"),

@@ -25,13 +25,48 @@ from blockspec.sampling import probs_from_logits, rejection_sample, sample_from_
 class Proposal:
     drafts: torch.Tensor                       # [B, T − 1] on the device
     probs: list[torch.Tensor | None]           # per sequence: q [T − 1, V] when it samples, else None
+    confidence: torch.Tensor | None = None     # [B, T − 1]: the draft's own probability of each draft
 
 
-def propose(out: torch.Tensor | CandidateWalk, seqs: list[Sequence]) -> Proposal:
-    """The draft's output for the (possibly padded) batch → the drafts of its first len(seqs) rows."""
+def propose(out: torch.Tensor | CandidateWalk, seqs: list[Sequence], confidence: bool = False) -> Proposal:
+    """The draft's output for the (possibly padded) batch → the drafts of its first len(seqs) rows;
+    with `confidence`, also the draft's probability of each (adaptive speculation, policy.py)."""
     if isinstance(out, CandidateWalk):
-        return walk_drafts(out.rows(len(seqs)), seqs)
-    return sample_drafts(out[: len(seqs)], seqs)
+        walk = out.rows(len(seqs))
+        proposal = walk_drafts(walk, seqs)
+        if confidence:
+            proposal.confidence = with_sampled(walk_confidence(walk, proposal.drafts), proposal)
+        return proposal
+    logits = out[: len(seqs)]
+    proposal = sample_drafts(logits, seqs)
+    if confidence:
+        proposal.confidence = with_sampled(draft_confidence(logits, proposal.drafts), proposal)
+    return proposal
+
+
+def draft_confidence(logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """DFlash 1: softmax(logits)[d_i] = exp(logit(d_i) − logsumexp), without a [B, L, V] softmax."""
+    chosen = logits.gather(-1, drafts.unsqueeze(-1)).squeeze(-1).float()
+    return (chosen - torch.logsumexp(logits.float() if logits.dtype != torch.float32 else logits, dim=-1)).exp()
+
+
+def walk_confidence(walk: CandidateWalk, drafts: torch.Tensor) -> torch.Tensor:
+    """DFlash 2: the walk's own probability of each step, softmax over the k edges leaving the
+    candidate chosen one slot earlier (row 0 for the first slot), at the candidate taken; a draft
+    outside the candidates (a processor's fallback) gets the score of candidate 0 (low, usually)."""
+    taken = (walk.candidate_ids == drafts.unsqueeze(-1)).float().argmax(-1)                 # [B, L]
+    previous = torch.cat((torch.zeros_like(taken[:, :1]), taken[:, :-1]), dim=1)
+    index = previous[..., None, None].expand(*previous.shape, 1, walk.edge_scores.shape[-1])
+    rows = walk.edge_scores.gather(2, index).squeeze(2)                                       # [B, L, k]
+    return torch.softmax(rows.float(), dim=-1).gather(-1, taken.unsqueeze(-1)).squeeze(-1)
+
+
+def with_sampled(confidence: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+    """A sequence that drew its drafts from q reports q_i(d_i) (what its acceptance depends on)."""
+    for b, q in enumerate(proposal.probs):
+        if q is not None:
+            confidence[b] = q.gather(-1, proposal.drafts[b].unsqueeze(-1)).squeeze(-1).to(confidence.dtype)
+    return confidence
 
 
 def sample_drafts(logits: torch.Tensor, seqs: list[Sequence]) -> Proposal:
@@ -159,7 +194,12 @@ def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor
     Greedy: d_i is kept while it equals the target's argmax after [x, d_1 … d_{i−1}]; the kept
     drafts then equal the target's own tokens, so the new tokens are target_ids[: a + 1].
     One device→host read serves every greedy sequence of the batch. processed: sequence row →
-    its processed rows [T, V] (process_verify), which replace its logits for both rules."""
+    its processed rows [T, V] (process_verify), which replace its logits for both rules.
+
+    Lossless for any k (adaptive speculation, issue 21): the prefix a verify of d_1 … d_k accepts
+    is the full verify's accepted prefix cut at k, and row a's token (argmax, or the residual / p
+    draw, the bonus from p_k after k kept drafts) depends only on [x, d_1 … d_a]; rows past k
+    are never read."""
     processed = processed or {}
     num_seqs, width = logits.shape[:2]
     num_drafts = [width - 1] * num_seqs if num_drafts is None else num_drafts

@@ -1,0 +1,497 @@
+"""Adaptive speculation (issue 21): the allocation (pure, no models), the calibration, and that
+any verify width is lossless — greedy output equal to plain decoding at fixed widths 0 … T − 1,
+random widths per cycle and the adaptive policy, DFlash 1 and 2, with a grammar and penalties;
+sampled output keeping plain sampling's distribution under random widths."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+import fixtures
+from blockspec.config import ConfigError, EngineConfig
+from blockspec.engine.spec.dflash import Proposal, accept
+from blockspec.engine.spec.policy import (WARMUP_OBSERVATIONS, Calibration, CostTable, Speculation, allocate,
+                                          expected_committed, interpolate)
+from blockspec.loader import load_draft, load_model
+from blockspec.sampling import SamplingParams
+
+from helpers import ForwardCounter, OracleDraft, make_engine, make_request, run_alone, run_batch
+
+# ---- the allocation (pure) -------------------------------------------------------------------
+
+# An H200-like shape in milliseconds: flat (memory-bound) up to 256 rows, then linear.
+ROOFLINE = CostTable.analytic(flat_rows=256, ms_flat=6.0, ms_per_row=0.02, draft_ms=1.0)
+
+
+def rate(alloc_widths, probs, costs: CostTable, runs_draft=None) -> float:
+    """Expected tokens per ms of given widths on the ragged layout (the check's own arithmetic)."""
+    tokens = sum(expected_committed(p.tolist(), k) for p, k in zip(probs, alloc_widths))
+    rows = len(alloc_widths) + sum(alloc_widths)
+    draft = costs.draft(len(alloc_widths)) if any(alloc_widths) else 0.0
+    return tokens / (float(costs.target(rows)) + draft)
+
+
+def test_expected_committed_is_one_plus_the_prefix_products():
+    assert expected_committed([0.5, 0.5, 1.0], 0) == 1.0
+    assert expected_committed([0.5, 0.5, 1.0], 1) == 1.5
+    assert expected_committed([0.5, 0.5, 1.0], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+
+
+def test_low_load_gives_every_sequence_the_full_block():
+    probs = torch.rand(4, 15, generator=torch.Generator().manual_seed(0)) * 0.7 + 0.25
+    alloc = allocate(probs, [15] * 4, ROOFLINE)
+    assert alloc.widths == [15] * 4 and alloc.runs_draft
+    assert alloc.expected_tokens == pytest.approx(sum(expected_committed(p.tolist(), 15) for p in probs))
+
+
+def test_high_load_drops_the_confidence_poor_positions():
+    """128 sequences × 16 rows is 8× the flat region: half the sequences are sure of their
+    drafts, half sure only of the first. The unsure positions are dropped, the sure kept, and the
+    result beats both plain decoding and the fixed block."""
+    num = 128
+    probs = torch.full((num, 15), 0.95, dtype=torch.float64)
+    probs[1::2, 1:] = 0.05
+    alloc = allocate(probs, [15] * num, ROOFLINE)
+    widths = alloc.widths
+    assert all(w <= 1 for w in widths[1::2]) and all(w >= 4 for w in widths[0::2])
+    assert sum(widths) < num * 15
+    chosen = rate(widths, probs, ROOFLINE)
+    assert chosen > rate([15] * num, probs, ROOFLINE) and chosen > rate([0] * num, probs, ROOFLINE)
+    assert chosen == pytest.approx(alloc.expected_tokens / alloc.ms)
+
+
+def test_nothing_worth_verifying_means_no_draft():
+    probs = torch.full((64, 15), 0.01, dtype=torch.float64)
+    alloc = allocate(probs, [15] * 64, ROOFLINE)
+    assert alloc.widths == [0] * 64 and not alloc.runs_draft
+    assert alloc.ms == pytest.approx(float(ROOFLINE.target(64)))     # no draft time in a plain step
+
+
+def test_the_allocation_is_the_best_of_every_greedy_prefix():
+    """On random inputs the chosen widths beat (or tie) every fixed width and a random sample of
+    other allocations: a check of the rule, not of one case."""
+    gen = torch.Generator().manual_seed(1)
+    for num in (1, 8, 64, 200):
+        probs = torch.rand(num, 7, generator=gen, dtype=torch.float64)
+        alloc = allocate(probs, [7] * num, ROOFLINE)
+        best = rate(alloc.widths, probs, ROOFLINE)
+        for k in range(8):
+            assert best >= rate([k] * num, probs, ROOFLINE) - 1e-12
+        rng = random.Random(num)
+        for _ in range(50):
+            assert best >= rate([rng.randint(0, 7) for _ in range(num)], probs, ROOFLINE) - 1e-12
+
+
+def test_caps_floors_buckets_and_the_rectangle_layout():
+    probs = torch.full((3, 7), 0.9, dtype=torch.float64)
+    assert allocate(probs, [7, 2, 0], ROOFLINE).widths == [7, 2, 0]               # caps (max_tokens)
+    poor = torch.full((3, 7), 0.01, dtype=torch.float64)
+    steep = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=1.0, draft_ms=0.0)
+    assert allocate(poor, [7, 7, 7], steep, floors=[0, 7, 0]).widths == [0, 7, 0]      # a seeded request
+    # Once the draft runs, rows inside the flat region are free: taken even at p = 0.01.
+    assert allocate(poor, [7, 7, 7], ROOFLINE, floors=[0, 7, 0]).widths == [7, 7, 7]
+    # Padded to 64 rows anyway: rows up to the bucket cost nothing more, so they are taken.
+    assert sum(allocate(torch.full((3, 7), 0.3, dtype=torch.float64), [7] * 3, steep).widths) < 21
+    assert allocate(torch.full((3, 7), 0.3, dtype=torch.float64), [7] * 3, steep, buckets=[64]).widths == [7] * 3
+    # Rectangle: all or nothing.
+    assert allocate(probs, [7] * 3, ROOFLINE, layout="rectangle").widths == [7] * 3
+    assert allocate(poor, [7] * 3, ROOFLINE, layout="rectangle").widths == [0] * 3
+
+
+def test_host_work_per_cycle_makes_more_tokens_per_cycle_worth_it():
+    """Forwards alone favour plain steps here; a cycle's fixed host work (learnt online by
+    Speculation.record_cycle) tips the balance toward verifying the drafts."""
+    steep = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.5, draft_ms=1.0)
+    probs = torch.full((8, 7), 0.6, dtype=torch.float64)
+    assert not allocate(probs, [7] * 8, steep).runs_draft
+    assert min(allocate(probs, [7] * 8, steep, fixed_ms=200.0).widths) >= 4
+    # The fit: steps whose real time is half the table's forwards + 2 ms per sequence + 0.5 ms
+    # per committed token (the host terms are kept in the table's units: ÷ the scale).
+    spec = Speculation("adaptive", 7, costs=steep, layout="ragged")
+    rng = random.Random(0)
+    for _ in range(200):
+        forwards, seqs, tokens = rng.uniform(5, 50), rng.randint(1, 16), rng.randint(1, 60)
+        spec.predicted_ms = forwards
+        spec.record_cycle((0.5 * forwards + 2.0 * seqs + 0.5 * tokens) / 1e3, seqs, tokens)
+    assert spec.forward_scale == pytest.approx(0.5, rel=0.05)
+    assert spec.overhead_ms_per_seq == pytest.approx(4.0, rel=0.05)
+    assert spec.overhead_ms_per_token == pytest.approx(1.0, rel=0.05)
+
+
+def test_cost_table_interpolates_and_extrapolates():
+    table = CostTable((1, 16, 64), (2.0, 2.0, 8.0), (1,), (1.0,))
+    assert interpolate(torch.tensor([0.5, 1.0, 8.0, 40.0, 128.0], dtype=torch.float64),
+                       table.target_rows, table.target_ms).tolist() == [2.0, 2.0, 2.0, 5.0, 16.0]
+    with pytest.raises(ValueError):
+        CostTable((4, 2), (1.0, 1.0), (1,), (1.0,))
+
+
+# ---- calibration -----------------------------------------------------------------------------
+
+def test_calibration_learns_an_overconfident_draft_and_each_sequence_its_own():
+    """The draft says 0.95 for everything; sequence 0's drafts are accepted 20 % of the time,
+    sequence 1's 90 %. After some cycles the calibrated p follows the observed rates, and the
+    pre-draft prediction (recent prefix products) tells the two apart."""
+    cal = Calibration(4)
+    rows = torch.tensor([0, 1])
+    conf = torch.full((2, 4), 0.95, dtype=torch.float64)
+    assert cal.calibrate(conf, rows)[0, 0] == pytest.approx(0.95)                  # prior: its word
+    rng = random.Random(0)
+    for _ in range(300):
+        calibrated = cal.calibrate(conf, rows)
+        accepted = []
+        for rate_ in (0.2, 0.9):
+            a = 0
+            while a < 4 and rng.random() < rate_:
+                a += 1
+            accepted.append(a)
+        cal.observe(conf, calibrated, [4, 4], accepted, rows)
+    calibrated = cal.calibrate(conf, rows)
+    assert abs(float(calibrated[0, 0]) - 0.2) < 0.12 and abs(float(calibrated[1, 0]) - 0.9) < 0.08
+    # A later slot is judged only when the ones before it were accepted: still ≈ 0.9 there.
+    assert abs(float(calibrated[1, 3]) - 0.9) < 0.08
+    predicted = cal.predicted(rows)
+    assert predicted[0, 0] < 0.4 < 0.8 < predicted[1, 0]
+    # A new sequence (row 2, never seen) is predicted at the engine-wide top bin: it gets drafts.
+    assert float(cal.predicted(torch.tensor([2]))[0, 0]) > 0.3
+    cal.reset(0)
+    assert cal.calibrate(conf, rows)[0, 0] != calibrated[0, 0]
+
+
+def test_speculation_skips_the_draft_when_nothing_pays_and_probes_now_and_then():
+    """A sequence whose drafts are never accepted, at a load where rows are dear: after it is
+    learnt, cycles run without the draft; a learning cycle comes back only after the interval
+    that keeps its cost within 1 % of the plain steps' time."""
+    dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.5)
+    spec = Speculation("adaptive", 7, costs=dear, layout="ragged")
+    seqs = [SimpleNamespace(request=SimpleNamespace(num_allowed=100, params=SamplingParams())) for _ in range(4)]
+    conf = torch.full((4, 7), 0.9, dtype=torch.float64)
+    decisions = []
+    for _ in range(600):
+        runs = spec.runs_draft(seqs)
+        decisions.append(runs)
+        if runs:
+            widths, calibrated = spec.widths(seqs, conf)
+            spec.observe(seqs, conf, calibrated, widths, [0] * 4)
+    interval = spec.learning_interval(4)             # (1 + 0.3·31 + 0.5 − 1.9) / (0.01 · 1.9) ≈ 468
+    assert interval == pytest.approx((0.3 * 31 - 0.3 * 3 + 0.5) / (0.01 * 1.9))
+    assert decisions[0] and not any(decisions[100:450]) and sum(decisions[450:]) == 1
+    assert spec.calibration.engine_seen.sum() >= WARMUP_OBSERVATIONS                # it learnt first
+
+
+# ---- losslessness at any width: greedy ------------------------------------------------------
+
+PROMPT = [int(t) for t in torch.randint(0, 151643, (30,), generator=torch.Generator().manual_seed(21))]
+WRONG = {2, 5, 6, 13, 20, 21, 27}
+BLOCK = 8
+
+
+def use_policy(engine, policy) -> None:
+    """The engine's speculation policy, for the scheduler (before the draft) and the runner."""
+    engine.runner.speculation = engine.scheduler.speculation = policy
+
+
+class ForcedWidths(Speculation):
+    """Widths chosen by the test: a fixed k, or seeded random ones per cycle (0 included; an
+    all-zero cycle sometimes skips the draft, sometimes runs it and verifies nothing)."""
+
+    def __init__(self, num_slots: int, k: int | None = None, seed: int = 0):
+        super().__init__("fixed", num_slots)
+        self.k, self.rng, self.chosen = k, random.Random(seed), []
+
+    def runs_draft(self, seqs) -> bool:
+        return self.k != 0 if self.k is not None else self.rng.random() < 0.8
+
+    def widths(self, seqs, confidence, reserved=None):
+        widths = [self.k if self.k is not None else self.rng.randint(0, self.num_slots) for _ in seqs]
+        self.chosen += widths
+        return widths, None
+
+
+@pytest.fixture(scope="module")
+def dense(qwen3_dir, qwen3_draft_dir):
+    target = load_model(str(qwen3_dir)).model
+    return target, load_draft(str(qwen3_draft_dir), target)
+
+
+@pytest.fixture(scope="module")
+def reference(dense):
+    target, _ = dense
+    return run_alone(lambda: make_engine(target), make_request("r", PROMPT, max_tokens=30)).output_ids
+
+
+class HonestOracle(OracleDraft):
+    """The oracle, unsure exactly where it is wrong: a flat logit there (confidence ≈ 1 / V)."""
+
+    def read_logits(self, hidden, lm_head):
+        logits = super().read_logits(hidden, lm_head)
+        for b, (_, anchor) in enumerate(self._rows):
+            for i in range(logits.shape[1]):
+                if anchor + 1 + i - len(PROMPT) in WRONG:
+                    logits[b, i] = 0.0
+        return logits
+
+
+def oracle_engine(dense, reference, policy, honest=False, **config):
+    target, draft = dense
+    corrupted = [(t + 1) % 151643 if i in WRONG else t for i, t in enumerate(reference)]
+    oracle = (HonestOracle if honest else OracleDraft)(draft, PROMPT + corrupted)
+    engine = make_engine(target, oracle, block_size=BLOCK, **config)
+    oracle.bind(engine)
+    use_policy(engine, policy)
+    return engine, oracle
+
+
+def expected_lengths(max_tokens: int, k: int) -> list[int]:
+    committed, lengths = 1, []
+    while committed < max_tokens:
+        good = 0
+        while good < k and committed + good not in WRONG:
+            good += 1
+        lengths.append(min(good + 1, max_tokens - committed))
+        committed += lengths[-1]
+    return lengths
+
+
+@pytest.mark.parametrize("k", range(BLOCK))
+def test_greedy_fixed_width_equals_plain_and_accepts_at_most_k(dense, reference, k):
+    engine, oracle = oracle_engine(dense, reference, ForcedWidths(BLOCK - 1, k))
+    draft_counter = ForwardCounter(oracle)
+    try:
+        run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
+    finally:
+        draft_counter.handle.remove()
+    assert run.output_ids == reference
+    assert run.stats.acceptance_lengths == expected_lengths(30, k)
+    assert (draft_counter.count == 0) == (k == 0)                     # k = 0 everywhere: no draft
+
+
+def test_greedy_random_widths_equals_plain_alone_batched_and_padded(dense, reference):
+    target, _ = dense
+    forced = ForcedWidths(BLOCK - 1, seed=3)
+    engine, _ = oracle_engine(dense, reference, forced, max_num_seqs=4)
+    run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
+    assert run.output_ids == reference
+    assert {0, BLOCK - 1} <= set(forced.chosen) and len(set(forced.chosen)) >= 4
+    others = [[int(t) for t in torch.randint(0, 151643, (n,), generator=torch.Generator().manual_seed(n))]
+              for n in (5, 17, 40)]
+    expected = [run_alone(lambda: make_engine(target), make_request("o", p, max_tokens=20)).output_ids
+                for p in others]
+
+    # A batch of four, each with its own width in one ragged step (eager), then through the
+    # padded graph-shaped path (whole-block steps there).
+    for graph_shaped in (False, True):
+        forced = ForcedWidths(BLOCK - 1, seed=4)
+
+        def factory():
+            made, _ = oracle_engine(dense, reference, forced, max_num_seqs=4)
+            if graph_shaped:
+                made.runner.graphs = made.runner.make_graphs(capture=False)
+            return made
+        _, runs = run_batch(factory, [make_request("r", PROMPT, max_tokens=30)]
+                            + [make_request(f"o{i}", p, max_tokens=20) for i, p in enumerate(others)])
+        assert [r.output_ids for r in runs] == [reference] + expected, graph_shaped
+        assert graph_shaped or len(set(forced.chosen)) >= 4      # graph steps verify whole blocks
+
+
+def test_adaptive_policy_is_lossless_and_chooses_by_confidence(dense, reference):
+    """The real policy, rows dear (each costs 0.3 of a whole step), a draft whose confidence
+    collapses exactly where it is wrong: output equal to plain, every token the fixed block would
+    accept still accepted, and fewer drafts verified than the fixed block's."""
+    dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.1)
+    speculation = Speculation("adaptive", BLOCK - 1, costs=dear, layout="ragged")
+    engine, _ = oracle_engine(dense, reference, speculation, honest=True, speculation="adaptive")
+    run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
+    assert run.output_ids == reference
+    assert run.stats.acceptance_lengths == expected_lengths(30, BLOCK - 1)
+    counts = engine.counters.spec_widths
+    assert sum(counts.values()) == run.stats.cycles
+    assert sum(k * n for k, n in counts.items()) < (BLOCK - 1) * run.stats.cycles
+
+
+def test_speculation_metrics_are_exact_histograms(dense, reference):
+    """/metrics' three speculation histograms (server/spec_metrics.py) after a run with known
+    widths: one width observation per sequence-cycle, summing to the drafts verified; accepted
+    tokens summing to the request's accepted drafts."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from blockspec.server.app import EngineCollector
+    engine, _ = oracle_engine(dense, reference, ForcedWidths(BLOCK - 1, k=3))
+    run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(SimpleNamespace(engine=engine)))
+    text = generate_latest(registry).decode()
+
+    def value(line_start: str) -> float:
+        return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(line_start))
+    cycles = run.stats.cycles
+    assert value("blockspec_spec_verify_width_count") == cycles
+    assert value("blockspec_spec_verify_width_sum") == 3 * cycles
+    assert value('blockspec_spec_verify_width_bucket{le="2"}') == 0
+    assert value('blockspec_spec_verify_width_bucket{le="3"}') == cycles
+    assert value("blockspec_spec_verified_tokens_per_cycle_sum") == 3 * cycles
+    # As the verify judged them, before max_tokens cut the last block (the request's stats after).
+    judged, committed = [], 1
+    while committed < 30:
+        good = 0
+        while good < 3 and committed + good not in WRONG and committed + good < 30:   # the oracle knows 30
+            good += 1
+        judged.append(good)
+        committed += good + 1
+    assert value("blockspec_spec_accepted_tokens_per_cycle_sum") == sum(judged) >= run.stats.accepted_tokens
+    assert value("blockspec_spec_accepted_tokens_per_cycle_count") == cycles
+
+
+def test_adaptive_default_measures_its_costs_and_is_lossless(dense, reference):
+    """The default mode: a cost table measured on this CPU at the first cycle, then allocation."""
+    engine, _ = oracle_engine(dense, reference, None, speculation="adaptive")
+    use_policy(engine, Speculation("adaptive", BLOCK - 1, layout="ragged", measure=engine.runner.measure_costs))
+    run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
+    assert run.output_ids == reference
+    table = engine.runner.speculation.costs
+    assert table is not None and table.target_rows[0] == 1 and len(table.draft_batch) >= 2
+
+
+def test_speculation_option_is_validated_and_off_runs_no_draft(dense):
+    with pytest.raises(ConfigError, match="--speculation"):
+        EngineConfig(speculation="sometimes")
+    target, draft = dense
+    counter = ForwardCounter(draft)
+    try:
+        engine = make_engine(target, draft, block_size=4, speculation="off")
+        run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=6))
+    finally:
+        counter.handle.remove()
+    assert counter.count == 0 and engine.runner.draft is None and not run.stats.speculative
+
+
+def test_dflash1_and_2_with_grammar_and_penalties_at_random_widths(dense, qwen3_dir, tmp_path):
+    """DFlash 1 (an oracle draft) and DFlash 2 (its walk over oracle-boosted candidates) under a
+    JSON grammar and penalties: greedy output equal to plain decoding at random widths per cycle."""
+    from test_dflash2 import install_oracle
+    from test_logits import PROMPT as JSON_PROMPT, SCHEMA
+    from blockspec.engine.request import Request
+    from blockspec.structured import GrammarSpec, compile_grammar, grammar_compiler
+    from blockspec.tokenizer import Tokenizer
+    target, draft1 = dense
+    draft2 = load_draft(str(fixtures.write_dflash2_draft(tmp_path / "d2", qwen3_dir)), target)
+    compiler = grammar_compiler(Tokenizer.from_dir(qwen3_dir), target.lm_head.weight.shape[0])
+    grammar = compile_grammar(compiler, GrammarSpec("json_schema", SCHEMA))
+    stops = frozenset({fixtures.IM_END_ID, fixtures.ENDOFTEXT_ID})
+    cases = {"grammar": (dict(), True),
+             "penalties": (dict(presence_penalty=1.0, repetition_penalty=1.3, logit_bias=((100, 3.0),),
+                                min_tokens=3), False),
+             "both": (dict(frequency_penalty=0.5), True)}
+    for name, (params, with_grammar) in cases.items():
+        def req():
+            return Request("r", JSON_PROMPT, SamplingParams(max_tokens=40, **params), stops, 1024,
+                           grammar=grammar if with_grammar else None)
+        expected = run_alone(lambda: make_engine(target), req()).output_ids
+        assert len(expected) >= 12, (name, expected)
+        install_oracle(draft2, [JSON_PROMPT + expected])
+        oracle1 = OracleDraft(draft1, JSON_PROMPT + expected)
+        for kind, draft in (("dflash1", oracle1), ("dflash2", draft2)):
+            for seed in (0, 1):
+                def factory():
+                    made = make_engine(target, draft, block_size=BLOCK)
+                    if draft is oracle1:
+                        oracle1.bind(made)
+                    use_policy(made, ForcedWidths(BLOCK - 1, seed=seed))
+                    return made
+                run = run_alone(factory, req())
+                assert run.output_ids == expected, (name, kind, seed)
+                assert max(run.stats.acceptance_lengths) > 2, (name, kind)       # drafts were accepted
+        del draft2.propose                                                       # back to the class's
+
+
+# ---- losslessness at any width: sampling -----------------------------------------------------
+
+def test_sampled_accept_never_reads_past_k():
+    """Row k's distribution is the bonus's after k kept drafts; rows past k are poison (NaN):
+    reading them would fail. One-hot p = q on the drafts: all k are kept, a_b = k exactly."""
+    vocab, width = 6, 5
+    drafts = torch.tensor([[1, 2, 3, 4]])
+    logits = torch.full((1, width, vocab), float("nan"))
+    q = torch.zeros(4, vocab)
+    for k in range(5):
+        for i in range(k):
+            logits[0, i] = -1e9
+            logits[0, i, drafts[0, i]] = 0.0
+            q[i] = torch.nn.functional.one_hot(drafts[0, i], vocab).float()
+        logits[0, k] = torch.tensor([0.0, 1.0, 2.0, 0.5, 0.1, 0.3])
+        seq = SimpleNamespace(request=SimpleNamespace(params=SamplingParams(temperature=1.0, seed=1)),
+                              generator=torch.Generator().manual_seed(0))
+        rows = logits.clone()
+        rows[0, k + 1:] = float("nan")
+        num_accepted, new_tokens = accept([seq], Proposal(drafts, [q]), rows, num_drafts=[k])
+        assert num_accepted == [k] and new_tokens[0][:k] == drafts[0, :k].tolist()
+
+
+def test_sampled_output_keeps_plain_sampling_distribution_at_random_widths(dense):
+    """As tests/test_dflash.py's distribution test, with each cycle's widths random in 0 … T − 1:
+    positions 1–3 follow plain sampling's tokens."""
+    target, draft = dense
+    prompt = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
+    reference = run_alone(lambda: make_engine(target), make_request("r", prompt, max_tokens=4)).output_ids
+    oracle = OracleDraft(draft, prompt + reference, sharpness=2.0)
+    params = dict(max_tokens=4, temperature=1.0, top_k=4)
+    runs = 160
+
+    def outputs(factory, seed0):
+        requests = [make_request(f"s{s}", prompt, seed=seed0 + s, **params) for s in range(runs)]
+        _, done = run_batch(factory, requests)
+        return [tuple(r.output_ids[1:4]) for r in done]
+
+    def spec():
+        made = make_engine(target, oracle, block_size=4, max_num_seqs=runs)
+        oracle.bind(made)
+        use_policy(made, ForcedWidths(3, seed=5))
+        return made
+
+    plain_out = outputs(lambda: make_engine(target, max_num_seqs=runs), 0)
+    spec_out = outputs(spec, 10_000)
+    assert oracle.calls > 0
+    for position in (0, 1, 2):
+        a = [o[position] for o in plain_out]
+        b = [o[position] for o in spec_out]
+        support = sorted(set(a) | set(b))
+        table = np.array([[a.count(t) for t in support], [b.count(t) for t in support]])
+        table = table[:, table.sum(0) >= 5]
+        assert chi2_contingency(table).pvalue > 1e-3
+
+
+# ---- the bench's latent acceptance profile ----------------------------------------------------
+
+def test_latent_profile_hits_its_mean_and_its_confidence_is_informative():
+    """Whole blocks of 16 verified along many requests: the mean acceptance length is the asked
+    6.5; drafts reported at high confidence are accepted far more often than low ones; the same
+    request id gives the same latents (every mode sees the same text difficulty)."""
+    from blockspec.bench import LatentProfile, parse_accept_profile, solve_mean_probability
+    m = solve_mean_probability(6.5, 16)
+    assert 1 + sum(m ** i for i in range(1, 16)) == pytest.approx(6.5, abs=1e-6)
+    profile = parse_accept_profile("latent:6.5", 16)
+    lengths, by_confidence = [], {True: [], False: []}
+    for r in range(200):
+        request = SimpleNamespace(request_id=f"r{r}")
+        pi, u = profile.latents(request, 2000)
+        j = 0
+        while j < 1900:
+            a = 0
+            while a < 15 and u[j + 1 + a] < pi[j + 1 + a]:
+                a += 1
+            lengths.append(a + 1)
+            for i in range(min(a + 1, 15)):
+                by_confidence[pi[j + 1 + i] > 0.5].append(i < a)
+            j += a + 1
+    assert abs(sum(lengths) / len(lengths) - 6.5) < 0.35
+    assert np.mean(by_confidence[True]) > 0.9 > 0.35 > np.mean(by_confidence[False])
+    r3 = SimpleNamespace(request_id="r3")
+    assert LatentProfile(6.5, 16).latents(r3, 50)[0][:50] == profile.latents(r3, 2000)[0][:50]
+    assert LatentProfile(6.5, 16).latents(r3, 2000)[0][:2000] == profile.latents(r3, 2000)[0][:2000]
+    for bad in ("latent", "latent:x", "flat:3", "latent:20", "latent:3:0"):
+        with pytest.raises(ValueError):
+            parse_accept_profile(bad, 16)
