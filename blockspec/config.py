@@ -189,6 +189,8 @@ class EngineConfig:
     num_pages: int | None = None
     max_prefill_tokens: int = 2048       # prompt tokens per prefill chunk (a long prompt never stalls decoding)
     cuda_graphs: bool = True
+    prefix_cache: bool = True            # reuse the K/V (and hybrid state) of cached prompt prefixes
+    prefix_state_slots: int = 64         # hybrid targets: recurrent-state snapshots the prefix cache keeps
 
     def __post_init__(self) -> None:
         checks = [(self.max_model_len >= 2, "--max-model-len must be at least 2"),
@@ -197,7 +199,8 @@ class EngineConfig:
                   (self.max_queue >= 1, "--max-queue must be at least 1"),
                   (self.page_size >= 1, "the page size must be at least 1"),
                   (self.num_pages is None or self.num_pages >= 2, "the KV pool needs at least 2 pages"),
-                  (self.max_prefill_tokens >= 1, "the prefill chunk must be at least 1 token")]
+                  (self.max_prefill_tokens >= 1, "the prefill chunk must be at least 1 token"),
+                  (self.prefix_state_slots >= 0, "--prefix-state-slots must be at least 0")]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)

@@ -26,10 +26,13 @@ class PageAllocator:
             raise ValueError("a KV pool needs at least 2 pages (page 0 is reserved for padding)")
         self.num_pages = num_pages
         self._free: deque[int] = deque(range(1, num_pages))
+        # Prefix cache (cache/prefix.py): its unpinned pages count as free and are evicted when
+        # an allocation needs them, so everything above sees one number of free pages.
+        self.cache = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + (self.cache.num_evictable if self.cache is not None else 0)
 
     @property
     def usage(self) -> float:
@@ -37,6 +40,8 @@ class PageAllocator:
         return 1.0 - self.num_free / (self.num_pages - 1)
 
     def allocate(self, num: int) -> list[int]:
+        if num > len(self._free) and self.cache is not None:
+            self.cache.evict(num - len(self._free))
         if num > len(self._free):
             raise MemoryError(f"{num} pages asked for, {len(self._free)} free")
         return [self._free.popleft() for _ in range(num)]

@@ -44,6 +44,7 @@ class PrefixHit:
     hybrid target, the snapshot slot holding the state after the last of them."""
     nodes: list[PrefixNode]
     snapshot: int | None = None
+    matched_pages: int = 0               # pages matched before a hybrid hit was cut to its snapshot
 
     def num_tokens(self, page_size: int) -> int:
         return len(self.nodes) * page_size
@@ -80,11 +81,12 @@ class PrefixCache:
             child.last_used = now
             path.append(child)
             node = child
+        matched = len(path)
         if not self.needs_snapshots:
-            return PrefixHit(path)
+            return PrefixHit(path, matched_pages=matched)
         while path and path[-1].snapshot is None:
             path.pop()
-        return PrefixHit(path, path[-1].snapshot if path else None)
+        return PrefixHit(path, path[-1].snapshot if path else None, matched)
 
     def record_query(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.queries += num_prompt_tokens

@@ -51,6 +51,24 @@ class StatePool:
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
+    def reserve(self, num: int) -> list[int]:
+        """Take num slots out of the sequences' free list for another owner (the prefix
+        cache's snapshots: cache/prefix.py)."""
+        if num > len(self._free):
+            raise ValueError(f"{num} slots asked for, {len(self._free)} free")
+        return [self._free.pop() for _ in range(num)]
+
+    def copy(self, src: int, dst: int) -> None:
+        """Slot dst := slot src (every layer's conv window and SSM state): a prefix snapshot
+        taken or restored."""
+        for conv, ssm in zip(self.conv, self.ssm):
+            conv[dst].copy_(conv[src])
+            ssm[dst].copy_(ssm[src])
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(c[0].numel() * c.element_size() + m[0].numel() * m.element_size() for c, m in zip(self.conv, self.ssm))
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv[layer][slots], self.ssm[layer][slots]
 
@@ -63,8 +81,9 @@ class StatePool:
     def stash(self, layer: int, step_states: torch.Tensor, conv_inputs: torch.Tensor) -> None:
         self.stashed[layer] = (step_states, conv_inputs)
 
-    def select(self, slots: torch.Tensor, num_kept: list[int]) -> None:
+    def select(self, slots: torch.Tensor, num_kept: list[int], keep_stash: bool = False) -> None:
         """After a verify: sequence b keeps num_kept[b] (1..T) positions of its block.
+        keep_stash: the stash stays for another select (a prefix snapshot at a page boundary).
 
         conv_inputs[b, :, j] is block position j − (K−1), so the window ending at the last kept
         position is columns num_kept … num_kept + K − 2."""
@@ -84,4 +103,5 @@ class StatePool:
             columns = num_kept[:, None] + torch.arange(window, device=slots.device)[None]     # [B, K−1]
             picked = conv_inputs.gather(2, columns[:, None, :].expand(-1, conv_inputs.shape[1], -1))
             self.conv[layer][slots] = picked
-            self.stashed[layer] = None
+            if not keep_stash:
+                self.stashed[layer] = None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from blockspec.cache import KVPool, PageAllocator, StatePool
+from blockspec.cache import KVPool, PageAllocator, PrefixCache, PrefixHit, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
@@ -63,7 +63,10 @@ class ModelRunner:
             self.draft_kv = KVPool(dc.num_hidden_layers, num_slots, dc.num_key_value_heads, dc.head_dim,
                                    self.dtype, self.device)
         shapes = target.recurrent_shapes
-        self.states = StatePool(config.max_num_seqs + 1, shapes, self.dtype, self.device) if shapes else None
+        num_snapshots = config.prefix_state_slots if config.prefix_cache else 0
+        self.states = (StatePool(config.max_num_seqs + 1 + num_snapshots, shapes, self.dtype, self.device)
+                       if shapes else None)
+        self.prefix = self.make_prefix_cache(num_snapshots)
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda":
@@ -182,6 +185,7 @@ class ModelRunner:
         raw = self.raw_logprobs(seqs, logits)                                   # before any processing
         num_accepted, new_tokens = accept(seqs, proposal, logits, process_verify(seqs, proposal, logits))
         if meta.keep_steps:
+            self.snapshot_page_boundaries(seqs, num_accepted)
             self.states.select(meta.state_slots[:num_seqs], [a + 1 for a in num_accepted])
         logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(seqs, raw, new_tokens)]
         return DecodeResult(num_accepted, new_tokens, logprobs)
@@ -238,7 +242,14 @@ class ModelRunner:
         seq.block_table += self.allocator.allocate(self.pages_needed(seq, num_positions))
 
     def release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_table)
+        if self.prefix is not None:
+            self.keep_pending_snapshot(seq)
+            path = seq.prefix_path
+            self.allocator.free([p for i, p in enumerate(seq.block_table) if not self.prefix.owns(path, i, p)])
+            self.prefix.unpin(path)
+            seq.prefix_path = []
+        else:
+            self.allocator.free(seq.block_table)
         seq.block_table = []
         if seq.state_slot is not None:
             self.states.free(seq.state_slot)
@@ -251,6 +262,111 @@ class ModelRunner:
     @property
     def has_free_state_slot(self) -> bool:
         return not self.is_hybrid or self.states.num_free > 0
+
+    # -- prefix cache (cache/prefix.py) -----------------------------------------------------
+    # [prefix] The whole engine-side integration is this section plus one call per step in
+    # the scheduler (take_hit at admission, chunk_end for a chunk's length, publish after a
+    # forward); with the cache manager of #20 these move into it unchanged.
+
+    def make_prefix_cache(self, num_snapshots: int) -> PrefixCache | None:
+        if not self.config.prefix_cache:
+            return None
+        snapshots = self.states.reserve(num_snapshots) if self.is_hybrid else []
+        cache = PrefixCache(self.page_size, self.allocator.free, snapshots, needs_snapshots=self.is_hybrid)
+        self.allocator.cache = cache
+        return cache
+
+    def take_hit(self, seq: Sequence) -> PrefixHit | None:
+        """Before admission: pin the longest cached prefix of seq's full pages, short of its
+        last position (always recomputed: the first token's logits and the draft's features
+        come from it); on a hybrid target the hit ends at the deepest snapshot. The pages
+        become the start of seq's block table. Undo with drop_hit if seq is not admitted."""
+        if self.prefix is None:
+            return None
+        hit = self.prefix.match(seq.tokens, seq.prefill_len - 1)
+        self.prefix.pin(hit.nodes)
+        seq.prefix_path = list(hit.nodes)
+        seq.block_table = [node.page for node in hit.nodes]
+        seq.num_cached = hit.num_tokens(self.page_size)
+        if self.is_hybrid:      # chunk ends that get a snapshot: where the tree branches, the prompt's last page
+            seq.snapshot_points = tuple(sorted({hit.matched_pages * self.page_size,
+                                                seq.prefill_len // self.page_size * self.page_size}))
+        return hit
+
+    def drop_hit(self, seq: Sequence) -> None:
+        self.prefix.unpin(seq.prefix_path)
+        seq.prefix_path, seq.block_table, seq.num_cached, seq.snapshot_points = [], [], 0, ()
+
+    def restore_snapshot(self, seq: Sequence, hit: PrefixHit | None) -> None:
+        """After claim_state_slot: a hybrid hit resumes from its snapshot's state."""
+        if hit is not None and hit.snapshot is not None:
+            self.states.copy(hit.snapshot, seq.state_slot)
+
+    def chunk_end(self, seq: Sequence, length: int) -> int:
+        """A hybrid prefill chunk stops at the next snapshot point (a page boundary)."""
+        end = seq.num_cached + length
+        for point in seq.snapshot_points:
+            if seq.num_cached < point < end:
+                return point - seq.num_cached
+        return length
+
+    def publish(self, seq: Sequence, after_prefill: bool) -> None:
+        """After a forward: seq's newly full pages join the tree (shareable at once); a hybrid
+        target's state at the end of a prefill chunk on a page boundary becomes a snapshot."""
+        if self.prefix is None:
+            return
+        num_valid = min(seq.num_cached, seq.num_tokens)     # a cut at a stop id leaves fed drafts past it
+        num_full = num_valid // self.page_size
+        if num_full > len(seq.prefix_path):
+            self.prefix.insert(seq.prefix_path, seq.tokens, seq.block_table, num_full)
+        if after_prefill and self.is_hybrid and seq.num_cached % self.page_size == 0 and num_full > 0:
+            self.snapshot(seq.state_slot, seq.prefix_path[num_full - 1])
+
+    def snapshot(self, slot: int, node) -> None:
+        if node.snapshot is not None:
+            return
+        target = self.prefix.take_snapshot_slot()
+        if target is not None:
+            self.states.copy(slot, target)
+            self.prefix.attach_snapshot(node, target)
+
+    def snapshot_page_boundaries(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+        """Hybrid decode: a sequence whose kept positions cross a page boundary keeps the state
+        at that boundary (from the verify's per-position stash) in its pending snapshot slot;
+        it becomes a snapshot of that page's node when the sequence ends (the next turn's
+        prefix: prompt + answer)."""
+        if self.prefix is None or self.prefix.num_snapshot_slots == 0:
+            return
+        slots, kept = [], []
+        for seq, accepted in zip(seqs, num_accepted):
+            boundary = (seq.num_cached + accepted + 1) // self.page_size * self.page_size
+            if boundary <= seq.num_cached:
+                continue
+            if seq.pending_snapshot is None:
+                slot = self.prefix.take_snapshot_slot()
+                if slot is None:
+                    continue
+            else:
+                slot = seq.pending_snapshot[0]
+            seq.pending_snapshot = (slot, boundary)
+            slots.append(slot)
+            kept.append(boundary - seq.num_cached)
+        if slots:
+            self.states.select(torch.tensor(slots, device=self.device), kept, keep_stash=True)
+
+    def keep_pending_snapshot(self, seq: Sequence) -> None:
+        """seq ends or is preempted: its pending snapshot joins the tree when the page it ends
+        is a committed one in seq's path, else its slot goes back."""
+        if seq.pending_snapshot is None:
+            return
+        slot, boundary = seq.pending_snapshot
+        seq.pending_snapshot = None
+        depth = boundary // self.page_size
+        node = seq.prefix_path[depth - 1] if depth <= len(seq.prefix_path) else None
+        if node is not None and node.snapshot is None:
+            self.prefix.attach_snapshot(node, slot)
+        else:
+            self.prefix.give_back_snapshot_slot(slot)
 
 
 def derive_positions(positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,

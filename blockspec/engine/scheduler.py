@@ -72,8 +72,11 @@ class Scheduler:
         promised = 0                    # pages the sequences admitted in this call will claim
         while self.waiting and len(self.running) < self.seat_limit:
             seq = self.waiting[0]
+            hit = self.runner.take_hit(seq)            # [prefix] cached pages need no room
             need = self.runner.pages_needed(seq, seq.prefill_len + self.runner.width)
             if need + promised > self.runner.allocator.num_free or not self.runner.has_free_state_slot:
+                if hit is not None:
+                    self.runner.drop_hit(seq)
                 if not self.running and need > self.runner.allocator.num_free:
                     self.waiting.popleft()
                     self.unservable.append(seq)        # would not fit even in an empty pool
@@ -82,6 +85,10 @@ class Scheduler:
             promised += need
             self.waiting.popleft()
             self.runner.claim_state_slot(seq)
+            self.runner.restore_snapshot(seq, hit)
+            if hit is not None and seq.num_preemptions == 0:
+                seq.request.stats.cached_tokens = seq.num_cached
+                self.runner.prefix.record_query(len(seq.request.prompt_ids), seq.num_cached)
             seq.mark_admitted()
             self.running.append(seq)
 
@@ -90,7 +97,7 @@ class Scheduler:
         for seq in prefilling:
             if budget == 0 or seq not in self.running:
                 continue
-            length = min(budget, seq.prefill_len - seq.num_cached)
+            length = self.runner.chunk_end(seq, min(budget, seq.prefill_len - seq.num_cached))
             if self._make_room(seq, seq.num_cached + length):
                 chunks.append((seq, length))
                 budget -= length
@@ -137,6 +144,7 @@ class Scheduler:
                 queue.remove(seq)
 
     def postprocess_prefill(self, seq: Sequence, first_token: FirstToken | None) -> Emitted | None:
+        self.runner.publish(seq, after_prefill=True)
         if first_token is None:
             return None
         now = time.perf_counter()
@@ -151,6 +159,7 @@ class Scheduler:
         committed = commit(seq, new_tokens, logprobs)
         # x and d_1 … d_a stay in the pools; the bonus (the next x) is fed by the next cycle.
         seq.num_cached += num_accepted + 1
+        self.runner.publish(seq, after_prefill=False)
         # Stats as if the block had been cut to the allowed length (drafts past it count for
         # nothing); acceptance length = accepted + 1 holds for every cut (stop id or length).
         accepted = max(0, min(num_accepted, len(committed) - 1))
