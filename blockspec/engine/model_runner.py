@@ -184,8 +184,9 @@ class ModelRunner:
         logits = logits.view(num_seqs, width, -1)
         raw = self.raw_logprobs(seqs, logits)                                   # before any processing
         num_accepted, new_tokens = accept(seqs, proposal, logits, process_verify(seqs, proposal, logits))
+        if self.is_hybrid:
+            self.snapshot_page_boundaries(seqs, num_accepted, from_stash=meta.keep_steps)
         if meta.keep_steps:
-            self.snapshot_page_boundaries(seqs, num_accepted)
             self.states.select(meta.state_slots[:num_seqs], [a + 1 for a in num_accepted])
         logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(seqs, raw, new_tokens)]
         return DecodeResult(num_accepted, new_tokens, logprobs)
@@ -330,29 +331,33 @@ class ModelRunner:
             self.states.copy(slot, target)
             self.prefix.attach_snapshot(node, target)
 
-    def snapshot_page_boundaries(self, seqs: list[Sequence], num_accepted: list[int]) -> None:
+    def snapshot_page_boundaries(self, seqs: list[Sequence], num_accepted: list[int], from_stash: bool) -> None:
         """Hybrid decode: a sequence whose kept positions cross a page boundary keeps the state
-        at that boundary (from the verify's per-position stash) in its pending snapshot slot;
-        it becomes a snapshot of that page's node when the sequence ends (the next turn's
-        prefix: prompt + answer)."""
+        at that boundary in its pending snapshot slot (from the verify's per-position stash;
+        plain decoding feeds one position, so its slot is that state already); it becomes a
+        snapshot of that page's node when the sequence ends (the next turn's prefix: prompt +
+        answer)."""
         if self.prefix is None or self.prefix.num_snapshot_slots == 0:
             return
-        slots, kept = [], []
-        for seq, accepted in zip(seqs, num_accepted):
+        rows, slots, kept = [], [], []
+        for row, (seq, accepted) in enumerate(zip(seqs, num_accepted)):
             boundary = (seq.num_cached + accepted + 1) // self.page_size * self.page_size
             if boundary <= seq.num_cached:
                 continue
-            if seq.pending_snapshot is None:
-                slot = self.prefix.take_snapshot_slot()
-                if slot is None:
-                    continue
-            else:
-                slot = seq.pending_snapshot[0]
+            slot = seq.pending_snapshot[0] if seq.pending_snapshot is not None else self.prefix.take_snapshot_slot()
+            if slot is None:
+                continue
             seq.pending_snapshot = (slot, boundary)
+            rows.append(row)
             slots.append(slot)
             kept.append(boundary - seq.num_cached)
-        if slots:
-            self.states.select(torch.tensor(slots, device=self.device), kept, keep_stash=True)
+        if not slots:
+            return
+        if from_stash:
+            self.states.select(torch.tensor(slots, device=self.device), kept, keep_stash=True, rows=rows)
+            return
+        for row, slot in zip(rows, slots):
+            self.states.copy(seqs[row].state_slot, slot)
 
     def keep_pending_snapshot(self, seq: Sequence) -> None:
         """seq ends or is preempted: its pending snapshot joins the tree when the page it ends
