@@ -187,7 +187,8 @@ class EngineConfig:
     max_queue: int = 64
     page_size: int = 16
     num_pages: int | None = None
-    max_prefill_tokens: int = 2048       # prompt tokens per prefill chunk (a long prompt never stalls decoding)
+    max_prefill_tokens: int = 2048       # prompt tokens per step (a long prompt never stalls decoding)
+    max_num_batched_tokens: int = 2048   # tokens of one step: every sequence's verify rows + prefill chunks
     cuda_graphs: bool = True
     prefix_cache: bool = True            # reuse the K/V (and hybrid state) of cached prompt prefixes
     prefix_state_slots: int = 64         # hybrid targets: recurrent-state snapshots the prefix cache keeps
@@ -200,6 +201,8 @@ class EngineConfig:
                   (self.page_size >= 1, "the page size must be at least 1"),
                   (self.num_pages is None or self.num_pages >= 2, "the KV pool needs at least 2 pages"),
                   (self.max_prefill_tokens >= 1, "the prefill chunk must be at least 1 token"),
+                  (self.max_num_batched_tokens >= self.block_size,
+                   "--max-num-batched-tokens must hold at least one block (--block-size)"),
                   (self.prefix_state_slots >= 0, "--prefix-state-slots must be at least 0")]
         for ok, message in checks:
             if not ok:

@@ -190,7 +190,7 @@ def assert_only_the_first_aborted(engine, runs) -> None:
     for run in runs:
         run.check_events()
     assert [r.request.finish_reason for r in runs[1:]] == ["length"] * (len(runs) - 1)
-    assert engine.runner.allocator.usage == 0.0
+    assert engine.cache.usage == 0.0
 
 
 @pytest.mark.parametrize("others", [0, 2])
@@ -262,6 +262,6 @@ def test_engine_shutdown_aborts_running_and_waiting_requests(dense):
             run.check_events()
             assert run.request.finish_reason == "abort"
         assert [len(r.output_ids) > 0 for r in runs] == [True, False, False]
-        assert engine.runner.allocator.usage == 0.0 and not engine.has_work
+        assert engine.cache.usage == 0.0 and not engine.has_work
     finally:
         counter.handle.remove()

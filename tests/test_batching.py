@@ -160,9 +160,9 @@ def test_greedy_batch_equals_each_request_alone(request, kind, name):
     assert aborted.finish_reason == "abort" and aborted.events[-1].finish_reason == "abort"
     assert 0 < len(aborted.output_ids) < len(alone["r3"].output_ids)
     assert aborted.output_ids == alone["r3"].output_ids[: len(aborted.output_ids)]
-    assert engine.runner.allocator.usage == 0.0 and not engine.has_work      # every page went back
-    if engine.runner.states is not None:
-        assert engine.runner.states.num_free == engine.config.max_num_seqs
+    assert engine.cache.usage == 0.0 and not engine.has_work      # every page went back
+    if engine.cache.slots is not None:
+        assert engine.cache.slots.num_free == engine.config.max_num_seqs
 
 
 # -- seeded sampling ---------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def test_preempted_requests_complete_exactly(request, kind, name, num_pages):
     for run in runs:
         assert_same_as_alone(run, alone[run.request.request_id])
     assert sum(run.seq.num_preemptions for run in runs) > 0
-    assert engine.runner.allocator.num_free == num_pages - 1
+    assert engine.cache.num_free_pages == num_pages - 1
 
 
 # Regression tests: before f65423e, admission checked each prompt's pages against the free

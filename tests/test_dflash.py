@@ -163,7 +163,7 @@ def test_closing_the_stream_stops_compute_and_the_next_request_is_exact(pairs, q
         llm.engine.step()                           # the next step drops it before any compute
         assert (counter_t.count, counter_d.count, llm.engine.runner.num_forwards) == before
         assert request.finish_reason == "abort" and not llm.engine.has_work
-        assert llm.engine.runner.allocator.usage == 0.0            # its pages went back
+        assert llm.engine.cache.usage == 0.0            # its pages went back
     finally:
         counter_t.handle.remove(), counter_d.handle.remove()
     assert llm.generate_ids(LONG, SamplingParams(max_tokens=40)).token_ids == reference
@@ -183,7 +183,7 @@ def test_abort_flag_stops_within_one_cycle(pairs):
         assert counter.count == before               # no verify after the flag was seen
         assert run.events[-1].finish_reason == "abort" and run.request.finish_reason == "abort"
         run.check_events()
-        assert engine.runner.allocator.usage == 0.0
+        assert engine.cache.usage == 0.0
     finally:
         counter.handle.remove()
 

@@ -28,7 +28,7 @@ def test_two_live_streams_share_the_batch_and_each_equals_its_run_alone(llm):
 
 def test_closing_a_stream_frees_its_pages_and_the_next_request_is_exact(llm):
     reference = llm.generate_ids([9707, 11], SamplingParams(max_tokens=12)).token_ids
-    free_before = llm.engine.runner.allocator.num_free
+    free_before = llm.engine.cache.num_free_pages
     stream = llm.stream(llm.make_request("gone", [9707, 11], SamplingParams(max_tokens=200)))
     next(stream)
     next(stream)
@@ -36,7 +36,7 @@ def test_closing_a_stream_frees_its_pages_and_the_next_request_is_exact(llm):
     forwards = llm.engine.runner.num_forwards
     llm.engine.step()                                 # the abort is seen before any compute
     assert llm.engine.runner.num_forwards == forwards
-    assert llm.engine.runner.allocator.num_free == free_before
+    assert llm.engine.cache.num_free_pages == free_before
     assert llm.generate_ids([9707, 11], SamplingParams(max_tokens=12)).token_ids == reference
 
 
@@ -109,7 +109,7 @@ def test_every_request_ends_exactly_once_even_when_a_step_fails(llm, monkeypatch
     assert reasons == {"x": ["error"], "y": ["error"], "gone": ["abort"]}
     assert "kernel fault" in events["x"][-1].error
     assert sorted(r.request_id for r in finished) == ["gone", "x", "y"]
-    assert engine.runner.allocator.usage == 0.0 and not engine.scheduler.has_work
+    assert engine.cache.usage == 0.0 and not engine.scheduler.has_work
     after = run_until_done(engine, [make(llm, "next")], finished)       # the engine keeps serving
     assert [e.finish_reason for e in after["next"] if e.finish_reason] == ["length"]
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import fixtures
+from blockspec.cache import CacheManager
 from blockspec.config import ConfigError, EngineConfig, MoeConfig
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.request import Request
@@ -117,8 +118,9 @@ def our_logits(path: Path, ids: list[int]) -> torch.Tensor:
     target = load_model(str(path)).model
     runner = ModelRunner(target, None, EngineConfig(max_model_len=256, max_num_seqs=1))
     seq = Sequence(Request("logits", ids, SamplingParams(max_tokens=1), frozenset(), 256), runner.device)
-    runner.grow(seq, len(ids))
-    runner.claim_state_slot(seq)
+    cache = CacheManager(EngineConfig(max_model_len=256, max_num_seqs=1).total_pages, 16, 1 if runner.is_hybrid else 0)
+    cache.grow(seq, len(ids))
+    cache.claim_state_slot(seq)
     meta = runner.prepare([seq], len(ids), [0], [ids])
     meta.keep_steps = False
     with torch.inference_mode():

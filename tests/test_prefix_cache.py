@@ -3,7 +3,6 @@ page freed exactly once, LRU order, snapshots bounded and evicted with their nod
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 
@@ -13,52 +12,32 @@ from blockspec.cache.prefix import PrefixCache
 PAGE = 4
 
 
-class Pages:
-    """An allocator that checks every free against what is out, so a double free or a lost
-    page shows; freed counts frees per page."""
-
-    def __init__(self, num_pages: int) -> None:
-        self.allocator = PageAllocator(num_pages)
-        self.out: set[int] = set()
-        self.freed: Counter = Counter()
-
-    def allocate(self, num: int) -> list[int]:
-        pages = self.allocator.allocate(num)
-        self.out.update(pages)
-        return pages
-
-    def free(self, pages: list[int]) -> None:
-        for page in pages:
-            assert page in self.out, f"page {page} freed twice (or never handed out)"
-            self.out.remove(page)
-        self.freed.update(pages)
-        self.allocator.free(pages)
-
-
 class Seq:
-    """A sequence as the runner holds it: tokens, block table, pinned path."""
+    """A sequence as the cache manager holds it: tokens, block table (one reference per page),
+    pinned path."""
 
-    def __init__(self, cache: PrefixCache, pages: Pages, tokens: list[int]) -> None:
+    def __init__(self, cache: PrefixCache, pages: PageAllocator, tokens: list[int]) -> None:
         self.cache, self.pages, self.tokens = cache, pages, tokens
         hit = cache.match(tokens, len(tokens) - 1)
         cache.pin(hit.nodes)
         self.path = list(hit.nodes)
         self.hit = hit.num_tokens(PAGE)
-        need = -(-len(tokens) // PAGE) - len(self.path)
-        self.block_table = [n.page for n in self.path] + pages.allocate(need)
+        self.block_table = [n.page for n in self.path]
+        pages.incref(self.block_table)
+        self.block_table += pages.allocate(-(-len(tokens) // PAGE) - len(self.path))
 
     def publish(self) -> None:
         self.cache.insert(self.path, self.tokens, self.block_table, len(self.tokens) // PAGE)
 
     def release(self) -> None:
-        own = [p for i, p in enumerate(self.block_table) if not self.cache.owns(self.path, i, p)]
-        self.pages.free(own)
+        self.pages.free(self.block_table)
         self.cache.unpin(self.path)
 
 
-def make(num_pages: int = 64, snapshots: tuple[int, ...] = (), hybrid: bool = False) -> tuple[PrefixCache, Pages]:
-    pages = Pages(num_pages)
-    return PrefixCache(PAGE, pages.free, list(snapshots), needs_snapshots=hybrid), pages
+def make(num_pages: int = 64, snapshots: tuple[int, ...] = (), hybrid: bool = False) -> tuple[PrefixCache, PageAllocator]:
+    """A cache over a reference-counted allocator: a double free raises DoubleFreeError."""
+    pages = PageAllocator(num_pages)
+    return PrefixCache(PAGE, pages, list(snapshots), needs_snapshots=hybrid), pages
 
 
 def test_match_stops_at_full_pages_and_before_the_last_position():
@@ -83,15 +62,15 @@ def test_every_page_freed_exactly_once():
     live: list[Seq] = []
     prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
     for step in range(300):
-        if live and (rng.random() < 0.45 or pages.allocator.num_free + cache.num_evictable < 8):
+        if live and (rng.random() < 0.45 or pages.num_free + cache.num_evictable < 8):
             seq = live.pop(rng.randrange(len(live)))
             seq.publish()
             seq.release()
         else:
             tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 14))]
-            short = -(-len(tokens) // PAGE) - pages.allocator.num_free
+            short = -(-len(tokens) // PAGE) - pages.num_free
             cache.evict(short + PAGE)         # the pool needs room: unpinned leaves go first
-            if -(-len(tokens) // PAGE) > pages.allocator.num_free:
+            if -(-len(tokens) // PAGE) > pages.num_free:
                 continue
             live.append(Seq(cache, pages, tokens))
             if rng.random() < 0.5:
@@ -102,9 +81,8 @@ def test_every_page_freed_exactly_once():
     cache.clear()
     cache.check()
     assert cache.num_nodes == 0
-    assert not pages.out, "a page lost"
-    assert pages.allocator.num_free == 39
-    assert sorted(pages.allocator._free) == list(range(1, 40))
+    assert pages.num_free == 39, "a page lost"
+    assert sorted(pages._free) == list(range(1, 40)) and not any(pages._refs)
 
 
 def test_pinned_pages_are_never_evicted():
@@ -147,10 +125,10 @@ def test_concurrent_duplicates_keep_their_own_pages():
     assert [n.page for n in b.path] == a.block_table[:2] != b.block_table[:2]
     cache.check()
     b.release()                                      # its own copies go back, the tree's stay
-    assert pages.freed[b.block_table[0]] == 1 and pages.freed[a.block_table[0]] == 0
+    assert pages.refcount(b.block_table[0]) == 0 and pages.refcount(a.block_table[0]) == 2
     a.release()
     cache.clear()
-    assert not pages.out and pages.allocator.num_free == 63
+    assert pages.num_free == 63 and not any(pages._refs)
 
 
 def test_hybrid_hit_ends_at_the_deepest_snapshot():

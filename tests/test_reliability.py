@@ -195,8 +195,8 @@ def references(models, kind: str, spec: bool) -> list[list[int]]:
 
 
 def free_memory(engine) -> tuple[int, int | None]:
-    runner = engine.runner
-    return runner.allocator.num_free, runner.states.num_free if runner.states is not None else None
+    cache = engine.cache
+    return cache.num_free_pages, cache.slots.num_free if cache.slots is not None else None
 
 
 @pytest.mark.parametrize("kind,spec,phase", [("dense", True, "commit"), ("dense", False, "commit"),
@@ -311,7 +311,7 @@ def test_a_failing_request_gets_an_error_the_others_their_answers(live):
     llm, server = live
     questions = [f"Question {i}?" for i in range(3)]
     expected = [ask(server.url, q).json()["choices"][0]["message"]["content"] for q in questions]
-    initial = llm.engine.runner.allocator.num_free
+    initial = llm.engine.cache.num_free_pages
     for stream in (False, True):
         target = llm.tokenizer.encode_chat([{"role": "user", "content": questions[1]}])
         llm.engine.fault_hook = fail_on_commit(target, 4)
@@ -322,7 +322,7 @@ def test_a_failing_request_gets_an_error_the_others_their_answers(live):
         status, message = answers[1]
         assert status == ("stream-error" if stream else 500) and "injected fault" in message
     assert wait_until(lambda: llm.engine.num_running == 0)
-    assert llm.engine.runner.allocator.num_free == initial
+    assert llm.engine.cache.num_free_pages == initial
 
 
 def fail_on_commit(prompt_ids: list[int], nth: int):

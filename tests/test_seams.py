@@ -140,7 +140,7 @@ def test_the_drain_ends_every_choice_of_a_stream(plain, path, body):
     """SIGTERM's drain running out (ServerState.drain, timeout 0) in the middle of a stream of
     several choices: each choice gets its abort, then one error event, then [DONE]."""
     state, engine = plain.app.state.server, plain.llm.engine
-    initial = engine.runner.allocator.num_free
+    initial = engine.cache.num_free_pages
     lines: list[str] = []
 
     def read() -> None:
@@ -160,7 +160,7 @@ def test_the_drain_ends_every_choice_of_a_stream(plain, path, body):
     num_choices = 2 * (2 if "prompt" in body else 1)
     assert sorted(c["index"] for c in ends) == list(range(num_choices)), lines[-6:]
     assert {c["finish_reason"] for c in ends} == {"abort"}
-    assert wait_until(lambda: engine.num_running == 0 and engine.runner.allocator.num_free == initial)
+    assert wait_until(lambda: engine.num_running == 0 and engine.cache.num_free_pages == initial)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,13 +51,6 @@ class StatePool:
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
-    def reserve(self, num: int) -> list[int]:
-        """Take num slots out of the sequences' free list for another owner (the prefix
-        cache's snapshots: cache/prefix.py)."""
-        if num > len(self._free):
-            raise ValueError(f"{num} slots asked for, {len(self._free)} free")
-        return [self._free.pop() for _ in range(num)]
-
     def copy(self, src: int, dst: int) -> None:
         """Slot dst := slot src (every layer's conv window and SSM state): a prefix snapshot
         taken or restored."""
@@ -68,6 +61,14 @@ class StatePool:
     @property
     def slot_bytes(self) -> int:
         return sum(c[0].numel() * c.element_size() + m[0].numel() * m.element_size() for c, m in zip(self.conv, self.ssm))
+
+    def clear(self, slots: list[int]) -> None:
+        """Zero these slots' state (a sequence starting from its first token). The engine's slot
+        ids come from cache/manager.py; allocate/free above serve standalone harnesses."""
+        for slot in slots:
+            for conv, ssm in zip(self.conv, self.ssm):
+                conv[slot].zero_()
+                ssm[slot].zero_()
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.conv[layer][slots], self.ssm[layer][slots]

@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from blockspec.cache import CacheManager, PrefixCacheManager
+from blockspec.cache.prefix import snapshot_slot_ids
 from blockspec.config import EngineConfig
 from blockspec.engine.model_runner import DecodeResult, ModelRunner
 from blockspec.engine.request import Request, TokenEvent
@@ -56,7 +58,13 @@ class Engine:
                  on_finish: Callable[[Request], None] | None = None) -> None:
         self.config = config
         self.runner = ModelRunner(target, draft, config)
-        self.scheduler = Scheduler(config, self.runner)
+        num_slots = config.max_num_seqs if self.runner.is_hybrid else 0
+        if config.prefix_cache:
+            self.cache = PrefixCacheManager(config.total_pages, config.page_size, num_slots,
+                                            snapshot_slot_ids(config.max_num_seqs, config.prefix_state_slots))
+        else:
+            self.cache = CacheManager(config.total_pages, config.page_size, num_slots)
+        self.scheduler = Scheduler(config, self.cache, self.runner.width)
         self.counters = EngineCounters()
         self.on_finish = on_finish
         self._callbacks: dict[int, EventCallback] = {}
@@ -85,7 +93,7 @@ class Engine:
 
     @property
     def kv_cache_usage(self) -> float:
-        return self.runner.allocator.usage
+        return self.cache.usage
 
     def submit(self, request: Request, on_event: EventCallback) -> None:
         """Thread-safe; raises QueueFullError instead of queueing beyond max_queue or after
@@ -129,7 +137,7 @@ class Engine:
                 self._end(seq, "length")
                 continue
             self._end(seq, "error", error=f"the sequence needs more KV-cache pages than the pool has "
-                                          f"({self.runner.allocator.num_pages - 1}); raise the pool size "
+                                          f"({self.cache.num_usable_pages}); raise the pool size "
                                           f"or lower --max-model-len")
         if batch.is_empty:
             return
@@ -172,7 +180,8 @@ class Engine:
         if self.fault_hook is not None:
             self.fault_hook("commit", [seq])
         logprobs = result.logprobs[b] if result.logprobs else None
-        emitted.append(self.scheduler.postprocess_decode(seq, result.num_accepted[b], result.new_tokens[b], logprobs))
+        emitted.append(self.scheduler.postprocess_decode(seq, result.num_accepted[b], result.new_tokens[b], logprobs,
+                                                         result.num_drafts[b]))
 
     def _isolated(self, seq: Sequence, work: Callable[[], None]) -> None:
         """One sequence's own work: if it fails, that sequence ends with an error and the rest

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from blockspec.cache import KVPool, PageAllocator, PrefixCache, PrefixHit, StatePool
+from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.logits import LogitsProcessor
+from blockspec.engine.scheduler import FirstToken
 from blockspec.engine.spec.dflash import accept, process_verify, propose
 from blockspec.layers import AttentionMetadata
 from blockspec.layers.attention import unpack, uses_kernels
@@ -33,13 +34,7 @@ class DecodeResult:
     num_accepted: list[int]          # drafts each sequence's verify accepted
     new_tokens: list[list[int]]      # a_b + 1 tokens per sequence (before stop / length cuts)
     logprobs: list[list[TokenLogprob] | None] | None = None   # per sequence, for those that asked
-
-
-@dataclass
-class FirstToken:
-    """The token sampled at the prompt's end, with its logprob if the request asked."""
-    token_id: int
-    logprobs: list[TokenLogprob] | None = None
+    num_drafts: list[int] | None = None   # k_i each sequence verified
 
 
 class ModelRunner:
@@ -52,7 +47,6 @@ class ModelRunner:
         # Target layers whose outputs feed the draft (none without a draft).
         self.capture_layers = tuple(self.draft.target_layer_ids) if self.draft is not None else ()
         self.page_size = config.page_size
-        self.allocator = PageAllocator(config.total_pages)
         num_slots = config.total_pages * config.page_size
         tc = target.config
         self.target_kv = KVPool(target.num_attention_layers, num_slots, tc.num_key_value_heads, tc.head_dim,
@@ -63,10 +57,9 @@ class ModelRunner:
             self.draft_kv = KVPool(dc.num_hidden_layers, num_slots, dc.num_key_value_heads, dc.head_dim,
                                    self.dtype, self.device)
         shapes = target.recurrent_shapes
-        num_snapshots = config.prefix_state_slots if config.prefix_cache else 0
+        num_snapshots = config.prefix_state_slots if config.prefix_cache else 0     # [prefix] slots after the seqs'
         self.states = (StatePool(config.max_num_seqs + 1 + num_snapshots, shapes, self.dtype, self.device)
                        if shapes else None)
-        self.prefix = self.make_prefix_cache(num_snapshots)
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
         self.graphs = None
         if config.cuda_graphs and self.device.type == "cuda":
@@ -140,12 +133,18 @@ class ModelRunner:
         """Compute the next num_tokens positions of seq; return its first output token when the
         prompt is done and nothing was generated yet (else None)."""
         start = seq.num_cached
+        self.clear_states([seq])
+        if seq.restore_from is not None:            # [prefix] a hybrid hit resumes from its snapshot
+            self.states.copy(seq.restore_from, seq.state_slot)
+            seq.restore_from = None
         meta = self.prepare([seq], num_tokens, [start], [seq.tokens[start: start + num_tokens]])
         meta.keep_steps = False
         out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
         self.num_forwards += 1
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
+        if seq.snapshot_into is not None:           # [prefix] the state at this chunk's end, for the tree
+            self.states.copy(seq.state_slot, seq.snapshot_into)
         seq.num_cached += num_tokens
         if seq.is_prefilling or seq.request.output_ids:
             return None
@@ -189,7 +188,7 @@ class ModelRunner:
         if meta.keep_steps:
             self.states.select(meta.state_slots[:num_seqs], [a + 1 for a in num_accepted])
         logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(seqs, raw, new_tokens)]
-        return DecodeResult(num_accepted, new_tokens, logprobs)
+        return DecodeResult(num_accepted, new_tokens, logprobs, [width - 1] * num_seqs)
 
     @staticmethod
     def raw_logprobs(seqs: list[Sequence], logits: torch.Tensor) -> list[torch.Tensor | None]:
@@ -233,145 +232,30 @@ class ModelRunner:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         return self.target.compute_logits(out.hidden)
 
-    # -- memory -----------------------------------------------------------------------------
-
-    def pages_needed(self, seq: Sequence, num_positions: int) -> int:
-        return max(0, -(-num_positions // self.page_size) - len(seq.block_table))
-
-    def grow(self, seq: Sequence, num_positions: int) -> None:
-        """Give seq pages for positions [0, num_positions)."""
-        seq.block_table += self.allocator.allocate(self.pages_needed(seq, num_positions))
-
-    def release(self, seq: Sequence) -> None:
-        if self.prefix is not None:
-            self.keep_pending_snapshot(seq)
-            path = seq.prefix_path
-            self.allocator.free([p for i, p in enumerate(seq.block_table) if not self.prefix.owns(path, i, p)])
-            self.prefix.unpin(path)
-            seq.prefix_path = []
-        else:
-            self.allocator.free(seq.block_table)
-        seq.block_table = []
-        if seq.state_slot is not None:
-            self.states.free(seq.state_slot)
-            seq.state_slot = None
-
-    def claim_state_slot(self, seq: Sequence) -> None:
-        if self.is_hybrid:
-            seq.state_slot = self.states.allocate()
-
-    @property
-    def has_free_state_slot(self) -> bool:
-        return not self.is_hybrid or self.states.num_free > 0
-
-    # -- prefix cache (cache/prefix.py) -----------------------------------------------------
-    # [prefix] The whole engine-side integration is this section plus one call per step in
-    # the scheduler (take_hit at admission, chunk_end for a chunk's length, publish after a
-    # forward); with the cache manager of #20 these move into it unchanged.
-
-    def make_prefix_cache(self, num_snapshots: int) -> PrefixCache | None:
-        if not self.config.prefix_cache:
-            return None
-        snapshots = self.states.reserve(num_snapshots) if self.is_hybrid else []
-        cache = PrefixCache(self.page_size, self.allocator.free, snapshots, needs_snapshots=self.is_hybrid)
-        self.allocator.cache = cache
-        return cache
-
-    def take_hit(self, seq: Sequence) -> PrefixHit | None:
-        """Before admission: pin the longest cached prefix of seq's full pages, short of its
-        last position (always recomputed: the first token's logits and the draft's features
-        come from it); on a hybrid target the hit ends at the deepest snapshot. The pages
-        become the start of seq's block table. Undo with drop_hit if seq is not admitted."""
-        if self.prefix is None:
-            return None
-        hit = self.prefix.match(seq.tokens, seq.prefill_len - 1)
-        self.prefix.pin(hit.nodes)
-        seq.prefix_path = list(hit.nodes)
-        seq.block_table = [node.page for node in hit.nodes]
-        seq.num_cached = hit.num_tokens(self.page_size)
-        if self.is_hybrid:      # chunk ends that get a snapshot: where the tree branches, the prompt's last page
-            seq.snapshot_points = tuple(sorted({hit.matched_pages * self.page_size,
-                                                seq.prefill_len // self.page_size * self.page_size}))
-        return hit
-
-    def drop_hit(self, seq: Sequence) -> None:
-        self.prefix.unpin(seq.prefix_path)
-        seq.prefix_path, seq.block_table, seq.num_cached, seq.snapshot_points = [], [], 0, ()
-
-    def restore_snapshot(self, seq: Sequence, hit: PrefixHit | None) -> None:
-        """After claim_state_slot: a hybrid hit resumes from its snapshot's state."""
-        if hit is not None and hit.snapshot is not None:
-            self.states.copy(hit.snapshot, seq.state_slot)
-
-    def chunk_end(self, seq: Sequence, length: int) -> int:
-        """A hybrid prefill chunk stops at the next snapshot point (a page boundary)."""
-        end = seq.num_cached + length
-        for point in seq.snapshot_points:
-            if seq.num_cached < point < end:
-                return point - seq.num_cached
-        return length
-
-    def publish(self, seq: Sequence, after_prefill: bool) -> None:
-        """After a forward: seq's newly full pages join the tree (shareable at once); a hybrid
-        target's state at the end of a prefill chunk on a page boundary becomes a snapshot."""
-        if self.prefix is None:
-            return
-        num_valid = min(seq.num_cached, seq.num_tokens)     # a cut at a stop id leaves fed drafts past it
-        num_full = num_valid // self.page_size
-        if num_full > len(seq.prefix_path):
-            self.prefix.insert(seq.prefix_path, seq.tokens, seq.block_table, num_full)
-        if after_prefill and self.is_hybrid and seq.num_cached % self.page_size == 0 and num_full > 0:
-            self.snapshot(seq.state_slot, seq.prefix_path[num_full - 1])
-
-    def snapshot(self, slot: int, node) -> None:
-        if node.snapshot is not None:
-            return
-        target = self.prefix.take_snapshot_slot()
-        if target is not None:
-            self.states.copy(slot, target)
-            self.prefix.attach_snapshot(node, target)
-
     def snapshot_page_boundaries(self, seqs: list[Sequence], num_accepted: list[int], from_stash: bool) -> None:
-        """Hybrid decode: a sequence whose kept positions cross a page boundary keeps the state
-        at that boundary in its pending snapshot slot (from the verify's per-position stash;
-        plain decoding feeds one position, so its slot is that state already); it becomes a
-        snapshot of that page's node when the sequence ends (the next turn's prefix: prompt +
-        answer)."""
-        if self.prefix is None or self.prefix.num_snapshot_slots == 0:
-            return
+        """[prefix] Hybrid decode: a sequence with a pending slot whose kept positions cross a
+        page boundary keeps the state at that boundary there (from the verify's per-position
+        stash; plain decoding feeds one position, so its slot is that state already). The
+        cache manager files it under that page when the sequence ends (cache/prefix.py)."""
         rows, slots, kept = [], [], []
         for row, (seq, accepted) in enumerate(zip(seqs, num_accepted)):
             boundary = (seq.num_cached + accepted + 1) // self.page_size * self.page_size
-            if boundary <= seq.num_cached:
+            if seq.pending_slot is None or boundary <= seq.num_cached:
                 continue
-            slot = seq.pending_snapshot[0] if seq.pending_snapshot is not None else self.prefix.take_snapshot_slot()
-            if slot is None:
-                continue
-            seq.pending_snapshot = (slot, boundary)
+            seq.pending_boundary = boundary
             rows.append(row)
-            slots.append(slot)
+            slots.append(seq.pending_slot)
             kept.append(boundary - seq.num_cached)
-        if not slots:
-            return
-        if from_stash:
+        if slots and from_stash:
             self.states.select(torch.tensor(slots, device=self.device), kept, keep_stash=True, rows=rows)
-            return
-        for row, slot in zip(rows, slots):
-            self.states.copy(seqs[row].state_slot, slot)
+        elif slots:
+            for row, slot in zip(rows, slots):
+                self.states.copy(seqs[row].state_slot, slot)
 
-    def keep_pending_snapshot(self, seq: Sequence) -> None:
-        """seq ends or is preempted: its pending snapshot joins the tree when the page it ends
-        is a committed one in seq's path, else its slot goes back."""
-        if seq.pending_snapshot is None:
-            return
-        slot, boundary = seq.pending_snapshot
-        seq.pending_snapshot = None
-        depth = boundary // self.page_size
-        node = seq.prefix_path[depth - 1] if depth <= len(seq.prefix_path) else None
-        if node is not None and node.snapshot is None:
-            self.prefix.attach_snapshot(node, slot)
-        else:
-            self.prefix.give_back_snapshot_slot(slot)
+    def clear_states(self, seqs: list[Sequence]) -> None:
+        """Zero the recurrent state of sequences starting from their first token."""
+        if self.is_hybrid:
+            self.states.clear([seq.state_slot for seq in seqs if seq.num_cached == 0])
 
 
 def derive_positions(positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,

@@ -1,13 +1,18 @@
-"""Which sequences run in the next step, and what their results mean.
+"""Which sequences run in the next step, how many tokens each, and what their results mean.
+
+A step is {sequence: number of tokens} under a token budget (max_num_batched_tokens), as in
+vLLM v1: every decoding sequence's verify rows (its anchor plus k_i drafts; k_i = 0 is a plain
+decode row) and, with what the budget leaves, prefill chunks of the prefilling sequences, oldest
+first (at most max_prefill_tokens prompt positions per step). Decoding never waits behind a
+prompt: a chunk of it rides along with the decode rows in the same step.
 
 - Admission is FIFO: the oldest waiting sequence goes first, and nobody jumps a sequence that
   does not fit yet (no starvation). A sequence is admitted when a seat (max_num_seqs), a state
   slot (hybrid targets) and the pages for its prompt plus one block are free.
-- A step is either prefill chunks (up to max_prefill_tokens positions over the prefilling
-  sequences, oldest first) or one DFlash cycle of every decoding sequence. When both kinds wait,
-  they alternate, so a long prompt never stalls the others for more than one chunk.
-- Before a cycle each sequence gets pages for its block; when the pool runs dry the newest
-  sequence is preempted (pages and slot freed, recomputed later from its tokens), never a crash.
+- Memory is the cache manager's (cache/manager.py), which the scheduler owns: before a step each
+  sequence gets pages for its tokens; when the pool runs dry the newest sequence is preempted
+  (pages and slot freed, recomputed later from its tokens), never a crash.
+- verify_widths is the one place that decides k_i (the drafts each sequence verifies).
 - postprocess commits each sequence's new tokens (Request.commit cuts at stop ids, max_tokens
   and the context limit), rewinds it by length to its accepted prefix, and finishes it.
 """
@@ -17,20 +22,32 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from blockspec.cache import CacheManager, PrefixCacheManager
 from blockspec.config import EngineConfig
 from blockspec.engine.logprobs import TokenLogprob
-from blockspec.engine.model_runner import FirstToken, ModelRunner
 from blockspec.engine.sequence import Sequence
+
+
+@dataclass
+class FirstToken:
+    """The token sampled at the prompt's end, with its logprob if the request asked."""
+    token_id: int
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
 class Batch:
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)   # (sequence, chunk length)
     decode: list[Sequence] = field(default_factory=list)
+    num_drafts: list[int] = field(default_factory=list)                 # k_i per decode sequence
 
     @property
     def is_empty(self) -> bool:
         return not self.prefill and not self.decode
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(length for _, length in self.prefill) + sum(k + 1 for k in self.num_drafts)
 
 
 @dataclass
@@ -41,13 +58,15 @@ class Emitted:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, runner: ModelRunner) -> None:
-        self.config, self.runner = config, runner
+    """width: tokens of a full verify block (the block size with a draft, else 1)."""
+
+    def __init__(self, config: EngineConfig, cache: CacheManager, width: int) -> None:
+        self.config, self.cache, self.width = config, cache, width
+        self.prefix_cache = isinstance(cache, PrefixCacheManager)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.unservable: list[Sequence] = []        # too long for the whole pool: the engine ends them
         self.seat_limit = config.max_num_seqs         # lowered by the engine after an out-of-memory
-        self._last_was_prefill = False
 
     @property
     def has_work(self) -> bool:
@@ -58,79 +77,84 @@ class Scheduler:
 
     # -- schedule ---------------------------------------------------------------------------
 
+    def verify_widths(self, decoding: list[Sequence]) -> list[int]:
+        """k_i: how many drafts each decoding sequence verifies this step (0 … width − 1; 0 is a
+        plain decode row). The one hook for an adaptive policy; today every sequence takes the
+        full block."""
+        return [self.width - 1] * len(decoding)
+
     def schedule(self) -> Batch:
         self._admit()
-        prefilling = [s for s in self.running if s.is_prefilling]
+        budget = self.config.max_num_batched_tokens
         decoding = [s for s in self.running if not s.is_prefilling]
-        if prefilling and not (decoding and self._last_was_prefill):
-            self._last_was_prefill = True
-            return Batch(prefill=self._chunks(prefilling))
-        self._last_was_prefill = False
-        return Batch(decode=self._reserve_blocks(decoding))
+        decode: list[tuple[Sequence, int]] = []
+        for seq, num_drafts in zip(decoding, self.verify_widths(decoding)):
+            if num_drafts + 1 > budget:
+                break                        # the rest decode next step (oldest first keeps order)
+            if seq in self.running and self._make_room(seq, seq.num_cached + num_drafts + 1):
+                decode.append((seq, num_drafts))
+                budget -= num_drafts + 1
+        prefilling = [s for s in self.running if s.is_prefilling]
+        chunks = self._chunks(prefilling, min(budget, self.config.max_prefill_tokens))
+        # A prefill's pages may have preempted a decoding sequence scheduled above.
+        decode = [(seq, k) for seq, k in decode if seq in self.running]
+        return Batch(prefill=[(s, n) for s, n in chunks if s in self.running],
+                     decode=[seq for seq, _ in decode], num_drafts=[k for _, k in decode])
 
     def _admit(self) -> None:
         promised = 0                    # pages the sequences admitted in this call will claim
         while self.waiting and len(self.running) < self.seat_limit:
             seq = self.waiting[0]
-            hit = self.runner.take_hit(seq)            # [prefix] cached pages need no room
-            need = self.runner.pages_needed(seq, seq.prefill_len + self.runner.width)
-            if need + promised > self.runner.allocator.num_free or not self.runner.has_free_state_slot:
+            hit = self.cache.take_hit(seq) if self.prefix_cache else None   # [prefix] cached pages need no room
+            need = self.cache.pages_needed(seq, seq.prefill_len + self.width)
+            if need + promised > self.cache.num_free_pages or not self.cache.has_free_state_slot:
                 if hit is not None:
-                    self.runner.drop_hit(seq)
-                if not self.running and need > self.runner.allocator.num_free:
+                    self.cache.drop_hit(seq)
+                if not self.running and need > self.cache.num_free_pages:
                     self.waiting.popleft()
                     self.unservable.append(seq)        # would not fit even in an empty pool
                     continue
                 return
             promised += need
             self.waiting.popleft()
-            self.runner.claim_state_slot(seq)
-            self.runner.restore_snapshot(seq, hit)
-            if hit is not None and seq.num_preemptions == 0:
-                seq.request.stats.cached_tokens = seq.num_cached
-                self.runner.prefix.record_query(len(seq.request.prompt_ids), seq.num_cached)
+            self.cache.claim_state_slot(seq)
+            if hit is not None:
+                self.cache.admit(seq, hit)
             seq.mark_admitted()
             self.running.append(seq)
 
-    def _chunks(self, prefilling: list[Sequence]) -> list[tuple[Sequence, int]]:
-        budget, chunks = self.config.max_prefill_tokens, []
+    def _chunks(self, prefilling: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+        chunks = []
         for seq in prefilling:
             if budget == 0 or seq not in self.running:
                 continue
-            length = self.runner.chunk_end(seq, min(budget, seq.prefill_len - seq.num_cached))
+            length = min(budget, seq.prefill_len - seq.num_cached)
+            if self.prefix_cache:
+                length = self.cache.chunk_length(seq, length)      # [prefix] hybrid snapshot points
             if self._make_room(seq, seq.num_cached + length):
                 chunks.append((seq, length))
                 budget -= length
-        return [(seq, length) for seq, length in chunks if seq in self.running]
-
-    def _reserve_blocks(self, decoding: list[Sequence]) -> list[Sequence]:
-        """Pages for every decoding sequence's next block, oldest first; when the pool runs dry
-        the newest running sequences are preempted."""
-        batch = []
-        for seq in decoding:
-            if seq in self.running and self._make_room(seq, seq.num_cached + self.runner.width):
-                batch.append(seq)
-        return [seq for seq in batch if seq in self.running]
+        return chunks
 
     def _make_room(self, seq: Sequence, num_positions: int) -> bool:
         """Pages for seq's first num_positions. Short of pages, the newest running sequence is
         preempted — seq itself when it is the newest (as vLLM does): older sequences keep going."""
-        while self.runner.pages_needed(seq, num_positions) > self.runner.allocator.num_free:
+        while self.cache.pages_needed(seq, num_positions) > self.cache.num_free_pages:
             if self.running == [seq]:
                 self.running.remove(seq)
-                self.runner.release(seq)
+                self.cache.release(seq)
                 self.unservable.append(seq)            # would not fit even alone
                 return False
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:
                 return False
-        self.runner.grow(seq, num_positions)
+        self.cache.grow(seq, num_positions)
         return True
 
     def preempt(self, seq: Sequence) -> None:
         """Free its pages and state; it waits at the front and recomputes from its tokens."""
-        self.runner.release(seq)
+        self.cache.release(seq)
         seq.reset_for_recompute()
         self.running.remove(seq)
         self.waiting.appendleft(seq)
@@ -138,13 +162,14 @@ class Scheduler:
     # -- after the step ---------------------------------------------------------------------
 
     def finish(self, seq: Sequence) -> None:
-        self.runner.release(seq)
+        self.cache.release(seq)
         for queue in (self.running, self.waiting, self.unservable):
             if seq in queue:
                 queue.remove(seq)
 
     def postprocess_prefill(self, seq: Sequence, first_token: FirstToken | None) -> Emitted | None:
-        self.runner.publish(seq, after_prefill=True)
+        if self.prefix_cache:
+            self.cache.publish(seq, after_prefill=True)
         if first_token is None:
             return None
         now = time.perf_counter()
@@ -153,13 +178,16 @@ class Scheduler:
         return Emitted(seq, commit(seq, [first_token.token_id], first_token.logprobs))
 
     def postprocess_decode(self, seq: Sequence, num_accepted: int, new_tokens: list[int],
-                           logprobs: list[TokenLogprob] | None = None) -> Emitted:
-        """One sequence's cycle: commit its a + 1 new tokens, rewind it by length, count it."""
-        allowed = min(self.runner.width, seq.request.num_allowed)      # tokens this cycle could commit
+                           logprobs: list[TokenLogprob] | None = None, num_drafts: int | None = None) -> Emitted:
+        """One sequence's cycle: commit its a + 1 new tokens, rewind it by length, count it.
+        num_drafts: the k it verified (the full block when not given)."""
+        num_drafts = self.width - 1 if num_drafts is None else num_drafts
+        allowed = min(num_drafts + 1, seq.request.num_allowed)      # tokens this cycle could commit
         committed = commit(seq, new_tokens, logprobs)
         # x and d_1 … d_a stay in the pools; the bonus (the next x) is fed by the next cycle.
         seq.num_cached += num_accepted + 1
-        self.runner.publish(seq, after_prefill=False)
+        if self.prefix_cache:
+            self.cache.publish(seq, after_prefill=False)
         # Stats as if the block had been cut to the allowed length (drafts past it count for
         # nothing); acceptance length = accepted + 1 holds for every cut (stop id or length).
         accepted = max(0, min(num_accepted, len(committed) - 1))

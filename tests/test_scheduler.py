@@ -1,0 +1,188 @@
+"""The scheduler and its cache manager with no model at all: the step is computed, then
+"run" by hand (num_cached advanced, tokens committed) as the engine would after a forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.cache import CacheManager, DoubleFreeError
+from blockspec.config import EngineConfig
+from blockspec.engine.request import Request
+from blockspec.engine.scheduler import Batch, Scheduler
+from blockspec.engine.sequence import Sequence
+from blockspec.sampling import SamplingParams
+
+
+def make_seq(name: str, prompt_len: int, max_tokens: int = 64) -> Sequence:
+    request = Request(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), frozenset(), 4096)
+    return Sequence(request, torch.device("cpu"))
+
+
+def make_scheduler(num_pages: int = 64, page_size: int = 4, width: int = 4, num_slots: int = 0,
+                   **config) -> Scheduler:
+    settings = dict(max_model_len=1024, max_num_seqs=8, page_size=page_size, num_pages=num_pages,
+                    block_size=width)
+    settings.update(config)
+    return Scheduler(EngineConfig(**settings), CacheManager(num_pages, page_size, num_slots), width)
+
+
+def run_step(scheduler: Scheduler, batch: Batch) -> None:
+    """What the engine does after the forward: prefill chunks advance; a finished prompt gets
+    its first token; each decode sequence accepts all its drafts."""
+    for seq, length in batch.prefill:
+        seq.num_cached += length
+        if not seq.is_prefilling:
+            seq.request.commit([7])
+    for seq, num_drafts in zip(batch.decode, batch.num_drafts):
+        scheduler.postprocess_decode(seq, num_drafts, [7] * (num_drafts + 1), None, num_drafts)
+
+
+def finish_done(scheduler: Scheduler) -> None:
+    for seq in list(scheduler.running):
+        if seq.request.is_finished:
+            scheduler.finish(seq)
+
+
+# -- fairness and the token budget ------------------------------------------------------------
+
+def test_a_decoding_sequence_rides_in_every_step_while_a_long_prompt_prefills():
+    """Never two prefill-only steps while a decode waits: here, stronger, no step leaves the
+    decoding sequence out (a scheduler where prefill always wins fails at the second step)."""
+    scheduler = make_scheduler(num_pages=256, max_prefill_tokens=16, max_num_batched_tokens=20)
+    short = make_seq("short", 5)
+    scheduler.add(short)
+    run_step(scheduler, scheduler.schedule())           # short's whole prompt → it decodes
+    assert not short.is_prefilling
+    long = make_seq("long", 200)
+    scheduler.add(long)
+    steps = 0
+    while long.is_prefilling:
+        batch = scheduler.schedule()
+        assert batch.decode == [short], f"step {steps} left the decoding sequence out"
+        assert [s for s, _ in batch.prefill] == [long]
+        assert batch.num_tokens <= 20
+        run_step(scheduler, batch)
+        steps += 1
+    assert steps == -(-200 // 16)
+
+
+def test_the_token_budget_caps_every_step_and_prefill_takes_what_decoding_leaves():
+    scheduler = make_scheduler(num_pages=512, max_prefill_tokens=1000, max_num_batched_tokens=24)
+    decoders = [make_seq(f"d{i}", 3) for i in range(3)]
+    for seq in decoders:
+        scheduler.add(seq)
+    run_step(scheduler, scheduler.schedule())            # 9 prompt tokens: all three in one step
+    assert all(not s.is_prefilling for s in decoders)
+    prompt = make_seq("p", 100)
+    scheduler.add(prompt)
+    for _ in range(5):
+        batch = scheduler.schedule()
+        assert batch.num_drafts == [3, 3, 3]                   # the full block each
+        assert batch.prefill == [(prompt, 24 - 12)]           # the budget's rest
+        assert batch.num_tokens == 24
+        run_step(scheduler, batch)
+
+
+def test_several_prompts_prefill_in_one_step():
+    scheduler = make_scheduler(num_pages=512, max_num_batched_tokens=64)
+    seqs = [make_seq(f"s{i}", 10 + i) for i in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    assert batch.prefill == [(s, 10 + i) for i, s in enumerate(seqs)] and not batch.decode
+
+
+def test_verify_widths_is_the_one_hook_for_k():
+    scheduler = make_scheduler(num_pages=512)
+    seqs = [make_seq(f"s{i}", 4) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_step(scheduler, scheduler.schedule())
+    scheduler.verify_widths = lambda decoding: [0, 2, 3][: len(decoding)]
+    batch = scheduler.schedule()
+    assert batch.num_drafts == [0, 2, 3] and batch.num_tokens == 1 + 3 + 4
+    before = [len(s.block_table) for s in seqs]
+    run_step(scheduler, batch)
+    assert [s.num_cached for s in seqs] == [4 + 1, 4 + 3, 4 + 4]
+    assert before == [2, 2, 2]                        # 4 + k + 1 positions of 4 per page
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+def test_every_page_is_freed_exactly_once():
+    cache = CacheManager(num_pages=10, page_size=4)
+    seq = make_seq("a", 10)
+    cache.grow(seq, 10)
+    pages = list(seq.block_table)
+    assert len(pages) == 3 and cache.num_free_pages == 6
+    cache.release(seq)
+    assert seq.block_table == [] and cache.num_free_pages == 9
+    cache.release(seq)                                   # preempted, then ended: nothing twice
+    assert cache.num_free_pages == 9
+    with pytest.raises(DoubleFreeError):
+        cache.pages.free(pages[:1])
+    assert cache.num_free_pages == 9
+
+
+def test_a_shared_page_is_freed_when_its_last_holder_lets_go():
+    cache = CacheManager(num_pages=6, page_size=4)
+    a, b = make_seq("a", 8), make_seq("b", 8)
+    cache.grow(a, 8)
+    cache.pages.incref(a.block_table[:1])                # b starts with a's first page (a prefix)
+    b.block_table = a.block_table[:1]
+    cache.grow(b, 8)
+    assert cache.num_free_pages == 2
+    cache.release(a)
+    assert cache.num_free_pages == 3 and cache.pages.refcount(b.block_table[0]) == 1
+    cache.release(b)
+    assert cache.num_free_pages == 5
+
+
+def test_preemption_and_ending_free_each_page_once_through_the_scheduler():
+    """A sequence preempted for pages and later ended is released twice (preempt, finish);
+    every page returns exactly once and the pool ends full."""
+    scheduler = make_scheduler(num_pages=9, page_size=4, width=4, num_slots=8)
+    a, b = make_seq("a", 8, max_tokens=10), make_seq("b", 8, max_tokens=10)
+    scheduler.add(a)
+    scheduler.add(b)
+    preempted = False
+    for _ in range(60):
+        batch = scheduler.schedule()
+        preempted |= b.num_preemptions > 0
+        if batch.is_empty:
+            break
+        run_step(scheduler, batch)
+        finish_done(scheduler)
+    assert preempted and a.request.is_finished and b.request.is_finished
+    for seq in (a, b):
+        scheduler.finish(seq)
+    assert scheduler.cache.num_free_pages == 8 and scheduler.cache.slots.num_free == 8
+
+
+def test_admission_waits_for_free_pages_and_takes_the_oldest_first():
+    scheduler = make_scheduler(num_pages=9, page_size=4, width=4)
+    first, second = make_seq("first", 20), make_seq("second", 8)
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.schedule()
+    assert scheduler.running == [first]                  # 24 positions: 6 pages of 8; second needs 3
+    assert list(scheduler.waiting) == [second]
+
+
+def test_a_sequence_larger_than_the_pool_is_unservable():
+    scheduler = make_scheduler(num_pages=5, page_size=4, width=4)
+    seq = make_seq("big", 30)
+    scheduler.add(seq)
+    assert scheduler.schedule().is_empty and scheduler.unservable == [seq]
+
+
+def test_admission_needs_a_free_state_slot():
+    scheduler = make_scheduler(num_pages=64, num_slots=1)
+    a, b = make_seq("a", 4), make_seq("b", 4)
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.schedule()
+    assert scheduler.running == [a] and a.state_slot == 1 and b.state_slot is None
+    scheduler.finish(a)
+    scheduler.schedule()
+    assert scheduler.running == [b] and b.state_slot == 1
