@@ -75,6 +75,7 @@ class PrefixCache:
         self.num_evictable = 0           # unpinned nodes (pages the allocator can get back)
         self.queries = 0                 # prompt tokens looked up (metrics)
         self.hits = 0                    # prompt tokens served from the cache (metrics)
+        self.num_evicted = 0             # pages evicted so far
 
     # -- lookup -----------------------------------------------------------------------------
 
@@ -165,6 +166,7 @@ class PrefixCache:
             if parent is not self.root and parent.refs == 0 and not parent.children:
                 heapq.heappush(heap, (parent.last_used, id(parent), parent))
         self.pages.free(freed)
+        self.num_evicted += len(freed)
         return len(freed)
 
     def _remove(self, node: PrefixNode) -> None:
