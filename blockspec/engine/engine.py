@@ -95,6 +95,21 @@ class Engine:
     def kv_cache_usage(self) -> float:
         return self.cache.usage
 
+    @property
+    def cache_summary(self) -> str:
+        """One line for the startup log: the pool, and whether the prefix cache is on."""
+        pool = f"KV cache {self.cache.num_usable_pages} pages of {self.config.page_size} tokens"
+        if not self.config.prefix_cache:
+            return f"{pool}; prefix cache off"
+        snapshots = f", {self.config.prefix_state_slots} state snapshots" if self.runner.is_hybrid else ""
+        return f"{pool}; prefix cache on{snapshots}"
+
+    @property
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache, and those it served (metrics)."""
+        prefix = getattr(self.cache, "prefix", None)
+        return (prefix.queries, prefix.hits) if prefix is not None else (0, 0)
+
     def submit(self, request: Request, on_event: EventCallback) -> None:
         """Thread-safe; raises QueueFullError instead of queueing beyond max_queue or after
         shutdown began (nothing would ever end the request)."""

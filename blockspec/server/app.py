@@ -134,6 +134,11 @@ class EngineCollector:
             ("blockspec_spec_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted"),
         ):
             yield CounterMetricFamily(name, doc, value=getattr(counters, field) if counters else 0)
+        queries, hits = engine.prefix_cache_counts if engine else (0, 0)           # [prefix]
+        yield CounterMetricFamily("blockspec_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=queries)
+        yield CounterMetricFamily("blockspec_prefix_cache_hits", "Prompt tokens served by the prefix cache",
+                                  value=hits)
 
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -743,7 +748,8 @@ def close_all(choices: list[Choice]) -> None:
 
 def total_usage(choices: list[Choice]) -> UsageInfo:
     prompt_tokens = sum(len(c.prompt.token_ids) for c in choices if c.counts_prompt)
-    return UsageInfo.of(prompt_tokens, sum(c.generation.processor.completion_tokens for c in choices))
+    cached_tokens = sum(c.generation.stats.cached_tokens for c in choices if c.counts_prompt)    # [prefix]
+    return UsageInfo.of(prompt_tokens, sum(c.generation.processor.completion_tokens for c in choices), cached_tokens)
 
 
 _DONE_PUMPING = object()
