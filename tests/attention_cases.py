@@ -26,11 +26,13 @@ class Case:
 
 def make_case(context_lens: list[int], width: int, num_heads: int, num_kv_heads: int, head_dim: int,
               dtype: torch.dtype, device: str, draft: bool = False, is_causal: bool | None = None,
-              num_padding: int = 0, page_size: int = 16, seed: int = 0) -> Case:
+              num_padding: int = 0, page_size: int = 16, seed: int = 0, widths: list[int] | None = None) -> Case:
     """Targets: context_lens[b] = start + T (the block's K/V already in the pool), queries at
     start … start + T − 1. The draft (draft=True): context_lens[b] = start (committed context),
     queries at start …, plus its own block's K/V. Pages are shuffled over the pool; padding rows
-    read page 0 with positions 0 … T − 1, as the runner pads a graph's batch."""
+    read page 0 with positions 0 … T − 1, as the runner pads a graph's batch. widths: each
+    sequence's own query length (a ragged batch: prefill chunks and verify rows of any width;
+    `width` is then their maximum)."""
     gen = torch.Generator().manual_seed(seed)
     pages_per_seq = max(-(-(n + width) // page_size) for n in context_lens) + 1
     num_seqs = len(context_lens) + num_padding
@@ -41,15 +43,19 @@ def make_case(context_lens: list[int], width: int, num_heads: int, num_kv_heads:
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
+    query_lens = (widths or [width] * len(context_lens)) + [width] * num_padding
     lens = torch.tensor(context_lens + [0 if draft else width] * num_padding)
-    starts = lens if draft else lens - width
-    positions = (starts[:, None] + torch.arange(width)[None]).reshape(-1)
-    meta = AttentionMetadata(num_seqs=num_seqs, width=width, input_ids=None, positions=positions.to(device),
-                             slot_mapping=None, block_tables=tables.to(device), context_lens=lens.to(device),
-                             max_context_len=int(lens.max()), page_size=page_size, kv=[])
-    block_kv = (randn(num_seqs * width, num_kv_heads, head_dim), randn(num_seqs * width, num_kv_heads, head_dim)) \
+    starts = lens if draft else lens - torch.tensor(query_lens)
+    positions = torch.cat([start + torch.arange(n) for start, n in zip(starts.tolist(), query_lens)])
+    query_start = torch.tensor([0] + query_lens).cumsum(0)
+    num_tokens = sum(query_lens)
+    meta = AttentionMetadata(num_seqs=num_seqs, width=0 if widths else width, input_ids=None,
+                             positions=positions.to(device), slot_mapping=None, block_tables=tables.to(device),
+                             context_lens=lens.to(device), max_context_len=int(lens.max()), page_size=page_size,
+                             kv=[], query_start=query_start.to(device), query_lens=query_lens)
+    block_kv = (randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)) \
         if draft else None
-    return Case(q=randn(num_seqs * width, num_heads, head_dim), k_pool=randn(total_pages * page_size, num_kv_heads, head_dim),
+    return Case(q=randn(num_tokens, num_heads, head_dim), k_pool=randn(total_pages * page_size, num_kv_heads, head_dim),
                 v_pool=randn(total_pages * page_size, num_kv_heads, head_dim), meta=meta, block_kv=block_kv,
                 is_causal=(not draft) if is_causal is None else is_causal, num_real=len(context_lens))
 
@@ -66,9 +72,9 @@ def kernel(case: Case, max_context_len: int | None = None) -> torch.Tensor:
     from blockspec.kernels.attention import paged_attention
     m = case.meta
     return paged_attention(case.q, case.k_pool, case.v_pool, m.block_tables, m.context_lens, m.positions,
-                           m.num_seqs, m.width, m.page_size, max_context_len or m.max_context_len, case.scale,
+                           m.starts, m.max_query_len, m.page_size, max_context_len or m.max_context_len, case.scale,
                            case.is_causal, case.block_kv)
 
 
 def real_rows(case: Case, out: torch.Tensor) -> torch.Tensor:
-    return out[: case.num_real * case.meta.width]
+    return out[: sum(case.meta.lens[: case.num_real])]

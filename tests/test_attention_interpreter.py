@@ -29,6 +29,9 @@ cases = {
     "prefill-chunk": dict(context_lens=[70], width=40, num_heads=4, num_kv_heads=1),
     "draft": dict(context_lens=[0, 3, 50], width=4, num_heads=8, num_kv_heads=2, draft=True, num_padding=1),
     "draft-causal": dict(context_lens=[3, 21], width=4, num_heads=4, num_kv_heads=2, draft=True, is_causal=True),
+    # one flat ragged step: two prefill chunks, a plain decode row and verify rows of widths 3 and 5
+    "ragged-step": dict(context_lens=[40, 70, 9, 33, 20], width=40, widths=[40, 23, 1, 3, 5], num_heads=8,
+                        num_kv_heads=2),
 }
 errors = {}
 for name, spec in cases.items():
@@ -52,7 +55,7 @@ def test_interpreted_kernels_match_reference():
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(errors) == 13
+    assert len(errors) == 15
     for name, (err, finite, dtype) in errors.items():
         assert finite, name
         assert err < (2e-3 if name == "fp16" else 1e-5), (name, err)

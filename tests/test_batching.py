@@ -272,12 +272,12 @@ def test_chunked_prefill_equals_unchunked(request, kind, name):
 
     def factory():
         built = engine()
-        prefill = built.runner.prefill
+        step = built.runner.step
 
-        def recorded(seq, num_tokens):
-            chunks.append(num_tokens)
-            return prefill(seq, num_tokens)
-        built.runner.prefill = recorded
+        def recorded(batch):
+            chunks.extend(num_tokens for _, num_tokens in batch.prefill)
+            return step(batch)
+        built.runner.step = recorded
         return built
 
     short, long = requests()

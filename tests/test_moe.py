@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 import fixtures
 from blockspec.cache import CacheManager
 from blockspec.config import ConfigError, EngineConfig, MoeConfig
-from blockspec.engine.model_runner import ModelRunner
+from blockspec.engine.model_runner import Entry, ModelRunner
 from blockspec.engine.request import Request
 from blockspec.engine.sequence import Sequence
 from blockspec.kernels import moe as moe_kernels
@@ -121,7 +121,7 @@ def our_logits(path: Path, ids: list[int]) -> torch.Tensor:
     cache = CacheManager(EngineConfig(max_model_len=256, max_num_seqs=1).total_pages, 16, 1 if runner.is_hybrid else 0)
     cache.grow(seq, len(ids))
     cache.claim_state_slot(seq)
-    meta = runner.prepare([seq], len(ids), [0], [ids])
+    meta = runner.prepare([Entry(seq, 0, ids)])
     meta.keep_steps = False
     with torch.inference_mode():
         return target.compute_logits(target(meta.input_ids, meta.positions, meta).hidden)

@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode cycle's two forwards (the draft's propose and the target's verify),
+"""CUDA graphs of a decode-only step's two forwards (the draft's propose and the target's verify),
 keyed by (padded number of sequences, keys per sequence).
 
 The host launches kernels far slower than an H200 runs them, so each cycle is two graph
@@ -82,14 +82,16 @@ class GraphedForwards:
 
     def make_static(self, meta: AttentionMetadata) -> StaticBatch:
         packed = torch.zeros_like(meta.packed)
-        views = unpack(packed, meta.num_seqs, self.width, self.pages_per_seq)
+        num_tokens = meta.num_seqs * self.width
+        views = unpack(packed, meta.num_seqs, num_tokens, self.pages_per_seq)
         if meta.state_slots is None:
             views["state_slots"] = None
         static_meta = dataclasses.replace(meta, **views, packed=packed, shared={})
         padding = packed.clone()
-        padding_views = unpack(padding, meta.num_seqs, self.width, self.pages_per_seq)
+        padding_views = unpack(padding, meta.num_seqs, num_tokens, self.pages_per_seq)
         padding_views["positions"].copy_(torch.arange(self.width, device=self.device).repeat(meta.num_seqs))
         padding_views["slot_mapping"].copy_(padding_views["positions"] % self.page_size)   # inside page 0
+        padding_views["query_start"].copy_(torch.arange(meta.num_seqs + 1, device=self.device) * self.width)
         padding_views["context_lens"].fill_(self.width)
         return StaticBatch(static_meta, padding)
 

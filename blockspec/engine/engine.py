@@ -27,7 +27,7 @@ from blockspec.cache.prefix import snapshot_slot_ids
 from blockspec.config import EngineConfig
 from blockspec.engine.model_runner import DecodeResult, ModelRunner
 from blockspec.engine.request import Request, TokenEvent
-from blockspec.engine.scheduler import Batch, Emitted, Scheduler
+from blockspec.engine.scheduler import Batch, Emitted, FirstToken, Scheduler
 from blockspec.engine.sequence import Sequence
 
 
@@ -47,8 +47,10 @@ class EngineCounters:
 
 
 EventCallback = Callable[[TokenEvent], None]
-# Tests only (fault injection): called as hook(phase, seqs) before a prefill ("prefill", [seq]),
-# a decode forward ("decode", batch) and each sequence's commit ("commit", [seq]); it may raise.
+# Tests only (fault injection): called as hook(phase, seqs) before a step's forward for each
+# prefill chunk ("prefill", [seq]: failing ends that sequence alone) and for its decoding
+# sequences ("decode", batch: failing is the forward's failure), and before each sequence's
+# commit ("commit", [seq]); it may raise.
 FaultHook = Callable[[str, list[Sequence]], None]
 SEATS_RESTORED_AFTER = 64          # successful steps after an out-of-memory before seats double
 
@@ -164,7 +166,7 @@ class Engine:
             out_of_memory = True
         except Exception as exc:  # a failed batched forward costs its sequences, never the engine
             traceback.print_exc()
-            for seq in batch.decode:
+            for seq in [s for s, _ in batch.prefill] + batch.decode:
                 self._end(seq, "error", error=f"{type(exc).__name__}: {exc}")
         for item in emitted:
             self._emit_tokens(item)
@@ -174,20 +176,25 @@ class Engine:
             self._restore_seats()
 
     def _run(self, batch: Batch, emitted: list[Emitted]) -> None:
-        for seq, length in batch.prefill:
-            self._isolated(seq, lambda: self._prefill(seq, length, emitted))
+        """One forward for the whole step (runner.step), then each sequence's own postprocess."""
+        if self.fault_hook is not None:
+            for seq, _ in batch.prefill:
+                self._isolated(seq, lambda: self.fault_hook("prefill", [seq]))
+            batch.prefill = [(seq, n) for seq, n in batch.prefill if seq in self.scheduler.running]
+            if batch.decode:
+                self.fault_hook("decode", batch.decode)
+        if batch.is_empty:
+            return
         if batch.decode:
             self.counters.decode_batch_sizes[len(batch.decode)] += 1
-            if self.fault_hook is not None:
-                self.fault_hook("decode", batch.decode)
-            result = self.runner.decode(batch.decode)
-            for b, seq in enumerate(batch.decode):
-                self._isolated(seq, lambda: self._commit(seq, result, b, emitted))
+        result = self.runner.step(batch)
+        for (seq, _), first_token in zip(batch.prefill, result.first_tokens):
+            self._isolated(seq, lambda: self._first_token(seq, first_token, emitted))
+        for b, seq in enumerate(batch.decode):
+            self._isolated(seq, lambda: self._commit(seq, result.decode, b, emitted))
 
-    def _prefill(self, seq: Sequence, length: int, emitted: list[Emitted]) -> None:
-        if self.fault_hook is not None:
-            self.fault_hook("prefill", [seq])
-        item = self.scheduler.postprocess_prefill(seq, self.runner.prefill(seq, length))
+    def _first_token(self, seq: Sequence, first_token: FirstToken | None, emitted: list[Emitted]) -> None:
+        item = self.scheduler.postprocess_prefill(seq, first_token)
         if item is not None:
             emitted.append(item)
 

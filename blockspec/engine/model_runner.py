@@ -1,12 +1,15 @@
 """The model runner: owns the target, the draft, their pools and the CUDA graphs, and runs one
-batch at a time for the scheduler. Only the engine thread calls it (invariant 2).
+step at a time for the scheduler. Only the engine thread calls it (invariant 2). It allocates
+nothing: pages and state slots come from the scheduler's cache manager (cache/manager.py).
 
-Two kinds of forward:
-- prefill(seq, n): the next n positions of one sequence's prompt (a chunk); its features go
-  into the draft's context K/V; at the prompt's end the first token is sampled.
-- decode(seqs): one DFlash cycle for the whole batch (spec/dflash.py): propose → verify →
-  accept, then every sequence's recurrent state is set to its own accepted position. Plain
-  decoding is the same cycle with T = 1 and no draft.
+step(batch) is one flat ragged target forward (layers/attention.py) over every prefill chunk
+of the step and the verify rows [x, d1 … dk_i] of every decoding sequence (k_i = 0: a plain
+decode row), preceded by one draft forward over the decoding sequences' blocks
+[x, MASK × (T − 1)] (spec/dflash.py: propose). The prefill rows' features go into the draft's
+context K/V with the verify rows'; a prompt that ends in this step samples its first token from
+its last row; each decoding sequence accepts at most its k_i drafts, and a hybrid target's
+recurrent state is set to its own accepted position. A decode-only step at the full block
+width runs through the CUDA graphs (engine/cuda_graphs.py) when they are on.
 """
 from __future__ import annotations
 
@@ -19,22 +22,36 @@ from torch import nn
 from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
-from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
-from blockspec.engine.sequence import Sequence
 from blockspec.engine.logits import LogitsProcessor
-from blockspec.engine.scheduler import FirstToken
-from blockspec.engine.spec.dflash import accept, process_verify, propose
+from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
+from blockspec.engine.scheduler import Batch, FirstToken
+from blockspec.engine.sequence import Sequence
+from blockspec.engine.spec.dflash import Proposal, accept, process_verify, propose
 from blockspec.layers import AttentionMetadata
-from blockspec.layers.attention import unpack, uses_kernels
+from blockspec.layers.attention import token_rows, unpack, uses_kernels
 from blockspec.sampling import sample
 
 
 @dataclass
 class DecodeResult:
-    num_accepted: list[int]          # drafts each sequence's verify accepted
+    num_accepted: list[int]          # drafts each sequence's verify accepted (≤ its k_i)
     new_tokens: list[list[int]]      # a_b + 1 tokens per sequence (before stop / length cuts)
     logprobs: list[list[TokenLogprob] | None] | None = None   # per sequence, for those that asked
     num_drafts: list[int] | None = None   # k_i each sequence verified
+
+
+@dataclass
+class StepResult:
+    first_tokens: list[FirstToken | None]     # per prefill chunk: its first token when the prompt ended
+    decode: DecodeResult | None
+
+
+@dataclass
+class Entry:
+    """One sequence's rows of a forward: tokens fed from position start."""
+    seq: Sequence
+    start: int
+    tokens: list[int]
 
 
 class ModelRunner:
@@ -84,76 +101,53 @@ class ModelRunner:
 
     # -- batches ----------------------------------------------------------------------------
 
-    def prepare(self, seqs: list[Sequence], width: int, starts: list[int], tokens: list[list[int]],
-                padded: bool = False) -> AttentionMetadata:
-        """The target's metadata for sequences feeding tokens[b] (width each) from starts[b],
-        packed on the host and moved to the device in one copy. padded: rows and keys rounded
-        up to a captured graph's shape (the real sequences are the first rows); then positions
-        and slot_mapping are derived inside each graph (run_forward), else right here."""
-        live_keys = max(starts) + width
+    def prepare(self, entries: list[Entry], num_prefill_seqs: int = 0, padded: bool = False) -> AttentionMetadata:
+        """The target's metadata for a flat ragged batch, packed on the host and moved to the
+        device in one copy; positions and slot_mapping are derived on the device from the query
+        starts, context lengths and block tables (the host's work grows with sequences and
+        pages, not with tokens). padded (a uniform decode batch): rows and keys rounded up to a
+        captured graph's shape (the real sequences first); positions are then derived inside
+        the graph (run_forward)."""
+        lens = [len(entry.tokens) for entry in entries]
+        live_keys = max(entry.start + n for entry, n in zip(entries, lens))
+        width = lens[0] if all(n == lens[0] for n in lens) else 0
         if padded:
-            rows, cols, keys = self.graphs.shape(len(seqs), live_keys)
+            assert width == self.width, "graphs serve decode batches of the full block width"
+            rows, cols, keys = self.graphs.shape(len(entries), live_keys)
         else:
-            rows, cols, keys = len(seqs), max(len(seq.block_table) for seq in seqs), live_keys
-        host = self.pack(seqs, width, starts, tokens, rows, cols)
+            rows, cols, keys = len(entries), max(len(entry.seq.block_table) for entry in entries), live_keys
+        host = self.pack(entries, rows, cols, width)
+        num_tokens = sum(lens) + (rows - len(entries)) * width
         is_cuda = self.device.type == "cuda"
         packed = torch.tensor(host, dtype=torch.long, pin_memory=is_cuda).to(self.device, non_blocking=is_cuda)
-        views = unpack(packed, rows, width, cols)
-        if not padded:
-            derive_positions(views["positions"], views["slot_mapping"], views["block_tables"], views["context_lens"],
-                             width, self.page_size)
+        views = unpack(packed, rows, num_tokens, cols)
         if not self.is_hybrid:
             views["state_slots"] = None
-        return AttentionMetadata(num_seqs=rows, width=width, **views, max_context_len=keys, page_size=self.page_size,
-                                 kv=self.target_kv.layers, states=self.states,
-                                 keep_steps=self.is_hybrid and width > 1, packed=packed)
+        meta = AttentionMetadata(num_seqs=rows, width=width, **views, max_context_len=keys, page_size=self.page_size,
+                                 kv=self.target_kv.layers, states=self.states, packed=packed,
+                                 query_lens=None if width else lens, num_prefill_seqs=num_prefill_seqs,
+                                 keep_steps=self.is_hybrid and self.draft is not None)
+        if not padded:
+            derive_positions(meta, self.page_size)
+        return meta
 
-    def pack(self, seqs: list[Sequence], width: int, starts: list[int], tokens: list[list[int]],
-             rows: int, cols: int) -> list[int]:
-        """Host ints in `unpack`'s layout; padding rows use page 0 and state slot 0. Positions
-        and slot_mapping are left 0: `derive_positions` computes them on the device from
-        context_lens and the block tables, so the host's work grows with pages, not tokens."""
-        ids, tables, context_lens, state_slots = [], [], [], []
-        for seq, start, row in zip(seqs, starts, tokens):
-            ids += row
-            tables += seq.block_table + [0] * (cols - len(seq.block_table))
-            context_lens.append(start + width)
-            state_slots.append(seq.state_slot or 0)
-        num_padding = rows - len(seqs)
+    def pack(self, entries: list[Entry], rows: int, cols: int, width: int) -> list[int]:
+        """Host ints in `unpack`'s layout; padding rows (of a uniform batch) use page 0 and state
+        slot 0. Positions and slot_mapping are left 0 (`derive_positions`)."""
+        ids, starts, tables, context_lens, state_slots = [], [0], [], [], []
+        for entry in entries:
+            ids += entry.tokens
+            starts.append(starts[-1] + len(entry.tokens))
+            tables += entry.seq.block_table + [0] * (cols - len(entry.seq.block_table))
+            context_lens.append(entry.start + len(entry.tokens))
+            state_slots.append(entry.seq.state_slot or 0)
+        num_padding = rows - len(entries)
         ids += [0] * (num_padding * width)
+        starts += [starts[-1] + width * (i + 1) for i in range(num_padding)]
         tables += [0] * (num_padding * cols)
         context_lens += [width] * num_padding                   # positions 0 … T − 1, inside page 0
         state_slots += [0] * num_padding
-        return ids + [0] * (2 * rows * width) + tables + context_lens + state_slots
-
-    # -- prefill ----------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def prefill(self, seq: Sequence, num_tokens: int) -> FirstToken | None:
-        """Compute the next num_tokens positions of seq; return its first output token when the
-        prompt is done and nothing was generated yet (else None)."""
-        start = seq.num_cached
-        self.clear_states([seq])
-        if seq.restore_from is not None:            # [prefix] a hybrid hit resumes from its snapshot
-            self.states.copy(seq.restore_from, seq.state_slot)
-            seq.restore_from = None
-        meta = self.prepare([seq], num_tokens, [start], [seq.tokens[start: start + num_tokens]])
-        meta.keep_steps = False
-        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
-        self.num_forwards += 1
-        if self.draft is not None:
-            self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
-        if seq.snapshot_into is not None:           # [prefix] the state at this chunk's end, for the tree
-            self.states.copy(seq.state_slot, seq.snapshot_into)
-        seq.num_cached += num_tokens
-        if seq.is_prefilling or seq.request.output_ids:
-            return None
-        logits = self.target.compute_logits(out.hidden[-1:])                      # [1, V]
-        raw = self.raw_logprobs([seq], logits.view(1, 1, -1))[0]          # before any processing
-        if self.processor_of(seq) is not None:
-            logits = seq.logits_processor.rows(logits, [])
-        token = int(sample(logits[0], seq.request.params, seq.generator))
-        return FirstToken(token, self.scored(seq, raw, [token]))
+        return ids + [0] * (2 * len(ids)) + starts + tables + context_lens + state_slots
 
     def processor_of(self, seq: Sequence) -> LogitsProcessor | None:
         """The sequence's logits processor, made here (the engine thread) when first needed;
@@ -162,75 +156,21 @@ class ModelRunner:
             seq.logits_processor = LogitsProcessor(seq.request, self.target.lm_head.weight.shape[0], self.device)
         return seq.logits_processor
 
-    # -- decode -----------------------------------------------------------------------------
+    # -- [prefix] state-slot copies the cache manager asks for (cache/prefix.py) -------------
 
-    @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> DecodeResult:
-        """One cycle for every sequence: propose T − 1 drafts, verify T tokens, accept."""
-        num_seqs, width = len(seqs), self.width
+    def restore_snapshots(self, seqs: list[Sequence]) -> None:
+        """A hybrid hit resumes from its snapshot: copied into the sequence's slot before its
+        first forward."""
         for seq in seqs:
-            self.processor_of(seq)
-        mask = self.draft.mask_token_id if self.draft is not None else 0
-        blocks = [[seq.anchor] + [mask] * (width - 1) for seq in seqs]          # [x, MASK × (T − 1)]
-        meta = self.prepare(seqs, width, [seq.num_cached for seq in seqs], blocks, padded=self.graphs is not None)
-        if self.graphs is not None:
-            meta = self.graphs.bind(meta)
-        proposal = None
-        if self.draft is not None:
-            proposal = propose(self.run_forward("propose", self.draft_proposal, meta), seqs)
-            meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts  # [x, d1 … dT−1]
-        logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
-        logits = logits.view(num_seqs, width, -1)
-        raw = self.raw_logprobs(seqs, logits)                                   # before any processing
-        num_accepted, new_tokens = accept(seqs, proposal, logits, process_verify(seqs, proposal, logits))
-        if self.is_hybrid:
-            self.snapshot_page_boundaries(seqs, num_accepted, from_stash=meta.keep_steps)
-        if meta.keep_steps:
-            self.states.select(meta.state_slots[:num_seqs], [a + 1 for a in num_accepted])
-        logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(seqs, raw, new_tokens)]
-        return DecodeResult(num_accepted, new_tokens, logprobs, [width - 1] * num_seqs)
+            if seq.restore_from is not None:
+                self.states.copy(seq.restore_from, seq.state_slot)
+                seq.restore_from = None
 
-    @staticmethod
-    def raw_logprobs(seqs: list[Sequence], logits: torch.Tensor) -> list[torch.Tensor | None]:
-        """logits [B, T, V] → per sequence that asked for logprobs, the log-softmax of its rows,
-        taken before sampling may process the logits (the raw distribution, as vLLM reports)."""
-        return [log_softmax_rows(logits[b]) if seq.request.num_logprobs is not None else None
-                for b, seq in enumerate(seqs)]
-
-    @staticmethod
-    def scored(seq: Sequence, rows: torch.Tensor | None, tokens: list[int]) -> list[TokenLogprob] | None:
-        return None if rows is None else token_logprobs(rows, tokens, seq.request.num_logprobs)
-
-    def run_forward(self, kind: str, fn, meta: AttentionMetadata) -> torch.Tensor:
-        self.num_forwards += 1
-        if self.graphs is None:
-            return fn(meta)
-
-        def graphed(m: AttentionMetadata) -> torch.Tensor:
-            derive_positions(m.positions, m.slot_mapping, m.block_tables, m.context_lens, m.width, self.page_size)
-            return fn(m)
-        return self.graphs.run(kind, graphed, meta)
-
-    def draft_proposal(self, meta: AttentionMetadata):
-        """The draft's B blocks [x, MASK × (T − 1)] at the verify's positions, seeing the
-        committed context (num_cached positions) of the draft pool → what the draft proposes
-        from: DFlash 1 logits [B, T − 1, V] (slot i predicts d_i), or DFlash 2's CandidateWalk
-        (candidates, edge scores, greedy drafts)."""
-        width = meta.width
-        draft_meta = dataclasses.replace(meta, kv=self.draft_kv.layers, context_lens=meta.context_lens - width,
-                                         states=None, state_slots=None, keep_steps=False, shared={})
-        hidden = self.draft(self.target.embed(meta.input_ids), meta.positions, draft_meta)
-        anchors = meta.input_ids.view(meta.num_seqs, width)[:, 0]
-        return self.draft.propose(hidden.view(meta.num_seqs, width, -1), anchors, self.target.lm_head)
-
-    def target_logits(self, meta: AttentionMetadata) -> torch.Tensor:
-        """Target forward → logits [B·T, V]; the features of all T positions join the draft's
-        context (those past the accepted prefix lie past the sequence's length: masked, then
-        overwritten)."""
-        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
-        if self.draft is not None:
-            self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
-        return self.target.compute_logits(out.hidden)
+    def take_snapshots(self, seqs: list[Sequence]) -> None:
+        """After a prefill chunk: the state at its end, for the tree (the chunk ends on a page)."""
+        for seq in seqs:
+            if seq.snapshot_into is not None:
+                self.states.copy(seq.state_slot, seq.snapshot_into)
 
     def snapshot_page_boundaries(self, seqs: list[Sequence], num_accepted: list[int], from_stash: bool) -> None:
         """[prefix] Hybrid decode: a sequence with a pending slot whose kept positions cross a
@@ -257,12 +197,191 @@ class ModelRunner:
         if self.is_hybrid:
             self.states.clear([seq.state_slot for seq in seqs if seq.num_cached == 0])
 
+    # -- the step ---------------------------------------------------------------------------
 
-def derive_positions(positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, width: int, page_size: int) -> None:
-    """Fill positions and slot_mapping [B·T] in place: row b feeds positions context_lens[b] − T …
-    context_lens[b] − 1, stored at its block table's slot of each (graph-safe: no host sync)."""
-    rows = positions.view(-1, width)
-    torch.add((context_lens - width)[:, None], torch.arange(width, device=positions.device), out=rows)
-    pages = block_tables.gather(1, rows // page_size)
-    torch.add(pages * page_size, rows % page_size, out=slot_mapping.view(-1, width))
+    @torch.inference_mode()
+    def step(self, batch: Batch) -> StepResult:
+        """One forward of the target over the whole step (after one of the draft over the
+        decoding sequences' blocks)."""
+        decode, num_drafts = batch.decode, batch.num_drafts
+        for seq in [s for s, _ in batch.prefill] + decode:
+            self.processor_of(seq)
+        self.clear_states([seq for seq, _ in batch.prefill])
+        self.restore_snapshots([seq for seq, _ in batch.prefill])
+        use_graphs = (self.graphs is not None and not batch.prefill and bool(decode)
+                      and all(k == self.width - 1 for k in num_drafts))
+        if use_graphs:
+            logits, proposal = self.graphed_decode(decode)
+            first_tokens: list[FirstToken | None] = []
+        else:
+            logits, proposal, first_tokens = self.ragged_forward(batch)
+            self.take_snapshots([seq for seq, _ in batch.prefill])
+        result = self.finish_decode(decode, num_drafts, logits, proposal) if decode else None
+        return StepResult(first_tokens, result)
+
+    def blocks(self, decode: list[Sequence]) -> list[Entry]:
+        """The draft's blocks [x, MASK × (T − 1)] at each sequence's next positions."""
+        mask = self.draft.mask_token_id if self.draft is not None else 0
+        return [Entry(seq, seq.num_cached, [seq.anchor] + [mask] * (self.width - 1)) for seq in decode]
+
+    def graphed_decode(self, decode: list[Sequence]) -> tuple[torch.Tensor, Proposal | None]:
+        """A decode-only step at the full block width through the graphs' fixed shapes →
+        verify logits [B, T, V] and the proposal."""
+        num_seqs, width = len(decode), self.width
+        meta = self.graphs.bind(self.prepare(self.blocks(decode), padded=True))
+        proposal = None
+        if self.draft is not None:
+            proposal = propose(self.run_forward("propose", self.draft_proposal, meta), decode)
+            meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts   # [x, d1 … dT−1]
+        logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
+        return logits.view(num_seqs, width, -1), proposal
+
+    def ragged_forward(self, batch: Batch) -> tuple[torch.Tensor | None, Proposal | None, list[FirstToken | None]]:
+        """The eager step: the draft over the decoding sequences, then one flat target forward
+        over prefill chunks and verify rows → (verify logits [B, max k + 1, V], proposal,
+        first tokens)."""
+        decode, num_drafts = batch.decode, batch.num_drafts
+        proposal = None
+        if decode and self.draft is not None:
+            self.num_forwards += 1
+            proposal = propose(self.draft_proposal(self.prepare(self.blocks(decode))), decode)
+        entries = [Entry(seq, seq.num_cached, seq.tokens[seq.num_cached: seq.num_cached + n])
+                   for seq, n in batch.prefill]
+        entries += [Entry(seq, seq.num_cached, [seq.anchor] + [0] * k) for seq, k in zip(decode, num_drafts)]
+        meta = self.prepare(entries, num_prefill_seqs=len(batch.prefill))
+        if proposal is not None and any(num_drafts):
+            self.place_drafts(meta, proposal, num_drafts, sum(n for _, n in batch.prefill))
+        rows = self.logit_rows(batch)
+        self.num_forwards += 1
+        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
+        if self.draft is not None:
+            self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
+        logits = self.target.compute_logits(out.hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        first_tokens = self.first_tokens(batch, logits)
+        if not decode:
+            return None, proposal, first_tokens
+        verify = logits[sum(token is not None for token in first_tokens):]
+        width = max(num_drafts) + 1
+        if all(k + 1 == width for k in num_drafts):
+            return verify.view(len(decode), width, -1), proposal, first_tokens
+        # Rows past a sequence's k_b repeat its last row (never read: acceptance stops at k_b).
+        offsets = [sum(k + 1 for k in num_drafts[:b]) for b in range(len(decode))]
+        index = [[offset + min(j, k) for j in range(width)] for offset, k in zip(offsets, num_drafts)]
+        return verify[torch.tensor(index, device=self.device)], proposal, first_tokens
+
+    def place_drafts(self, meta: AttentionMetadata, proposal: Proposal, num_drafts: list[int], at: int) -> None:
+        """The drafts go into their verify rows: sequence b's row 1 + j takes d_{j+1}, j < k_b."""
+        dst, src_row, src_col = [], [], []
+        for b, k in enumerate(num_drafts):
+            dst += range(at + 1, at + 1 + k)
+            src_row += [b] * k
+            src_col += range(k)
+            at += k + 1
+        index = torch.tensor([dst, src_row, src_col], device=self.device)
+        meta.input_ids[index[0]] = proposal.drafts[index[1], index[2]]
+
+    def logit_rows(self, batch: Batch) -> list[int]:
+        """Rows of the flat batch whose logits are needed: the last row of each prefill chunk
+        that ends its prompt (its first token), then every verify row."""
+        rows, at = [], 0
+        for seq, n in batch.prefill:
+            at += n
+            if samples_first_token(seq, n):
+                rows.append(at - 1)
+        for k in batch.num_drafts:
+            rows += range(at, at + k + 1)
+            at += k + 1
+        return rows
+
+    def first_tokens(self, batch: Batch, logits: torch.Tensor | None) -> list[FirstToken | None]:
+        """Advance each prefill chunk's sequence; sample a first token where its prompt ended."""
+        result: list[FirstToken | None] = []
+        row = 0
+        for seq, n in batch.prefill:
+            samples = samples_first_token(seq, n)
+            seq.num_cached += n
+            if not samples:
+                result.append(None)
+                continue
+            scores = logits[row: row + 1]                                                  # [1, V]
+            row += 1
+            raw = self.raw_logprobs([seq], scores.view(1, 1, -1))[0]           # before any processing
+            if self.processor_of(seq) is not None:
+                scores = seq.logits_processor.rows(scores, [])
+            token = int(sample(scores[0], seq.request.params, seq.generator))
+            result.append(FirstToken(token, self.scored(seq, raw, [token])))
+        return result
+
+    def finish_decode(self, decode: list[Sequence], num_drafts: list[int], logits: torch.Tensor,
+                      proposal: Proposal | None) -> DecodeResult:
+        """Verify logits [B, max k + 1, V] → accepted drafts (each ≤ its k_b), new tokens,
+        logprobs; a hybrid target keeps the state after each sequence's last accepted row."""
+        raw = self.raw_logprobs(decode, logits)                                 # before any processing
+        processed = process_verify(decode, proposal, logits, num_drafts)
+        num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts)
+        if self.is_hybrid:
+            self.snapshot_page_boundaries(decode, num_accepted, from_stash=self.draft is not None)
+        if self.is_hybrid and self.draft is not None:
+            slots = torch.tensor([seq.state_slot for seq in decode], device=self.device)
+            self.states.select(slots, [a + 1 for a in num_accepted])
+        logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(decode, raw, new_tokens)]
+        return DecodeResult(num_accepted, new_tokens, logprobs, list(num_drafts))
+
+    @staticmethod
+    def raw_logprobs(seqs: list[Sequence], logits: torch.Tensor) -> list[torch.Tensor | None]:
+        """logits [B, T, V] → per sequence that asked for logprobs, the log-softmax of its rows,
+        taken before sampling may process the logits (the raw distribution, as vLLM reports)."""
+        return [log_softmax_rows(logits[b]) if seq.request.num_logprobs is not None else None
+                for b, seq in enumerate(seqs)]
+
+    @staticmethod
+    def scored(seq: Sequence, rows: torch.Tensor | None, tokens: list[int]) -> list[TokenLogprob] | None:
+        return None if rows is None else token_logprobs(rows, tokens, seq.request.num_logprobs)
+
+    def run_forward(self, kind: str, fn, meta: AttentionMetadata) -> torch.Tensor:
+        self.num_forwards += 1
+        if self.graphs is None:
+            return fn(meta)
+
+        def graphed(m: AttentionMetadata) -> torch.Tensor:
+            derive_positions(m, self.page_size)
+            return fn(m)
+        return self.graphs.run(kind, graphed, meta)
+
+    def draft_proposal(self, meta: AttentionMetadata):
+        """The draft's B blocks [x, MASK × (T − 1)] at the verify's positions, seeing the
+        committed context (num_cached positions) of the draft pool → what the draft proposes
+        from: DFlash 1 logits [B, T − 1, V] (slot i predicts d_i), or DFlash 2's CandidateWalk
+        (candidates, edge scores, greedy drafts)."""
+        width = meta.width
+        draft_meta = dataclasses.replace(meta, kv=self.draft_kv.layers, context_lens=meta.context_lens - width,
+                                         states=None, state_slots=None, keep_steps=False, shared={})
+        hidden = self.draft(self.target.embed(meta.input_ids), meta.positions, draft_meta)
+        anchors = meta.input_ids.view(meta.num_seqs, width)[:, 0]
+        return self.draft.propose(hidden.view(meta.num_seqs, width, -1), anchors, self.target.lm_head)
+
+    def target_logits(self, meta: AttentionMetadata) -> torch.Tensor:
+        """Target forward → logits [B·T, V]; the features of all T positions join the draft's
+        context (those past the accepted prefix lie past the sequence's length: masked, then
+        overwritten)."""
+        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
+        if self.draft is not None:
+            self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
+        return self.target.compute_logits(out.hidden)
+
+
+def samples_first_token(seq: Sequence, num_tokens: int) -> bool:
+    """Whether a chunk of num_tokens ends seq's prompt with nothing generated yet."""
+    return seq.num_cached + num_tokens >= seq.prefill_len and not seq.request.output_ids
+
+
+def derive_positions(meta: AttentionMetadata, page_size: int) -> None:
+    """Fill positions and slot_mapping [N] in place: sequence b's rows feed positions
+    context_lens[b] − n_b … context_lens[b] − 1, stored at its block table's slot of each
+    (graph-safe: no host sync)."""
+    seq, row = token_rows(meta)
+    starts = meta.starts
+    lengths = starts[1:] - starts[:-1]
+    torch.add((meta.context_lens - lengths)[seq], row, out=meta.positions)
+    pages = meta.block_tables[seq, meta.positions // page_size]
+    torch.add(pages * page_size, meta.positions % page_size, out=meta.slot_mapping)

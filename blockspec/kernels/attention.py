@@ -1,10 +1,12 @@
 """Paged attention in Triton: the fast path of `layers.attention.paged_attention` (the torch
 reference there is the spec; tests/gpu/test_attention_kernels.py holds them together).
 
-One kernel serves every forward: a program takes one sequence b, one KV head h and a tile of
-BLOCK_M query rows — the GROUP query heads that share h times consecutive tokens of the block,
-flattened (row = t · GROUP + g) — so even a decode step (T = 1) or a verify block feeds tl.dot
-with a real matrix, and each K/V page is read once per KV head instead of once per query head.
+One kernel serves every forward of the flat ragged batch: a program takes one sequence b, one
+KV head h and a tile of BLOCK_M query rows — the GROUP query heads that share h times
+consecutive tokens of b's rows query_start[b] … query_start[b + 1] − 1, flattened
+(row = t · GROUP + g) — so even a decode row or a verify block feeds tl.dot with a real matrix,
+and each K/V page is read once per KV head instead of once per query head. The grid covers the
+longest query of the batch; a tile past its own sequence's rows returns at once.
 Keys are read from the pool through the block table up to the sequence's live length
 (`context_lens`, on the device): a program past the end does no work, so the grid can be fixed
 by the pool's capacity and a CUDA graph serves every length.
@@ -52,23 +54,26 @@ def _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr)
 
 # Values that change from batch to batch are not specialised on (Triton would compile a variant
 # per divisibility / alignment of each: views of the packed metadata start anywhere).
-@triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "positions_ptr", "width", "page_size",
-                               "num_tokens", "num_splits"])
+@triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "positions_ptr", "query_start_ptr",
+                               "page_size", "num_tokens", "num_splits"])
 def _paged_attention_kernel(
         q_ptr, k_pool_ptr, v_pool_ptr, block_k_ptr, block_v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-        block_tables_ptr, context_lens_ptr, positions_ptr,
+        block_tables_ptr, context_lens_ptr, positions_ptr, query_start_ptr,
         stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_bkn, stride_bkh, stride_bvn, stride_bvh, stride_bt,
-        width, page_size, head_dim, num_tokens, num_splits, qk_scale,
+        page_size, head_dim, num_tokens, num_splits, qk_scale,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, IS_SPLIT: tl.constexpr,
         IS_CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     tile, seq_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = seq_head // NUM_KV_HEADS, seq_head % NUM_KV_HEADS
+    q_start = tl.load(query_start_ptr + b).to(tl.int32)
+    width = tl.load(query_start_ptr + b + 1).to(tl.int32) - q_start       # this sequence's query rows
+    live = tile * BLOCK_M < width * GROUP                                 # else: a tile past its rows, no work
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     t, g = rows // GROUP, rows % GROUP
     row_ok = t < width
-    tok = b * width + t                                                   # [M] flat token index
+    tok = q_start + t                                                     # [M] flat token index
     q_head = h * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
@@ -82,6 +87,7 @@ def _paged_attention_kernel(
     chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, context_len)
+    hi = tl.where(live, hi, lo)
     if IS_CAUSAL:
         # No row of this tile sees a key past its last query position.
         hi = tl.minimum(hi, tl.max(tl.where(row_ok, q_pos, 0)) + 1)
@@ -106,10 +112,10 @@ def _paged_attention_kernel(
     if HAS_BLOCK:
         if split == 0:
             # The draft's own block: keys and values of its T tokens, at their positions.
-            for j0 in range(0, width, BLOCK_N):
+            for j0 in range(0, tl.where(live, width, 0), BLOCK_N):
                 j = j0 + tl.arange(0, BLOCK_N)
                 j_ok = j < width
-                key_tok = (b * width + j).to(tl.int64)
+                key_tok = (q_start + j).to(tl.int64)
                 key_pos = tl.load(positions_ptr + key_tok, mask=j_ok, other=0).to(tl.int32)
                 kv_mask = j_ok[:, None] & d_ok[None, :]
                 k = tl.load(block_k_ptr + key_tok[:, None] * stride_bkn + h * stride_bkh + d[None, :],
@@ -185,18 +191,20 @@ def tile_sizes(rows_per_head: int, head_dim: int, element_size: int) -> tuple[in
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, positions: torch.Tensor, num_seqs: int, width: int,
-                    page_size: int, max_context_len: int, scale: float, is_causal: bool,
+                    context_lens: torch.Tensor, positions: torch.Tensor, query_start: torch.Tensor,
+                    max_query_len: int, page_size: int, max_context_len: int, scale: float, is_causal: bool,
                     block_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """q [B·T, H, D] → [B·T, H·D] in q's dtype; the reference's contract (no window).
-    max_context_len bounds the live lengths (it only sizes the split-K grid)."""
+    """q [N, H, D] → [N, H·D] in q's dtype; the reference's contract (no window). query_start
+    [B + 1]: each sequence's rows; max_query_len bounds their lengths (it sizes the grid: a fixed
+    bucket under a graph), max_context_len the live key lengths (it only sizes the split-K grid)."""
+    num_seqs = query_start.shape[0] - 1
     q, k_pool, v_pool = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_pool, v_pool))
     if block_kv is not None:
         block_kv = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in block_kv)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_heads // num_kv_heads
-    rows_per_head = width * group
+    rows_per_head = max_query_len * group
     block_m, block_n, block_d, num_warps, num_stages = tile_sizes(rows_per_head, head_dim, q.element_size())
     num_tiles = triton.cdiv(rows_per_head, block_m)
     splits = choose_num_splits(num_tiles * num_seqs * num_kv_heads, max_context_len, block_n, q.device)
@@ -208,10 +216,10 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     block_k, block_v = block_kv if block_kv is not None else (k_pool, v_pool)
     _paged_attention_kernel[(num_tiles, num_seqs * num_kv_heads, splits)](
         q, k_pool, v_pool, block_k, block_v, out, part_acc, part_ml,
-        block_tables, context_lens, positions,
+        block_tables, context_lens, positions, query_start,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         block_k.stride(0), block_k.stride(1), block_v.stride(0), block_v.stride(1), block_tables.stride(0),
-        width, page_size, head_dim, num_tokens, splits, scale * math.log2(math.e),
+        page_size, head_dim, num_tokens, splits, scale * math.log2(math.e),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, IS_SPLIT=splits > 1, IS_CAUSAL=is_causal,
         HAS_BLOCK=block_kv is not None, IEEE=q.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)

@@ -1,11 +1,13 @@
 """Attention over paged K/V pools: the metadata of one batched forward, the torch reference
 kernel, and the one Attention module every model uses.
 
-A forward runs B sequences of T tokens each ([N = B·T] flat): a prefill chunk (B = 1), a decode
-step (T = 1) or a verify block (T = block size). Each sequence's keys live in pages of a pool
-([num_slots, Hkv, D] per layer, slot = page · page_size + offset) named by its block table.
-New K/V are written at `slot_mapping` first; queries then see every key of their sequence at a
-position ≤ their own (targets) or the committed context plus their own block (the draft).
+A forward runs B sequences over a flat ragged batch of N tokens: sequence b feeds the query
+rows query_start[b] … query_start[b + 1] − 1 (vLLM's cu_seqlens), its own number of tokens — a
+prefill chunk, a plain decode row, or a verify block [x, d1 … dk] of its own width. Each
+sequence's keys live in pages of a pool ([num_slots, Hkv, D] per layer, slot = page · page_size
++ offset) named by its block table. New K/V are written at `slot_mapping` first; queries then
+see every key of their sequence at a position ≤ their own (targets) or the committed context
+plus their own block (the draft).
 """
 from __future__ import annotations
 
@@ -26,13 +28,19 @@ from blockspec.layers.common import FusedLinear, RMSNorm, join_fused_parts
 class AttentionMetadata:
     """Everything a model needs to know about the sequences of one forward (nothing of requests).
 
-    input_ids, positions, slot_mapping: [B·T]; block_tables [B, max_pages]; context_lens [B]:
-    keys each sequence sees in the pool (for targets: its start + T, the new tokens included; for
-    the draft: its committed context). max_context_len: keys the reference gathers per sequence
-    — the batch's longest eagerly, a fixed bucket under a CUDA graph; for the Triton kernels
-    (which read context_lens on the device) only a bound that sizes their split-K grid. The
-    integer fields are views of one packed tensor (`packed`), so a batch crosses to the device
-    in one copy.
+    input_ids, positions, slot_mapping: [N]; query_start [B + 1]: sequence b's rows are
+    query_start[b] … query_start[b + 1] − 1; block_tables [B, max_pages]; context_lens [B]: keys
+    each sequence sees in the pool (for targets: its start + its query length, the new tokens
+    included; for the draft: its committed context). width: every sequence's query length when
+    they are all equal (the draft's blocks, a graph's decode batch), else 0 (query_lens holds
+    them on the host, max_query_len their maximum). max_context_len: keys the reference gathers
+    per sequence — the batch's longest eagerly, a fixed bucket under a CUDA graph; for the Triton
+    kernels only a bound that sizes their split-K grid. The integer fields are views of one
+    packed tensor (`packed`), so a batch crosses to the device in one copy.
+
+    Recurrent layers: the first num_prefill_seqs sequences are prefill chunks (chunked form, final
+    state written); the others are decode / verify rows (keep_steps: the state after every row
+    is stashed for StatePool.select, else written).
     """
     num_seqs: int
     width: int
@@ -50,27 +58,97 @@ class AttentionMetadata:
     # Per-forward values every layer shares (gather indices, masks): computed by the first layer
     # that needs them, cleared at the start of each forward (so a captured graph computes them once).
     shared: dict = field(default_factory=dict)
-
     packed: torch.Tensor | None = None
+    query_start: torch.Tensor | None = None               # [B + 1]; None: uniform, from width
+    query_lens: list[int] | None = None                   # host copy (ragged batches)
+    num_prefill_seqs: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_seqs * self.width if self.width else sum(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return self.width or max(self.query_lens, default=0)
+
+    @property
+    def lens(self) -> list[int]:
+        """Query rows per sequence (host)."""
+        return [self.width] * self.num_seqs if self.width else self.query_lens
+
+    @property
+    def starts(self) -> torch.Tensor:
+        """query_start [B + 1] on the device (made from width for a uniform batch)."""
+        if self.query_start is None:
+            self.query_start = torch.arange(self.num_seqs + 1, device=self.positions.device) * self.width
+        return self.query_start
 
     @property
     def query_positions(self) -> torch.Tensor:
+        """[B, T] (uniform batches only)."""
         return self.positions.view(self.num_seqs, self.width)
 
 
-def packed_size(num_seqs: int, width: int, num_pages: int) -> int:
-    return 3 * num_seqs * width + num_seqs * num_pages + 2 * num_seqs
+def packed_size(num_seqs: int, num_tokens: int, num_pages: int) -> int:
+    return 3 * num_tokens + (num_seqs + 1) + num_seqs * num_pages + 2 * num_seqs
 
 
-def unpack(packed: torch.Tensor, num_seqs: int, width: int, num_pages: int) -> dict[str, torch.Tensor]:
-    """Views of a packed batch: [input_ids | positions | slot_mapping (B·T each) | block_tables
-    (B·pages) | context_lens (B) | state_slots (B)]."""
-    tokens = num_seqs * width
-    parts = packed.split([tokens, tokens, tokens, num_seqs * num_pages, num_seqs, num_seqs])
-    names = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens", "state_slots")
+def unpack(packed: torch.Tensor, num_seqs: int, num_tokens: int, num_pages: int) -> dict[str, torch.Tensor]:
+    """Views of a packed batch: [input_ids | positions | slot_mapping (N each) | query_start
+    (B + 1) | block_tables (B·pages) | context_lens (B) | state_slots (B)]."""
+    parts = packed.split([num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs * num_pages, num_seqs,
+                          num_seqs])
+    names = ("input_ids", "positions", "slot_mapping", "query_start", "block_tables", "context_lens", "state_slots")
     views = dict(zip(names, parts))
     views["block_tables"] = views["block_tables"].view(num_seqs, num_pages)
     return views
+
+
+def token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, row within it) of every token [N] each, from query_start on the device."""
+    def make():
+        starts = meta.starts
+        tokens = torch.arange(meta.positions.shape[0], device=starts.device)
+        seq = torch.searchsorted(starts[1:], tokens, right=True).clamp_max(meta.num_seqs - 1)
+        return seq, tokens - starts[seq]
+    return shared(meta, "token_rows", make)
+
+
+def padded_rows(meta: AttentionMetadata, first: int = 0, last: int | None = None, rows: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences first … last − 1 as a rectangle [b, rows]: (flat token index, valid). Rows past a
+    sequence's length repeat its first token (a visible key exists for every padded query)."""
+    last = meta.num_seqs if last is None else last
+    rows = max(meta.lens[first:last], default=0) if rows is None else rows
+
+    def make():
+        starts = meta.starts
+        begin, length = starts[first:last], starts[first + 1: last + 1] - starts[first:last]
+        offsets = torch.arange(rows, device=starts.device)
+        valid = offsets[None] < length[:, None]
+        index = torch.where(valid, begin[:, None] + offsets[None], begin[:, None])
+        return index.clamp(0, max(meta.positions.shape[0] - 1, 0)), valid
+    return shared(meta, ("padded_rows", first, last, rows), make)
+
+
+def to_padded(x: torch.Tensor, meta: AttentionMetadata, first: int = 0, last: int | None = None) -> torch.Tensor:
+    """Flat rows [N, …] of sequences first … last − 1 → [b, T, …] (a view when they are uniform)."""
+    last = meta.num_seqs if last is None else last
+    if meta.width and first == 0 and last == meta.num_seqs:
+        return x.view(meta.num_seqs, meta.width, *x.shape[1:])
+    index, _ = padded_rows(meta, first, last)
+    return x[index]
+
+
+def from_padded(y: torch.Tensor, meta: AttentionMetadata, first: int = 0, last: int | None = None) -> torch.Tensor:
+    """[b, T, …] of sequences first … last − 1 → their flat rows, in token order."""
+    last = meta.num_seqs if last is None else last
+    if meta.width and first == 0 and last == meta.num_seqs:
+        return y.reshape(-1, *y.shape[2:])
+    lens = meta.lens
+    begin, end = sum(lens[:first]), sum(lens[:last])
+    seq, row = token_rows(meta)
+    return y[seq[begin:end] - first, row[begin:end]]
 
 
 def key_slots(block_tables: torch.Tensor, num_keys: int, page_size: int) -> torch.Tensor:
@@ -120,8 +198,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     window stays on the reference), else the reference below, which is the spec."""
     if window is None and uses_kernels(q.device):
         from blockspec.kernels.attention import paged_attention as kernel
-        return kernel(q, k_pool, v_pool, meta.block_tables, context_lens, meta.positions, meta.num_seqs, meta.width,
-                      meta.page_size, meta.max_context_len, scale, is_causal, block_kv)
+        return kernel(q, k_pool, v_pool, meta.block_tables, context_lens, meta.positions, meta.starts,
+                      meta.max_query_len, meta.page_size, meta.max_context_len, scale, is_causal, block_kv)
     return reference_paged_attention(q, k_pool, v_pool, meta, context_lens, scale, is_causal, window, block_kv)
 
 
@@ -129,24 +207,25 @@ def reference_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
                               context_lens: torch.Tensor, scale: float, is_causal: bool = True,
                               window: int | None = None, block_kv: tuple[torch.Tensor, torch.Tensor] | None = None
                               ) -> torch.Tensor:
-    """The reference kernel: q [B·T, H, D] → [B·T, H·D].
+    """The reference kernel: q [N, H, D] → [N, H·D].
 
+    Each sequence's rows are gathered into a rectangle [B, T] (T its longest query length).
     Keys: the first context_lens[b] positions of each sequence in the pool, gathered from its
     pages (meta.max_context_len of them, masked past the live length), plus block_kv
-    ([B·T, Hkv, D] each, at the query positions) when given (the draft's own block, never cached).
+    ([N, Hkv, D] each, at the query positions) when given (the draft's own block, never cached).
     """
-    num_seqs, width = meta.num_seqs, meta.width
+    num_seqs = meta.num_seqs
     slots = shared(meta, "slots", lambda: key_slots(meta.block_tables, meta.max_context_len, meta.page_size))
     keys, values = k_pool[slots], v_pool[slots]                                       # [B, L, Hkv, D]
     if block_kv is not None:
-        keys = torch.cat((keys, block_kv[0].view(num_seqs, width, *block_kv[0].shape[1:])), dim=1)
-        values = torch.cat((values, block_kv[1].view(num_seqs, width, *block_kv[1].shape[1:])), dim=1)
+        keys = torch.cat((keys, to_padded(block_kv[0], meta)), dim=1)
+        values = torch.cat((values, to_padded(block_kv[1], meta)), dim=1)
     mask = shared(meta, ("mask", is_causal, window, block_kv is not None),
                   lambda: attention_mask(meta, context_lens, is_causal, window, block_kv is not None))
-    q = q.view(num_seqs, width, q.shape[1], q.shape[2]).transpose(1, 2)                # [B, H, T, D]
+    q = to_padded(q, meta).transpose(1, 2)                                            # [B, H, T, D]
     out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != keys.shape[2])
-    return out.transpose(1, 2).reshape(num_seqs * width, -1)
+    return from_padded(out.transpose(1, 2).reshape(num_seqs, q.shape[2], -1), meta)
 
 
 def shared(meta: AttentionMetadata, key: Any, make) -> torch.Tensor:
@@ -158,12 +237,14 @@ def shared(meta: AttentionMetadata, key: Any, make) -> torch.Tensor:
 def attention_mask(meta: AttentionMetadata, context_lens: torch.Tensor, is_causal: bool, window: int | None,
                    with_block: bool) -> torch.Tensor:
     """Bool [B, 1, T, L (+ T with the block)]: which keys each query sees."""
-    query_pos = meta.query_positions
+    query_pos = to_padded(meta.positions, meta)                                      # [B, T]
     key_pos = torch.arange(meta.max_context_len, device=query_pos.device)[None].expand(meta.num_seqs, -1)
     key_valid = key_pos < context_lens[:, None]
     if with_block:
+        block_valid = (torch.ones_like(query_pos, dtype=torch.bool) if meta.width
+                       else padded_rows(meta)[1])
         key_pos = torch.cat((key_pos, query_pos), dim=1)
-        key_valid = torch.cat((key_valid, torch.ones_like(query_pos, dtype=torch.bool)), dim=1)
+        key_valid = torch.cat((key_valid, block_valid), dim=1)
     return visible_keys(query_pos, key_pos, key_valid, is_causal, window)[:, None]
 
 

@@ -26,6 +26,7 @@ from torch import nn
 from blockspec.cache.state_pool import RecurrentShape
 from blockspec.config import ConfigError, ModelConfig, eos_ids
 from blockspec.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding
+from blockspec.layers.attention import from_padded, padded_rows, to_padded
 from blockspec.layers.common import FusedLinear, join_fused_parts
 from blockspec.layers.moe import make_mlp
 from blockspec.models.base import CausalLM, PreNormLayer
@@ -175,10 +176,30 @@ class GatedDeltaNet(nn.Module):
         return F.silu(out).transpose(1, 2), conv_inputs
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x [B·T, hidden]: B sequences of T tokens, each continuing the state in its slot."""
-        batch, num_tokens = meta.num_seqs, meta.width
-        mixed, z, b, a = self.project(x.view(batch, num_tokens, -1))
-        window, initial = meta.states.read(self.state_index, meta.state_slots)
+        """x [N, hidden]: the flat ragged batch, each sequence continuing the state in its slot.
+        Prefill chunks (the first meta.num_prefill_seqs sequences) and decode / verify rows (the
+        rest) run as two groups, each padded to its longest sequence: padding rows come after a
+        sequence's real ones and are made inert (β = 0 writes nothing, g = 0 decays nothing), so
+        every state is exactly the one after the sequence's own last row."""
+        mixed, z, b, a = self.project(x[None])
+        mixed, z, b, a = mixed[0], z[0], b[0], a[0]                            # [N, ·]
+        parts = []
+        split = meta.num_prefill_seqs
+        for first, last, stash in ((0, split, False), (split, meta.num_seqs, meta.keep_steps)):
+            if last > first:
+                parts.append(self.run_group(meta, first, last, stash, mixed, b, a))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)               # [N, Hv, Dv]
+        return self.out_proj(self.norm(out, z).flatten(1))
+
+    def run_group(self, meta: AttentionMetadata, first: int, last: int, stash: bool, mixed: torch.Tensor,
+                  b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Sequences first … last − 1 → their output rows [n, Hv, Dv] in token order."""
+        lens = meta.lens[first:last]
+        num_tokens = max(lens)
+        slots = meta.state_slots[first:last]
+        mixed, b, a = (to_padded(t, meta, first, last) for t in (mixed, b, a))  # [B, T, ·]
+        batch = mixed.shape[0]
+        window, initial = meta.states.read(self.state_index, slots)
         mixed, conv_inputs = self.convolve(mixed, window)
         q, k, v = mixed.split((self.key_width, self.key_width, self.value_width), dim=-1)
         q = q.reshape(batch, num_tokens, self.num_k_heads, self.k_dim)
@@ -187,8 +208,12 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         dtype = state_dtype(a.dtype)
         g = -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))  # log decay ≤ 0
-        kernels = select_kernels(x.device)
-        if meta.keep_steps:
+        uniform = all(n == num_tokens for n in lens)
+        if not uniform:
+            valid = padded_rows(meta, first, last)[1][..., None]                           # [B, T, 1]
+            beta, g = beta * valid, g * valid
+        kernels = select_kernels(mixed.device)
+        if stash:
             out, _, steps = kernels.recurrent(q, k, v, g, beta, initial, True)
             meta.states.stash(self.state_index, steps, conv_inputs)
         else:
@@ -196,8 +221,8 @@ class GatedDeltaNet(nn.Module):
                 out, state, _ = kernels.recurrent(q, k, v, g, beta, initial, False)
             else:
                 out, state = kernels.chunk(q, k, v, g, beta, initial)
-            meta.states.write(self.state_index, meta.state_slots, conv_inputs, state)
-        return self.out_proj(self.norm(out, z).flatten(2)).view(batch * num_tokens, -1)   # out [B, T, Hv, Dv]
+            meta.states.write(self.state_index, slots, conv_inputs, state, None if uniform else lens)
+        return from_padded(out, meta, first, last)
 
 
 class HybridDecoderLayer(PreNormLayer):

@@ -135,20 +135,26 @@ def sample_walk(walk: CandidateWalk, row: int, temperature: float,
     return ids.gather(1, torch.stack(path)).view(-1), q_full
 
 
-def process_verify(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Target logits [B, T, V] → the processed rows [T, V] of each sequence with a logits
-    processor (row i with the state after d_1 … d_i); the others are not touched."""
+def process_verify(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor,
+                   num_drafts: list[int] | None = None) -> dict[int, torch.Tensor]:
+    """Target logits [B, T, V] → the processed rows [k_b + 1, V] of each sequence with a logits
+    processor (row i with the state after d_1 … d_i; k_b = num_drafts[b], T − 1 when not given);
+    the others are not touched."""
     processed = {}
     for b, seq in enumerate(seqs):
         if seq.logits_processor is not None:
-            drafts = proposal.drafts[b].tolist() if proposal is not None else []
-            processed[b] = seq.logits_processor.rows(logits[b], drafts)
+            k = logits.shape[1] - 1 if num_drafts is None else num_drafts[b]
+            drafts = proposal.drafts[b, :k].tolist() if proposal is not None else []
+            processed[b] = seq.logits_processor.rows(logits[b, : k + 1], drafts)
     return processed
 
 
 def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor,
-           processed: dict[int, torch.Tensor] | None = None) -> tuple[list[int], list[list[int]]]:
+           processed: dict[int, torch.Tensor] | None = None, num_drafts: list[int] | None = None
+           ) -> tuple[list[int], list[list[int]]]:
     """Target logits [B, T, V] → (accepted drafts a_b, the a_b + 1 new tokens of each sequence).
+    num_drafts: k_b, the drafts sequence b verified (rows 0 … k_b of its logits are real);
+    a_b ≤ k_b always (T − 1 each when not given).
 
     Greedy: d_i is kept while it equals the target's argmax after [x, d_1 … d_{i−1}]; the kept
     drafts then equal the target's own tokens, so the new tokens are target_ids[: a + 1].
@@ -156,28 +162,37 @@ def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor
     its processed rows [T, V] (process_verify), which replace its logits for both rules."""
     processed = processed or {}
     num_seqs, width = logits.shape[:2]
+    num_drafts = [width - 1] * num_seqs if num_drafts is None else num_drafts
     target_ids = logits.argmax(-1)                                              # [B, T]
     for b, scores in processed.items():
-        target_ids[b] = scores.argmax(-1)
-    if proposal is None:
+        target_ids[b, : scores.shape[0]] = scores.argmax(-1)
+    if proposal is None or width == 1:
         accepted = torch.zeros(num_seqs, 1, dtype=torch.long, device=logits.device)
     else:
-        agree = (proposal.drafts == target_ids[:, :-1]).long()
+        agree = (proposal.drafts[:, : width - 1] == target_ids[:, :-1]).long()
+        if any(k != width - 1 for k in num_drafts):         # a draft past k_b was never verified
+            verified = torch.arange(width - 1, device=logits.device)[None] < torch.tensor(
+                num_drafts, device=logits.device)[:, None]
+            agree = agree * verified
         accepted = agree.cumprod(1).sum(1, keepdim=True)                        # [B, 1]
     host = torch.cat((accepted, target_ids), dim=1).tolist()
     num_accepted = [row[0] for row in host]
     new_tokens = [row[1: row[0] + 2] for row in host]
     for b, seq in enumerate(seqs):
         if not seq.request.params.is_greedy:
-            num_accepted[b], new_tokens[b] = accept_sampled(seq, proposal, b, processed.get(b, logits[b]))
+            k = num_drafts[b]
+            num_accepted[b], new_tokens[b] = accept_sampled(seq, proposal, b, processed.get(b, logits[b, : k + 1]), k)
     return num_accepted, new_tokens
 
 
-def accept_sampled(seq: Sequence, proposal: Proposal | None, row: int, logits: torch.Tensor) -> tuple[int, list[int]]:
-    """The rejection rule (sampling.rejection_sample) for one sampling sequence; logits [T, V]."""
+def accept_sampled(seq: Sequence, proposal: Proposal | None, row: int, logits: torch.Tensor,
+                   num_drafts: int) -> tuple[int, list[int]]:
+    """The rejection rule (sampling.rejection_sample) for one sampling sequence over its k
+    verified drafts; logits [k + 1, V]."""
     p = probs_from_logits(logits, seq.request.params)
-    if proposal is None or proposal.drafts.shape[1] == 0:
+    if proposal is None or num_drafts == 0:
         return 0, [int(sample_from_probs(p[0], seq.generator))]
-    drafts = proposal.drafts[row]
-    num_accepted, bonus = rejection_sample(drafts, p, proposal.probs[row], seq.generator)
+    drafts = proposal.drafts[row, :num_drafts]
+    q = proposal.probs[row]
+    num_accepted, bonus = rejection_sample(drafts, p, q[:num_drafts] if q is not None else None, seq.generator)
     return num_accepted, drafts[:num_accepted].tolist() + [bonus]
