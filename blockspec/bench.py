@@ -289,8 +289,8 @@ def forced_accept(accept_len: float):
     for random weights whose drafts are never right."""
     credit = [0.0]
 
-    def accept(seqs, proposal, logits, processed=None):
-        num_accepted, new_tokens = real_accept(seqs, proposal, logits, processed)
+    def accept(seqs, proposal, logits, processed=None, num_drafts=None):
+        num_accepted, new_tokens = real_accept(seqs, proposal, logits, processed, num_drafts)
         target_ids = logits.argmax(-1).tolist()
         for b in range(len(seqs)):
             credit[0] += accept_len
@@ -578,7 +578,7 @@ def report(measure: Callable[[Any], dict[str, Any]], args) -> int:
     """Run one bench mode, print its table, write --out."""
     try:
         results = measure(args)
-    except (EngineFailed, ValueError) as exc:
+    except EngineFailed as exc:
         print(f"blockspec bench: error: {exc}", file=sys.stderr)
         return 1
     print_table(results)

@@ -3,8 +3,6 @@ as one batch. A thin layer over the engine: it loads, configures once, and steps
 the calling thread (the server instead runs the same engine on its own thread)."""
 from __future__ import annotations
 
-import sys
-
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -60,8 +58,6 @@ class LLM:
         self.config = resolve_engine_config(opts, target.config.max_position_embeddings,
                                             draft_model.block_size if draft_model is not None else None)
         self.engine = Engine(target, draft_model, self.config)
-        if show_progress:
-            print(f"blockspec: {self.engine.cache_summary}", file=sys.stderr, flush=True)
         self.stop_ids = self.tokenizer.stop_token_ids | frozenset(target.config.eos_token_ids)
         self._events: dict[str, deque[TokenEvent]] = {}
 

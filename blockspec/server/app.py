@@ -267,7 +267,9 @@ class CountInFlight:
 def default_llm_factory(settings: ServerSettings) -> LLMFactory:
     def load() -> Any:
         from blockspec.llm import LLM
-        return LLM(settings)           # the settings' engine options, as given
+        llm = LLM(settings)            # the settings' engine options, as given
+        print(f"blockspec serve: {llm.engine.cache_summary}", file=sys.stderr, flush=True)   # [prefix]
+        return llm
     return load
 
 
