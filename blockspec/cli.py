@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--system-prompt-tokens", type=int, default=2048, metavar="N",
                        help="--multi-turn: tokens of the shared system prompt")
     bench.add_argument("--user-tokens", type=int, default=64, metavar="N", help="--multi-turn: tokens per user message")
+    bench.add_argument("--burst", type=int, default=None, metavar="N",
+                       help="burst mode: N requests of --prompt-len tokens arriving at once; reports their time "
+                            "to first token (p50, p99), plain and DFlash")
+    bench.add_argument("--burst-decoding", type=int, default=0, metavar="M",
+                       help="with --burst: M requests already decoding when the burst arrives; reports the p99 "
+                            "gap between their streamed tokens during it")
     bench.add_argument("--demo", action="store_true", help="the shipped demo pair on held-out code: plain vs DFlash (CPU by default)")
     add_train_args(subcommand(sub, "train-draft", "train a DFlash draft for a target (DFlash recipe)"))
     return parser

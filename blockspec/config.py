@@ -178,7 +178,8 @@ def eos_ids(value: Any) -> tuple[int, ...]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEFAULT_MAX_MODEL_LEN = 4096             # the context when --max-model-len is not given (at most the model's)
+DEFAULT_MAX_MODEL_LEN = 4096             # EngineConfig's own default (built directly, as tests do); the
+                                         # options resolve an unset --max-model-len to the model's positions
 
 
 @dataclass(frozen=True)
@@ -196,17 +197,22 @@ class EngineOptions:
     dtype: str = option("auto", "weights' dtype (auto: the checkpoint's, float32 on CPU)", (SERVE, GENERATE),
                         choices=DTYPES)
     device: str = option("auto", "auto | cpu | cuda[:N]")
-    max_model_len: int | None = option(None, f"context limit, prompt + output tokens (none: {DEFAULT_MAX_MODEL_LEN} "
-                                       "or the model's positions if fewer)", (SERVE, GENERATE))
+    max_model_len: int | None = option(None, "context limit, prompt + output tokens (none: the model's "
+                                       "max_position_embeddings)", (SERVE, GENERATE))
     max_num_seqs: int = option(32, "sequences decoded together in one batch", (SERVE,))
     max_queue: int = option(64, "requests waiting beyond the running batch (more: 503)", (SERVE,))
     threads: int | None = option(None, "CPU threads for torch (none: torch's default)")
     page_size: int = option(16, "tokens per KV-cache page", ())
-    num_pages: int | None = option(None, "KV-cache pages (none: max_num_seqs full-length sequences)", ())
-    max_prefill_tokens: int = option(2048, "prompt tokens per prefill chunk (a long prompt never stalls "
-                                     "decoding)", ())
-    max_num_batched_tokens: int = option(2048, "tokens of one step: every sequence's verify rows + prefill "
-                                         "chunks", ())
+    num_pages: int | None = option(None, "KV-cache pages (older name of num_gpu_blocks)", ())
+    max_prefill_tokens: int = option(2048, "prompt tokens per step, at most (within the token budget)", ())
+    max_num_batched_tokens: int = option(2048, "tokens of one step: every decoding sequence's verify rows, then "
+                                         "prefill chunks with the rest (a long prompt never stalls decoding)")
+    gpu_memory_utilization: float = option(0.9, "fraction of the GPU the engine fills: weights, activations, "
+                                           "CUDA graphs, and KV-cache pages in the rest", metavar="FRACTION")
+    num_gpu_blocks: int | None = option(None, "KV-cache pages, overriding the size measured from memory "
+                                        "(none: measured)")
+    kv_cache_memory: int | None = option(None, "bytes of KV cache off CUDA (none: 4 GiB, at most what "
+                                         "max_num_seqs full-length sequences use)", metavar="BYTES")
     cuda_graphs: bool = option(True, "capture CUDA graphs for decoding", ())
     prefix_cache: bool = option(True, "reuse the K/V (and a hybrid target's recurrent state) of prompt "
                                 "prefixes computed before (--no-prefix-cache: every prompt computed whole)")
@@ -223,7 +229,10 @@ class EngineOptions:
                   (self.page_size >= 1, "the page size must be at least 1"),
                   (self.num_pages is None or self.num_pages >= 2, "the KV pool needs at least 2 pages"),
                   (self.max_prefill_tokens >= 1, "the prefill chunk must be at least 1 token"),
-                  (self.block_size is None or self.max_num_batched_tokens >= self.block_size,
+                  (0.0 < self.gpu_memory_utilization <= 1.0, "--gpu-memory-utilization must be in (0, 1]"),
+                  (self.num_gpu_blocks is None or self.num_gpu_blocks >= 2, "--num-gpu-blocks must be at least 2"),
+                  (self.kv_cache_memory is None or self.kv_cache_memory > 0, "--kv-cache-memory must be positive"),
+                  (self.max_num_batched_tokens >= (self.block_size or 1),
                    "--max-num-batched-tokens must hold at least one block (--block-size)"),
                   (self.prefix_state_slots >= 0, "--prefix-state-slots must be at least 0")]
         for ok, message in checks:
@@ -235,8 +244,11 @@ class EngineOptions:
 class EngineConfig(EngineOptions):
     """The options as the engine runs them: the two chosen at load time filled in (resolve_engine_config).
 
-    block_size 1 is plain decoding (no draft forward); num_pages None sizes the KV pool for
-    max_num_seqs sequences of max_model_len tokens (plus one block of verify slack each)."""
+    block_size 1 is plain decoding (no draft forward). The KV pool's size: num_gpu_blocks (or
+    num_pages, its older name) pages when given; else from memory (engine/memory.py): on CUDA what
+    gpu_memory_utilization of the device leaves after weights, one forward at the full token
+    budget and the graphs; elsewhere kv_cache_memory bytes. Never more than max_num_seqs
+    sequences of max_model_len tokens (plus one block of verify slack each) can use."""
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     block_size: int = 1
 
@@ -250,8 +262,18 @@ class EngineConfig(EngineOptions):
         return -(-self.max_positions_per_seq // self.page_size)
 
     @property
+    def page_override(self) -> int | None:
+        return self.num_gpu_blocks if self.num_gpu_blocks is not None else self.num_pages
+
+    @property
+    def worst_case_pages(self) -> int:
+        """Pages max_num_seqs sequences of max_model_len can ever hold (+ the padding page)."""
+        return self.max_num_seqs * self.pages_per_seq + 1
+
+    @property
     def total_pages(self) -> int:
-        return self.num_pages if self.num_pages is not None else self.max_num_seqs * self.pages_per_seq + 1
+        """The pool when no memory measurement decides it (an override, else the worst case)."""
+        return self.page_override if self.page_override is not None else self.worst_case_pages
 
 
 def resolve_engine_config(options: EngineOptions, max_positions: int, draft_block_size: int | None) -> EngineConfig:
@@ -265,7 +287,7 @@ def resolve_engine_config(options: EngineOptions, max_positions: int, draft_bloc
     max_model_len = options.max_model_len
     if max_model_len is not None and max_model_len > max_positions:
         raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's {max_positions} positions")
-    if max_model_len is None:
-        max_model_len = min(DEFAULT_MAX_MODEL_LEN, max_positions)
+    if max_model_len is None:              # the model's own context (the pool refuses it only if one cannot fit)
+        max_model_len = max_positions
     values = {f.name: getattr(options, f.name) for f in dataclasses.fields(EngineOptions)}
     return EngineConfig(**{**values, "block_size": block_size, "max_model_len": max_model_len})

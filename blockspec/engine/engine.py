@@ -62,10 +62,10 @@ class Engine:
         self.runner = ModelRunner(target, draft, config)
         num_slots = config.max_num_seqs if self.runner.is_hybrid else 0
         if config.prefix_cache:
-            self.cache = PrefixCacheManager(config.total_pages, config.page_size, num_slots,
+            self.cache = PrefixCacheManager(self.runner.pool_size.num_pages, config.page_size, num_slots,
                                             snapshot_slot_ids(config.max_num_seqs, config.prefix_state_slots))
         else:
-            self.cache = CacheManager(config.total_pages, config.page_size, num_slots)
+            self.cache = CacheManager(self.runner.pool_size.num_pages, config.page_size, num_slots)
         self.scheduler = Scheduler(config, self.cache, self.runner.width)
         self.counters = EngineCounters()
         self.on_finish = on_finish
@@ -98,19 +98,20 @@ class Engine:
         return self.cache.usage
 
     @property
-    def cache_summary(self) -> str:
-        """One line for the startup log: the pool, and whether the prefix cache is on."""
-        pool = f"KV cache {self.cache.num_usable_pages} pages of {self.config.page_size} tokens"
-        if not self.config.prefix_cache:
-            return f"{pool}; prefix cache off"
-        snapshots = f", {self.config.prefix_state_slots} state snapshots" if self.runner.is_hybrid else ""
-        return f"{pool}; prefix cache on{snapshots}"
-
-    @property
     def prefix_cache_counts(self) -> tuple[int, int]:
         """Prompt tokens looked up in the prefix cache, and those it served (metrics)."""
         prefix = getattr(self.cache, "prefix", None)
         return (prefix.queries, prefix.hits) if prefix is not None else (0, 0)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Positions the K/V pool holds (its usable pages × page size)."""
+        return self.cache.num_usable_pages * self.config.page_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many sequences of max_model_len (+ a block) the pool holds at once (vLLM's figure)."""
+        return self.kv_cache_tokens / self.config.max_positions_per_seq
 
     def submit(self, request: Request, on_event: EventCallback) -> None:
         """Thread-safe; raises QueueFullError instead of queueing beyond max_queue or after

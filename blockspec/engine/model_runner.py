@@ -14,6 +14,8 @@ width runs through the CUDA graphs (engine/cuda_graphs.py) when they are on.
 from __future__ import annotations
 
 import dataclasses
+import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,7 @@ from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.logits import LogitsProcessor
+from blockspec.engine.memory import dummy_sequence, size_pool, startup_line
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence
@@ -64,23 +67,75 @@ class ModelRunner:
         # Target layers whose outputs feed the draft (none without a draft).
         self.capture_layers = tuple(self.draft.target_layer_ids) if self.draft is not None else ()
         self.page_size = config.page_size
-        num_slots = config.total_pages * config.page_size
-        tc = target.config
-        self.target_kv = KVPool(target.num_attention_layers, num_slots, tc.num_key_value_heads, tc.head_dim,
-                                self.dtype, self.device)
-        self.draft_kv = None
-        if self.draft is not None:
-            dc = self.draft.config
-            self.draft_kv = KVPool(dc.num_hidden_layers, num_slots, dc.num_key_value_heads, dc.head_dim,
-                                   self.dtype, self.device)
         shapes = target.recurrent_shapes
         num_snapshots = config.prefix_state_slots if config.prefix_cache else 0     # [prefix] slots after the seqs'
         self.states = (StatePool(config.max_num_seqs + 1 + num_snapshots, shapes, self.dtype, self.device)
                        if shapes else None)
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
         self.graphs = None
+        # The pool: measured after the weights and one full-budget forward (engine/memory.py).
+        self.pool_size = size_pool(config, target, self.draft, self.device, self.dtype,
+                                   self.profile if self.device.type == "cuda" else None)
+        self.target_kv, self.draft_kv = self.make_pools(self.pool_size.num_pages)
+        print(startup_line(config, self.pool_size), file=sys.stderr, flush=True)
         if config.cuda_graphs and self.device.type == "cuda":
             self.graphs = self.make_graphs(capture=True)
+            self.capture_graphs()
+
+    def make_pools(self, num_pages: int) -> tuple[KVPool, KVPool | None]:
+        num_slots = num_pages * self.page_size
+        tc = self.target.config
+        target_kv = KVPool(self.target.num_attention_layers, num_slots, tc.num_key_value_heads, tc.head_dim,
+                           self.dtype, self.device)
+        draft_kv = None
+        if self.draft is not None:
+            dc = self.draft.config
+            draft_kv = KVPool(dc.num_hidden_layers, num_slots, dc.num_key_value_heads, dc.head_dim,
+                              self.dtype, self.device)
+        return target_kv, draft_kv
+
+    @torch.inference_mode()
+    def profile(self, num_pages: int) -> None:
+        """The largest forward the scheduler can produce, on a throwaway pool of num_pages: a
+        prefill chunk of the whole token budget through the target (its features into the
+        draft's context, the logits of a full decode batch's rows), and a full decode batch's
+        blocks through the draft."""
+        self.target_kv, self.draft_kv = self.make_pools(num_pages)
+        num_tokens = self.config.max_num_batched_tokens
+        seq = dummy_sequence(num_pages)
+        meta = self.prepare([Entry(seq, 0, [0] * num_tokens)], num_prefill_seqs=1)
+        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
+        if self.draft is not None:
+            self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
+            blocks = [Entry(seq, 0, [0] * self.width) for _ in range(self.config.max_num_seqs)]
+            self.draft_proposal(self.prepare(blocks))
+        self.target.compute_logits(out.hidden[: min(num_tokens, self.config.max_num_seqs * self.width)])
+        del out, meta
+        self.target_kv = self.draft_kv = None
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Every decode batch the scheduler can produce, captured now so no request pays for a
+        capture (largest first: the graphs' shared pool grows once). The torch reference path
+        (a sliding-window draft layer, BLOCKSPEC_ATTENTION=reference) buckets keys by the live
+        length, so its graphs are still captured on first use."""
+        if self.graphs.bucket_keys:
+            return
+        from tqdm import tqdm
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        sizes = sorted(self.graphs.sizes, reverse=True)
+        idle = dummy_sequence(1)                      # no pages: every row is a padding row (page 0)
+        for size in tqdm(sizes, desc="capturing CUDA graphs", unit="graph", disable=not sys.stderr.isatty()):
+            meta = self.graphs.bind(self.prepare([Entry(idle, 0, [0] * self.width)] * size, padded=True))
+            if self.draft is not None:
+                self.run_forward("propose", self.draft_proposal, meta)
+            self.run_forward("verify", self.target_logits, meta)
+        torch.cuda.synchronize(self.device)
+        self.num_forwards = 0
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        print(f"blockspec: captured CUDA graphs for {len(sizes)} decode batch sizes "
+              f"({', '.join(str(size * self.width) for size in sorted(sizes))} tokens) in "
+              f"{time.perf_counter() - start:.1f} s, {used / (1 << 20):.0f} MiB", file=sys.stderr, flush=True)
 
     def make_graphs(self, capture: bool) -> GraphedForwards:
         """The decode cycle through fixed-shape buffers: CUDA graphs, or (capture=False) the

@@ -267,9 +267,7 @@ class CountInFlight:
 def default_llm_factory(settings: ServerSettings) -> LLMFactory:
     def load() -> Any:
         from blockspec.llm import LLM
-        llm = LLM(settings)            # the settings' engine options, as given
-        print(f"blockspec serve: {llm.engine.cache_summary}", file=sys.stderr, flush=True)   # [prefix]
-        return llm
+        return LLM(settings)           # the settings' engine options, as given
     return load
 
 

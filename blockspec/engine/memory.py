@@ -1,0 +1,117 @@
+"""How many K/V pages the engine gets (vLLM's way): measured, not reserved for the worst case.
+
+On CUDA, after the weights (target and draft) are loaded, one forward at the full token budget
+(max_num_batched_tokens through the target, max_num_seqs blocks through the draft, the logits
+of every verify row) runs on a throwaway pool; its peak is what activations need. The pages then
+fill what gpu_memory_utilization of the device leaves after weights, that peak, other
+processes' memory and a reserve for the CUDA graphs (the activations of their largest batch,
+which live in the graphs' own memory pool). Elsewhere the pool is kv_cache_memory bytes. Either
+way it is never larger than max_num_seqs sequences of max_model_len can use, and an explicit
+num_gpu_blocks (num_pages) overrides the measurement.
+
+A pool smaller than one sequence of max_model_len is refused with one line (ConfigError).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from blockspec.config import ConfigError, EngineConfig
+
+DEFAULT_KV_CACHE_MEMORY = 4 << 30          # bytes of K/V off CUDA when --kv-cache-memory is not given
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    num_pages: int                 # including the padding page 0
+    page_bytes: int                # target + draft K/V bytes of one page
+    source: str                    # "override", "measured", "kv-cache-memory" or "worst-case" (the cap)
+    activation_bytes: int = 0      # peak of the profiling forward beyond weights and its pool
+    graph_reserve_bytes: int = 0
+
+    def usable_tokens(self, page_size: int) -> int:
+        return (self.num_pages - 1) * page_size
+
+
+def kv_bytes_per_slot(model_config, num_layers: int, dtype: torch.dtype) -> int:
+    """K and V of one position in every attention layer of a model."""
+    return 2 * num_layers * model_config.num_key_value_heads * model_config.head_dim * dtype.itemsize
+
+
+def page_bytes(target, draft, page_size: int, dtype: torch.dtype) -> int:
+    per_slot = kv_bytes_per_slot(target.config, target.num_attention_layers, dtype)
+    if draft is not None:
+        per_slot += kv_bytes_per_slot(draft.config, draft.config.num_hidden_layers, dtype)
+    return per_slot * page_size
+
+
+def size_pool(config: EngineConfig, target, draft, device: torch.device, dtype: torch.dtype,
+              profile: Callable[[int], None] | None) -> PoolSize:
+    """The pool's pages. profile(num_pages) runs the full-budget forward on a throwaway pool of
+    that many pages (CUDA only)."""
+    per_page = page_bytes(target, draft, config.page_size, dtype)
+    if config.page_override is not None:
+        return PoolSize(config.page_override, per_page, "override")
+    if device.type == "cuda" and profile is not None:
+        size = measured_pages(config, device, per_page, profile)
+    else:
+        budget = config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
+        size = PoolSize(1 + budget // per_page, per_page, "kv-cache-memory")
+    if size.num_pages > config.worst_case_pages:      # more than the seats can ever use
+        size = PoolSize(config.worst_case_pages, per_page, "worst-case", size.activation_bytes,
+                        size.graph_reserve_bytes)
+    check_one_sequence_fits(config, size)
+    return size
+
+
+def measured_pages(config: EngineConfig, device: torch.device, per_page: int,
+                   profile: Callable[[int], None]) -> PoolSize:
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)                   # weights (target + draft)
+    profile_pages = 2 + -(-config.max_num_batched_tokens // config.page_size) + config.max_num_seqs
+    profile(profile_pages)
+    torch.cuda.synchronize(device)
+    activation = max(0, torch.cuda.max_memory_allocated(device) - before - profile_pages * per_page)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    others = max(0, total - free - torch.cuda.memory_reserved(device))       # other processes, CUDA context
+    graph_tokens = config.max_num_seqs * config.block_size if config.cuda_graphs else 0
+    graph_reserve = int(activation * min(1.0, graph_tokens / config.max_num_batched_tokens))
+    budget = int(total * config.gpu_memory_utilization) - others - before - activation - graph_reserve
+    if budget < 2 * per_page:
+        raise ConfigError(f"no memory left for the KV cache: {total / GiB:.1f} GiB × {config.gpu_memory_utilization} "
+                          f"holds the weights ({before / GiB:.1f} GiB) and activations ({activation / GiB:.1f} GiB) "
+                          f"only; raise --gpu-memory-utilization or lower --max-num-batched-tokens")
+    return PoolSize(1 + budget // per_page, per_page, "measured", activation, graph_reserve)
+
+
+def check_one_sequence_fits(config: EngineConfig, size: PoolSize) -> None:
+    if size.num_pages - 1 < config.pages_per_seq:
+        tokens = size.usable_tokens(config.page_size)
+        hint = ("raise --gpu-memory-utilization or --num-gpu-blocks" if size.source == "measured"
+                else "raise --kv-cache-memory or --num-gpu-blocks")
+        raise ConfigError(f"the KV cache holds {tokens} tokens, less than one sequence of --max-model-len "
+                          f"{config.max_model_len} (+ a block of {config.block_size}); lower --max-model-len or {hint}")
+
+
+def dummy_sequence(num_pages: int, state_slot: int = 0) -> SimpleNamespace:
+    """What `ModelRunner.prepare` reads of a sequence, for a profiling or capture forward:
+    pages 1 … num_pages − 1 of a throwaway pool, the padding state slot."""
+    return SimpleNamespace(block_table=list(range(1, num_pages)), state_slot=state_slot)
+
+
+def startup_line(config: EngineConfig, size: PoolSize) -> str:
+    tokens = size.usable_tokens(config.page_size)
+    gib = (size.num_pages * size.page_bytes) / GiB
+    how = {"override": "--num-gpu-blocks", "measured": f"{config.gpu_memory_utilization:g} of the device",
+           "kv-cache-memory": "--kv-cache-memory",
+           "worst-case": f"{config.max_num_seqs} sequences of --max-model-len, all memory allows"}[size.source]
+    return (f"blockspec: KV cache {tokens:,} tokens ({size.num_pages - 1:,} pages of {config.page_size}, "
+            f"{gib:.2f} GiB, from {how}); maximum concurrency at {config.max_model_len:,} tokens per request: "
+            f"{tokens / config.max_positions_per_seq:.2f}x; prefix cache {'on' if config.prefix_cache else 'off'}")
