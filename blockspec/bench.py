@@ -13,6 +13,7 @@ alone (DFlash 1: logits; DFlash 2: logits, top-k, edge scores, greedy walk) repl
 """
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -716,10 +717,15 @@ def multi_turn_run(target, draft, block_size: int, conversations: int, turns: in
     longest prefix, in whole pages short of the last position, that an answer finished before
     this turn was submitted had in common with it)."""
     max_len = system_tokens + turns * (user_tokens + answer_tokens) + 16
+    # A pool of every conversation at full length (sized, not measured: several engines in a row).
+    num_pages = conversations * -(-(max_len + block_size) // page_size) + 1
     config = EngineConfig(max_model_len=max_len, block_size=block_size if draft is not None else 1,
                           max_num_seqs=conversations, max_queue=conversations, page_size=page_size,
-                          prefix_cache=prefix_cache, prefix_state_slots=state_slots,
+                          prefix_cache=prefix_cache, prefix_state_slots=state_slots, num_gpu_blocks=num_pages,
                           max_prefill_tokens=min(max_len, 8192), max_num_batched_tokens=min(max_len, 8192))
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()                 # the last run's engine and its pools are gone
     engine = Engine(target, draft, config)
     gen = torch.Generator().manual_seed(1)
     words = lambda n: torch.randint(1000, 100000, (n,), generator=gen).tolist()     # noqa: E731
