@@ -304,12 +304,20 @@ def forced_accept(accept_len: float):
     return accept
 
 
+# The engine options given to `bench` (--max-model-len, --gpu-memory-utilization, --num-gpu-blocks,
+# --max-num-batched-tokens, --kv-cache-memory): main() sets them, every engine the bench builds uses them.
+ENGINE_OPTIONS: dict[str, Any] = {}
+MEMORY_OPTIONS = ("max_model_len", "gpu_memory_utilization", "num_gpu_blocks", "max_num_batched_tokens",
+                  "kv_cache_memory")
+
+
 def throughput(target, draft, block_size: int, concurrency: int, prompt_len: int, max_tokens: int,
                accept_len: float | None) -> dict[str, float]:
     """Output tok/s of `concurrency` requests decoded together through the engine (a warm-up
     batch first), and the decode milliseconds per cycle of the batch."""
-    config = EngineConfig(max_model_len=prompt_len + max_tokens + 8, block_size=block_size if draft else 1,
-                          max_num_seqs=concurrency, max_queue=concurrency, max_prefill_tokens=prompt_len)
+    config = EngineConfig(**{"max_model_len": prompt_len + max_tokens + 8, **ENGINE_OPTIONS},
+                          block_size=block_size if draft else 1, max_num_seqs=concurrency, max_queue=concurrency,
+                          max_prefill_tokens=prompt_len)
     engine = Engine(target, draft, config)
     forcing = accept_len is not None and draft is not None
     with mock.patch.object(model_runner, "accept", forced_accept(accept_len) if forcing else model_runner.accept):
@@ -340,9 +348,10 @@ def burst(target, draft, block_size: int, arrivals: int, decoding: int, prompt_l
     decoding requests' streamed events during the burst (p50, p99), in milliseconds. With the
     ragged step their prefill chunks ride along with the decode rows instead of stalling them."""
     width = block_size if draft is not None else 1
-    config = EngineConfig(max_model_len=prompt_len + max_tokens + width, block_size=width,
-                          max_num_seqs=arrivals + decoding, max_queue=arrivals + decoding,
-                          max_num_batched_tokens=max_num_batched_tokens)
+    # The decoding ones (64-token prompts) keep going past the burst: room for prompt_len + max_tokens more.
+    config = EngineConfig(**{"max_model_len": 64 + prompt_len + max_tokens + width, **ENGINE_OPTIONS,
+                             "max_num_batched_tokens": max_num_batched_tokens},
+                          block_size=width, max_num_seqs=arrivals + decoding, max_queue=arrivals + decoding)
     engine = Engine(target, draft, config)
     gen = torch.Generator().manual_seed(1)
     times: dict[str, list[float]] = {}
@@ -477,6 +486,8 @@ def main(args) -> int:
         raise ValueError(f"--block-size must be a comma-separated list of integers ≥ 2, not {args.block_size!r}")
     if getattr(args, "layers", None) is not None and args.layers < 1:
         raise ValueError("--layers must be at least 1")
+    ENGINE_OPTIONS.clear()
+    ENGINE_OPTIONS.update({name: getattr(args, name) for name in MEMORY_OPTIONS if getattr(args, name, None) is not None})
     if getattr(args, "burst", None):
         return burst_main(args, device, block_sizes[0])
     try:

@@ -79,8 +79,9 @@ def main() -> None:
                 q, k_pool, v_pool, meta, block_kv = make(num_seqs, width, context, args.heads, args.kv_heads,
                                                          args.head_dim, 16, args.capacity, draft, device, dtype)
                 causal = not draft
+                starts = meta.starts                   # query_start, made before the graph captures
                 fast = graph_ms(lambda: kernel(q, k_pool, v_pool, meta.block_tables, meta.context_lens, meta.positions,
-                                               num_seqs, width, 16, args.capacity, scale, causal, block_kv))
+                                               starts, width, 16, args.capacity, scale, causal, block_kv))
                 meta.shared.clear()
                 slow = graph_ms(lambda: reference_paged_attention(q, k_pool, v_pool, meta, meta.context_lens, scale,
                                                                   causal, None, block_kv))

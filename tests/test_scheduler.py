@@ -186,3 +186,21 @@ def test_admission_needs_a_free_state_slot():
     scheduler.finish(a)
     scheduler.schedule()
     assert scheduler.running == [b] and b.state_slot == 1
+
+
+def test_decoding_sequences_beyond_the_budget_take_turns():
+    """Four decoding sequences of 4-token blocks under a 12-token budget: three fit a step; the
+    one left out goes first in the next, so every sequence decodes in every other step at least."""
+    scheduler = make_scheduler(num_pages=512, max_num_batched_tokens=12)
+    seqs = [make_seq(f"s{i}", 3) for i in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_step(scheduler, scheduler.schedule())
+    last_seen = {seq.request_id: 0 for seq in seqs}
+    for step in range(1, 9):
+        batch = scheduler.schedule()
+        assert len(batch.decode) == 3 and batch.num_tokens == 12
+        for seq in batch.decode:
+            last_seen[seq.request_id] = step
+        assert all(step - seen <= 1 for seen in last_seen.values()), (step, last_seen)
+        run_step(scheduler, batch)

@@ -81,7 +81,7 @@ def measured_pages(config: EngineConfig, device: torch.device, per_page: int,
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     others = max(0, total - free - torch.cuda.memory_reserved(device))       # other processes, CUDA context
-    graph_tokens = config.max_num_seqs * config.block_size if config.cuda_graphs else 0
+    graph_tokens = min(config.max_num_seqs * config.block_size, config.max_num_batched_tokens) if config.cuda_graphs else 0
     graph_reserve = int(activation * min(1.0, graph_tokens / config.max_num_batched_tokens))
     budget = int(total * config.gpu_memory_utilization) - others - before - activation - graph_reserve
     if budget < 2 * per_page:

@@ -107,9 +107,9 @@ class ModelRunner:
         out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
-            blocks = [Entry(seq, 0, [0] * self.width) for _ in range(self.config.max_num_seqs)]
+            blocks = [Entry(seq, 0, [0] * self.width) for _ in range(self.max_decode_seqs)]
             self.draft_proposal(self.prepare(blocks))
-        self.target.compute_logits(out.hidden[: min(num_tokens, self.config.max_num_seqs * self.width)])
+        self.target.compute_logits(out.hidden[: self.max_decode_seqs * self.width])
         del out, meta
         self.target_kv = self.draft_kv = None
 
@@ -122,7 +122,8 @@ class ModelRunner:
         if self.graphs.bucket_keys:
             return
         from tqdm import tqdm
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        is_cuda = self.device.type == "cuda"
+        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
         sizes = sorted(self.graphs.sizes, reverse=True)
         idle = dummy_sequence(1)                      # no pages: every row is a padding row (page 0)
         for size in tqdm(sizes, desc="capturing CUDA graphs", unit="graph", disable=not sys.stderr.isatty()):
@@ -130,18 +131,22 @@ class ModelRunner:
             if self.draft is not None:
                 self.run_forward("propose", self.draft_proposal, meta)
             self.run_forward("verify", self.target_logits, meta)
-        torch.cuda.synchronize(self.device)
         self.num_forwards = 0
-        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        if is_cuda:
+            torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
         print(f"blockspec: captured CUDA graphs for {len(sizes)} decode batch sizes "
               f"({', '.join(str(size * self.width) for size in sorted(sizes))} tokens) in "
               f"{time.perf_counter() - start:.1f} s, {used / (1 << 20):.0f} MiB", file=sys.stderr, flush=True)
 
-    def make_graphs(self, capture: bool) -> GraphedForwards:
+    def make_graphs(self, capture: bool, bucket_keys: bool | None = None) -> GraphedForwards:
         """The decode cycle through fixed-shape buffers: CUDA graphs, or (capture=False) the
-        same padded path run eagerly, which CPU tests hold to the eager one."""
-        return GraphedForwards(self.width, self.config.max_num_seqs, self.config.pages_per_seq,
-                               self.page_size, self.device, capture, bucket_keys=not self.attention_reads_live_length)
+        same padded path run eagerly, which CPU tests hold to the eager one. bucket_keys: key
+        buckets by live length (the default where the torch reference attention runs)."""
+        if bucket_keys is None:
+            bucket_keys = not self.attention_reads_live_length
+        return GraphedForwards(self.width, self.max_decode_seqs, self.config.pages_per_seq,
+                               self.page_size, self.device, capture, bucket_keys=bucket_keys)
 
     @property
     def attention_reads_live_length(self) -> bool:
@@ -149,6 +154,11 @@ class ModelRunner:
         device); the reference, and with it any sliding-window draft layer, gathers a fixed count."""
         windows = getattr(self.draft.config, "layer_window", ()) if self.draft is not None else ()
         return uses_kernels(self.device) and all(window is None for window in windows)
+
+    @property
+    def max_decode_seqs(self) -> int:
+        """The most sequences one step can decode at the full block width (seats and token budget)."""
+        return max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // self.width))
 
     @property
     def is_hybrid(self) -> bool:
@@ -296,10 +306,7 @@ class ModelRunner:
         over prefill chunks and verify rows → (verify logits [B, max k + 1, V], proposal,
         first tokens)."""
         decode, num_drafts = batch.decode, batch.num_drafts
-        proposal = None
-        if decode and self.draft is not None:
-            self.num_forwards += 1
-            proposal = propose(self.draft_proposal(self.prepare(self.blocks(decode))), decode)
+        proposal = self.propose_for(decode, num_drafts)
         entries = [Entry(seq, seq.num_cached, seq.tokens[seq.num_cached: seq.num_cached + n])
                    for seq, n in batch.prefill]
         entries += [Entry(seq, seq.num_cached, [seq.anchor] + [0] * k) for seq, k in zip(decode, num_drafts)]
@@ -323,6 +330,24 @@ class ModelRunner:
         offsets = [sum(k + 1 for k in num_drafts[:b]) for b in range(len(decode))]
         index = [[offset + min(j, k) for j in range(width)] for offset, k in zip(offsets, num_drafts)]
         return verify[torch.tensor(index, device=self.device)], proposal, first_tokens
+
+    def propose_for(self, decode: list[Sequence], num_drafts: list[int]) -> Proposal | None:
+        """The draft forward over the sequences that verify drafts (k_b > 0); rows of the others
+        hold no drafts (acceptance reads none of them)."""
+        drafting = [b for b, k in enumerate(num_drafts) if k > 0]
+        if self.draft is None or not drafting:
+            return None
+        self.num_forwards += 1
+        seqs = [decode[b] for b in drafting]
+        part = propose(self.draft_proposal(self.prepare(self.blocks(seqs))), seqs)
+        if len(drafting) == len(decode):
+            return part
+        drafts = torch.zeros(len(decode), self.width - 1, dtype=part.drafts.dtype, device=self.device)
+        drafts[torch.tensor(drafting, device=self.device)] = part.drafts
+        probs: list[torch.Tensor | None] = [None] * len(decode)
+        for i, b in enumerate(drafting):
+            probs[b] = part.probs[i]
+        return Proposal(drafts, probs)
 
     def place_drafts(self, meta: AttentionMetadata, proposal: Proposal, num_drafts: list[int], at: int) -> None:
         """The drafts go into their verify rows: sequence b's row 1 + j takes d_{j+1}, j < k_b."""

@@ -67,6 +67,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.unservable: list[Sequence] = []        # too long for the whole pool: the engine ends them
         self.seat_limit = config.max_num_seqs         # lowered by the engine after an out-of-memory
+        self._num_steps = 0
+        self._last_decoded: dict[int, int] = {}      # id(seq) → the step it last decoded in
 
     @property
     def has_work(self) -> bool:
@@ -86,7 +88,11 @@ class Scheduler:
     def schedule(self) -> Batch:
         self._admit()
         budget = self.config.max_num_batched_tokens
+        self._num_steps += 1
         decoding = [s for s in self.running if not s.is_prefilling]
+        # When the budget cannot hold every decoding sequence, the ones left out go first next
+        # step (a stable sort: oldest first among equals), so none starves.
+        decoding.sort(key=lambda s: self._last_decoded.get(id(s), 0))
         decode: list[tuple[Sequence, int]] = []
         for seq, num_drafts in zip(decoding, self.verify_widths(decoding)):
             if num_drafts + 1 > budget:
@@ -98,6 +104,8 @@ class Scheduler:
         chunks = self._chunks(prefilling, min(budget, self.config.max_prefill_tokens))
         # A prefill's pages may have preempted a decoding sequence scheduled above.
         decode = [(seq, k) for seq, k in decode if seq in self.running]
+        for seq, _ in decode:
+            self._last_decoded[id(seq)] = self._num_steps
         return Batch(prefill=[(s, n) for s, n in chunks if s in self.running],
                      decode=[seq for seq, _ in decode], num_drafts=[k for _, k in decode])
 
@@ -163,6 +171,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         self.cache.release(seq)
+        self._last_decoded.pop(id(seq), None)
         for queue in (self.running, self.waiting, self.unservable):
             if seq in queue:
                 queue.remove(seq)

@@ -38,6 +38,15 @@ def test_target_batches(dtype, num_seqs, width):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_flat_ragged_step(dtype):
+    """One step of the ragged engine: prefill chunks of two sequences (a 2048-token chunk, 300
+    more of a long prompt), plain decode rows and verify rows of every width 2 … 16."""
+    widths = [2048, 300, 1, 1] + list(range(2, 17))
+    lens = [2048, 5000, 40, 7000] + [(97 * i) % 3000 + w for i, w in enumerate(range(2, 17))]
+    check(make_case(lens, max(widths), 32, 8, 128, dtype, "cuda", widths=widths, seed=11), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_gqa_groups_and_head_sizes(dtype, group, head_dim):

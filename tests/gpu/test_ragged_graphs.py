@@ -1,0 +1,79 @@
+"""GPU checks of the ragged engine (issue 20), run on the lent H200: graphs captured at startup
+replay exactly what the eager ragged step computes, nothing is captured while serving, and the
+KV pool fills the memory it is given. Their CPU analogues: tests/test_memory.py and
+tests/test_ragged.py (the padded path run eagerly)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.config import EngineConfig
+from blockspec.engine.engine import Engine
+from blockspec.loader import load_draft, load_model
+from helpers import make_request, run_batch
+
+PROMPT = [int(t) for t in torch.randint(0, 151643, (300,), generator=torch.Generator().manual_seed(4))]
+
+
+@pytest.fixture(scope="module")
+def pair(qwen3_dir, qwen3_draft_dir):
+    target = load_model(str(qwen3_dir), device="cuda", dtype="float32").model
+    return target, load_draft(str(qwen3_draft_dir), target)
+
+
+def requests():
+    lengths = [(0, 40), (40, 47), (7, 120), (100, 103), (3, 300)]
+    return [make_request(f"r{i}", PROMPT[a:b], max_tokens=24 + 3 * i) for i, (a, b) in enumerate(lengths)]
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_graphs_captured_at_startup_equal_the_eager_ragged_step(pair, block_size):
+    """Two requests decode, three arrive (mixed steps: eager), then decode-only steps replay the
+    graphs captured at startup: every output and acceptance length equals the eager engine's."""
+    target, draft = pair
+    drafter = draft if block_size > 1 else None
+
+    def config(graphs: bool) -> EngineConfig:
+        return EngineConfig(max_model_len=512, block_size=block_size, max_num_seqs=8, cuda_graphs=graphs)
+
+    _, eager = run_batch(lambda: Engine(target, drafter, config(False)), requests()[:2], arrivals={2: requests()[2:]})
+    shapes, graphed_steps = set(), [0]
+
+    def build() -> Engine:
+        engine = Engine(target, drafter, config(True))
+        assert engine.runner.graphs is not None and engine.runner.graphs.batches      # captured at startup
+        shapes.update(engine.runner.graphs.batches)
+        real = engine.runner.graphed_decode
+
+        def counted(decode):
+            graphed_steps[0] += 1
+            return real(decode)
+        engine.runner.graphed_decode = counted
+        return engine
+    engine, graphed = run_batch(build, requests()[:2], arrivals={2: requests()[2:]})
+    assert {rows for rows, _ in shapes} == {1, 2, 4, 8}
+    assert set(engine.runner.graphs.batches) == shapes                 # nothing captured while serving
+    assert all(len(batch.graphs) == (2 if drafter else 1) for batch in engine.runner.graphs.batches.values())
+    assert graphed_steps[0] > 5
+    by_id = {run.request.request_id: run for run in eager}
+    for run in graphed:
+        assert run.output_ids == by_id[run.request.request_id].output_ids, run.request.request_id
+        assert run.stats.acceptance_lengths == by_id[run.request.request_id].stats.acceptance_lengths
+
+
+def test_the_pool_fills_the_memory_it_is_given(pair):
+    """gpu_memory_utilization set to leave 2 GiB above what this process and others use now: the
+    pages take most of it (minus one full-budget forward's activations), never more."""
+    target, draft = pair
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    utilization = (total - free + (2 << 30)) / total
+    config = EngineConfig(max_model_len=4096, block_size=4, max_num_seqs=100_000, cuda_graphs=False,
+                          gpu_memory_utilization=utilization)
+    engine = Engine(target, draft, config)
+    size = engine.runner.pool_size
+    assert size.source == "measured"
+    pool_bytes = size.num_pages * size.page_bytes
+    assert (1 << 30) < pool_bytes < (2 << 30) + (256 << 20), pool_bytes
+    assert engine.kv_cache_tokens == (size.num_pages - 1) * config.page_size
+    assert torch.cuda.mem_get_info()[0] > free - (2 << 30) - (256 << 20)         # within the 2 GiB (+ slack)

@@ -1,0 +1,104 @@
+"""The KV pool's size (engine/memory.py) off CUDA, the startup line, and graphs captured at
+startup (their CPU analogue: the padded path, run eagerly, prepared for every batch size first)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.config import ConfigError, EngineConfig
+from blockspec.engine.engine import Engine
+from blockspec.engine.memory import DEFAULT_KV_CACHE_MEMORY, page_bytes
+from blockspec.loader import load_draft, load_model
+from helpers import make_request, run_alone, run_batch
+
+
+@pytest.fixture(scope="module")
+def pair(qwen3_dir, qwen3_draft_dir):
+    target = load_model(str(qwen3_dir)).model
+    return target, load_draft(str(qwen3_draft_dir), target)
+
+
+def test_the_pool_is_kv_cache_memory_bytes_and_the_startup_line_says_so(pair, capsys):
+    target, draft = pair
+    per_page = page_bytes(target, draft, 16, torch.float32)
+    config = EngineConfig(max_model_len=512, block_size=4, max_num_seqs=64, kv_cache_memory=40 * per_page + 7)
+    engine = Engine(target, draft, config)
+    assert engine.cache.num_usable_pages == 40 and engine.kv_cache_tokens == 640
+    assert engine.runner.target_kv.layers[0][0].shape[0] == 41 * 16            # + the padding page
+    assert engine.max_concurrency == pytest.approx(640 / 516)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "KV cache 640 tokens (40 pages of 16" in line and "maximum concurrency at 512 tokens" in line
+    assert "1.24x" in line
+
+
+def test_never_more_pages_than_the_seats_can_use(pair):
+    target, draft = pair
+    config = EngineConfig(max_model_len=100, block_size=4, max_num_seqs=2)
+    assert config.kv_cache_memory is None and DEFAULT_KV_CACHE_MEMORY > 100 * page_bytes(target, draft, 16, torch.float32)
+    engine = Engine(target, draft, config)
+    assert engine.cache.num_usable_pages == 2 * 7                      # 104 positions: 7 pages per seat
+
+
+def test_num_gpu_blocks_overrides_the_measurement(pair):
+    target, draft = pair
+    engine = Engine(target, draft, EngineConfig(max_model_len=512, block_size=4, num_gpu_blocks=9))
+    assert engine.cache.num_usable_pages == 8
+
+
+def test_a_pool_smaller_than_one_sequence_is_refused_with_one_line(pair):
+    target, draft = pair
+    per_page = page_bytes(target, draft, 16, torch.float32)
+    with pytest.raises(ConfigError) as info:
+        Engine(target, draft, EngineConfig(max_model_len=512, block_size=4, kv_cache_memory=10 * per_page))
+    message = str(info.value)
+    assert "\n" not in message and "160 tokens" in message and "--max-model-len 512" in message
+    assert "--kv-cache-memory" in message
+
+
+def test_the_default_context_is_the_models(qwen3_dir):
+    from blockspec.llm import LLM
+    llm = LLM(str(qwen3_dir), show_progress=False, max_num_seqs=2)
+    assert llm.max_model_len == llm.target.config.max_position_embeddings == 4096
+
+
+def test_graphs_prepared_at_startup_serve_every_decode_step(pair):
+    """capture_graphs before any request (the padded path eagerly: CPU's stand-in for capture),
+    then a batch with arrivals: no step adds a graph shape, and every output is alone's."""
+    target, draft = pair
+    config = EngineConfig(max_model_len=256, block_size=4, max_num_seqs=4)
+    prompts = [list(range(100 + i, 110 + 3 * i)) for i in range(4)]
+
+    def requests():
+        return [make_request(f"r{i}", p, max_tokens=10 + i) for i, p in enumerate(prompts)]
+
+    alone = {r.request_id: run_alone(lambda: Engine(target, draft, config), r) for r in requests()}
+
+    def build():
+        engine = Engine(target, draft, config)
+        engine.runner.graphs = engine.runner.make_graphs(capture=False, bucket_keys=False)
+        engine.runner.capture_graphs()
+        build.shapes = set(engine.runner.graphs.batches)
+        real = engine.runner.graphed_decode
+
+        def counted(decode):
+            build.graphed += 1
+            return real(decode)
+        engine.runner.graphed_decode = counted
+        return engine
+    build.graphed = 0
+    engine, runs = run_batch(build, requests()[:2], arrivals={3: requests()[2:]})
+    assert {rows for rows, _ in build.shapes} == {1, 2, 4}
+    assert set(engine.runner.graphs.batches) == build.shapes          # nothing captured while serving
+    assert build.graphed > 5                                           # decode-only steps took the graphs
+    for run in runs:
+        assert run.output_ids == alone[run.request.request_id].output_ids
+        assert run.stats.acceptance_lengths == alone[run.request.request_id].stats.acceptance_lengths
+
+
+def test_bench_burst_reports_first_token_and_gap_percentiles(pair):
+    from blockspec.bench import burst
+    target, draft = pair
+    result = burst(target, draft, 4, arrivals=3, decoding=2, prompt_len=40, max_tokens=4, accept_len=None,
+                   max_num_batched_tokens=48)
+    assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"]
+    assert 0 < result["gap_p50_ms"] <= result["gap_p99_ms"]
