@@ -169,3 +169,13 @@ def test_unpin_without_pin_is_an_error():
     a.release()
     with pytest.raises(RuntimeError, match="nobody pinned"):
         cache.unpin(a.path)
+
+
+def test_token_range_is_a_slice_of_prompt_and_output():
+    from types import SimpleNamespace
+    from blockspec.cache.prefix import token_range
+    seq = SimpleNamespace(request=SimpleNamespace(prompt_ids=list(range(10)), output_ids=list(range(100, 107))))
+    tokens = list(range(10)) + list(range(100, 107))
+    for start in range(0, 18):
+        for end in range(start, 18):
+            assert token_range(seq, start, end) == tokens[start:end], (start, end)

@@ -120,16 +120,18 @@ class PrefixCache:
     # -- insert -----------------------------------------------------------------------------
 
     def insert(self, path: list[PrefixNode], tokens: list[int], block_table: list[int],
-               num_full_pages: int) -> None:
+               num_full_pages: int, tokens_from: int = 0) -> None:
         """Extend a sequence's pinned path with its pages [len(path), num_full_pages), now full.
 
-        tokens/block_table are the sequence's; path is pinned by it and grows in place. Where a
+        tokens/block_table are the sequence's (tokens may start at position tokens_from: only
+        the new pages' are needed); path is pinned by it and grows in place. Where a
         node for the same page of tokens exists already (another sequence computed it at the
         same time), the sequence keeps its own page private (freed with the sequence) and pins
         the existing node, so the path still reaches the pages after it."""
         parent, now = (path[-1] if path else self.root), next(self._clock)
         for i in range(len(path), num_full_pages):
-            key = tuple(tokens[i * self.page_size:(i + 1) * self.page_size])
+            start = i * self.page_size - tokens_from
+            key = tuple(tokens[start:start + self.page_size])
             node = parent.children.get(key)
             if node is None:
                 node = PrefixNode(key, block_table[i], parent, parent.depth + 1)
@@ -339,7 +341,9 @@ class PrefixCacheManager(CacheManager):
         num_valid = min(seq.num_cached, seq.num_tokens)     # a cut at a stop id leaves fed drafts past it
         num_full = num_valid // self.page_size
         if num_full > len(seq.prefix_path):
-            self.prefix.insert(seq.prefix_path, seq.tokens, seq.block_table, num_full)
+            start = len(seq.prefix_path) * self.page_size
+            self.prefix.insert(seq.prefix_path, token_range(seq, start, num_full * self.page_size), seq.block_table,
+                               num_full, tokens_from=start)
         if not after_prefill:
             return
         if seq.restore_from is None and seq.protected is not None:
@@ -370,6 +374,15 @@ class PrefixCacheManager(CacheManager):
         if seq.protected is not None:
             self.prefix.unprotect(seq.protected)
         seq.pending_slot = seq.pending_boundary = seq.snapshot_into = seq.protected = seq.restore_from = None
+
+
+def token_range(seq: Sequence, start: int, end: int) -> list[int]:
+    """seq.tokens[start:end] without building the whole list (a long context, every page)."""
+    prompt, output = seq.request.prompt_ids, seq.request.output_ids
+    if end <= len(prompt):
+        return prompt[start:end]
+    tail = output[max(0, start - len(prompt)):end - len(prompt)]
+    return prompt[start:] + tail if start < len(prompt) else tail
 
 
 def snapshot_slot_ids(max_num_seqs: int, num_snapshots: int) -> list[int]:
