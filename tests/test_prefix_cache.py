@@ -179,3 +179,66 @@ def test_token_range_is_a_slice_of_prompt_and_output():
     for start in range(0, 18):
         for end in range(start, 18):
             assert token_range(seq, start, end) == tokens[start:end], (start, end)
+
+
+# -- the scheduler with PrefixCacheManager, no model -------------------------------------------
+
+def test_scheduler_with_the_prefix_cache_accounts_every_page_exactly():
+    """Sequences sharing prefixes, in a pool small enough that cached pages are evicted and
+    running sequences preempted, stepped by hand as the engine would: after every step each
+    page's reference count is the number of block tables holding it plus one if the tree caches
+    it, the free list holds exactly the pages nobody references, and at the end every page is
+    back exactly once."""
+    import torch
+    from collections import Counter
+    from blockspec.cache import PrefixCacheManager
+    from blockspec.config import EngineConfig
+    from blockspec.engine.request import Request
+    from blockspec.engine.scheduler import FirstToken, Scheduler
+    from blockspec.engine.sequence import Sequence
+    from blockspec.sampling import SamplingParams
+
+    num_pages, page = 24, 4
+    cache = PrefixCacheManager(num_pages, page)
+    config = EngineConfig(max_model_len=256, max_num_seqs=6, page_size=page, num_pages=num_pages, block_size=4,
+                          max_prefill_tokens=16, max_num_batched_tokens=32)
+    scheduler = Scheduler(config, cache, 4)
+    rng = random.Random(1)
+    systems = [[rng.randrange(1, 99) for _ in range(18)] for _ in range(2)]
+    seqs = []
+    for i in range(14):
+        prompt = rng.choice(systems) + [rng.randrange(1, 99) for _ in range(rng.randrange(1, 10))]
+        seqs.append(Sequence(Request(f"s{i}", prompt, SamplingParams(max_tokens=rng.randrange(4, 20)), frozenset(),
+                                     256), torch.device("cpu")))
+
+    def check_pages() -> None:
+        cache.prefix.check()
+        held = Counter(p for s in scheduler.running for p in s.block_table)
+        tree = {n.page for n in cache.prefix._nodes()}
+        for p in range(1, num_pages):
+            assert cache.pages.refcount(p) == held[p] + (p in tree), p
+        assert sorted(cache.pages._free) == [p for p in range(1, num_pages) if cache.pages.refcount(p) == 0]
+
+    pending = list(seqs)
+    for step in range(2000):
+        if pending:
+            scheduler.add(pending.pop(0))
+        batch = scheduler.schedule()
+        for seq, length in batch.prefill:
+            seq.num_cached += length
+            done = not seq.is_prefilling and not seq.request.output_ids
+            scheduler.postprocess_prefill(seq, FirstToken(rng.randrange(1, 99)) if done else None)
+        for seq, k in zip(batch.decode, batch.num_drafts):
+            accepted = rng.randrange(0, k + 1)
+            scheduler.postprocess_decode(seq, accepted, [rng.randrange(1, 99) for _ in range(accepted + 1)], None, k)
+        for seq in list(scheduler.running) + scheduler.unservable:
+            if seq.request.is_finished or seq in scheduler.unservable:
+                scheduler.finish(seq)
+        check_pages()
+        if not pending and not scheduler.has_work:
+            break
+    assert all(s.request.is_finished for s in seqs)
+    assert sum(s.num_preemptions for s in seqs) > 0 and cache.prefix.num_evicted > 0
+    assert cache.prefix.hits > 0
+    cache.prefix.clear()
+    assert cache.pages.num_free == num_pages - 1 and not any(cache.pages._refs)
