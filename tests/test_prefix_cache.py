@@ -34,7 +34,8 @@ class Seq:
         self.cache.unpin(self.path)
 
 
-def make(num_pages: int = 64, snapshots: tuple[int, ...] = (), hybrid: bool = False) -> tuple[PrefixCache, PageAllocator]:
+def make(num_pages: int = 64, snapshots: tuple[int, ...] = (),
+         hybrid: bool = False) -> tuple[PrefixCache, PageAllocator]:
     """A cache over a reference-counted allocator: a double free raises DoubleFreeError."""
     pages = PageAllocator(num_pages)
     return PrefixCache(PAGE, pages, list(snapshots), needs_snapshots=hybrid), pages
