@@ -18,15 +18,16 @@ def pair(qwen3_dir, qwen3_draft_dir):
     return target, load_draft(str(qwen3_draft_dir), target)
 
 
-def test_the_pool_is_kv_cache_memory_bytes_and_the_startup_line_says_so(pair, capsys):
+def test_the_pool_is_kv_cache_memory_bytes_and_the_startup_line_says_so(pair, caplog):
     target, draft = pair
     per_page = page_bytes(target, draft, 16, torch.float32)
     config = EngineConfig(max_model_len=512, block_size=4, max_num_seqs=64, kv_cache_memory=40 * per_page + 7)
-    engine = Engine(target, draft, config)
+    with caplog.at_level("INFO", logger="blockspec.engine"):
+        engine = Engine(target, draft, config)
     assert engine.cache.num_usable_pages == 40 and engine.kv_cache_tokens == 640
     assert engine.runner.target_kv.layers[0][0].shape[0] == 41 * 16            # + the padding page
     assert engine.max_concurrency == pytest.approx(640 / 516)
-    line = capsys.readouterr().err.strip().splitlines()[-1]
+    line = caplog.records[-1].getMessage()
     assert "KV cache 640 tokens (40 pages of 16" in line and "maximum concurrency at 512 tokens" in line
     assert "1.24x" in line
 

@@ -56,6 +56,8 @@ def size_pool(config: EngineConfig, target, draft, device: torch.device, dtype: 
     per_page = page_bytes(target, draft, config.page_size, dtype)
     if config.page_override is not None:
         return PoolSize(config.page_override, per_page, "override")
+    if per_page == 0:                       # no attention layer anywhere: pages cost nothing
+        return PoolSize(config.worst_case_pages, per_page, "worst-case")
     if device.type == "cuda" and profile is not None:
         size = measured_pages(config, device, per_page, profile)
     else:

@@ -14,6 +14,7 @@ width runs through the CUDA graphs (engine/cuda_graphs.py) when they are on.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +34,11 @@ from blockspec.engine.spec.dflash import Proposal, accept, process_verify, propo
 from blockspec.layers import AttentionMetadata
 from blockspec.layers.attention import token_rows, unpack, uses_kernels
 from blockspec.sampling import sample
+
+
+# Startup lines (the KV pool, the graphs): INFO, shown where the server or CLI configures logging
+# (stderr stays one line for a CLI error).
+logger = logging.getLogger("blockspec.engine")
 
 
 @dataclass
@@ -77,7 +83,7 @@ class ModelRunner:
         self.pool_size = size_pool(config, target, self.draft, self.device, self.dtype,
                                    self.profile if self.device.type == "cuda" else None)
         self.target_kv, self.draft_kv = self.make_pools(self.pool_size.num_pages)
-        print(startup_line(config, self.pool_size), file=sys.stderr, flush=True)
+        logger.info(startup_line(config, self.pool_size))
         if config.cuda_graphs and self.device.type == "cuda":
             self.graphs = self.make_graphs(capture=True)
             self.capture_graphs()
@@ -135,9 +141,9 @@ class ModelRunner:
         if is_cuda:
             torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
-        print(f"blockspec: captured CUDA graphs for {len(sizes)} decode batch sizes "
-              f"({', '.join(str(size * self.width) for size in sorted(sizes))} tokens) in "
-              f"{time.perf_counter() - start:.1f} s, {used / (1 << 20):.0f} MiB", file=sys.stderr, flush=True)
+        logger.info(f"blockspec: captured CUDA graphs for {len(sizes)} decode batch sizes "
+                    f"({', '.join(str(size * self.width) for size in sorted(sizes))} tokens) in "
+                    f"{time.perf_counter() - start:.1f} s, {used / (1 << 20):.0f} MiB")
 
     def make_graphs(self, capture: bool, bucket_keys: bool | None = None) -> GraphedForwards:
         """The decode cycle through fixed-shape buffers: CUDA graphs, or (capture=False) the
