@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--layers", type=int, default=None, help="the shape's first N layers only")
     bench.add_argument("--prompt-len", type=int, default=512, metavar="N", help="prompt tokens per request")
     bench.add_argument("--max-tokens", type=int, default=128, metavar="N", help="output tokens per request")
+    bench.add_argument("--multi-turn", default=None, metavar="CxT",
+                       help="prefix cache: C conversations of T turns over one shared system prompt, with and "
+                            "without the cache (hit rate, time to first token per turn), e.g. 32x6")
+    bench.add_argument("--system-prompt-tokens", type=int, default=2048, metavar="N",
+                       help="--multi-turn: tokens of the shared system prompt")
+    bench.add_argument("--user-tokens", type=int, default=64, metavar="N", help="--multi-turn: tokens per user message")
     bench.add_argument("--burst", type=int, default=None, metavar="N",
                        help="burst mode: N requests of --prompt-len tokens arriving at once; reports their time "
                             "to first token (p50, p99), plain and DFlash")

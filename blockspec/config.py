@@ -220,6 +220,10 @@ class EngineOptions:
     speculation: str = option("adaptive", "with a draft: adaptive (each cycle each sequence verifies the drafts "
                               "that pay off at this load, measured at startup), fixed (every draft of the "
                               "block), off (plain decoding)", (SERVE, GENERATE), choices=SPECULATION_MODES)
+    prefix_cache: bool = option(True, "reuse the K/V (and a hybrid target's recurrent state) of prompt "
+                                "prefixes computed before (--no-prefix-cache: every prompt computed whole)")
+    prefix_state_slots: int = option(64, "hybrid targets: recurrent-state snapshots the prefix cache keeps "
+                                     "(each one slot of every linear-attention layer's state)")
 
     def __post_init__(self) -> None:
         checks = [(self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),
@@ -237,7 +241,8 @@ class EngineOptions:
                   (self.max_num_batched_tokens >= (self.block_size or 1),
                    "--max-num-batched-tokens must hold at least one block (--block-size)"),
                   (self.speculation in SPECULATION_MODES,
-                   f"--speculation must be one of {', '.join(SPECULATION_MODES)} (got {self.speculation!r})")]
+                   f"--speculation must be one of {', '.join(SPECULATION_MODES)} (got {self.speculation!r})"),
+                  (self.prefix_state_slots >= 0, "--prefix-state-slots must be at least 0")]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)

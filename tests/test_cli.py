@@ -169,6 +169,7 @@ def test_serve_startup_failure_is_one_line_and_nothing_about_serving(qwen3_dir, 
     (["--block-size", "1"], "--block-size must be a comma-separated list of integers"),
     (["--layers", "0"], "--layers must be at least 1"),
     (["--shape", "nope"], "unknown --shape 'nope'"),
+    (["--multi-turn", "4by3"], "--multi-turn takes CONVERSATIONSxTURNS"),
 ])
 def test_bench_bad_input_is_one_line_and_nonzero(args, message, capsys):
     from blockspec.cli import main
@@ -245,3 +246,18 @@ def test_a_failing_bench_request_stops_the_run(qwen3_dir):
     with pytest.raises(EngineFailed, match="injected"):
         run_batch(engine, 2, 8, 4)
 
+
+
+def test_bench_multi_turn_on_cpu(tmp_path):
+    """--multi-turn: every reusable prompt token of the later turns comes from the prefix cache,
+    none with --no-prefix-cache, in one run; a hybrid shape reports its snapshot copy."""
+    out = blockspec("bench", "--shape", "tiny-moe", "--device", "cpu", "--layers", "2", "--block-size", "4",
+                    "--multi-turn", "2x2", "--system-prompt-tokens", "40", "--user-tokens", "5",
+                    "--max-tokens", "6", "--accept-len", "2", "--out", str(tmp_path / "r.json"))
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    on, off = result["prefix_cache"], result["no_prefix_cache"]
+    assert on["hit_rate_of_reusable"] == 1.0 and off["hit_rate_of_reusable"] == 0.0
+    second = on["per_turn"][1]
+    assert second["cached_tokens"] == second["reusable_tokens"] == 48     # 45 + 6 fed, 51 → 3 full pages
+    assert result["no_reuse_tok_s"]["ratio"] > 0 and result["snapshot_copy_ms"]["bytes"] > 0

@@ -51,6 +51,17 @@ class StatePool:
     def free(self, slot: int) -> None:
         self._free.append(slot)
 
+    def copy(self, src: int, dst: int) -> None:
+        """Slot dst := slot src (every layer's conv window and SSM state): a prefix snapshot
+        taken or restored."""
+        for conv, ssm in zip(self.conv, self.ssm):
+            conv[dst].copy_(conv[src])
+            ssm[dst].copy_(ssm[src])
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(c[0].numel() * c.element_size() + m[0].numel() * m.element_size() for c, m in zip(self.conv, self.ssm))
+
     def clear(self, slots: list[int]) -> None:
         """Zero these slots' state (a sequence starting from its first token). The engine's slot
         ids come from cache/manager.py; allocate/free above serve standalone harnesses."""
@@ -77,8 +88,12 @@ class StatePool:
     def stash(self, layer: int, step_states: torch.Tensor, conv_inputs: torch.Tensor) -> None:
         self.stashed[layer] = (step_states, conv_inputs)
 
-    def select(self, slots: torch.Tensor, num_kept: list[int]) -> None:
+    def select(self, slots: torch.Tensor, num_kept: list[int], keep_stash: bool = False,
+               rows: list[int] | None = None) -> None:
         """After a verify: sequence b keeps num_kept[b] (1..T) positions of its block.
+        keep_stash: the stash stays for another select; rows: the batch rows the slots take
+        their state from (default 0 … len(slots) − 1); both for prefix snapshots at page
+        boundaries (cache/prefix.py).
 
         conv_inputs[b, :, j] is block position j − (K−1), so the window ending at the last kept
         position is columns num_kept … num_kept + K − 2."""
@@ -87,7 +102,8 @@ class StatePool:
             raise RuntimeError("select() without a verify forward that kept its steps")
         if any(not 1 <= kept <= width for kept in num_kept):
             raise ValueError(f"each sequence keeps 1..{width} positions of its block, got {num_kept}")
-        rows = torch.arange(slots.shape[0], device=slots.device)
+        rows = (torch.arange(slots.shape[0], device=slots.device) if rows is None
+                else torch.tensor(rows, device=slots.device))
         num_kept = torch.tensor(num_kept, device=slots.device)
         for layer, stashed in enumerate(self.stashed):
             if stashed is None:
@@ -96,6 +112,7 @@ class StatePool:
             self.ssm[layer][slots] = step_states[rows, num_kept - 1].to(self.ssm[layer].dtype)
             window = self.conv[layer].shape[-1]
             columns = num_kept[:, None] + torch.arange(window, device=slots.device)[None]     # [B, K−1]
-            picked = conv_inputs.gather(2, columns[:, None, :].expand(-1, conv_inputs.shape[1], -1))
+            picked = conv_inputs[rows].gather(2, columns[:, None, :].expand(-1, conv_inputs.shape[1], -1))
             self.conv[layer][slots] = picked
-            self.stashed[layer] = None
+            if not keep_stash:
+                self.stashed[layer] = None

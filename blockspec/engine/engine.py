@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from blockspec.cache import CacheManager
+from blockspec.cache import CacheManager, PrefixCacheManager
+from blockspec.cache.prefix import snapshot_slot_ids
 from blockspec.config import EngineConfig
 from blockspec.engine.model_runner import DecodeResult, ModelRunner
 from blockspec.engine.request import Request, TokenEvent
@@ -66,7 +67,11 @@ class Engine:
         self.config = config
         self.runner = ModelRunner(target, draft, config)
         num_slots = config.max_num_seqs if self.runner.is_hybrid else 0
-        self.cache = CacheManager(self.runner.pool_size.num_pages, config.page_size, num_slots)
+        if config.prefix_cache:
+            self.cache = PrefixCacheManager(self.runner.pool_size.num_pages, config.page_size, num_slots,
+                                            snapshot_slot_ids(config.max_num_seqs, config.prefix_state_slots))
+        else:
+            self.cache = CacheManager(self.runner.pool_size.num_pages, config.page_size, num_slots)
         self.scheduler = Scheduler(config, self.cache, self.runner.width)
         self.scheduler.speculation = self.runner.speculation       # widths before the draft (policy.py)
         self.counters = EngineCounters()
@@ -98,6 +103,12 @@ class Engine:
     @property
     def kv_cache_usage(self) -> float:
         return self.cache.usage
+
+    @property
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache, and those it served (metrics)."""
+        prefix = getattr(self.cache, "prefix", None)
+        return (prefix.queries, prefix.hits) if prefix is not None else (0, 0)
 
     @property
     def kv_cache_tokens(self) -> int:

@@ -116,4 +116,4 @@ def startup_line(config: EngineConfig, size: PoolSize) -> str:
            "worst-case": f"{config.max_num_seqs} sequences of --max-model-len, all memory allows"}[size.source]
     return (f"blockspec: KV cache {tokens:,} tokens ({size.num_pages - 1:,} pages of {config.page_size}, "
             f"{gib:.2f} GiB, from {how}); maximum concurrency at {config.max_model_len:,} tokens per request: "
-            f"{tokens / config.max_positions_per_seq:.2f}x")
+            f"{tokens / config.max_positions_per_seq:.2f}x; prefix cache {'on' if config.prefix_cache else 'off'}")

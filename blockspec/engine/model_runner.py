@@ -75,7 +75,9 @@ class ModelRunner:
         self.capture_layers = tuple(self.draft.target_layer_ids) if self.draft is not None else ()
         self.page_size = config.page_size
         shapes = target.recurrent_shapes
-        self.states = StatePool(config.max_num_seqs + 1, shapes, self.dtype, self.device) if shapes else None
+        num_snapshots = config.prefix_state_slots if config.prefix_cache else 0     # [prefix] slots after the seqs'
+        self.states = (StatePool(config.max_num_seqs + 1 + num_snapshots, shapes, self.dtype, self.device)
+                       if shapes else None)
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
         self.graphs = None
         # The pool: measured after the weights and one full-budget forward (engine/memory.py).
@@ -236,6 +238,42 @@ class ModelRunner:
             seq.logits_processor = LogitsProcessor(seq.request, self.target.lm_head.weight.shape[0], self.device)
         return seq.logits_processor
 
+    # -- [prefix] state-slot copies the cache manager asks for (cache/prefix.py) -------------
+
+    def restore_snapshots(self, seqs: list[Sequence]) -> None:
+        """A hybrid hit resumes from its snapshot: copied into the sequence's slot before its
+        first forward."""
+        for seq in seqs:
+            if seq.restore_from is not None:
+                self.states.copy(seq.restore_from, seq.state_slot)
+                seq.restore_from = None
+
+    def take_snapshots(self, seqs: list[Sequence]) -> None:
+        """After a prefill chunk: the state at its end, for the tree (the chunk ends on a page)."""
+        for seq in seqs:
+            if seq.snapshot_into is not None:
+                self.states.copy(seq.state_slot, seq.snapshot_into)
+
+    def snapshot_page_boundaries(self, seqs: list[Sequence], num_accepted: list[int], from_stash: bool) -> None:
+        """[prefix] Hybrid decode: a sequence with a pending slot whose kept positions cross a
+        page boundary keeps the state at that boundary there (from the verify's per-position
+        stash; plain decoding feeds one position, so its slot is that state already). The
+        cache manager files it under that page when the sequence ends (cache/prefix.py)."""
+        rows, slots, kept = [], [], []
+        for row, (seq, accepted) in enumerate(zip(seqs, num_accepted)):
+            boundary = (seq.num_cached + accepted + 1) // self.page_size * self.page_size
+            if seq.pending_slot is None or boundary <= seq.num_cached:
+                continue
+            seq.pending_boundary = boundary
+            rows.append(row)
+            slots.append(seq.pending_slot)
+            kept.append(boundary - seq.num_cached)
+        if slots and from_stash:
+            self.states.select(torch.tensor(slots, device=self.device), kept, keep_stash=True, rows=rows)
+        elif slots:
+            for row, slot in zip(rows, slots):
+                self.states.copy(seqs[row].state_slot, slot)
+
     def clear_states(self, seqs: list[Sequence]) -> None:
         """Zero the recurrent state of sequences starting from their first token."""
         if self.is_hybrid:
@@ -252,6 +290,7 @@ class ModelRunner:
         for seq in [s for s, _ in batch.prefill] + decode:
             self.processor_of(seq)
         self.clear_states([seq for seq, _ in batch.prefill])
+        self.restore_snapshots([seq for seq, _ in batch.prefill])
         use_graphs = (self.graphs is not None and not batch.prefill and bool(decode)
                       and all(k == self.width - 1 for k in num_drafts))
         if use_graphs:
@@ -259,6 +298,7 @@ class ModelRunner:
             first_tokens: list[FirstToken | None] = []
         else:
             logits, proposal, first_tokens = self.ragged_forward(batch)
+            self.take_snapshots([seq for seq, _ in batch.prefill])
         result = self.finish_decode(decode, batch.num_drafts, logits, proposal) if decode else None
         return StepResult(first_tokens, result)
 
@@ -397,6 +437,8 @@ class ModelRunner:
         num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts)
         if proposal is not None:
             self.speculation.observe(decode, proposal.confidence, self._calibrated, num_drafts, num_accepted)
+        if self.is_hybrid:
+            self.snapshot_page_boundaries(decode, num_accepted, from_stash=self.draft is not None)
         if self.is_hybrid and self.draft is not None:
             slots = torch.tensor([seq.state_slot for seq in decode], device=self.device)
             self.states.select(slots, [a + 1 for a in num_accepted])

@@ -26,6 +26,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     speculative: bool = False             # DFlash decoding (acceptance lengths are verify passes)
+    cached_tokens: int = 0                # prompt tokens served by the prefix cache (usage)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -35,7 +36,8 @@ class GenerationStats:
         return {"cycles": self.cycles, "acceptance_lengths": list(self.acceptance_lengths),
                 "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
                 "mean_acceptance_length": round(self.mean_acceptance_length, 4),
-                "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6)}
+                "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),
+                "cached_tokens": self.cached_tokens}
 
 
 @dataclass

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from blockspec.cache import CacheManager
+from blockspec.cache import CacheManager, PrefixCacheManager
 from blockspec.config import EngineConfig
 from blockspec.engine.logprobs import TokenLogprob
 from blockspec.engine.sequence import Sequence
@@ -63,6 +63,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, cache: CacheManager, width: int) -> None:
         self.config, self.cache, self.width = config, cache, width
         self.speculation = None                      # the runner's Speculation (the engine sets it)
+        self.prefix_cache = isinstance(cache, PrefixCacheManager)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.unservable: list[Sequence] = []        # too long for the whole pool: the engine ends them
@@ -119,8 +120,11 @@ class Scheduler:
         promised = 0                    # pages the sequences admitted in this call will claim
         while self.waiting and len(self.running) < self.seat_limit:
             seq = self.waiting[0]
+            hit = self.cache.take_hit(seq) if self.prefix_cache else None   # [prefix] cached pages need no room
             need = self.cache.pages_needed(seq, seq.prefill_len + self.width)
             if need + promised > self.cache.num_free_pages or not self.cache.has_free_state_slot:
+                if hit is not None:
+                    self.cache.drop_hit(seq)
                 if not self.running and need > self.cache.num_free_pages:
                     self.waiting.popleft()
                     self.unservable.append(seq)        # would not fit even in an empty pool
@@ -129,6 +133,8 @@ class Scheduler:
             promised += need
             self.waiting.popleft()
             self.cache.claim_state_slot(seq)
+            if hit is not None:
+                self.cache.admit(seq, hit)
             seq.mark_admitted()
             self.running.append(seq)
 
@@ -138,6 +144,8 @@ class Scheduler:
             if budget == 0 or seq not in self.running:
                 continue
             length = min(budget, seq.prefill_len - seq.num_cached)
+            if self.prefix_cache:
+                length = self.cache.chunk_length(seq, length)      # [prefix] hybrid snapshot points
             if self._make_room(seq, seq.num_cached + length):
                 chunks.append((seq, length))
                 budget -= length
@@ -176,6 +184,8 @@ class Scheduler:
                 queue.remove(seq)
 
     def postprocess_prefill(self, seq: Sequence, first_token: FirstToken | None) -> Emitted | None:
+        if self.prefix_cache:
+            self.cache.publish(seq, after_prefill=True)
         if first_token is None:
             return None
         now = time.perf_counter()
@@ -192,6 +202,8 @@ class Scheduler:
         committed = commit(seq, new_tokens, logprobs)
         # x and d_1 … d_a stay in the pools; the bonus (the next x) is fed by the next cycle.
         seq.num_cached += num_accepted + 1
+        if self.prefix_cache:
+            self.cache.publish(seq, after_prefill=False)
         # Stats as if the block had been cut to the allowed length (drafts past it count for
         # nothing); acceptance length = accepted + 1 holds for every cut (stop id or length).
         accepted = max(0, min(num_accepted, len(committed) - 1))

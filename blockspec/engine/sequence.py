@@ -27,6 +27,18 @@ class Sequence:
         self.num_preemptions = 0
         # engine/logits.py: made on the engine thread at the first forward that needs it
         self.logits_processor = None
+        # Prefix cache (cache/prefix.py): the tree nodes this sequence pins (page i = node i's
+        # page unless it computed its own copy); prefill chunk ends where a hybrid target takes
+        # a snapshot; state-slot copies the runner makes: restore_from → its slot before its next
+        # forward, its slot → snapshot_into after a prefill chunk, its state at the latest page
+        # boundary crossed in decode → pending_slot (pending_boundary: that boundary).
+        self.prefix_path: list = []
+        self.snapshot_points: tuple[int, ...] = ()
+        self.restore_from: int | None = None
+        self.protected: int | None = None
+        self.snapshot_into: int | None = None
+        self.pending_slot: int | None = None
+        self.pending_boundary: int | None = None
 
     @property
     def request_id(self) -> str:
@@ -59,6 +71,7 @@ class Sequence:
         self.block_table = []
         self.state_slot = None
         self.num_cached = 0
+        self.prefix_path, self.snapshot_points = [], ()
         self.num_preemptions += 1
 
     def mark_admitted(self) -> None:

@@ -227,7 +227,8 @@ def close_all(choices: list[Choice]) -> None:
 
 def total_usage(choices: list[Choice]) -> UsageInfo:
     prompt_tokens = sum(len(c.prompt.token_ids) for c in choices if c.counts_prompt)
-    return UsageInfo.of(prompt_tokens, sum(c.generation.processor.completion_tokens for c in choices))
+    cached_tokens = sum(c.generation.stats.cached_tokens for c in choices if c.counts_prompt)
+    return UsageInfo.of(prompt_tokens, sum(c.generation.processor.completion_tokens for c in choices), cached_tokens)
 
 
 _DONE_PUMPING = object()

@@ -82,6 +82,11 @@ class EngineCollector:
             ("blockspec_spec_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted"),
         ):
             yield CounterMetricFamily(name, doc, value=getattr(counters, field) if counters else 0)
+        queries, hits = engine.prefix_cache_counts if engine else (0, 0)
+        yield CounterMetricFamily("blockspec_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=queries)
+        yield CounterMetricFamily("blockspec_prefix_cache_hits", "Prompt tokens served by the prefix cache",
+                                  value=hits)
 
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
