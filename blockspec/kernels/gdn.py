@@ -142,7 +142,9 @@ def block_v(num_seqs: int, num_v_heads: int, v_dim: int) -> int:
     """Columns of the state per program: 32 (16 KB of fp32 state in registers) unless that leaves
     the chip's 132 SMs short of two programs each, as one decoding sequence does."""
     size = 32 if num_seqs * num_v_heads * (v_dim // 32) >= 264 else 16
-    return min(size, v_dim)
+    while v_dim % size:
+        size //= 2
+    return size
 
 
 def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
@@ -160,7 +162,6 @@ def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
     conv_weight = conv_weight.reshape(conv_dim, kernel).contiguous()
     assert mixed.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1
     assert conv_pool.is_contiguous() and ssm_pool.is_contiguous() and ssm_pool.shape[2] == k_dim
-    assert k_dim & (k_dim - 1) == 0 and v_dim % 16 == 0, "head dims: Dk a power of two, Dv a multiple of 16"
     conv_out = torch.empty(num_rows, conv_dim, dtype=mixed.dtype, device=mixed.device)
     stash = (torch.empty(num_seqs, conv_dim, kernel - 1 + max_rows, dtype=conv_pool.dtype, device=mixed.device)
              if keep_steps else None)
@@ -174,6 +175,8 @@ def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
     steps = (torch.empty(num_rows, num_v_heads, k_dim, v_dim, dtype=ssm_pool.dtype, device=mixed.device)
              if keep_steps else None)
     bv = block_v(num_seqs, num_v_heads, v_dim)
+    assert k_dim & (k_dim - 1) == 0 and bv & (bv - 1) == 0 and v_dim % bv == 0, \
+        "head dims: Dk a power of two, Dv a multiple of a power of two ≤ 32"
     _recurrent_kernel[(num_seqs, num_v_heads, v_dim // bv)](
         conv_out, a, b, a_log, dt_bias, ssm_pool, slots, cu_seqlens, out, steps if keep_steps else out,
         conv_out.stride(0), a.stride(0), b.stride(0), ssm_pool.stride(0), out.stride(0),

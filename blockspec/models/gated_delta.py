@@ -208,3 +208,37 @@ def recurrent_with_steps(step_kernel: Callable, q: torch.Tensor, k: torch.Tensor
                          inplace_final_state=True, ssm_state_indices=indices,
                          use_qk_l2norm_in_kernel=True)
     return out, steps[:, -1], steps
+
+
+# The Triton decode / verify step (kernels/gdn.py) on CUDA; False: the torch / fla path above
+# (benches flip it to measure both in one process).
+STEP_KERNEL = True
+
+
+def step_kernel_fits(x: torch.Tensor, width: int) -> bool:
+    """A forward of ≤ MAX_ROWS rows per sequence on CUDA in a float dtype the kernel handles."""
+    from blockspec.kernels import gdn
+    return (STEP_KERNEL and x.device.type == "cuda" and gdn.is_available() and width <= gdn.MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def gdn_layer_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, meta) -> torch.Tensor:
+    """One GatedDeltaNet layer's conv + delta rule through kernels/gdn.py, reading and writing
+    its slots of meta.states in place (or stashing the per-step states of a verify for
+    StatePool.select). mixed [B, T, conv_dim], b, a [B, T, Hv] → out [B, T, Hv, Dv]."""
+    from blockspec.kernels import gdn
+    batch, width = mixed.shape[:2]
+    cu_seqlens = getattr(meta, "cu_seqlens", None)
+    if cu_seqlens is None:                      # uniform rows: sequence i owns rows i·T … i·T + T − 1
+        cu_seqlens = meta.shared.get("gdn_cu_seqlens")
+        if cu_seqlens is None:
+            cu_seqlens = torch.arange(0, (batch + 1) * width, width, dtype=torch.int32, device=mixed.device)
+            meta.shared["gdn_cu_seqlens"] = cu_seqlens
+    states, index = meta.states, layer.state_index
+    out, steps, conv_inputs = gdn.gdn_step(
+        mixed.reshape(batch * width, -1), a.reshape(batch * width, -1), b.reshape(batch * width, -1),
+        layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index], states.ssm[index],
+        meta.state_slots, cu_seqlens, width, layer.num_k_heads, layer.k_dim, meta.keep_steps)
+    if meta.keep_steps:
+        states.stash(index, steps.view(batch, width, *steps.shape[1:]), conv_inputs)
+    return out.view(batch, width, *out.shape[1:])

@@ -29,7 +29,7 @@ from blockspec.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedd
 from blockspec.layers.common import FusedLinear, join_fused_parts
 from blockspec.layers.moe import make_mlp
 from blockspec.models.base import CausalLM, PreNormLayer
-from blockspec.models.gated_delta import select_kernels, state_dtype
+from blockspec.models.gated_delta import gdn_layer_step, select_kernels, state_dtype, step_kernel_fits
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -178,6 +178,9 @@ class GatedDeltaNet(nn.Module):
         """x [B·T, hidden]: B sequences of T tokens, each continuing the state in its slot."""
         batch, num_tokens = meta.num_seqs, meta.width
         mixed, z, b, a = self.project(x.view(batch, num_tokens, -1))
+        if step_kernel_fits(x, num_tokens):             # CUDA decode / verify: kernels/gdn.py, in place
+            out = gdn_layer_step(self, mixed, b, a, meta)
+            return self.out_proj(self.norm(out, z).flatten(2)).view(batch * num_tokens, -1)
         window, initial = meta.states.read(self.state_index, meta.state_slots)
         mixed, conv_inputs = self.convolve(mixed, window)
         q, k, v = mixed.split((self.key_width, self.key_width, self.value_width), dim=-1)
