@@ -40,7 +40,7 @@ def is_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _conv_kernel(mixed_ptr, weight_ptr, pool_ptr, slots_ptr, cu_ptr, out_ptr, stash_ptr,
+    def _conv1d_update_kernel(mixed_ptr, weight_ptr, pool_ptr, slots_ptr, cu_ptr, out_ptr, stash_ptr,
                      conv_dim, stride_mixed, stride_pool_slot, stride_pool_c, stride_out,
                      stride_stash_b, stride_stash_c,
                      KERNEL: tl.constexpr, K_POW2: tl.constexpr, KEEP: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -166,7 +166,7 @@ def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
     stash = (torch.empty(num_seqs, conv_dim, kernel - 1 + max_rows, dtype=conv_pool.dtype, device=mixed.device)
              if keep_steps else None)
     block_c = 256
-    _conv_kernel[(num_seqs, triton.cdiv(conv_dim, block_c))](
+    _conv1d_update_kernel[(num_seqs, triton.cdiv(conv_dim, block_c))](
         mixed, conv_weight, conv_pool, slots, cu_seqlens, conv_out, stash if keep_steps else conv_out,
         conv_dim, mixed.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_out.stride(0),
         stash.stride(0) if keep_steps else 0, stash.stride(1) if keep_steps else 0,
