@@ -86,17 +86,18 @@ def main() -> None:
     for num_seqs, width in cases:
         meta = batch_metadata(num_seqs, width, args.context, kv, states, width > 1, device)
         row = {}
-        for kernel in (False, True):
-            gated_delta.STEP_KERNEL = kernel
+        for kernel, fuse_norm in ((False, False), (True, False), (True, True)):
+            gated_delta.STEP_KERNEL, gated_delta.FUSE_NORM = kernel, fuse_norm
+            name = "kernel" if fuse_norm else "kernel_unfused_norm" if kernel else "torch"
 
             def forward(meta=meta):
                 out = target(meta.input_ids, meta.positions, meta)
                 return target.compute_logits(out.hidden)
             with torch.inference_mode():
                 replay = graphed(forward, device)
-                row["kernel_ms" if kernel else "torch_ms"] = round(timed(replay, repeat=30), 4)
+                row[f"{name}_ms"] = round(timed(replay, repeat=30), 4)
             if num_seqs == 1 and width == 1:
-                row["kernel_classes" if kernel else "torch_classes"] = profile_classes(forward)
+                row[f"{name}_classes"] = profile_classes(forward)
             del replay
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -109,7 +110,7 @@ def main() -> None:
     for key, row in results.items():
         if one and isinstance(row, dict) and key != "B1xT1":
             row["kernel_over_step"] = round(row["kernel_ms"] / one, 3)
-    gated_delta.STEP_KERNEL = True
+    gated_delta.STEP_KERNEL, gated_delta.FUSE_NORM = True, True
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)

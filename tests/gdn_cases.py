@@ -5,14 +5,16 @@ import torch
 
 
 def make_case(rows_per_seq, num_k_heads=2, num_v_heads=4, k_dim=16, v_dim=16, kernel=4, num_slots=6,
-              dtype=torch.float32, device="cpu", seed=0, row_stride_pad=3):
+              dtype=torch.float32, device="cpu", seed=0, row_stride_pad=3, with_norm=False):
     """Random inputs of one step: mixed rows as a strided view (as the fused projection's split
     gives), pools with non-zero states, sequences in shuffled slots (0 rows allowed)."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=gen)
     conv_dim = 2 * num_k_heads * k_dim + num_v_heads * v_dim
     num_rows = sum(rows_per_seq)
-    wide = rnd(num_rows, conv_dim + 2 * num_v_heads + row_stride_pad)
+    z_width = num_v_heads * v_dim
+    wide = rnd(num_rows, conv_dim + 2 * num_v_heads + z_width + row_stride_pad)
+    norm_weight = 1.0 + 0.2 * rnd(v_dim)
     mixed = wide[:, :conv_dim]
     a = wide[:, conv_dim:conv_dim + num_v_heads]
     b = wide[:, conv_dim + num_v_heads:conv_dim + 2 * num_v_heads]
@@ -34,7 +36,11 @@ def make_case(rows_per_seq, num_k_heads=2, num_v_heads=4, k_dim=16, v_dim=16, ke
     wide = wide.to(device=device, dtype=dtype)
     case["mixed"], case["a"], case["b"] = (wide[:, :conv_dim], wide[:, conv_dim:conv_dim + num_v_heads],
                                            wide[:, conv_dim + num_v_heads:conv_dim + 2 * num_v_heads])
-    return dict(case, max_rows=max(rows_per_seq), num_k_heads=num_k_heads, k_dim=k_dim)
+    norm = None
+    if with_norm:                      # the gated norm's z: another strided view of the projection
+        z = wide[:, conv_dim + 2 * num_v_heads:conv_dim + 2 * num_v_heads + z_width].view(num_rows, num_v_heads, v_dim)
+        norm = (norm_weight.to(device=device, dtype=dtype), z, 1e-6)
+    return dict(case, max_rows=max(rows_per_seq), num_k_heads=num_k_heads, k_dim=k_dim, norm=norm)
 
 
 def compare(case, step, reference) -> dict[str, float]:

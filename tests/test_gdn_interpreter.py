@@ -23,15 +23,17 @@ CHILD = """
 import json
 from gdn_cases import make_case, compare
 from blockspec.kernels.gdn import gdn_step, reference_step
-cases = {"ragged": [1, 3, 0, 5], "decode": [1, 1], "verify16": [16], "grouped-8": [2, 8]}
-errors = {name: compare(make_case(rows, num_v_heads=8 if name == "grouped-8" else 4, seed=i), gdn_step, reference_step)
+cases = {"ragged": [1, 3, 0, 5], "decode": [1, 1], "verify16": [16], "grouped-8": [2, 8], "norm": [1, 3, 0, 5]}
+errors = {name: compare(make_case(rows, num_v_heads=8 if name == "grouped-8" else 4, seed=i, with_norm=name == "norm"),
+                        gdn_step, reference_step)
           for i, (name, rows) in enumerate(cases.items())}
 print(json.dumps(errors))
 """
 
 
 def test_interpreted_step_matches_reference():
-    """Per sequence (ragged widths, a sequence of 0 rows, grouped value heads): the output rows,
+    """Per sequence (ragged widths, a sequence of 0 rows, grouped value heads; the gated output
+    norm fused or not): the output rows,
     the state after every row and the stashed conv inputs (verify, pools untouched), and the
     advanced conv window and state in each sequence's own slot (plain step), within fp32 rounding."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
@@ -39,7 +41,7 @@ def test_interpreted_step_matches_reference():
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(errors) == 4
+    assert len(errors) == 5
     for name, case in errors.items():
         assert set(case) == {"out/True", "steps", "stash", "pools untouched", "out/False", "conv_pool", "ssm_pool"}
         assert case["pools untouched"] == 0.0, name

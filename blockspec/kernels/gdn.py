@@ -95,11 +95,11 @@ if triton is not None:
 
     @triton.jit
     def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, cu_ptr,
-                          out_ptr, steps_ptr, stride_conv, stride_a, stride_b, stride_pool_slot,
-                          stride_out, stride_steps,
+                          out_ptr, steps_ptr, z_ptr, norm_w_ptr, eps, stride_conv, stride_a, stride_b,
+                          stride_pool_slot, stride_out, stride_steps, stride_z_row, stride_z_head,
                           NUM_V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr,
                           V_DIM: tl.constexpr, KEY_WIDTH: tl.constexpr, KEEP: tl.constexpr,
-                          BLOCK_V: tl.constexpr):
+                          NORM: tl.constexpr, BLOCK_V: tl.constexpr):
         seq = tl.program_id(0)
         head = tl.program_id(1)
         cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -125,12 +125,22 @@ if triton is not None:
             x = tl.load(a_ptr + row * stride_a + head).to(tl.float32) + dt_bias
             softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))   # torch's threshold
             g = -tl.exp(a_log) * softplus
-            beta = tl.sigmoid(tl.load(b_ptr + row * stride_b + head).to(tl.float32))
+            b = tl.load(b_ptr + row * stride_b + head)
+            beta = tl.sigmoid(b.to(tl.float32)).to(b.dtype).to(tl.float32)      # σ rounds as torch's does
             state = state * tl.exp(g)
             predicted = tl.sum(state * k[:, None], axis=0)                   # Sᵀk [BLOCK_V]
             update = beta * (v - predicted)
             state = state + k[:, None] * update[None, :]
             o = tl.sum(state * q[:, None], axis=0)
+            if NORM:
+                # The output's gated RMSNorm (BLOCK_V = Dv: the whole head row is here), rounding
+                # where GatedRMSNorm rounds: o, the normalised row, the weight product, the result.
+                dtype = out_ptr.dtype.element_ty
+                o = o.to(dtype).to(tl.float32)
+                normed = (o * (1.0 / tl.sqrt(tl.sum(o * o, axis=0) / V_DIM + eps))).to(dtype)
+                weighted = (tl.load(norm_w_ptr + cols) * normed).to(tl.float32)
+                z = tl.load(z_ptr + row * stride_z_row + head * stride_z_head + cols).to(tl.float32)
+                o = weighted * (z * tl.sigmoid(z))
             tl.store(out_ptr + row * stride_out + head * V_DIM + cols, o.to(out_ptr.dtype.element_ty))
             if KEEP:
                 tl.store(steps_ptr + row * stride_steps + state_offs, state)
@@ -150,11 +160,14 @@ def block_v(num_seqs: int, num_v_heads: int, v_dim: int) -> int:
 def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
              a_log: torch.Tensor, dt_bias: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
              slots: torch.Tensor, cu_seqlens: torch.Tensor, max_rows: int, num_k_heads: int, k_dim: int,
-             keep_steps: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+             keep_steps: bool, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """mixed [R, conv_dim] (q | k | v before the conv), a, b [R, Hv] (rows may be strided views
     of the projection), conv_weight [conv_dim, K], pools [slots, conv_dim, K−1] and
     [slots, Hv, Dk, Dv] → out [R, Hv, Dv]; with keep_steps also steps [R, Hv, Dk, Dv] and the
-    conv inputs [B, conv_dim, K−1+max_rows], the pools untouched; else the pools advanced."""
+    conv inputs [B, conv_dim, K−1+max_rows], the pools untouched; else the pools advanced.
+    norm = (weight [Dv], z [R, Hv, Dv], eps): out is the gated RMSNorm of the rows,
+    weight · rmsnorm(o) · silu(z), computed in the recurrent kernel (one program per head row)."""
     num_rows, conv_dim = mixed.shape
     num_seqs = slots.shape[0]
     num_v_heads, v_dim = ssm_pool.shape[1], ssm_pool.shape[3]
@@ -174,22 +187,27 @@ def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
     out = torch.empty(num_rows, num_v_heads, v_dim, dtype=mixed.dtype, device=mixed.device)
     steps = (torch.empty(num_rows, num_v_heads, k_dim, v_dim, dtype=ssm_pool.dtype, device=mixed.device)
              if keep_steps else None)
-    bv = block_v(num_seqs, num_v_heads, v_dim)
+    bv = v_dim if norm is not None else block_v(num_seqs, num_v_heads, v_dim)
+    norm_weight, z, eps = norm if norm is not None else (out, out, 0.0)
+    if norm is not None:
+        assert z.shape == out.shape and z.stride(2) == 1
     assert k_dim & (k_dim - 1) == 0 and bv & (bv - 1) == 0 and v_dim % bv == 0, \
         "head dims: Dk a power of two, Dv a multiple of a power of two ≤ 32"
     _recurrent_kernel[(num_seqs, num_v_heads, v_dim // bv)](
         conv_out, a, b, a_log, dt_bias, ssm_pool, slots, cu_seqlens, out, steps if keep_steps else out,
-        conv_out.stride(0), a.stride(0), b.stride(0), ssm_pool.stride(0), out.stride(0),
-        steps.stride(0) if keep_steps else 0,
+        z, norm_weight, eps, conv_out.stride(0), a.stride(0), b.stride(0), ssm_pool.stride(0), out.stride(0),
+        steps.stride(0) if keep_steps else 0, z.stride(0), z.stride(1),
         NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, K_DIM=k_dim, V_DIM=v_dim,
-        KEY_WIDTH=num_k_heads * k_dim, KEEP=keep_steps, BLOCK_V=bv, num_warps=4)
+        KEY_WIDTH=num_k_heads * k_dim, KEEP=keep_steps, NORM=norm is not None, BLOCK_V=bv,
+        num_warps=8 if norm is not None and k_dim * v_dim >= 8192 else 4)
     return out, steps, stash
 
 
 def reference_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
                    a_log: torch.Tensor, dt_bias: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
                    slots: torch.Tensor, cu_seqlens: torch.Tensor, max_rows: int, num_k_heads: int, k_dim: int,
-                   keep_steps: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                   keep_steps: bool, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """`gdn_step` from the model's torch forms (F.conv1d + SiLU, `recurrent_gated_delta_rule`),
     one sequence at a time: the test reference, same arguments and results."""
     from blockspec.models.gated_delta import recurrent_gated_delta_rule, state_dtype
@@ -220,8 +238,17 @@ def reference_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_w
         out[start:end] = o[0]
         steps[start:end] = kept[0].to(steps.dtype)
         new_ssm[slot] = final[0].to(new_ssm.dtype)
+    if norm is not None:
+        out = gated_rms_norm(out, *norm)
     if keep_steps:
         return out, steps, stash
     conv_pool.copy_(new_conv)
     ssm_pool.copy_(new_ssm)
     return out, None, None
+
+
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
+    """models.qwen3_5.GatedRMSNorm's arithmetic: weight · rmsnorm(x) · silu(z) over the last dim."""
+    dtype = x.dtype
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed.to(dtype) * torch.nn.functional.silu(z.float())).to(dtype)

@@ -213,6 +213,9 @@ def recurrent_with_steps(step_kernel: Callable, q: torch.Tensor, k: torch.Tensor
 # The Triton decode / verify step (kernels/gdn.py) on CUDA; False: the torch / fla path above
 # (benches flip it to measure both in one process).
 STEP_KERNEL = True
+# The output's gated RMSNorm inside the recurrent kernel (one program per head row) rather than
+# after it in torch.
+FUSE_NORM = True
 
 
 def step_kernel_fits(x: torch.Tensor, width: int) -> bool:
@@ -222,10 +225,12 @@ def step_kernel_fits(x: torch.Tensor, width: int) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
-def gdn_layer_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, meta) -> torch.Tensor:
-    """One GatedDeltaNet layer's conv + delta rule through kernels/gdn.py, reading and writing
-    its slots of meta.states in place (or stashing the per-step states of a verify for
-    StatePool.select). mixed [B, T, conv_dim], b, a [B, T, Hv] → out [B, T, Hv, Dv]."""
+def gdn_layer_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tensor,
+                   meta) -> torch.Tensor:
+    """One GatedDeltaNet layer's conv + delta rule + gated output norm through kernels/gdn.py,
+    reading and writing its slots of meta.states in place (or stashing the per-step states of a
+    verify for StatePool.select). mixed [B, T, conv_dim], b, a [B, T, Hv], z [B, T, Hv, Dv] →
+    layer.norm(out, z) [B, T, Hv, Dv]."""
     from blockspec.kernels import gdn
     batch, width = mixed.shape[:2]
     cu_seqlens = getattr(meta, "cu_seqlens", None)
@@ -238,7 +243,9 @@ def gdn_layer_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
     out, steps, conv_inputs = gdn.gdn_step(
         mixed.reshape(batch * width, -1), a.reshape(batch * width, -1), b.reshape(batch * width, -1),
         layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index], states.ssm[index],
-        meta.state_slots, cu_seqlens, width, layer.num_k_heads, layer.k_dim, meta.keep_steps)
+        meta.state_slots, cu_seqlens, width, layer.num_k_heads, layer.k_dim, meta.keep_steps,
+        (layer.norm.weight, z.reshape(batch * width, *z.shape[2:]), layer.norm.eps) if FUSE_NORM else None)
     if meta.keep_steps:
         states.stash(index, steps.view(batch, width, *steps.shape[1:]), conv_inputs)
-    return out.view(batch, width, *out.shape[1:])
+    out = out.view(batch, width, *out.shape[1:])
+    return out if FUSE_NORM else layer.norm(out, z)

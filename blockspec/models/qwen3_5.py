@@ -179,8 +179,8 @@ class GatedDeltaNet(nn.Module):
         batch, num_tokens = meta.num_seqs, meta.width
         mixed, z, b, a = self.project(x.view(batch, num_tokens, -1))
         if step_kernel_fits(x, num_tokens):             # CUDA decode / verify: kernels/gdn.py, in place
-            out = gdn_layer_step(self, mixed, b, a, meta)
-            return self.out_proj(self.norm(out, z).flatten(2)).view(batch * num_tokens, -1)
+            out = gdn_layer_step(self, mixed, b, a, z, meta)            # gated norm applied
+            return self.out_proj(out.flatten(2)).view(batch * num_tokens, -1)
         window, initial = meta.states.read(self.state_index, meta.state_slots)
         mixed, conv_inputs = self.convolve(mixed, window)
         q, k, v = mixed.split((self.key_width, self.key_width, self.value_width), dim=-1)
