@@ -83,10 +83,12 @@ def main() -> None:
                     row[f"{library}_kernels"] = kernels_of(lambda: F.linear(x, weights[0]))
                 except Exception as error:                       # noqa: BLE001 - a setting this torch lacks
                     row[f"{library}_error"] = str(error)[:120]
-            torch.backends.cuda.preferred_blas_library("default")
+            try:
+                torch.backends.cuda.preferred_blas_library("default")
+            except Exception:                                    # noqa: BLE001
+                pass
             ref = F.linear(x, weights[0]).float()
-            for block_n, block_k, warps, stages in ((32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4),
-                                                    (16, 256, 4, 4), (32, 128, 4, 6)):
+            for block_n, block_k, warps, stages in ((32, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 4)):
                 key = f"triton_{block_n}_{block_k}_{warps}_{stages}_us"
                 got = skinny(x, weights[0], block_n, block_k, warps, stages).float()
                 if ((got - ref).norm() / ref.norm()).item() > 1e-2:
