@@ -213,9 +213,14 @@ def recurrent_with_steps(step_kernel: Callable, q: torch.Tensor, k: torch.Tensor
 # The Triton decode / verify step (kernels/gdn.py) on CUDA; False: the torch / fla path above
 # (benches flip it to measure both in one process).
 STEP_KERNEL = True
-# The output's gated RMSNorm inside the recurrent kernel (one program per head row) rather than
-# after it in torch.
+# The output's gated RMSNorm inside the recurrent kernel (one program per head row, the whole
+# [Dk, Dv] state in registers) rather than after it in torch, for forwards of up to
+# FUSE_NORM_MAX_ROWS rows. Measured on the H200 (graphed forwards, BENCHMARKS.md), fused vs not:
+# Qwen3.5-4B 3.51 vs 3.95 ms at 1 row, 4.50 vs 4.57 at 8, 14.5 vs 11.6 at 256 (32 × 8), where
+# the head-row programs writing every step's state lose to the column split; 35B shape 23.6 vs
+# 23.4 at 64 rows (8 × 8).
 FUSE_NORM = True
+FUSE_NORM_MAX_ROWS = 64
 
 
 def step_kernel_fits(x: torch.Tensor, width: int) -> bool:
@@ -240,12 +245,13 @@ def gdn_layer_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
             cu_seqlens = torch.arange(0, (batch + 1) * width, width, dtype=torch.int32, device=mixed.device)
             meta.shared["gdn_cu_seqlens"] = cu_seqlens
     states, index = meta.states, layer.state_index
+    fuse_norm = FUSE_NORM and batch * width <= FUSE_NORM_MAX_ROWS
     out, steps, conv_inputs = gdn.gdn_step(
         mixed.reshape(batch * width, -1), a.reshape(batch * width, -1), b.reshape(batch * width, -1),
         layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index], states.ssm[index],
         meta.state_slots, cu_seqlens, width, layer.num_k_heads, layer.k_dim, meta.keep_steps,
-        (layer.norm.weight, z.reshape(batch * width, *z.shape[2:]), layer.norm.eps) if FUSE_NORM else None)
+        (layer.norm.weight, z.reshape(batch * width, *z.shape[2:]), layer.norm.eps) if fuse_norm else None)
     if meta.keep_steps:
         states.stash(index, steps.view(batch, width, *steps.shape[1:]), conv_inputs)
     out = out.view(batch, width, *out.shape[1:])
-    return out if FUSE_NORM else layer.norm(out, z)
+    return out if fuse_norm else layer.norm(out, z)
