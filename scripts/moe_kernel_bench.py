@@ -1,7 +1,6 @@
 """Per-layer time of the sparse MoE block on the GPU, graphed: the Triton path (router in one
 launch, experts in two gather-GEMMs, shared expert as a slot) against the torch._grouped_mm
-path, the decode GEMVs against the aligned gather-GEMMs at few tokens, and a sweep of the
-decode GEMV tiles. 10 layers of distinct weights per graph, so no
+path, and a small sweep of decode tile sizes. 10 layers of distinct weights per graph, so no
 layer's experts are still in L2 from the one before (as in a real step).
 
 Usage: python scripts/moe_kernel_bench.py [--sweep] [--out FILE]
@@ -65,7 +64,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--tokens", default="1,2,4,8,16")
+    parser.add_argument("--tokens", default="1,4,16,64,256")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     results: dict = {"copy_bandwidth_TBps": bandwidth / 1e12}
@@ -77,18 +76,7 @@ def main() -> None:
             row = {"floor_us": floor_us, "triton_us": layer_us(layers, x, K.fused_experts),
                    "grouped_us": layer_us(layers, x, grouped_experts)}
             row["triton_over_floor"] = row["triton_us"] / floor_us
-            with mock.patch.object(K, "DECODE_MAX_PAIRS", 0):              # the aligned path alone
-                row["aligned_us"] = layer_us(layers, x, K.fused_experts)
-            with mock.patch.object(K, "DECODE_MAX_PAIRS", 10**6):          # the decode GEMVs alone
-                row["decode_us"] = layer_us(layers, x, K.fused_experts)
-                if args.sweep and num_tokens <= 2:
-                    for up, down in [((16, 256, 4), (16, 256, 4)), ((8, 512, 4), (16, 512, 4)),
-                                     ((32, 128, 4), (32, 128, 4)), ((16, 512, 8), (16, 512, 8)),
-                                     ((8, 256, 2), (8, 512, 4)), ((32, 256, 8), (32, 256, 8))]:
-                        with mock.patch.object(K, "DECODE_GATE_UP", K.DecodeTiles(*up)), \
-                             mock.patch.object(K, "DECODE_DOWN", K.DecodeTiles(*down)):
-                            row[f"decode tiles {up} {down}"] = layer_us(layers, x, K.fused_experts)
-            if args.sweep and num_tokens in (1, 16) and False:      # the aligned tiles: swept before
+            if args.sweep and num_tokens in (1, 16):
                 for up, down in [((16, 32, 128, 4, 4), (16, 64, 128, 4, 4)), ((16, 64, 128, 4, 3), (16, 128, 128, 4, 3)),
                                  ((16, 32, 256, 4, 3), (16, 64, 256, 4, 3)), ((16, 16, 256, 2, 4), (16, 32, 256, 2, 4)),
                                  ((16, 64, 64, 4, 4), (16, 64, 64, 4, 4)), ((16, 32, 128, 8, 4), (16, 128, 64, 4, 4))]:

@@ -20,10 +20,6 @@ captured in a CUDA graph:
 4. out.view(N, k, H).sum(1): a fixed-order sum over the k slots, so results are deterministic
    (no atomics) and equal from run to run, eager or graphed.
 
-A decode step's few pairs (≤ DECODE_MAX_PAIRS) skip the alignment and its 16-row padding:
-`decode_experts` runs a GEMV per (pair, column block) for gate_up and one per (token, column
-block) for down that walks the token's slots in order and sums them (2 launches instead of 4).
-
 Every chosen expert's weights are read once per step whatever the batch: at decode widths the
 kernel is weight-bandwidth-bound, so small BLOCK_M (16, the least tl.dot takes) and programs
 split over the output columns keep every SM streaming weights.
@@ -43,9 +39,6 @@ except ImportError:                                      # CPU-only installs: th
 # A single program aligns up to this many pairs (decode and small verify batches, one launch);
 # larger batches use a few torch ops, still without host sync.
 MAX_PAIRS_ONE_PROGRAM = 256
-# Up to this many (token, slot) pairs (a decode step: 1 token × top-k + shared, or a few), the
-# GEMV-shaped decode kernels: no alignment pass, no padding rows, the slot sum fused; 2 launches.
-DECODE_MAX_PAIRS = 18
 
 
 def is_available() -> bool:
@@ -212,69 +205,6 @@ if triton is not None:
         tl.store(experts_ptr + token * SLOTS + slots, top_e, mask=slots < SLOTS)
 
 
-    @triton.jit
-    def _decode_gate_up_kernel(x_ptr, w_ptr, shared_gate_ptr, shared_up_ptr, experts_ptr, out_ptr, N, K,
-                               stride_x, stride_we, stride_wn, SLOTS: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                               HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Few tokens: one program per ((token, slot) pair, block of BLOCK_N columns of I), a GEMV
-        on the slot's expert rows (no alignment pass, no 16-row padding); silu(gate) · up rounded once."""
-        pair = tl.program_id(0)
-        token = pair // SLOTS
-        expert = tl.load(experts_ptr + pair).to(tl.int64)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        w_base = w_ptr + expert * stride_we
-        up_base = w_base + N * stride_wn
-        if HAS_SHARED:
-            if expert == NUM_EXPERTS:
-                w_base = shared_gate_ptr
-                up_base = shared_up_ptr
-        rows = offs_n[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k
-            x = tl.load(x_ptr + token * stride_x + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            mask = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_base + rows + k + offs_k[None, :], mask=mask, other=0.0)
-            w_up = tl.load(up_base + rows + k + offs_k[None, :], mask=mask, other=0.0)
-            acc += w.to(tl.float32) * x[None, :]
-            acc_up += w_up.to(tl.float32) * x[None, :]
-        gate = tl.sum(acc, axis=1)
-        hidden = gate * tl.sigmoid(gate) * tl.sum(acc_up, axis=1)
-        tl.store(out_ptr + pair.to(tl.int64) * N + offs_n, hidden.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-    @triton.jit
-    def _decode_down_kernel(h_ptr, w_ptr, shared_down_ptr, experts_ptr, weights_ptr, out_ptr, N, K,
-                            stride_out, stride_we, stride_wn, SLOTS: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                            HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Few tokens: one program per (token, block of BLOCK_N columns of H) walks the token's
-        slots in order, Σ_s weight_s · down_s(hidden_s) in fp32, rounded once (the sum over the
-        slots fused, in a fixed order: deterministic)."""
-        token = tl.program_id(0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        offs_k = tl.arange(0, BLOCK_K)
-        rows = offs_n[:, None].to(tl.int64) * stride_wn
-        total = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for s in tl.static_range(SLOTS):
-            pair = token * SLOTS + s
-            expert = tl.load(experts_ptr + pair).to(tl.int64)
-            w_base = w_ptr + expert * stride_we
-            if HAS_SHARED:
-                if expert == NUM_EXPERTS:
-                    w_base = shared_down_ptr
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k in range(0, K, BLOCK_K):
-                k_ok = offs_k < K - k
-                h = tl.load(h_ptr + pair.to(tl.int64) * K + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_base + rows + k + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                acc += w.to(tl.float32) * h[None, :]
-            total += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
-        tl.store(out_ptr + token.to(tl.int64) * stride_out + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
 @dataclass(frozen=True)
 class SharedExpert:
     """The shared expert's weights as the checkpoint has them: gate/up [I, H], down [H, I],
@@ -376,8 +306,6 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         shared = SharedExpert(*(t.contiguous() for t in (shared.gate, shared.up, shared.down, shared.gate_logit)))
         assert shared.gate.shape == shared.up.shape == (inter, x.shape[1]) and shared.down.shape == (x.shape[1], inter), \
             "the fused shared expert must have the experts' intermediate size"
-    if num_pairs <= DECODE_MAX_PAIRS:
-        return decode_experts(x, weights, experts, gate_up_proj, down_proj, shared)
     up_tiles, dn_tiles = gate_up_tiles(num_pairs, num_experts), down_tiles(num_pairs, num_experts)
     assert up_tiles.block_m == dn_tiles.block_m, "both GEMMs walk the same aligned blocks"
     sorted_len = max_padded_pairs(num_pairs, num_ids, up_tiles.block_m)
@@ -389,36 +317,3 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     expert_gemm(hidden, down_proj, (shared.down, shared.down) if shared is not None else None, out, routing,
                 dn_tiles, 1, gated=False, route_weights=weights.flatten().contiguous())
     return out.view(num_tokens, top_k, -1).sum(dim=1)
-
-
-@dataclass(frozen=True)
-class DecodeTiles:
-    block_n: int
-    block_k: int
-    num_warps: int
-
-
-DECODE_GATE_UP = DecodeTiles(16, 256, 4)
-DECODE_DOWN = DecodeTiles(16, 256, 4)
-
-
-def decode_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up_proj: torch.Tensor,
-                   down_proj: torch.Tensor, shared: SharedExpert | None) -> torch.Tensor:
-    """fused_experts for a few tokens (inputs already contiguous): a GEMV per (pair, column
-    block) for gate_up, then per (token, column block) the down GEMVs of its slots summed."""
-    num_tokens, slots = experts.shape
-    num_experts, inter, hidden = gate_up_proj.shape[0], down_proj.shape[2], x.shape[1]
-    experts, weights = experts.contiguous(), weights.contiguous()
-    h = torch.empty(num_tokens * slots, inter, dtype=x.dtype, device=x.device)
-    up, dn = DECODE_GATE_UP, DECODE_DOWN
-    _decode_gate_up_kernel[(num_tokens * slots, triton.cdiv(inter, up.block_n))](
-        x, gate_up_proj, shared.gate if shared is not None else gate_up_proj,
-        shared.up if shared is not None else gate_up_proj, experts, h, inter, hidden, x.stride(0),
-        gate_up_proj.stride(0), gate_up_proj.stride(1), SLOTS=slots, NUM_EXPERTS=num_experts,
-        HAS_SHARED=shared is not None, BLOCK_N=up.block_n, BLOCK_K=up.block_k, num_warps=up.num_warps)
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    _decode_down_kernel[(num_tokens, triton.cdiv(hidden, dn.block_n))](
-        h, down_proj, shared.down if shared is not None else down_proj, experts, weights, out, hidden, inter,
-        out.stride(0), down_proj.stride(0), down_proj.stride(1), SLOTS=slots, NUM_EXPERTS=num_experts,
-        HAS_SHARED=shared is not None, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, num_warps=dn.num_warps)
-    return out
