@@ -10,16 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from unittest import mock
-
 import torch
 
 from blockspec.bench import (SHAPES, build_empty, copy_bandwidth, graphed, kernel_class, random_init,
                              step_weight_bytes, timed)
 from blockspec.cache import KVPool, StatePool
-from blockspec.kernels import moe as moe_kernels
 from blockspec.layers import AttentionMetadata
-from blockspec.layers.moe import SparseMoE
 from blockspec.models import gated_delta
 from blockspec.models.registry import ARCHITECTURES
 
@@ -105,12 +101,6 @@ def main() -> None:
             del replay
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        if num_seqs * width <= 2 and any(isinstance(m, SparseMoE) for m in target.modules()):
-            # The same forward with the MoE layers on the aligned gather-GEMMs instead of the decode GEMVs.
-            with mock.patch.object(moe_kernels, "DECODE_MAX_PAIRS", 0), torch.inference_mode():
-                replay = graphed(forward, device)
-                row["kernel_aligned_moe_ms"] = round(timed(replay, repeat=30), 4)
-                del replay
         row["speedup"] = round(row["torch_ms"] / row["kernel_ms"], 3)
         if num_seqs == 1 and width == 1:
             row["kernel_over_floor"] = round(row["kernel_ms"] / floor_ms, 3)
