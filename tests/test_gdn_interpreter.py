@@ -57,8 +57,9 @@ def fits(x, width):
     calls.append(width)
     return width <= 16 and x.dtype == torch.float32     # as on CUDA: no fp64 kernel
 qwen3_5.step_kernel_fits = fits             # the CUDA path, here on the CPU through the interpreter
-code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "tests/test_hybrid.py",
-                    "-k", "rollback_selects_the_committed_state or graph_shaped_metadata_equals_eager"])
+code = pytest.main(["-q", "-x", "-p", "no:cacheprovider",     # fp32 (fp64 stays on torch), both layouts
+                    "tests/test_hybrid.py::test_rollback_selects_the_committed_state[qwen3_5-dtype2-1e-05]",
+                    "tests/test_hybrid.py::test_graph_shaped_metadata_equals_eager_on_hybrids"])
 assert calls, "the step kernel was never used"
 sys.exit(int(code))
 """
@@ -74,4 +75,4 @@ def test_hybrid_model_through_interpreted_step_kernel():
     done = subprocess.run([sys.executable, "-c", MODEL_CHILD], env=env, capture_output=True, text=True,
                           timeout=300, cwd=HERE.parent)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
-    assert "5 passed" in done.stdout, done.stdout[-2000:]
+    assert "3 passed" in done.stdout, done.stdout[-2000:]
