@@ -13,7 +13,8 @@ instead of gathered into copies and scattered back. Two launches per layer:
    g = −e^{A_log} · softplus(a + dt_bias), β = σ(b), then per row the delta rule of
    `models.gated_delta` on the fp32 state [Dk, BLOCK_V]; the output row [Hv, Dv] in the model's
    dtype. Plain step: the final state goes back into the slot; verify: the state after every
-   row goes to `steps` [R, Hv, Dk, Dv] (the rollback is StatePool.select's pick, no replay).
+   row goes to `steps` [B, max_rows, Hv, Dk, Dv] (sequence b's row t at [b, t], the layout
+   StatePool.select picks from, also for ragged widths; the rollback is a pick, no replay).
 
 Rows are flat: sequence b owns rows cu_seqlens[b] … cu_seqlens[b+1] − 1 and state slot
 slots[b], so a uniform batch (cu_seqlens = b·T) and a ragged one (each sequence its own width,
@@ -96,7 +97,7 @@ if triton is not None:
     @triton.jit
     def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, cu_ptr,
                           out_ptr, steps_ptr, z_ptr, norm_w_ptr, eps, stride_conv, stride_a, stride_b,
-                          stride_pool_slot, stride_out, stride_steps, stride_z_row, stride_z_head,
+                          stride_pool_slot, stride_out, stride_steps, stride_z_row, stride_z_head, max_rows,
                           NUM_V_HEADS: tl.constexpr, GROUP: tl.constexpr, K_DIM: tl.constexpr,
                           V_DIM: tl.constexpr, KEY_WIDTH: tl.constexpr, KEEP: tl.constexpr,
                           NORM: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -143,7 +144,7 @@ if triton is not None:
                 o = weighted * (z * tl.sigmoid(z))
             tl.store(out_ptr + row * stride_out + head * V_DIM + cols, o.to(out_ptr.dtype.element_ty))
             if KEEP:
-                tl.store(steps_ptr + row * stride_steps + state_offs, state)
+                tl.store(steps_ptr + (seq * max_rows + t).to(tl.int64) * stride_steps + state_offs, state)
         if not KEEP:
             tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty))
 
@@ -164,7 +165,7 @@ def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """mixed [R, conv_dim] (q | k | v before the conv), a, b [R, Hv] (rows may be strided views
     of the projection), conv_weight [conv_dim, K], pools [slots, conv_dim, K−1] and
-    [slots, Hv, Dk, Dv] → out [R, Hv, Dv]; with keep_steps also steps [R, Hv, Dk, Dv] and the
+    [slots, Hv, Dk, Dv] → out [R, Hv, Dv]; with keep_steps also steps [B, max_rows, Hv, Dk, Dv] and the
     conv inputs [B, conv_dim, K−1+max_rows], the pools untouched; else the pools advanced.
     norm = (weight [Dv], z [R, Hv, Dv], eps): out is the gated RMSNorm of the rows,
     weight · rmsnorm(o) · silu(z), computed in the recurrent kernel (one program per head row)."""
@@ -185,7 +186,7 @@ def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
         stash.stride(0) if keep_steps else 0, stash.stride(1) if keep_steps else 0,
         KERNEL=kernel, K_POW2=triton.next_power_of_2(kernel), KEEP=keep_steps, BLOCK_C=block_c, num_warps=4)
     out = torch.empty(num_rows, num_v_heads, v_dim, dtype=mixed.dtype, device=mixed.device)
-    steps = (torch.empty(num_rows, num_v_heads, k_dim, v_dim, dtype=ssm_pool.dtype, device=mixed.device)
+    steps = (torch.empty(num_seqs, max_rows, num_v_heads, k_dim, v_dim, dtype=ssm_pool.dtype, device=mixed.device)
              if keep_steps else None)
     bv = v_dim if norm is not None else block_v(num_seqs, num_v_heads, v_dim)
     norm_weight, z, eps = norm if norm is not None else (out, out, 0.0)
@@ -196,7 +197,7 @@ def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
     _recurrent_kernel[(num_seqs, num_v_heads, v_dim // bv)](
         conv_out, a, b, a_log, dt_bias, ssm_pool, slots, cu_seqlens, out, steps if keep_steps else out,
         z, norm_weight, eps, conv_out.stride(0), a.stride(0), b.stride(0), ssm_pool.stride(0), out.stride(0),
-        steps.stride(0) if keep_steps else 0, z.stride(0), z.stride(1),
+        steps.stride(1) if keep_steps else 0, z.stride(0), z.stride(1), max_rows,
         NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, K_DIM=k_dim, V_DIM=v_dim,
         KEY_WIDTH=num_k_heads * k_dim, KEEP=keep_steps, NORM=norm is not None, BLOCK_V=bv,
         num_warps=8 if norm is not None and k_dim * v_dim >= 8192 else 4)
@@ -216,7 +217,7 @@ def reference_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_w
     kernel = conv_weight.shape[-1]
     key_width = num_k_heads * k_dim
     out = torch.empty(num_rows, num_v_heads, v_dim, dtype=mixed.dtype, device=mixed.device)
-    steps = torch.empty(num_rows, num_v_heads, k_dim, v_dim, dtype=ssm_pool.dtype, device=mixed.device)
+    steps = torch.zeros(slots.shape[0], max_rows, num_v_heads, k_dim, v_dim, dtype=ssm_pool.dtype, device=mixed.device)
     stash = torch.zeros(slots.shape[0], conv_dim, kernel - 1 + max_rows, dtype=conv_pool.dtype, device=mixed.device)
     new_conv, new_ssm = conv_pool.clone(), ssm_pool.clone()
     for seq, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
@@ -236,7 +237,7 @@ def reference_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_w
             v.reshape(1, rows, num_v_heads, v_dim), g[None], b[start:end].sigmoid()[None],
             ssm_pool[slot][None], keep_steps=True)
         out[start:end] = o[0]
-        steps[start:end] = kept[0].to(steps.dtype)
+        steps[seq, :rows] = kept[0].to(steps.dtype)
         new_ssm[slot] = final[0].to(new_ssm.dtype)
     if norm is not None:
         out = gated_rms_norm(out, *norm)

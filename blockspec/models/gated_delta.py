@@ -232,26 +232,33 @@ def step_kernel_fits(x: torch.Tensor, width: int) -> bool:
 
 def gdn_layer_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tensor,
                    meta) -> torch.Tensor:
-    """One GatedDeltaNet layer's conv + delta rule + gated output norm through kernels/gdn.py,
-    reading and writing its slots of meta.states in place (or stashing the per-step states of a
-    verify for StatePool.select). mixed [B, T, conv_dim], b, a [B, T, Hv], z [B, T, Hv, Dv] →
-    layer.norm(out, z) [B, T, Hv, Dv]."""
-    from blockspec.kernels import gdn
+    """One GatedDeltaNet layer's step on a uniform batch: mixed [B, T, conv_dim], b, a [B, T, Hv],
+    z [B, T, Hv, Dv] → layer.norm(out, z) [B, T, Hv, Dv] (see gdn_rows_step)."""
     batch, width = mixed.shape[:2]
-    cu_seqlens = getattr(meta, "cu_seqlens", None)
-    if cu_seqlens is None:                      # uniform rows: sequence i owns rows i·T … i·T + T − 1
-        cu_seqlens = meta.shared.get("gdn_cu_seqlens")
-        if cu_seqlens is None:
-            cu_seqlens = torch.arange(0, (batch + 1) * width, width, dtype=torch.int32, device=mixed.device)
-            meta.shared["gdn_cu_seqlens"] = cu_seqlens
-    states, index = meta.states, layer.state_index
-    fuse_norm = FUSE_NORM and batch * width <= FUSE_NORM_MAX_ROWS
+    cu_seqlens = meta.shared.get("gdn_cu_seqlens")      # sequence i owns rows i·T … i·T + T − 1
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, (batch + 1) * width, width, dtype=torch.int32, device=mixed.device)
+        meta.shared["gdn_cu_seqlens"] = cu_seqlens
+    out = gdn_rows_step(layer, *(t.reshape(batch * width, *t.shape[2:]) for t in (mixed, b, a, z)), meta.states,
+                        meta.state_slots, cu_seqlens, width, meta.keep_steps)
+    return out.view(batch, width, *out.shape[1:])
+
+
+def gdn_rows_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tensor, states,
+                  slots: torch.Tensor, cu_seqlens: torch.Tensor, max_rows: int, keep_steps: bool) -> torch.Tensor:
+    """One GatedDeltaNet layer's conv + delta rule + gated output norm through kernels/gdn.py on
+    flat rows: sequence i owns rows cu_seqlens[i] … cu_seqlens[i+1] − 1 (any widths ≤ max_rows,
+    0 included) and state slot slots[i]. mixed [R, conv_dim], b, a [R, Hv], z [R, Hv, Dv] →
+    layer.norm(out, z) [R, Hv, Dv]. Reads and advances the slots of `states` in place, or
+    (keep_steps) stashes every row's state [B, max_rows, Hv, Dk, Dv] and the conv inputs
+    [B, C, K−1+max_rows] for StatePool.select, the slots untouched."""
+    from blockspec.kernels import gdn
+    index = layer.state_index
+    fuse_norm = FUSE_NORM and mixed.shape[0] <= FUSE_NORM_MAX_ROWS
     out, steps, conv_inputs = gdn.gdn_step(
-        mixed.reshape(batch * width, -1), a.reshape(batch * width, -1), b.reshape(batch * width, -1),
-        layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index], states.ssm[index],
-        meta.state_slots, cu_seqlens, width, layer.num_k_heads, layer.k_dim, meta.keep_steps,
-        (layer.norm.weight, z.reshape(batch * width, *z.shape[2:]), layer.norm.eps) if fuse_norm else None)
-    if meta.keep_steps:
-        states.stash(index, steps.view(batch, width, *steps.shape[1:]), conv_inputs)
-    out = out.view(batch, width, *out.shape[1:])
+        mixed, a, b, layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index], states.ssm[index],
+        slots, cu_seqlens, max_rows, layer.num_k_heads, layer.k_dim, keep_steps,
+        (layer.norm.weight, z, layer.norm.eps) if fuse_norm else None)
+    if keep_steps:
+        states.stash(index, steps, conv_inputs)
     return out if fuse_norm else layer.norm(out, z)
