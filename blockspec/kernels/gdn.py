@@ -1,4 +1,4 @@
-"""Gated DeltaNet decode / verify step (Triton): the CUDA path of `models.gated_delta.gdn_step`.
+"""Gated DeltaNet decode / verify step (Triton): the CUDA path of `models.gated_delta.gdn_rows_step`.
 
 A step is a few rows per sequence (1 for plain decode, the block for a verify, ≤ 16), so the
 chunked kernels made for long prefills are the wrong shape: each sequence's rows are walked in
@@ -42,9 +42,9 @@ if triton is not None:
 
     @triton.jit
     def _conv1d_update_kernel(mixed_ptr, weight_ptr, pool_ptr, slots_ptr, cu_ptr, out_ptr, stash_ptr,
-                     conv_dim, stride_mixed, stride_pool_slot, stride_pool_c, stride_out,
-                     stride_stash_b, stride_stash_c,
-                     KERNEL: tl.constexpr, K_POW2: tl.constexpr, KEEP: tl.constexpr, BLOCK_C: tl.constexpr):
+                              conv_dim, stride_mixed, stride_pool_slot, stride_pool_c, stride_out,
+                              stride_stash_b, stride_stash_c, KERNEL: tl.constexpr, K_POW2: tl.constexpr,
+                              KEEP: tl.constexpr, BLOCK_C: tl.constexpr):
         seq = tl.program_id(0)
         chans = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = chans < conv_dim
