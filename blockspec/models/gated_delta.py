@@ -208,3 +208,43 @@ def recurrent_with_steps(step_kernel: Callable, q: torch.Tensor, k: torch.Tensor
                          inplace_final_state=True, ssm_state_indices=indices,
                          use_qk_l2norm_in_kernel=True)
     return out, steps[:, -1], steps
+
+
+# The Triton decode / verify step (kernels/gdn.py) on CUDA; False: the torch / fla path above
+# (benches flip it to measure both in one process).
+STEP_KERNEL = True
+# The output's gated RMSNorm inside the recurrent kernel (one program per head row, the whole
+# [Dk, Dv] state in registers) rather than after it in torch, for forwards of up to
+# FUSE_NORM_MAX_ROWS rows. Measured on the H200 (graphed forwards, BENCHMARKS.md), fused vs not:
+# Qwen3.5-4B 3.51 vs 3.95 ms at 1 row, 4.50 vs 4.57 at 8, 14.5 vs 11.6 at 256 (32 × 8), where
+# the head-row programs writing every step's state lose to the column split; 35B shape 23.6 vs
+# 23.4 at 64 rows (8 × 8).
+FUSE_NORM = True
+FUSE_NORM_MAX_ROWS = 64
+
+
+def step_kernel_fits(x: torch.Tensor, width: int) -> bool:
+    """A forward of ≤ MAX_ROWS rows per sequence on CUDA in a float dtype the kernel handles."""
+    from blockspec.kernels import gdn
+    return (STEP_KERNEL and x.device.type == "cuda" and gdn.is_available() and width <= gdn.MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def gdn_rows_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tensor, states,
+                  slots: torch.Tensor, cu_seqlens: torch.Tensor, max_rows: int, keep_steps: bool) -> torch.Tensor:
+    """One GatedDeltaNet layer's conv + delta rule + gated output norm through kernels/gdn.py on
+    flat rows: sequence i owns rows cu_seqlens[i] … cu_seqlens[i+1] − 1 (any widths ≤ max_rows,
+    0 included) and state slot slots[i]. mixed [R, conv_dim], b, a [R, Hv], z [R, Hv, Dv] →
+    layer.norm(out, z) [R, Hv, Dv]. Reads and advances the slots of `states` in place, or
+    (keep_steps) stashes every row's state [B, max_rows, Hv, Dk, Dv] and the conv inputs
+    [B, C, K−1+max_rows] for StatePool.select, the slots untouched."""
+    from blockspec.kernels import gdn
+    index = layer.state_index
+    fuse_norm = FUSE_NORM and mixed.shape[0] <= FUSE_NORM_MAX_ROWS
+    out, steps, conv_inputs = gdn.gdn_step(
+        mixed, a, b, layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index], states.ssm[index],
+        slots, cu_seqlens, max_rows, layer.num_k_heads, layer.k_dim, keep_steps,
+        (layer.norm.weight, z, layer.norm.eps) if fuse_norm else None)
+    if keep_steps:
+        states.stash(index, steps, conv_inputs)
+    return out if fuse_norm else layer.norm(out, z)

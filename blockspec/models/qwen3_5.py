@@ -30,7 +30,7 @@ from blockspec.layers.attention import from_padded, padded_rows, to_padded
 from blockspec.layers.common import FusedLinear, join_fused_parts
 from blockspec.layers.moe import make_mlp
 from blockspec.models.base import CausalLM, PreNormLayer
-from blockspec.models.gated_delta import select_kernels, state_dtype
+from blockspec.models.gated_delta import gdn_rows_step, select_kernels, state_dtype, step_kernel_fits
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -185,11 +185,21 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = mixed[0], z[0], b[0], a[0]                            # [N, ·]
         parts = []
         split = meta.num_prefill_seqs
+        lens = meta.lens
         for first, last, stash in ((0, split, False), (split, meta.num_seqs, meta.keep_steps)):
             if last > first:
-                parts.append(self.run_group(meta, first, last, stash, mixed, b, a))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)               # [N, Hv, Dv]
-        return self.out_proj(self.norm(out, z).flatten(1))
+                rows = slice(sum(lens[:first]), sum(lens[:last]))
+                if first < split or not step_kernel_fits(x, max(lens[first:last])):
+                    out = self.run_group(meta, first, last, stash, mixed, b, a)
+                    parts.append(self.norm(out, z[rows]))
+                    continue
+                # CUDA decode / verify rows: kernels/gdn.py, conv + delta rule + gated norm in place
+                starts = meta.starts[first:last + 1]
+                parts.append(gdn_rows_step(self, mixed[rows], b[rows], a[rows], z[rows], meta.states,
+                                           meta.state_slots[first:last], (starts - starts[0]).to(torch.int32),
+                                           max(lens[first:last]), stash))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)               # [N, Hv, Dv], normed
+        return self.out_proj(out.flatten(1))
 
     def run_group(self, meta: AttentionMetadata, first: int, last: int, stash: bool, mixed: torch.Tensor,
                   b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
