@@ -10,9 +10,8 @@ from typing import Iterator
 from blockspec.config import EngineConfig, resolve_engine_config
 from blockspec.engine.engine import Engine, QueueFullError
 from blockspec.engine.request import GenerationStats, Request, TokenEvent
-from blockspec.loader import load_draft, load_model
+from blockspec.loader import load_draft, load_model, load_tokenizer
 from blockspec.sampling import SamplingParams
-from blockspec.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -42,7 +41,7 @@ class LLM:
         loaded = load_model(model, device=device, dtype=dtype, show_progress=show_progress)
         target = loaded.model
         self.model_path = loaded.path
-        self.tokenizer = Tokenizer.from_dir(loaded.path)
+        self.tokenizer = load_tokenizer(loaded.path)
         draft_model = load_draft(draft, target, show_progress) if draft else None
         default_block = draft_model.block_size if draft_model is not None else 1
         config = EngineConfig(max_model_len=max_model_len or DEFAULT_MAX_MODEL_LEN,
