@@ -16,7 +16,8 @@ class UsageError(ValueError):
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory or Hugging Face hub id "
+    p.add_argument("--model", default=None, help="checkpoint directory, Hugging Face hub id, .gguf file, or "
+                   "smollm2 (SmolLM2-135M-Instruct, fetched once, with its shipped draft) "
                    "(default: the shipped demo target with its draft, on CPU)")
     p.add_argument("--draft", help="DFlash draft checkpoint (directory or hub id); omit for plain decoding")
     p.add_argument("--block-size", type=int, help="DFlash block size (at most the draft's own)")
@@ -150,8 +151,13 @@ def check_device(device: str) -> None:
 
 
 def use_demo_without_model(args: argparse.Namespace) -> None:
-    """No --model: the demo target with its DFlash draft, on CPU unless --device says otherwise."""
+    """No --model: the demo target with its DFlash draft, on CPU unless --device says otherwise.
+    A named model (--model smollm2) gets the draft shipped for it unless --draft says otherwise."""
     if args.model is not None:
+        from blockspec.named import default_draft
+        shipped = default_draft(args.model)
+        if args.draft is None and shipped is not None:
+            args.draft = str(shipped)
         return
     from blockspec import demo
     target, draft = demo.require_built()
