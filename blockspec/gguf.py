@@ -10,6 +10,7 @@ kernels, the file is only a way to carry the weights.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,15 @@ class GGUFFile:
 
 
 def open_gguf(path: Path) -> GGUFFile:
+    """The file, parsed once per process (the reader spends seconds on a 49k-token vocabulary,
+    and the model and its tokenizer both need it); a file changed on disk is parsed again."""
+    stat = Path(path).stat()
+    return _open_gguf(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(name: str, mtime_ns: int, size: int) -> GGUFFile:
+    path = Path(name)
     try:
         from gguf import GGUFReader
     except ImportError:
