@@ -14,7 +14,7 @@ import torch
 
 from blockspec import gguf, named
 from blockspec.loader import LoadError, load_draft, load_model, load_tokenizer
-from gguf_fixtures import write_gguf
+from gguf_fixtures import gguf_name, write_gguf
 from helpers import make_engine, make_request, run_batch
 
 # Ten chat prompts: questions, instructions, code. No multi-digit numbers: SmolLM2's tokenizer
@@ -188,22 +188,24 @@ def test_qwen3_gguf_round_trips_to_safetensors_twin(qwen3_dir, qwen3_gguf):
 
 
 def test_quantized_tensors_dequantize_like_the_gguf_package(qwen3_dir, tmp_path):
-    """Q8_0 / Q4_0 / Q4_1 tensors load as the package dequantizes them, close to the originals."""
+    """F16 / BF16 / Q8_0 / Q4_0 / Q4_1 tensors load as the package dequantizes them, close to the
+    originals."""
     import gguf as gguf_package
     kinds = {"model.layers.0.mlp.up_proj.weight": "Q8_0", "model.layers.0.mlp.down_proj.weight": "Q4_0",
-             "model.layers.1.mlp.gate_proj.weight": "Q4_1"}
+             "model.layers.1.mlp.gate_proj.weight": "Q4_1", "model.layers.0.self_attn.q_proj.weight": "F16",
+             "model.layers.1.self_attn.k_proj.weight": "BF16"}
+    tolerance = {"F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.02, "Q4_0": 0.2, "Q4_1": 0.2}
     path = write_gguf(qwen3_dir, tmp_path / "quant.gguf", quantize=kinds, with_tokenizer=False)
     ours, twin = load_model(str(path), device="cpu", dtype="float32").model, load_model(str(qwen3_dir)).model
     stored = {t.name: t for t in gguf.open_gguf(path).reader.tensors}
     for name, kind in kinds.items():
-        tensor = stored[name.replace("model.layers.", "blk.").replace(".mlp.up_proj", ".ffn_up")
-                        .replace(".mlp.down_proj", ".ffn_down").replace(".mlp.gate_proj", ".ffn_gate")]
+        tensor = stored[gguf_name(name)]
         assert tensor.tensor_type.name == kind
         loaded, original = weight(ours, name), weight(twin, name).float()
         expected = gguf_package.quants.dequantize(tensor.data, tensor.tensor_type).reshape(loaded.shape)
         assert torch.equal(loaded, torch.from_numpy(expected)), name
         error = (loaded - original).abs().max() / original.abs().max()
-        assert 0 < error < (0.02 if kind == "Q8_0" else 0.2), (name, float(error))
+        assert 0 < error < tolerance[kind], (name, float(error))
 
 
 def weight(model: torch.nn.Module, name: str) -> torch.Tensor:
