@@ -211,7 +211,8 @@ def gguf_path(model: str) -> Path | None:
     """The GGUF file `model` stands for (a .gguf, a directory holding one, a named model), or None."""
     from blockspec import gguf, named
     try:
-        return named.resolve(model) or gguf.find_gguf(model)
+        local = Path(model).expanduser()
+        return gguf.find_gguf(model) if local.exists() else named.resolve(model)   # a local path wins over a name
     except gguf.GGUFError as exc:
         raise LoadError(str(exc)) from None
 
