@@ -86,6 +86,7 @@ def plain_outputs(smollm2):
     return [run.output_ids for run in runs]
 
 
+@pytest.mark.smollm2
 def test_smollm2_chat_ids_match_transformers(smollm2, reference):
     _, ours = smollm2
     theirs, _ = reference
@@ -97,6 +98,7 @@ def test_smollm2_chat_ids_match_transformers(smollm2, reference):
     assert 2 in ours.stop_token_ids
 
 
+@pytest.mark.smollm2
 def test_smollm2_digits_split_one_by_one(smollm2):
     """SmolLM2 was trained with every digit its own token (its tokenizer.json: Digits with
     individual_digits; llama.cpp's 'smollm' pre-split): we follow that, not transformers'
@@ -108,6 +110,7 @@ def test_smollm2_digits_split_one_by_one(smollm2):
     assert ours.decode(ids) == "In 2024 there were 365 days"
 
 
+@pytest.mark.smollm2
 def test_smollm2_greedy_matches_transformers(plain_outputs, reference):
     """10 chat prompts × 64 tokens, token for token (fp32, CPU)."""
     _, theirs = reference
@@ -116,11 +119,13 @@ def test_smollm2_greedy_matches_transformers(plain_outputs, reference):
     assert any(len(o) == MAX_TOKENS for o in plain_outputs)     # long answers, not only short ones
 
 
+@pytest.mark.smollm2
 def test_smollm2_answers_paris(plain_outputs, smollm2):
     _, tokenizer = smollm2
     assert "Paris" in tokenizer.decode(plain_outputs[0], skip_special_tokens=True)
 
 
+@pytest.mark.smollm2
 def test_smollm2_dflash_equals_plain_with_shipped_draft(smollm2, plain_outputs):
     target, tokenizer = smollm2
     draft_dir = named.default_draft("smollm2")
@@ -136,6 +141,7 @@ def test_smollm2_dflash_equals_plain_with_shipped_draft(smollm2, plain_outputs):
     assert sum(accepted) / len(accepted) > 1.0             # the draft is right some of the time
 
 
+@pytest.mark.smollm2
 def test_generate_cli_with_smollm2(smollm2_path, capsys):
     from blockspec.cli import main
     code = main(["generate", "--model", "smollm2", "--prompt", "What is the capital of France?",
