@@ -23,7 +23,11 @@ class LoadError(RuntimeError):
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local directory, or a hub id resolved through huggingface_hub's cache (offline-safe)."""
+    """A local directory, or a hub id resolved through huggingface_hub's cache (offline-safe); a
+    GGUF file (a .gguf, a directory holding one, a named model) resolves to the file."""
+    found = gguf_path(model)
+    if found is not None:
+        return found
     path = Path(model).expanduser()
     if path.is_dir():
         return path

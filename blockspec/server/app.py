@@ -46,9 +46,11 @@ from blockspec.engine.request import GenerationStats, TokenEvent
 from blockspec.engine.request import Request as EngineRequest
 from blockspec.sampling import SamplingParams
 from blockspec.sampling import check_seed as check_seed_range
+from blockspec.options import from_namespace
 from blockspec.server import responses
 from blockspec.server.logprobs import chat_logprobs, completion_logprobs
 from blockspec.server.responses import ResponsesRequest
+from blockspec.server.settings import ServerSettings
 from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
 from blockspec.server.protocol import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                        ChatCompletionChunkChoice, ChatCompletionMessage,
@@ -76,46 +78,6 @@ MAX_TOOL_BYTES = 32 * 1024          # one tool definition, as JSON
 # ---------------------------------------------------------------------------------------------
 # Settings and errors
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    model: str
-    draft: str | None = None
-    block_size: int | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    served_model_name: str | None = None
-    api_key: str | None = None
-    max_queue: int = 64
-    max_num_seqs: int = 32
-    cors: str | None = None
-    max_body_bytes: int = 8 * 1024 * 1024
-    shutdown_timeout: float = 30.0
-
-    def __post_init__(self) -> None:
-        # Engine limits (block size, queue, sequences) are checked once, by EngineConfig.
-        if self.max_body_bytes < 1:
-            raise ValueError(f"--max-body-bytes must be at least 1 (got {self.max_body_bytes})")
-        if not 0 <= self.shutdown_timeout < float("inf"):
-            raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0 (got {self.shutdown_timeout})")
-        if self.api_key is not None and not self.api_key:
-            raise ValueError("--api-key must not be empty")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ServerSettings:
-        names = cls.__dataclass_fields__
-        return cls(**{name: getattr(args, name) for name in names if hasattr(args, name)})
-
-    @property
-    def model_name(self) -> str:
-        """--served-model-name, else the last part of the model path or hub id."""
-        return self.served_model_name or os.path.basename(self.model.rstrip("/\\")) or self.model
-
-    @property
-    def cors_origins(self) -> list[str]:
-        return [origin.strip() for origin in (self.cors or "").split(",") if origin.strip()]
 
 
 class ApiError(Exception):
@@ -300,9 +262,7 @@ class CountInFlight:
 def default_llm_factory(settings: ServerSettings) -> LLMFactory:
     def load() -> Any:
         from blockspec.llm import LLM
-        return LLM(settings.model, draft=settings.draft, block_size=settings.block_size,
-                   dtype=settings.dtype, device=settings.device, max_model_len=settings.max_model_len,
-                   max_num_seqs=settings.max_num_seqs, max_queue=settings.max_queue)
+        return LLM(settings)           # the settings' engine options, as given
     return load
 
 
@@ -1344,9 +1304,9 @@ def create_app(llm: Any = None, settings: ServerSettings | None = None) -> FastA
 def serve(args: argparse.Namespace) -> int:
     """Run uvicorn until SIGINT/SIGTERM; those drain open requests, then stop the engine."""
     import uvicorn
-    settings = ServerSettings.from_args(args)
+    settings = from_namespace(ServerSettings, args, "serve")
     app = create_app(None, settings)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
                             timeout_graceful_shutdown=FINAL_WRITE_S)
     server = draining_server(config, app.state.server)
     failures: list[BaseException] = []
