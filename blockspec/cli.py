@@ -175,8 +175,13 @@ def check_device(device: str) -> None:
 
 
 def use_demo_without_model(args: argparse.Namespace) -> None:
-    """No --model: the demo target with its DFlash draft, on CPU unless --device says otherwise."""
+    """No --model: the demo target with its DFlash draft, on CPU unless --device says otherwise.
+    A named model (--model smollm2) gets the draft shipped for it unless --draft says otherwise."""
     if args.model is not None:
+        from blockspec.named import default_draft
+        shipped = default_draft(args.model)
+        if args.draft is None and shipped is not None:
+            args.draft = str(shipped)
         return
     from blockspec import demo
     target, draft = demo.require_built()

@@ -189,8 +189,9 @@ class EngineOptions:
     makes them), the LLM(...) keyword arguments and the engine's half of the server's settings.
     Add an option here, as one field; read it in the engine from EngineConfig (which has them all).
     None means "chosen at load time" (noted in the help)."""
-    model: str | None = option(None, "checkpoint directory or Hugging Face hub id (none: the shipped demo "
-                               "target with its draft, on CPU)", (SERVE, GENERATE))
+    model: str | None = option(None, "checkpoint directory, Hugging Face hub id, .gguf file, or smollm2 "
+                               "(SmolLM2-135M-Instruct, fetched once, with its shipped draft) (none: the shipped "
+                               "demo target with its draft, on CPU)", (SERVE, GENERATE))
     draft: str | None = option(None, "DFlash draft checkpoint (directory or hub id); none: plain decoding",
                                (SERVE, GENERATE))
     block_size: int | None = option(None, "DFlash block size, at most the draft's own (none: the draft's)",

@@ -10,10 +10,9 @@ from typing import Any, Iterator
 from blockspec.config import ConfigError, EngineOptions, resolve_engine_config
 from blockspec.engine.engine import Engine, QueueFullError
 from blockspec.engine.request import GenerationStats, Request, TokenEvent
-from blockspec.loader import load_draft, load_model
+from blockspec.loader import load_draft, load_model, load_tokenizer
 from blockspec.options import project
 from blockspec.sampling import SamplingParams
-from blockspec.tokenizer import Tokenizer
 
 
 def apply_threads(threads: int | None) -> None:
@@ -55,7 +54,7 @@ class LLM:
             apply_threads(opts.threads)
         self.options = opts
         self.model_path = loaded.path
-        self.tokenizer = Tokenizer.from_dir(loaded.path)
+        self.tokenizer = load_tokenizer(loaded.path)
         draft_model = load_draft(opts.draft, target, show_progress) if opts.draft else None
         self.config = resolve_engine_config(opts, target.config.max_position_embeddings,
                                             draft_model.block_size if draft_model is not None else None)

@@ -23,7 +23,11 @@ class LoadError(RuntimeError):
 
 
 def resolve_model_path(model: str) -> Path:
-    """A local directory, or a hub id resolved through huggingface_hub's cache (offline-safe)."""
+    """A local directory, or a hub id resolved through huggingface_hub's cache (offline-safe); a
+    GGUF file (a .gguf, a directory holding one, a named model) resolves to the file."""
+    found = gguf_path(model)
+    if found is not None:
+        return found
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -88,15 +92,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def load_weights(model: nn.Module, files: list[Path], rename: Rename, show_progress: bool = False) -> None:
+def load_weights(model: nn.Module, files: list[Path], rename: Rename, show_progress: bool = False,
+                 tensors: Iterator[tuple[str, Path, torch.Tensor]] | None = None) -> None:
     """Copy every checkpoint tensor into the parameter of the same (renamed) name, or into its
     slice of a stacked parameter (per-expert tensors): one tensor in memory at a time, never a
-    second copy of the model. A parameter counts as loaded when every element was written."""
+    second copy of the model. A parameter counts as loaded when every element was written.
+    `tensors` replaces reading `files` (a GGUF file's dequantized tensors, already renamed)."""
     params = dict(model.named_parameters())
     fused = {name: ParamSlice(param, None, rows=(start, stop)) for name, (param, start, stop) in parts_of(model).items()}
     filled: dict[str, int] = {}                            # parameter → elements written
     placed: set[str | ParamSlice] = set()
-    for raw_name, file, tensor in iter_tensors(files, show_progress):
+    for raw_name, file, tensor in tensors if tensors is not None else iter_tensors(files, show_progress):
         where = rename(raw_name)
         if where is None:
             continue
@@ -180,7 +186,10 @@ def architecture_of(config: dict[str, Any], path: Path) -> str:
 
 def load_model(model: str, device: str = "auto", dtype: str = "auto",
                show_progress: bool = False) -> LoadedModel:
-    """Load a target model from a checkpoint directory or hub id."""
+    """Load a target model from a checkpoint directory, hub id, GGUF file or named model."""
+    gguf_file = gguf_path(model)
+    if gguf_file is not None:
+        return load_gguf_model(gguf_file, device, dtype)
     path = resolve_model_path(model)
     config = read_json(path / "config.json")
     arch = architecture_of(config, path)
@@ -193,6 +202,44 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto",
         raise LoadError(f"{path / 'config.json'}: cannot build {arch}: {exc}") from None
     load_weights(module, files, spec.rename, show_progress)
     return LoadedModel(module, path, config, arch)
+
+
+def gguf_path(model: str) -> Path | None:
+    """The GGUF file `model` stands for (a .gguf, a directory holding one, a named model), or None."""
+    from blockspec import gguf, named
+    try:
+        local = Path(model).expanduser()
+        return gguf.find_gguf(model) if local.exists() else named.resolve(model)   # a local path wins over a name
+    except gguf.GGUFError as exc:
+        raise LoadError(str(exc)) from None
+
+
+def load_gguf_model(path: Path, device: str, dtype: str) -> LoadedModel:
+    """Build the model from the file's metadata and fill it with its dequantized tensors."""
+    from blockspec import gguf
+    try:
+        file = gguf.open_gguf(path)
+        config = gguf.hf_config(file)
+        arch = config["architectures"][0]
+        torch_device = resolve_device(device)
+        spec = ARCHITECTURES[arch]()
+        module = build_empty(lambda: spec.build(config, arch), torch_device, resolve_dtype(dtype, torch_device))
+        load_weights(module, [path], spec.rename, tensors=gguf.iter_tensors(file, config))
+    except gguf.GGUFError as exc:
+        raise LoadError(str(exc)) from None
+    return LoadedModel(module, path, config, arch)
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer of a loaded model: its directory's tokenizer files, or a GGUF file's metadata."""
+    from blockspec import gguf
+    from blockspec.tokenizer import Tokenizer
+    if path.is_file() and path.suffix == ".gguf":
+        try:
+            return gguf.load_tokenizer(path)
+        except gguf.GGUFError as exc:
+            raise LoadError(str(exc)) from None
+    return Tokenizer.from_dir(path)
 
 
 def load_draft(draft: str, target: nn.Module, show_progress: bool = False) -> nn.Module:

@@ -52,6 +52,8 @@ def llama_draft_dir(tmp_path_factory, llama_dir) -> Path:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "soak: the full soak (tests/test_soak.py); run with -m soak")
+    config.addinivalue_line("markers", "smollm2: the real SmolLM2 GGUF (fetched once); in the default run, "
+                                       "-m 'not smollm2' leaves it out")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

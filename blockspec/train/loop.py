@@ -180,8 +180,7 @@ class Trainer:
     """Holds the frozen target, the draft, the optimizer and the data of one run."""
 
     def __init__(self, config: TrainConfig, ranks: Ranks) -> None:
-        from blockspec.loader import load_model
-        from blockspec.tokenizer import Tokenizer
+        from blockspec.loader import load_model, load_tokenizer
         if config.batch_size % ranks.world:
             raise TrainError(f"--batch-size {config.batch_size} (global) does not split over {ranks.world} processes")
         self.config, self.ranks, self.device = config, ranks, ranks.device
@@ -189,7 +188,7 @@ class Trainer:
         loaded = load_model(config.target, device=str(self.device), dtype="auto", show_progress=False)
         self.target_path = str(loaded.path)
         self.target = loaded.model.requires_grad_(False)
-        self.tokenizer = Tokenizer.from_dir(loaded.path)
+        self.tokenizer = load_tokenizer(loaded.path)
         self.vocab_size = int(features.lm_head(self.target).weight.shape[0])
         self.draft_config = self.make_draft_config()
         self.layer_ids = tuple(self.draft_config["dflash_config"]["target_layer_ids"])

