@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together in one batch")
     serve.add_argument("--cors", default=None, help="comma-separated allowed origins (off by default)")
     serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    serve.add_argument("--no-ui", dest="ui", action="store_false",
+                       help="serve no playground page at / (the API only)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds SIGTERM lets open requests finish (new ones get 503) before "
                             "ending the rest with an error")

@@ -49,6 +49,7 @@ from blockspec.sampling import check_seed as check_seed_range
 from blockspec.server import responses
 from blockspec.server.logprobs import chat_logprobs, completion_logprobs
 from blockspec.server.responses import ResponsesRequest
+from blockspec.server.spec_cycles import SpecCycles, wants_spec_cycles  # playground (#26)
 from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
 from blockspec.server.protocol import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                        ChatCompletionChunkChoice, ChatCompletionMessage,
@@ -93,6 +94,7 @@ class ServerSettings:
     cors: str | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_timeout: float = 30.0
+    ui: bool = True                      # playground (#26): GET / (off with --no-ui)
 
     def __post_init__(self) -> None:
         # Engine limits (block size, queue, sequences) are checked once, by EngineConfig.
@@ -599,6 +601,7 @@ class Generation:
         self._has_first_token = False
         self._ended = False
         self._final_stats: GenerationStats | None = None
+        self.spec_cycles: SpecCycles | None = None   # playground (#26): stream_options.include_spec_cycles
 
     @property
     def stats(self) -> GenerationStats:
@@ -616,6 +619,8 @@ class Generation:
         self.state.generations.add(self)
 
     def _on_event(self, event: TokenEvent) -> None:  # engine thread (or the loop, for interrupt)
+        if self.spec_cycles is not None:  # playground (#26): before the event can be read
+            self.spec_cycles.record(event, self.request.stats)
         with self._pending_lock:
             was_empty = self._pending is None
             self._pending = event if was_empty else merge_events(self._pending, event)
@@ -664,6 +669,8 @@ class Generation:
 
     def _process(self, event: TokenEvent) -> OutputDelta:
         try:
+            if self.spec_cycles is not None:  # playground (#26)
+                return self.spec_cycles.process(self.processor, event)
             return self.processor.process(event.token_ids, event.finish_reason, event.logprobs)
         except Exception as exc:  # a parser bug must cost one request, never the connection
             traceback.print_exc()
@@ -762,6 +769,7 @@ def make_choices(state: ServerState, llm: Any, engine: Engine, response_id: str,
             request = make_engine_request(llm, f"{response_id}-{index}", prompt, body, choice=i, grammar=grammar)
             processor = make_processor(llm.tokenizer, prompt, body, kind)
             generation = Generation(state, engine, request, processor, arrival)
+            generation.spec_cycles = SpecCycles() if wants_spec_cycles(body) else None  # playground (#26)
             choices.append(Choice(index, prompt, generation, counts_prompt=i == 0, echo=echo))
     return choices
 
@@ -944,8 +952,9 @@ async def chat_chunks(choices: list[Choice], response_id: str, model: str, body:
         async for choice, delta in merged_deltas(choices):
             message = delta_message(delta)
             logprobs = chat_logprobs(tokenizer, delta.logprobs) if delta.logprobs else None
-            if message is not None or logprobs is not None:
-                yield chunk(choice.index, message or DeltaMessage(content=""), logprobs=logprobs)
+            cycles = choice.generation.spec_cycles.take() if choice.generation.spec_cycles else None  # playground (#26)
+            if message is not None or logprobs is not None or cycles:
+                yield chunk(choice.index, message or DeltaMessage(content=""), logprobs=logprobs, spec_cycles=cycles)
             if delta.finish_reason is not None:
                 finished.add(choice.index)
                 meta = meta_info([choice]) if body.return_meta_info else None
@@ -975,8 +984,9 @@ async def completion_chunks(choices: list[Choice], response_id: str, model: str,
             logprobs = None
             if delta.logprobs:
                 logprobs, offsets[choice.index] = completion_logprobs(tokenizer, delta.logprobs, offsets[choice.index])
-            if delta.content or logprobs is not None:
-                yield chunk(CompletionChoice(index=choice.index, text=delta.content, logprobs=logprobs))
+            cycles = choice.generation.spec_cycles.take() if choice.generation.spec_cycles else None  # playground (#26)
+            if delta.content or logprobs is not None or cycles:
+                yield chunk(CompletionChoice(index=choice.index, text=delta.content, logprobs=logprobs), spec_cycles=cycles)
             if delta.finish_reason is not None:
                 finished.add(choice.index)
                 meta = meta_info([choice]) if body.return_meta_info else None
@@ -1328,6 +1338,9 @@ def create_app(llm: Any = None, settings: ServerSettings | None = None) -> FastA
     app.add_middleware(RequestIdMiddleware)
     add_error_handlers(app)
     add_routes(app, state)
+    if settings.ui:  # playground (#26): GET /, the chat page (blockspec/server/playground.py)
+        from blockspec.server.playground import add_playground
+        add_playground(app)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],

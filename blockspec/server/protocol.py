@@ -118,6 +118,8 @@ class NamedToolChoice(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # blockspec's extension (the playground, #26): per-chunk verify-cycle data (ARCHITECTURE.md §5)
+    include_spec_cycles: bool = False
 
 
 def _validate_stop(value: Any) -> Any:
@@ -614,10 +616,11 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatCompletionChunkChoice]
     usage: UsageInfo | None = None
     meta_info: MetaInfo | None = None
+    spec_cycles: list[dict[str, Any]] | None = None   # stream_options.include_spec_cycles only
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler: Any) -> dict[str, Any]:
-        return _drop_none(handler(self), ("usage", "meta_info"))
+        return _drop_none(handler(self), ("usage", "meta_info", "spec_cycles"))
 
     @staticmethod
     def new_id() -> str:
@@ -641,10 +644,11 @@ class Completion(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     meta_info: MetaInfo | None = None
+    spec_cycles: list[dict[str, Any]] | None = None   # stream_options.include_spec_cycles only
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler: Any) -> dict[str, Any]:
-        return _drop_none(handler(self), ("usage", "meta_info"))
+        return _drop_none(handler(self), ("usage", "meta_info", "spec_cycles"))
 
 
 class ModelCard(BaseModel):
