@@ -24,7 +24,7 @@ function maxAccepted() {
 function cycleColour(accepted) {
   if (accepted <= 0) return "hsl(215, 16%, 91%)";
   const t = Math.min(1, accepted / maxAccepted());
-  return `hsl(${Math.round(205 - 160 * t)}, 72%, ${Math.round(86 - 14 * t)}%)`;
+  return `hsl(${Math.round(225 - 195 * t)}, 75%, ${Math.round(86 - 12 * t)}%)`;
 }
 
 function buildLegend() {
@@ -61,7 +61,8 @@ async function loadHealth() {
     if (body.status !== "ok") return;
     state.speculative = Boolean(body.draft) || body.block_size != null;
     state.blockSize = body.block_size;
-    $("model-info").textContent = body.model + (state.speculative ? `  +  DFlash draft ${body.draft || ""}, block ${body.block_size}` : "  (plain decoding)");
+    const draft = body.draft ? `DFlash draft ${body.draft}` : "DFlash draft";
+    $("model-info").textContent = `${body.model} · ` + (state.speculative ? `${draft} · block ${body.block_size}` : "plain decoding");
     $("speculation-info").textContent = state.speculative
       ? `DFlash on: block size ${body.block_size}, so each verify cycle checks up to ${body.block_size - 1} drafts. ` +
         "Set when the server starts (--block-size); this server has no per-request switch."
