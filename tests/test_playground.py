@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from collections import Counter
@@ -141,7 +142,11 @@ def test_the_page_is_served_with_its_files_only(server):
     for name in ("../app.py", "__init__.py", "index.htm"):
         missing = httpx.get(f"{server.url}/ui/{name}")
         assert missing.status_code == 404 and "error" in missing.json()
-    assert "http://" not in page.text and "https://" not in page.text     # nothing from elsewhere
+    # nothing from elsewhere: the page links its own files (and an inline icon) only
+    links = re.findall(r'(?:src|href)="([^"]*)"', page.text)
+    assert links and all(link.startswith(("/ui/", "data:image/svg+xml,")) for link in links)
+    script, style = (httpx.get(f"{server.url}/ui/{name}").text for name in ("playground.js", "playground.css"))
+    assert "http" not in script and "url(" not in style and "@import" not in style
 
 
 def test_no_ui_and_the_api_key_rule(qwen3_dir):
@@ -190,6 +195,7 @@ def browser():
     for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
                      "--window-size=1360,860", "--force-device-scale-factor=1"):
         options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     yield driver
     driver.quit()
@@ -283,6 +289,25 @@ def test_the_playground_in_chromium(browser, server, tmp_path):
     assert sum(int(g.get_attribute("data-tokens")) for g in streaming.find_elements("css selector", ".cycle")) < 900
     driver.save_screenshot(str(artefact_dir(tmp_path) / "playground-stopped.png"))
 
-    # Clear empties the conversation.
+    # Clear empties the conversation; the page logged no error all along.
     driver.find_element("id", "clear").click()
     assert driver.find_elements("css selector", ".message") == []
+    assert [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"] == []
+
+
+def test_the_playground_asks_for_the_api_key(browser, qwen3_dir):
+    driver = browser
+    with LiveServer(load_llm(qwen3_dir), "qwen3", api_key="sesame") as live:
+        driver.get(live.url + "/")                                  # the page itself is public
+        wait_for(lambda: driver.find_element("id", "server-status").get_attribute("data-status") == "ok")
+        assert not driver.find_element("id", "api-key-row").is_displayed()
+        set_control(driver, "max-tokens", "4")
+        send_message(driver, "Hello")
+        wait_for(lambda: last_answer(driver).get_attribute("data-state") == "error")
+        assert "API key" in driver.find_element("id", "error").text
+        assert driver.find_element("id", "api-key-row").is_displayed()
+        driver.find_element("id", "api-key").send_keys("sesame")
+        send_message(driver, "Hello")
+        wait_for(lambda: last_answer(driver).get_attribute("data-state") == "done")
+        assert last_answer(driver).get_attribute("data-completion-tokens") == "4"
+        assert not driver.find_element("id", "error").is_displayed()

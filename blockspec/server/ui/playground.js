@@ -61,7 +61,9 @@ async function loadHealth() {
     if (body.status !== "ok") return;
     state.speculative = Boolean(body.draft) || body.block_size != null;
     state.blockSize = body.block_size;
-    const draft = body.draft ? `DFlash draft ${body.draft}` : "DFlash draft";
+    // a draft path shows as its last two parts (demo/draft; a hub id stays whole)
+    const draft = body.draft ? `DFlash draft ${body.draft.split(/[\\/]/).filter(Boolean).slice(-2).join("/")}` : "DFlash draft";
+    $("model-info").title = body.draft ? `${body.model} + ${body.draft}` : body.model;
     $("model-info").textContent = `${body.model} · ` + (state.speculative ? `${draft} · block ${body.block_size}` : "plain decoding");
     $("speculation-info").textContent = state.speculative
       ? `DFlash on: block size ${body.block_size}, so each verify cycle checks up to ${body.block_size - 1} drafts. ` +
