@@ -184,7 +184,8 @@ class Answer {
     this.endedAt = performance.now();
     this.element.dataset.state = how;
     this.body.classList.remove("cursor");
-    const label = { done: this.element.dataset.finishReason || "done", stopped: "stopped", error: "error" }[how];
+    const reason = this.element.dataset.finishReason;
+    const label = { done: reason ? `finished: ${reason}` : "finished", stopped: "stopped", error: "error" }[how];
     this.element.querySelector(".state").textContent = label;
     showStats(this);
   }
