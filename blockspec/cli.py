@@ -6,66 +6,62 @@ import json
 import os
 import sys
 import uuid
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-DEFAULT_MAX_MODEL_LEN = 4096
+from blockspec.config import EngineOptions, context_overflow
+from blockspec.options import BENCH, GENERATE, SERVE, HelpFormatter, add_flags, from_namespace
+from blockspec.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from blockspec.tokenizer import Tokenizer
+
 
 
 class UsageError(ValueError):
     """Bad command-line input; printed as one line."""
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint directory or Hugging Face hub id "
-                   "(default: the shipped demo target with its draft, on CPU)")
-    p.add_argument("--draft", help="DFlash draft checkpoint (directory or hub id); omit for plain decoding")
-    p.add_argument("--block-size", type=int, help="DFlash block size (at most the draft's own)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
-    p.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + output tokens)")
+def subcommand(sub: argparse._SubParsersAction, name: str, help: str, description: str | None = None
+               ) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=description or help, formatter_class=HelpFormatter)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding server")
+    parser = argparse.ArgumentParser(prog="blockspec", description="DFlash speculative decoding server",
+                                     formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate once and print the result")
-    add_model_args(gen)
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--json", action="store_true", help="print one JSON line (ARCHITECTURE.md §5)")
+    gen = subcommand(sub, "generate", "generate once and print the result",
+                     "Generate once and print the result: a chat prints the reply; text continued (--raw, "
+                     "--prompt-token-ids, the demo's default prompt) prints the prompt followed by its continuation.")
+    add_flags(gen, EngineOptions, GENERATE)
+    gen.add_argument("--max-tokens", type=int, default=128, metavar="N", help="output tokens at most")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="X", help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="X", help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, metavar="N", help="0: no top-k cut")
+    gen.add_argument("--min-p", type=float, default=0.0, metavar="X", help="0: no min-p cut")
+    gen.add_argument("--seed", type=int, default=None, metavar="N", help="sampling seed (none: random)")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON line instead of the text: token_ids, text, finish_reason, "
+                          "prompt_token_ids and stats (cycles, acceptance lengths, draft and accepted "
+                          "tokens, prefill and decode seconds)")
     gen.add_argument("--enable-thinking", choices=["true", "false"], default=None,
                      help="chat template switch for reasoning models")
+    gen.add_argument("--raw", action="store_true",
+                     help="feed --prompt as text to continue, without the chat template")
     src = gen.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="a user message, rendered with the chat template "
-                     "(required with --model; the demo has a default)")
+    src.add_argument("--prompt", help="a user message, rendered with the chat template unless --raw "
+                     "(required with --model; the demo has a code prompt to continue)")
     src.add_argument("--messages", help="a JSON list of chat messages")
     src.add_argument("--prompt-token-ids", help="comma-separated token ids, fed as is")
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    add_model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None)
-    serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running batch")
-    serve.add_argument("--max-num-seqs", type=int, default=32, help="sequences decoded together in one batch")
-    serve.add_argument("--cors", default=None, help="comma-separated allowed origins (off by default)")
-    serve.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    serve.add_argument("--no-ui", dest="ui", action="store_false",
-                       help="serve no playground page at / (the API only)")
-    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds SIGTERM lets open requests finish (new ones get 503) before "
-                            "ending the rest with an error")
-    bench = sub.add_parser("bench", help="GPU benchmark on random weights of real shapes")
-    bench.add_argument("--shape", default="qwen3-8b")
+    serve = subcommand(sub, "serve", "run the OpenAI-compatible HTTP server")
+    add_flags(serve, ServerSettings, SERVE)
+    bench = subcommand(sub, "bench", "GPU benchmark on random weights of real shapes")
+    add_flags(bench, EngineOptions, BENCH)
+    bench.add_argument("--shape", default="qwen3-8b", help="the model shape measured (random weights)")
     bench.add_argument("--out", default=None, help="write the results as JSON here")
     bench.add_argument("--vs", action="append", default=[], choices=["transformers", "zlab", "grouped-moe"],
                        help="peers measured in the same run (grouped-moe: MoE targets' plain step with the "
                             "torch._grouped_mm experts instead of the Triton kernel)")
-    bench.add_argument("--device", default="auto")
     bench.add_argument("--concurrency", default="1", help="comma-separated numbers of concurrent requests")
     bench.add_argument("--accept-len", type=float, default=None,
                        help="force this mean acceptance length (random weights accept no drafts)")
@@ -76,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--breakdown", action="store_true",
                        help="also profile one eager target forward per verify width: ms per kernel class")
     bench.add_argument("--layers", type=int, default=None, help="the shape's first N layers only")
-    bench.add_argument("--prompt-len", type=int, default=512)
-    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--prompt-len", type=int, default=512, metavar="N", help="prompt tokens per request")
+    bench.add_argument("--max-tokens", type=int, default=128, metavar="N", help="output tokens per request")
     bench.add_argument("--demo", action="store_true", help="the shipped demo pair on held-out code: plain vs DFlash (CPU by default)")
-    add_train_args(sub.add_parser("train-draft", help="train a DFlash draft for a target (DFlash recipe)"))
+    add_train_args(subcommand(sub, "train-draft", "train a DFlash draft for a target (DFlash recipe)"))
     return parser
 
 
@@ -162,12 +158,22 @@ def use_demo_without_model(args: argparse.Namespace) -> None:
     if getattr(args, "served_model_name", "") is None:
         args.served_model_name = "blockspec-demo"
     if getattr(args, "prompt", "") is None and args.messages is None and args.prompt_token_ids is None:
-        args.raw_prompt = demo.DEFAULT_PROMPT     # code to continue, fed without the chat template
+        args.prompt, args.raw = demo.DEFAULT_PROMPT, True     # code to continue, without the chat template
+
+
+def check_model_paths(args: argparse.Namespace) -> None:
+    """A bad --model or --draft is the first thing said (before a missing prompt, say)."""
+    from blockspec.loader import resolve_model_path
+    for path in (args.model, args.draft):
+        if path is not None:
+            resolve_model_path(path)
 
 
 def check_generate_args(args: argparse.Namespace) -> None:
     if args.model is not None and args.prompt is None and args.messages is None and args.prompt_token_ids is None:
         raise UsageError("one of --prompt, --messages or --prompt-token-ids is required with --model")
+    if args.raw and args.prompt is None:
+        raise UsageError("--raw applies to --prompt (token ids are always raw; --messages are a chat)")
     if args.messages is not None:
         parse_messages(args.messages)       # before loading: the server's checks, the same answer
     if args.max_tokens < 1:
@@ -178,9 +184,9 @@ def check_generate_args(args: argparse.Namespace) -> None:
         raise UsageError("--top-p must be in (0, 1]")
 
 
-def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
-    if getattr(args, "raw_prompt", None) is not None:
-        return tokenizer.encode(args.raw_prompt)
+def prompt_ids_from_args(args: argparse.Namespace, tokenizer: Tokenizer) -> list[int]:
+    if args.raw:
+        return tokenizer.encode(args.prompt)
     if args.prompt_token_ids is not None:
         ids = parse_token_ids(args.prompt_token_ids)
         bad = [i for i in ids if not 0 <= i < tokenizer.vocab_size]
@@ -193,6 +199,7 @@ def prompt_ids_from_args(args: argparse.Namespace, tokenizer) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    check_model_paths(args)
     check_generate_args(args)
     use_demo_without_model(args)
     check_engine_args(args)
@@ -200,25 +207,35 @@ def run_generate(args: argparse.Namespace) -> int:
     from blockspec.sampling import SamplingParams
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed)   # bad values fail before loading
-    llm = LLM(args.model, draft=args.draft, block_size=args.block_size, dtype=args.dtype,
-              device=args.device, max_model_len=args.max_model_len)
+    llm = LLM(from_namespace(EngineOptions, args, GENERATE))
     prompt_ids = prompt_ids_from_args(args, llm.tokenizer)
+    overflow = context_overflow(args.max_tokens, len(prompt_ids), llm.max_model_len)
+    if overflow is not None:                   # the server's 400, not a silent cap
+        raise UsageError(f"--max-tokens: {overflow}")
     result = llm.generate_ids(prompt_ids, params, request_id=f"gen-{uuid.uuid4().hex[:8]}")
     if args.json:
         print(json.dumps(result.as_json(), ensure_ascii=False))
     else:
-        print((getattr(args, "raw_prompt", None) or "") + result.text)   # the demo's code prompt reads with its continuation
+        print(printed_text(args, llm.tokenizer, prompt_ids, result.text))
     return 0
 
 
+def printed_text(args: argparse.Namespace, tokenizer: Tokenizer, prompt_ids: list[int], output: str) -> str:
+    """Text continued (--raw, token ids, the demo) prints as prompt + continuation, so it reads
+    as one text; a chat prints the assistant's reply (its prompt is the template's markup)."""
+    if args.raw:
+        return args.prompt + output
+    if args.prompt_token_ids is not None:
+        return tokenizer.decode(prompt_ids, skip_special_tokens=True) + output
+    return output
+
+
 def check_engine_args(args: argparse.Namespace) -> None:
-    """Engine limits are validated by EngineConfig (the one place), before anything loads."""
-    from blockspec.config import EngineConfig
+    """Engine limits are validated by EngineOptions (the one place), before anything loads."""
     check_device(args.device)
     if args.block_size is not None and args.draft is None and args.model is not None:
         raise UsageError("--block-size is the DFlash block size and needs --draft; add --draft or drop --block-size")
-    EngineConfig(max_model_len=args.max_model_len or 4096, block_size=args.block_size or 1,
-                 max_queue=getattr(args, "max_queue", 64), max_num_seqs=getattr(args, "max_num_seqs", 32))
+    from_namespace(EngineOptions, args, args.command)
 
 
 def check_address(host: str, port: int) -> None:
@@ -236,20 +253,16 @@ def check_address(host: str, port: int) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     check_engine_args(args)
-    if not 0 < args.port < 65536:
-        raise UsageError("--port must be in 1..65535")
-    from blockspec.server.app import ServerSettings
-    try:
-        ServerSettings.from_args(args)              # the server's own flags, checked in one place
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    check_address(args.host, args.port)
+    from_namespace(ServerSettings, args, SERVE)      # the server's own flags, checked before loading
+    check_address(args.host, args.port)             # a taken port fails now, not after a long load
     use_demo_without_model(args)
     from blockspec.server.app import serve
-    return serve(args)
+    return serve(from_namespace(ServerSettings, args, SERVE))
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    from blockspec.llm import apply_threads
+    apply_threads(from_namespace(EngineOptions, args, BENCH).threads)
     if args.demo:
         from blockspec.demo.measure import main as measure_demo
         concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]

@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from blockspec.options import GENERATE, SERVE, option
+
 
 class ConfigError(ValueError):
     """A config.json that we cannot serve: names the field and what to do."""
@@ -175,32 +177,59 @@ def eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """How the engine runs, validated once here (block size, limits, pool sizes).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_MAX_MODEL_LEN = 4096             # the context when --max-model-len is not given (at most the model's)
 
-    block_size 1 is plain decoding (no draft forward); num_pages None sizes the KV pool for
-    max_num_seqs sequences of max_model_len tokens (plus one block of verify slack each)."""
-    max_model_len: int = 4096
-    block_size: int = 1
-    max_num_seqs: int = 32
-    max_queue: int = 64
-    page_size: int = 16
-    num_pages: int | None = None
-    max_prefill_tokens: int = 2048       # prompt tokens per prefill chunk (a long prompt never stalls decoding)
-    cuda_graphs: bool = True
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Every engine option, declared once: the flags of serve / generate / bench (blockspec/options.py
+    makes them), the LLM(...) keyword arguments and the engine's half of the server's settings.
+    Add an option here, as one field; read it in the engine from EngineConfig (which has them all).
+    None means "chosen at load time" (noted in the help)."""
+    model: str | None = option(None, "checkpoint directory or Hugging Face hub id (none: the shipped demo "
+                               "target with its draft, on CPU)", (SERVE, GENERATE))
+    draft: str | None = option(None, "DFlash draft checkpoint (directory or hub id); none: plain decoding",
+                               (SERVE, GENERATE))
+    block_size: int | None = option(None, "DFlash block size, at most the draft's own (none: the draft's)",
+                                    (SERVE, GENERATE))
+    dtype: str = option("auto", "weights' dtype (auto: bfloat16 on CUDA, float32 on CPU)", (SERVE, GENERATE),
+                        choices=DTYPES)
+    device: str = option("auto", "auto | cpu | cuda[:N]")
+    max_model_len: int | None = option(None, f"context limit, prompt + output tokens (none: {DEFAULT_MAX_MODEL_LEN} "
+                                       "or the model's positions if fewer)", (SERVE, GENERATE))
+    max_num_seqs: int = option(32, "sequences decoded together in one batch", (SERVE,))
+    max_queue: int = option(64, "requests waiting beyond the running batch (more: 503)", (SERVE,))
+    threads: int | None = option(None, "CPU threads for torch (none: torch's default)")
+    page_size: int = option(16, "tokens per KV-cache page", ())
+    num_pages: int | None = option(None, "KV-cache pages (none: max_num_seqs full-length sequences)", ())
+    max_prefill_tokens: int = option(2048, "prompt tokens per prefill chunk (a long prompt never stalls "
+                                     "decoding)", ())
+    cuda_graphs: bool = option(True, "capture CUDA graphs for decoding", ())
 
     def __post_init__(self) -> None:
-        checks = [(self.max_model_len >= 2, "--max-model-len must be at least 2"),
-                  (self.block_size >= 1, "--block-size must be at least 1"),
+        checks = [(self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),
+                  (self.block_size is None or self.block_size >= 1, "--block-size must be at least 1"),
                   (self.max_num_seqs >= 1, "--max-num-seqs must be at least 1"),
                   (self.max_queue >= 1, "--max-queue must be at least 1"),
+                  (self.threads is None or self.threads >= 1, "--threads must be at least 1"),
+                  (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
                   (self.page_size >= 1, "the page size must be at least 1"),
                   (self.num_pages is None or self.num_pages >= 2, "the KV pool needs at least 2 pages"),
                   (self.max_prefill_tokens >= 1, "the prefill chunk must be at least 1 token")]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class EngineConfig(EngineOptions):
+    """The options as the engine runs them: the two chosen at load time filled in (resolve_engine_config).
+
+    block_size 1 is plain decoding (no draft forward); num_pages None sizes the KV pool for
+    max_num_seqs sequences of max_model_len tokens (plus one block of verify slack each)."""
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
+    block_size: int = 1
 
     @property
     def max_positions_per_seq(self) -> int:
@@ -216,16 +245,28 @@ class EngineConfig:
         return self.num_pages if self.num_pages is not None else self.max_num_seqs * self.pages_per_seq + 1
 
 
-def resolve_engine_config(config: EngineConfig, max_positions: int, draft_block_size: int | None,
-                          block_size_given: bool, max_model_len_given: bool) -> EngineConfig:
-    """Check the engine config against the loaded models (the one place that does):
-    block size within the draft's, the context within the model's positions."""
-    if draft_block_size is None and block_size_given and config.block_size > 1:
+def context_overflow(max_tokens: int, prompt_tokens: int, max_model_len: int) -> str | None:
+    """Why `max_tokens` output tokens do not fit after the prompt (None when they do): the one
+    wording of the server's 400 and `generate`'s error."""
+    room = max_model_len - prompt_tokens
+    if room < 1 or max_tokens <= room:      # room < 1: the prompt alone is too long (said elsewhere)
+        return None
+    return (f"{max_tokens} output tokens plus the prompt's {prompt_tokens} exceed the context of {max_model_len} "
+            f"tokens; ask for at most {room}")
+
+
+def resolve_engine_config(options: EngineOptions, max_positions: int, draft_block_size: int | None) -> EngineConfig:
+    """The engine config for the loaded models (the one place that checks options against them):
+    block size within the draft's (default: the draft's), the context within the model's positions."""
+    if draft_block_size is None and options.block_size is not None and options.block_size > 1:
         raise ConfigError("--block-size needs a draft (--draft); plain decoding has no blocks")
-    if draft_block_size is not None and config.block_size > draft_block_size:
-        raise ConfigError(f"--block-size {config.block_size} exceeds the draft's block size {draft_block_size}")
-    if config.max_model_len > max_positions:
-        if max_model_len_given:
-            raise ConfigError(f"--max-model-len {config.max_model_len} exceeds the model's {max_positions} positions")
-        config = dataclasses.replace(config, max_model_len=max_positions)
-    return config
+    block_size = options.block_size if options.block_size is not None else (draft_block_size or 1)
+    if draft_block_size is not None and block_size > draft_block_size:
+        raise ConfigError(f"--block-size {block_size} exceeds the draft's block size {draft_block_size}")
+    max_model_len = options.max_model_len
+    if max_model_len is not None and max_model_len > max_positions:
+        raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's {max_positions} positions")
+    if max_model_len is None:
+        max_model_len = min(DEFAULT_MAX_MODEL_LEN, max_positions)
+    values = {f.name: getattr(options, f.name) for f in dataclasses.fields(EngineOptions)}
+    return EngineConfig(**{**values, "block_size": block_size, "max_model_len": max_model_len})

@@ -5,16 +5,22 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
-from blockspec.config import EngineConfig, resolve_engine_config
+from blockspec.config import ConfigError, EngineOptions, resolve_engine_config
 from blockspec.engine.engine import Engine, QueueFullError
 from blockspec.engine.request import GenerationStats, Request, TokenEvent
 from blockspec.loader import load_draft, load_model
+from blockspec.options import project
 from blockspec.sampling import SamplingParams
 from blockspec.tokenizer import Tokenizer
 
-DEFAULT_MAX_MODEL_LEN = 4096
+
+def apply_threads(threads: int | None) -> None:
+    """--threads: torch's intra-op threads for this process (None leaves torch's choice)."""
+    if threads is not None:
+        import torch
+        torch.set_num_threads(threads)
 
 
 @dataclass
@@ -34,25 +40,23 @@ class GenerationResult:
 class LLM:
     """Owns one engine (target + optional draft, their pools) and runs it on the calling thread."""
 
-    def __init__(self, model: str, draft: str | None = None, block_size: int | None = None,
-                 dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
-                 show_progress: bool = True, cuda_graphs: bool = True, max_num_seqs: int = 32,
-                 max_queue: int = 64, num_pages: int | None = None, page_size: int = 16,
-                 max_prefill_tokens: int = 2048) -> None:
-        loaded = load_model(model, device=device, dtype=dtype, show_progress=show_progress)
+    def __init__(self, model: str | EngineOptions, show_progress: bool = True, **options: Any) -> None:
+        """`model`: a checkpoint directory or hub id, with any EngineOptions field as a keyword
+        argument (draft=, block_size=, dtype=, device=, max_model_len=, max_num_seqs=, ...), or an
+        EngineOptions instance. Unknown keywords are a TypeError, bad values a ConfigError."""
+        opts = (project(model, EngineOptions, **options) if isinstance(model, EngineOptions)
+                else EngineOptions(model=model, **options))
+        if opts.model is None:
+            raise ConfigError("LLM needs a model (a checkpoint directory or hub id)")
+        apply_threads(opts.threads)
+        loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, show_progress=show_progress)
         target = loaded.model
+        self.options = opts
         self.model_path = loaded.path
         self.tokenizer = Tokenizer.from_dir(loaded.path)
-        draft_model = load_draft(draft, target, show_progress) if draft else None
-        default_block = draft_model.block_size if draft_model is not None else 1
-        config = EngineConfig(max_model_len=max_model_len or DEFAULT_MAX_MODEL_LEN,
-                              block_size=block_size if block_size is not None else default_block,
-                              max_num_seqs=max_num_seqs, max_queue=max_queue, num_pages=num_pages,
-                              page_size=page_size, max_prefill_tokens=max_prefill_tokens, cuda_graphs=cuda_graphs)
-        self.config = resolve_engine_config(config, target.config.max_position_embeddings,
-                                            draft_model.block_size if draft_model is not None else None,
-                                            block_size_given=block_size is not None,
-                                            max_model_len_given=max_model_len is not None)
+        draft_model = load_draft(opts.draft, target, show_progress) if opts.draft else None
+        self.config = resolve_engine_config(opts, target.config.max_position_embeddings,
+                                            draft_model.block_size if draft_model is not None else None)
         self.engine = Engine(target, draft_model, self.config)
         self.stop_ids = self.tokenizer.stop_token_ids | frozenset(target.config.eos_token_ids)
         self._events: dict[str, deque[TokenEvent]] = {}
@@ -72,6 +76,44 @@ class LLM:
     @property
     def max_model_len(self) -> int:
         return self.config.max_model_len
+
+    # -- what the server and its logs read (the public surface; never the modules) -----------
+
+    @property
+    def speculative(self) -> bool:
+        """DFlash decoding (a draft and a block size above 1), else plain."""
+        return self.draft is not None
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the logits: the token ids logit_bias and grammars may name."""
+        return int(self.target.lm_head.weight.shape[0])
+
+    @property
+    def dtype(self) -> str:
+        return str(self.target.lm_head.weight.dtype).removeprefix("torch.")
+
+    @property
+    def device(self) -> str:
+        return str(self.target.lm_head.weight.device)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV pool holds (page 0 is the padding rows' scratch page)."""
+        return (self.config.total_pages - 1) * self.config.page_size
+
+    @property
+    def max_concurrency(self) -> int:
+        """Sequences of the full context decoded at once: the pool's share or --max-num-seqs."""
+        return min(self.config.max_num_seqs, self.kv_cache_tokens // self.config.max_positions_per_seq)
+
+    @property
+    def cuda_graphs(self) -> str:
+        """"off", or the batch sizes graphs are captured for (on first use of each shape)."""
+        graphs = self.engine.runner.graphs
+        if graphs is None:
+            return "off"
+        return "batch sizes " + ",".join(str(size) for size in graphs.sizes) + " (captured on first use)"
 
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)

@@ -41,8 +41,25 @@ def test_generate_renders_the_chat_template(qwen3_dir):
     assert out2.returncode == 0 and len(json.loads(out2.stdout)["prompt_token_ids"]) > len(prompt)
 
 
+def test_generate_raw_continues_the_text_and_prints_it_whole(qwen3_dir):
+    """--raw: the prompt's own tokens (no chat template), printed with its continuation."""
+    from blockspec.tokenizer import Tokenizer
+    text = "def add(a, b):"
+    as_json = blockspec("generate", "--model", str(qwen3_dir), "--prompt", text, "--raw", "--max-tokens", "4", "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    result = json.loads(as_json.stdout)
+    assert result["prompt_token_ids"] == Tokenizer.from_dir(qwen3_dir).encode(text)
+    printed = blockspec("generate", "--model", str(qwen3_dir), "--prompt", text, "--raw", "--max-tokens", "4")
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == text + result["text"] + "\n"
+
+
 @pytest.mark.parametrize("args, message", [
     (["--model", "/nonexistent/dir", "--prompt", "x"], "not a directory"),
+    (["--model", "/nonexistent/dir"], "not a directory"),              # the path before the missing prompt
+    (["--model", "{qwen3}", "--prompt", "x", "--max-tokens", "100000000"],
+     "--max-tokens: 100000000 output tokens plus the prompt's"),     # the server's 400, not a silent cap
+    (["--model", "{qwen3}", "--prompt-token-ids", "1,2", "--raw"], "--raw applies to --prompt"),
     (["--model", "{qwen3}", "--draft", "/nonexistent/draft", "--prompt", "x"], "not a directory"),
     (["--model", "{qwen3}", "--prompt-token-ids", "1,a"], "comma-separated integers"),
     (["--model", "{qwen3}", "--prompt-token-ids", "99999999"], "outside the vocabulary"),
@@ -114,6 +131,27 @@ def test_serve_fails_on_a_taken_port_or_bad_host_before_loading(qwen3_dir):
             assert out.returncode == 2, out.stderr
             lines = out.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("blockspec serve: error: cannot listen on")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/dir"], "not a directory"),
+    (["--model", "{empty}"], "config.json"),
+    (["--model", "{qwen3}", "--device", "cuda:99"], "cuda"),
+    (["--model", "{qwen3}", "--port", "{taken}"], "cannot listen on"),
+])
+def test_serve_startup_failure_is_one_line_and_nothing_about_serving(qwen3_dir, tmp_path, args, message):
+    """Everything is loaded and checked before the port is bound: a failure is one line on
+    stderr, exit 2, no traceback, and nothing announced (no uvicorn line, no summary)."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        fill = {"qwen3": qwen3_dir, "empty": tmp_path, "taken": taken.getsockname()[1]}
+        out = blockspec("serve", *[a.format(**fill) for a in args])
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("blockspec serve: error: ") and message in lines[0], out.stderr
+    assert out.stdout == "" and "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("args, message", [

@@ -242,7 +242,8 @@ def check_tools(server: LiveServer) -> None:
 
 def check_parallel_tool_calls(server: LiveServer) -> None:
     """false keeps only the first of the calls the model writes (the processor the route builds)."""
-    from blockspec.server.app import Prompt, make_processor
+    from blockspec.server.chat import chat_processor
+    from blockspec.server.request_building import Prompt
     from blockspec.server.protocol import ChatCompletionRequest
     tokenizer = server.app.state.server.llm.tokenizer
     tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}} for name in "ab"]
@@ -251,7 +252,7 @@ def check_parallel_tool_calls(server: LiveServer) -> None:
     names = {}
     for parallel in (True, False):
         body = ChatCompletionRequest.model_validate({"messages": HELLO, "tools": tools, "parallel_tool_calls": parallel})
-        processor = make_processor(tokenizer, Prompt([1]), body, "chat")
+        processor = chat_processor(tokenizer, Prompt([1]), body)
         delta = processor.process(tokenizer.encode(text), "stop")
         names[parallel] = [call.name for call in delta.tool_calls if call.name]
     assert names == {True: ["a", "b"], False: ["a"]}

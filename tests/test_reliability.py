@@ -17,7 +17,8 @@ import torch
 import fixtures
 from blockspec.llm import LLM
 from blockspec.loader import load_draft, load_model
-from blockspec.server.app import MAX_MESSAGES, MAX_TOOL_BYTES, MAX_TOOLS, ServerSettings
+from blockspec.server.app import ServerSettings
+from blockspec.server.request_building import MAX_MESSAGES, MAX_TOOL_BYTES, MAX_TOOLS
 from blockspec.tokenizer import ChatTemplateError, Tokenizer
 from helpers import make_engine, make_request, run_alone, run_until_done, submit
 from servers import InProcessServer, ServerProcess, wait_until

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from api_server import LiveServer, assert_error, load_llm, wait_until
-from blockspec.server.app import MAX_TOOLS
+from blockspec.server.request_building import MAX_TOOLS
 
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 TIME = {"type": "function", "name": "get_time", "parameters": {

@@ -10,6 +10,7 @@ reference taken from the server itself (or the plain server) first.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import threading
@@ -42,7 +43,7 @@ HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 def servers(qwen3_dir, qwen3_draft_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("server-logs")
     dflash = ServerProcess(logs / "dflash.log", "--model", str(qwen3_dir), "--draft", str(qwen3_draft_dir),
-                           "--served-model-name", DFLASH_NAME)
+                           "--served-model-name", DFLASH_NAME, "--log-stats-interval", "0.2")
     plain = ServerProcess(logs / "plain.log", "--model", str(qwen3_dir), "--api-key", API_KEY,
                           "--cors", ALLOWED_ORIGIN)
     try:
@@ -137,6 +138,21 @@ def assert_error(response: httpx.Response, status: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Health, models, metrics
 # ---------------------------------------------------------------------------------------------
+
+
+def test_the_log_says_what_is_served_and_how_it_goes(dflash, qwen3_dir, qwen3_draft_dir):
+    """The startup summary names what is served; while requests run, a stats line every
+    --log-stats-interval seconds (throughput, queue, KV usage, acceptance)."""
+    stats = re.compile(r"prompt throughput [0-9.]+ tokens/s, generation throughput [0-9.]+ tokens/s, running \d+, "
+                       r"waiting \d+, KV cache usage [0-9.]+%, spec acceptance rate [0-9.]+%, mean acceptance "
+                       r"length [0-9.]+ \(\d+ verify passes\)")
+    chat(dflash, max_tokens=8)
+    assert wait_until(lambda: stats.search(dflash.log_path.read_text()) is not None, timeout=10), dflash.log()
+    summary = next(line for line in dflash.log_path.read_text().splitlines() if "serving " + DFLASH_NAME in line)
+    for part in (f"model {qwen3_dir}", f"draft {qwen3_draft_dir}", "dtype float32", "device cpu",
+                 "context ", "block size ", "speculation fixed block size", "KV pool ", "max concurrency ",
+                 "CUDA graphs off"):
+        assert part in summary, (part, summary)
 
 
 def test_health_shape_and_startup_answers(dflash, plain, qwen3_draft_dir):
@@ -591,12 +607,13 @@ class ScriptedEngine:
 class ScriptedLLM:
     """Stands in for LLM: the real tokenizer and a scripted engine."""
 
-    draft = None
+    speculative = False
     block_size = 1
     max_model_len = 512
 
     def __init__(self, tokenizer: Tokenizer, max_queue: int = 64) -> None:
         self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size
         self.stop_ids = tokenizer.stop_token_ids
         self.release = threading.Event()
         self.word = tokenizer.encode(" ok")

@@ -13,17 +13,28 @@ No response is stored: `previous_response_id` (and `background`, stored `prompt`
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import Request
+from fastapi.responses import Response
 from pydantic import Field, ValidationInfo, field_validator
 
-from blockspec.server.output import OutputDelta
-from blockspec.server.protocol import _Request
+from blockspec.server.chat import chat_processor
+from blockspec.server.errors import ApiError, GenerationFailed
+from blockspec.server.generation import Choice, close_all, make_choices, merged_deltas, submit_all, total_usage
+from blockspec.server.output import OutputAccumulator, OutputDelta
+from blockspec.server.protocol import ChatCompletionRequest, _Request
+from blockspec.server.request_building import (check_bounds, check_queue_room, read_body, render_chat,
+                                               request_grammar, validate)
+from blockspec.server.state import ServerState
+from blockspec.server.streaming import SSEResponse, collected
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
@@ -318,3 +329,89 @@ def final_status(finish_reason: str | None) -> str:
 def sse_event(sequence_number: int, event: dict[str, Any]) -> bytes:
     payload = json.dumps({**event, "sequence_number": sequence_number}, ensure_ascii=False)
     return f"event: {event['type']}\ndata: {payload}\n\n".encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# The route
+# ---------------------------------------------------------------------------------------------
+
+
+async def create_response(state: ServerState, request: Request) -> Response:
+    """POST /v1/responses: the chat path under the Responses API's request and output shapes."""
+    arrival = time.monotonic()
+    body = await read_body(state, request, ResponsesRequest)
+    try:
+        chat = validate(ChatCompletionRequest, chat_request_body(body))
+        check_bounds(chat)
+    except ValueError as exc:  # an input item the chat path has no message for
+        raise ApiError(400, f"Invalid 'input': {exc}.", "input") from None
+    except ApiError as exc:
+        raise as_responses_error(exc) from None
+    llm, engine = state.ready()
+    check_queue_room(engine)
+    response_id = new_id("resp_")
+    try:
+        prompt = await asyncio.to_thread(render_chat, llm.tokenizer, chat)
+        grammar = await asyncio.to_thread(request_grammar, llm, chat)   # tool_choice required / named
+        choices = make_choices(state, llm, engine, response_id, [prompt], chat, arrival,
+                               lambda p: chat_processor(llm.tokenizer, p, chat), grammar=grammar)
+    except ApiError as exc:
+        raise as_responses_error(exc) from None
+    submit_all(choices)
+    model, created = state.settings.model_name, int(time.time())
+    if body.stream:
+        return SSEResponse(response_events(choices, response_id, created, model, body), lambda: close_all(choices))
+    return await collected(choices, request, lambda outputs: whole_response(
+        choices, outputs, response_id, created, model, body))
+
+
+def whole_response(choices: list[Choice], outputs: list[OutputAccumulator], response_id: str, created: int,
+                   model: str, body: ResponsesRequest) -> dict[str, Any]:
+    items = OutputItems()
+    for delta in outputs[0].deltas:
+        items.add(delta)
+    usage = total_usage(choices)
+    finish = outputs[0].finish_reason
+    return response_object(response_id, created, model, body, items.items, final_status(finish),
+                           (usage.prompt_tokens, usage.completion_tokens), finish)
+
+
+def as_responses_error(exc: ApiError) -> ApiError:
+    """A chat-path refusal, naming the parameter as the Responses request called it."""
+    param = responses_param(exc.param)
+    message = exc.message.replace(f"'{exc.param}'", f"'{param}'") if exc.param else exc.message
+    return ApiError(exc.status, message, param, exc.headers)
+
+
+async def response_events(choices: list[Choice], response_id: str, created: int, model: str,
+                          body: ResponsesRequest) -> AsyncIterator[bytes]:
+    """The typed SSE events of a streamed response, numbered in order; no [DONE] (OpenAI's)."""
+    sequence = 0
+
+    def send(event: dict[str, Any]) -> bytes:
+        nonlocal sequence
+        sequence += 1
+        return sse_event(sequence - 1, event)
+
+    def snapshot(status: str, items: list, finish: str | None = None) -> dict[str, Any]:
+        usage = total_usage(choices) if status != "in_progress" else None
+        counts = (usage.prompt_tokens, usage.completion_tokens) if usage else None
+        return response_object(response_id, created, model, body, items, status, counts, finish)
+
+    yield send({"type": "response.created", "response": snapshot("in_progress", [])})
+    yield send({"type": "response.in_progress", "response": snapshot("in_progress", [])})
+    items = OutputItems()
+    try:
+        async for _, delta in merged_deltas(choices):
+            items.add(delta)
+            for event in items.take_events():
+                yield send(event)
+            if delta.finish_reason is not None:
+                # Always response.completed (its status may say incomplete), as vLLM sends it:
+                # the SDK's stream helper and agent loops wait for exactly that event.
+                status = final_status(delta.finish_reason)
+                yield send({"type": "response.completed", "response": snapshot(status, items.items, delta.finish_reason)})
+    except GenerationFailed as exc:
+        failed = snapshot("failed", items.items)
+        failed["error"] = {"code": "server_error", "message": exc.message}
+        yield send({"type": "response.failed", "response": failed})
