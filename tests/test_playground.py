@@ -164,8 +164,11 @@ def test_no_ui_and_the_api_key_rule(qwen3_dir):
 
 def test_the_cli_turns_the_page_off():
     from blockspec.cli import build_parser
-    assert ServerSettings.from_args(build_parser().parse_args(["serve"])).ui is True
-    assert ServerSettings.from_args(build_parser().parse_args(["serve", "--no-ui"])).ui is False
+    from blockspec.options import SERVE, from_namespace
+
+    def settings(*flags: str) -> ServerSettings:
+        return from_namespace(ServerSettings, build_parser().parse_args(["serve", *flags]), SERVE)
+    assert settings().ui is True and settings("--no-ui").ui is False
     assert create_app(lambda: None, ServerSettings(model="m", ui=False)) is not None
 
 
