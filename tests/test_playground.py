@@ -126,6 +126,54 @@ def test_spec_cycles_stay_exact_when_a_slow_reader_gets_them_merged(server):
     assert cycles == one_by_one             # greedy, alone on the server: the same cycles
 
 
+class LetterDetokenizer:
+    """Token id i is the letter chr(ord('a') + i): each id's text is known exactly."""
+
+    def add(self, ids: list[int]) -> str:
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    def flush(self) -> str:
+        return ""
+
+
+def test_spec_cycles_records_are_token_ranges_whatever_the_events_merge_into():
+    """The engine's callbacks as it makes them (prefill token, then one verify pass each), read
+    merged, a re-prefill after a preemption in the middle, and a stop string cutting the last
+    cycle: every record keeps its own counts and its tokens' texts."""
+    from blockspec.engine.request import GenerationStats, TokenEvent
+    from blockspec.server.generation import merge_events
+    from blockspec.server.output import OutputProcessor
+    from blockspec.server.spec_cycles import SpecCycles
+    stats, cycles = GenerationStats(), SpecCycles()
+
+    def emit(token_ids: list[int], verified: tuple[int, int] | None, finish: str | None = None) -> TokenEvent:
+        if verified is not None:                 # what record_cycle did just before the callback
+            length, drafts = verified
+            stats.acceptance_lengths.append(length)
+            stats.draft_tokens += drafts
+        event = TokenEvent("r", token_ids, finish)
+        cycles.record(event, stats)
+        return event
+
+    first = emit([0], None)                              # the prefill's token
+    one = emit([1, 2, 3], (3, 7))                        # 2 accepted + bonus
+    two = emit([4], (1, 7))
+    again = emit([5], None)                              # preempted, recomputed: a prefill token
+    three = emit([6, 7, 8, 9], (4, 5))
+    last = emit([10, 11, 12, 13], (4, 7), "length")
+    processor = OutputProcessor(LetterDetokenizer(), stop=["jk"])     # j is held, then k completes the stop
+    entries = []
+    for event in (first, merge_events(merge_events(one, two), again), merge_events(three, last)):
+        delta = cycles.process(processor, event)
+        taken = cycles.take() or []
+        assert delta.content == "".join(text for entry in taken for text in entry["text"])
+        entries += taken
+    assert [(e["cycle"], e["tokens"], e["accepted"], e["drafts"], e["bonus"]) for e in entries] == [
+        (0, 1, 0, 0, None), (1, 3, 2, 7, 2), (2, 1, 0, 7, 0), (0, 1, 0, 0, None), (3, 4, 3, 5, 3), (4, 4, 3, 7, 3)]
+    assert [e["text"] for e in entries] == [["a"], ["b", "c", "d"], ["e"], ["f"], ["g", "h", "i", ""], ["", "", "", ""]]
+    assert processor.finish_reason == "stop" and processor.completion_tokens == 11
+
+
 # ---------------------------------------------------------------------------------------------
 # The page's routes
 # ---------------------------------------------------------------------------------------------
