@@ -21,7 +21,6 @@ those tokens complete.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,7 +131,3 @@ def add(total: OutputDelta, piece: OutputDelta) -> None:
 def wants_spec_cycles(body: Any) -> bool:
     options = getattr(body, "stream_options", None)
     return bool(body.stream and options is not None and options.include_spec_cycles)
-
-
-def texts_of(entries: Sequence[dict[str, Any]]) -> str:
-    return "".join(text for entry in entries for text in entry["text"])

@@ -12,6 +12,7 @@ const state = {
   controller: null,       // the AbortController of the answer streaming now
   blockSize: null,        // from /health: drafts per cycle = blockSize - 1
   speculative: false,
+  loaded: false,          // /health answered ok
   lastMetrics: null,      // {time, generated} of the previous /metrics poll
 };
 
@@ -30,6 +31,10 @@ function cycleColour(accepted) {
 function buildLegend() {
   const legend = $("legend");
   legend.textContent = "";
+  if (state.loaded && !state.speculative) {
+    legend.append("plain decoding: one token per step, so no drafts to show (start the server with --draft)");
+    return;
+  }
   legend.append("drafts accepted per cycle:");
   for (let a = 0; a <= maxAccepted(); a++) {
     const swatch = document.createElement("span");
@@ -61,6 +66,7 @@ async function loadHealth() {
     if (body.status !== "ok") return;
     state.speculative = Boolean(body.draft) || body.block_size != null;
     state.blockSize = body.block_size;
+    state.loaded = true;
     // a draft path shows as its last two parts (demo/draft; a hub id stays whole)
     const draft = body.draft ? `DFlash draft ${body.draft.split(/[\\/]/).filter(Boolean).slice(-2).join("/")}` : "DFlash draft";
     $("model-info").title = body.draft ? `${body.model} + ${body.draft}` : body.model;
@@ -166,7 +172,8 @@ class Answer {
       : `cycle ${entry.cycle}: ${entry.accepted} of ${entry.drafts} drafts accepted, then the bonus token`;
     entry.text.forEach((text, i) => {
       const token = document.createElement("span");
-      token.className = i === entry.bonus ? "tok bonus" : "tok";
+      // plain decoding has no drafts, so no bonus token to tell apart
+      token.className = i === entry.bonus && state.speculative ? "tok bonus" : "tok";
       token.textContent = text;
       group.append(token);
     });
@@ -205,6 +212,7 @@ function showStats(answer) {
   $("stat-tau").textContent = verify.length ? (verify.reduce((n, c) => n + c.tokens, 0) / verify.length).toFixed(2) : "–";
   $("stat-rate-accepted").textContent = drafts ? `${(100 * accepted / drafts).toFixed(0)}%` : "–";
   $("stat-tokens").textContent = String(tokens);
+  $("histogram-box").hidden = !state.speculative;
   drawHistogram(verify);
 }
 
