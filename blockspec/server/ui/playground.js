@@ -57,7 +57,7 @@ function buildLegend() {
 
 async function loadHealth() {
   try {
-    const response = await fetch("/health");
+    const response = await fetch("health");
     const body = await response.json();
     const status = $("server-status");
     status.dataset.status = body.status || "error";
@@ -96,7 +96,7 @@ function parseMetrics(text) {
 async function pollMetrics() {
   const dot = $("live-dot");
   try {
-    const response = await fetch("/metrics");
+    const response = await fetch("metrics");
     if (!response.ok) throw new Error(String(response.status));
     const m = parseMetrics(await response.text());
     const now = performance.now();
@@ -315,7 +315,7 @@ async function send(text) {
   setStreaming(true);
   let how = "done";
   try {
-    const response = await fetch("/v1/chat/completions", {
+    const response = await fetch("v1/chat/completions", {
       method: "POST", headers: headers(), body: JSON.stringify(requestBody(messages)), signal: state.controller.signal,
     });
     if (response.status === 401) {
