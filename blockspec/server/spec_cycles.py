@@ -21,7 +21,7 @@ those tokens complete.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from blockspec.engine.request import GenerationStats, TokenEvent
@@ -41,21 +41,17 @@ class CycleRecord:
         return self.start + self.tokens
 
 
-@dataclass
 class SpecCycles:
     """One choice's cycle records (engine thread) and the texts its tokens released (loop)."""
 
-    _records: list[CycleRecord] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    # engine thread only: what the last event's stats had already counted
-    _num_recorded_tokens: int = 0
-    _num_cycles: int = 0
-    _num_drafts: int = 0
-    # event loop only: tokens processed, their texts (from _texts_start on), records handed out
-    _num_processed: int = 0
-    _texts: list[str] = field(default_factory=list)
-    _texts_start: int = 0
-    _num_sent: int = 0
+    def __init__(self) -> None:
+        self._records: list[CycleRecord] = []
+        self._lock = threading.Lock()
+        # engine thread only: what the stats of the events recorded so far had counted
+        self._num_recorded_tokens = self._num_cycles = self._num_drafts = 0
+        # event loop only: tokens processed, their texts (from _texts_start on), records handed out
+        self._num_processed = self._texts_start = self._num_sent = 0
+        self._texts: list[str] = []
 
     def record(self, event: TokenEvent, stats: GenerationStats) -> None:
         """Engine thread, before the event is published: the cycles of event's tokens."""
