@@ -83,9 +83,8 @@ def test_spec_cycles_agree_with_the_servers_statistics(server):
     assert any(c["accepted"] > 0 for c in cycles)          # the demo draft is trained: some accepted
     plain = server.stream("/v1/chat/completions", {**chat_body(48), "stream_options": {"include_usage": True}})
     assert all("spec_cycles" not in event for event in plain[:-1])                     # opt-in only
-    assert [c["choices"] for c in plain[1:-1]] != [] and \
-        "".join(c["choices"][0]["delta"].get("content") or "" for c in plain[:-1] if c["choices"]) == \
-        "".join(t for c in cycles for t in c["text"])                                 # same output
+    plain_text = "".join(c["choices"][0]["delta"].get("content") or "" for c in plain[:-1] if c["choices"])
+    assert plain_text and plain_text == "".join(t for c in cycles for t in c["text"])  # the same output
 
 
 def test_spec_cycles_on_completions_and_on_a_plain_server(server, demo_llm):
