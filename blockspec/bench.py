@@ -34,6 +34,7 @@ from blockspec.layers.moe import SparseMoE, grouped_experts, select_experts_kern
 from blockspec.models.dflash2 import DFlash2DraftModel
 from blockspec.models.registry import ARCHITECTURES
 from blockspec.sampling import SamplingParams
+from blockspec.progress import track
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=256,
@@ -432,7 +433,7 @@ def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[
         else:
             for width in sorted({1, *block_sizes}):
                 r[f"breakdown_w{width}"] = kernel_breakdown(target, device, width, prompt_len)
-    for c in concurrency:
+    for c in track(concurrency, f"bench {shape_name}", len(concurrency), "concurrency"):
         plain = throughput(target, None, 1, c, prompt_len, max_tokens, None)
         spec = throughput(target, draft, block_size, c, prompt_len, max_tokens, accept_len)
         r[f"c{c}"] = {"plain_tok_s": plain["tok_s"], "plain_ms_per_step": plain["ms_per_cycle"],

@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-token-ids", help="comma-separated token ids, fed as is")
     serve = subcommand(sub, "serve", "run the OpenAI-compatible HTTP server")
     add_flags(serve, ServerSettings, SERVE)
-    bench = subcommand(sub, "bench", "GPU benchmark on random weights of real shapes")
+    bench = subcommand(sub, "bench", "measure decoding speed: plain vs DFlash",
+                       "Measure decoding speed, plain vs DFlash, in one process. By default on random weights of a "
+                       "real model shape (--shape; a GPU is the point, CPU works with --layers); with --demo on the "
+                       "shipped demo pair and held-out code (CPU).")
     add_flags(bench, EngineOptions, BENCH)
     bench.add_argument("--shape", default="qwen3-8b", help="the model shape measured (random weights)")
     bench.add_argument("--out", default=None, help="write the results as JSON here")

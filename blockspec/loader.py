@@ -64,18 +64,11 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def iter_tensors(files: list[Path], show_progress: bool) -> Iterator[tuple[str, Path, torch.Tensor]]:
-    bar = None
-    if show_progress and len(files) > 1:
-        from tqdm import tqdm
-        bar = tqdm(total=len(files), desc="loading shards", unit="shard")
-    for f in files:
+    from blockspec.progress import track       # a bar on a terminal only
+    for f in track(files, "loading shards", len(files), "shard", enabled=show_progress and len(files) > 1):
         with safe_open(str(f), framework="pt") as handle:
             for name in handle.keys():
                 yield name, f, handle.get_tensor(name)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

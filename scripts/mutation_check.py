@@ -143,6 +143,19 @@ MUTANTS = [
            "        for generation in list(self.generations):\n            generation.interrupt()\n",
            "        for generation in []:\n            generation.interrupt()\n",
            ("tests/test_reliability.py::test_sigterm_drains_then_ends_every_open_request_with_done",)),
+    # issue 25's audit: the two invariants no test held
+    Mutant("logit-bias-after-penalties", "blockspec/engine/logits.py",
+           "        if self.bias is not None:\n            scores += self.bias\n        if self.params.min_tokens:\n"
+           "            self._mask_stops(scores, offset, completed)\n        if self.has_counts:\n"
+           "            self._penalise(scores, prefix, offset)\n",
+           "        if self.params.min_tokens:\n            self._mask_stops(scores, offset, completed)\n"
+           "        if self.has_counts:\n            self._penalise(scores, prefix, offset)\n"
+           "        if self.bias is not None:\n            scores += self.bias\n",
+           ("tests/test_logits.py::test_logit_bias_comes_before_the_penalties",)),
+    Mutant("accepted-counts-drafts", "blockspec/engine/engine.py",
+           "            self.counters.spec_accepted_tokens += request.stats.accepted_tokens\n",
+           "            self.counters.spec_accepted_tokens += request.stats.accepted_tokens + request.stats.draft_tokens\n",
+           ("tests/test_server.py::test_spec_accepted_tokens_counts_accepted_drafts_only",)),
     Mutant("merge-drops-tokens", "blockspec/server/generation.py",
            "return TokenEvent(then.request_id, first.token_ids + then.token_ids,",
            "return TokenEvent(then.request_id, then.token_ids,",

@@ -347,11 +347,43 @@ def test_responses_multi_turn_items_render_as_chat(plain):
     assert text == (expected["choices"][0]["message"]["content"] or "")
 
 
+def test_reasoning_effort_switches_thinking_in_the_rendered_prompt(plain):
+    """reasoning_effort (chat) and reasoning.effort (responses) on a Qwen3-style template:
+    none / minimal render the template's thinking-off prompt (the empty <think></think>), low and
+    above the thinking-on one; an explicit chat_template_kwargs enable_thinking wins."""
+    from blockspec.server.protocol import ChatCompletionRequest
+    from blockspec.server.request_building import render_chat
+    tokenizer = plain.app.state.server.llm.tokenizer
+
+    def rendered(**fields) -> str:
+        body = ChatCompletionRequest.model_validate({"messages": HELLO, **fields})
+        return tokenizer.decode(render_chat(tokenizer, body).token_ids, skip_special_tokens=False)
+
+    thinking_off = rendered(chat_template_kwargs={"enable_thinking": False})
+    thinking_on = rendered()
+    assert thinking_off.endswith("<think>\n\n</think>\n\n") and thinking_on != thinking_off
+    for effort in ("none", "minimal"):
+        assert rendered(reasoning_effort=effort) == thinking_off
+    for effort in ("low", "medium", "high"):
+        assert rendered(reasoning_effort=effort) == thinking_on
+    assert rendered(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == thinking_on
+    tokens = {effort: plain.chat(HELLO, max_tokens=1, reasoning_effort=effort)["usage"]["prompt_tokens"]
+              for effort in ("none", "high")}
+    assert tokens["none"] == len(tokenizer.encode(thinking_off, add_special_tokens=False)) > tokens["high"]
+    for effort in ("none", "high"):
+        response = plain.post("/v1/responses", {"input": HELLO[0]["content"], "max_output_tokens": 1,
+                                                "reasoning": {"effort": effort}}).json()
+        assert response["usage"]["input_tokens"] == tokens[effort]
+        assert response["reasoning"]["effort"] == effort
+
+
 @pytest.mark.parametrize("fields,param", [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"text": {"format": {"type": "xml"}}}, "text"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"max_output_tokens": 100_000}, "max_output_tokens"),
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
     ({"input": ""}, "input"),

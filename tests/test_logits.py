@@ -282,6 +282,23 @@ def reference_penalties(logits: torch.Tensor, prompt: list[int], output: list[in
     return scores
 
 
+def test_logit_bias_comes_before_the_penalties():
+    """vLLM's order: the repetition penalty scales the *biased* logit. Biased tokens the output
+    has seen (prompt token 3, output token 6) tell the orders apart: bias then penalty gives
+    (1 + 3) / 2 = 2 and (-1 - 1) · 2 = -4; penalty then bias would give 3.5 and -3."""
+    params = SamplingParams(max_tokens=8, repetition_penalty=2.0, frequency_penalty=0.5,
+                            logit_bias=((3, 3.0), (6, -1.0)))
+    req = Request("r", [3, 5], params, frozenset(), 100)
+    req.commit([6])
+    processor = LogitsProcessor(req, 8, torch.device("cpu"))
+    logits = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0, 1.0, -1.0, 0.0]])
+    row = processor.rows(logits, [])[0]
+    assert row[3].item() == pytest.approx(2.0)
+    assert row[6].item() == pytest.approx(-4.0 - 0.5)           # then frequency · count (1)
+    assert row[5].item() == pytest.approx(0.5)                  # seen, unbiased: penalised alone
+    torch.testing.assert_close(row.double(), reference_penalties(logits[0], req.prompt_ids, req.output_ids, params))
+
+
 def test_rows_follow_the_drafts_and_leave_the_state_as_it_was():
     vocab, gen = 12, torch.Generator().manual_seed(0)
     params = SamplingParams(presence_penalty=0.8, frequency_penalty=0.4, repetition_penalty=1.5,

@@ -260,6 +260,14 @@ def check_parallel_tool_calls(server: LiveServer) -> None:
                                                                                                  "tool_calls")
 
 
+def check_reasoning_effort(server: LiveServer) -> None:
+    """none turns a Qwen3-style template's thinking off (its empty <think></think>); high keeps it
+    on (tests/test_api.py shows the rendered prompts)."""
+    thinking_off = chat(server, chat_template_kwargs={"enable_thinking": False})["usage"]["prompt_tokens"]
+    assert chat(server, reasoning_effort="none")["usage"]["prompt_tokens"] == thinking_off
+    assert chat(server, reasoning_effort="high")["usage"]["prompt_tokens"] == chat(server)["usage"]["prompt_tokens"]
+
+
 CHAT_PATH, CHAT_BODY = "/v1/chat/completions", {"messages": HELLO}
 
 CHAT: dict[str, Any] = {
@@ -283,7 +291,7 @@ CHAT: dict[str, Any] = {
     "prompt_cache_key": NoEffect("user-42-session"),
     "prompt_cache_options": NoEffect({"ttl": "24h"}),
     "prompt_cache_retention": NoEffect("24h"),
-    "reasoning_effort": Refused("low"),
+    "reasoning_effort": Honoured(check_reasoning_effort),
     "response_format": Honoured(check_response_format),
     "safety_identifier": NoEffect("hashed-user-id"),
     "seed": Honoured(check_seed(chat)),

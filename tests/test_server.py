@@ -186,6 +186,20 @@ def test_models_and_metric_names(dflash):
     assert metric(dflash, "blockspec_spec_verify_total") - verified == 1
 
 
+def test_spec_accepted_tokens_counts_accepted_drafts_only(dflash):
+    """blockspec_spec_accepted_tokens: drafts the target accepted, not drafts proposed. Each verify
+    commits its accepted drafts plus one token, and the prefill one more, so the counters must
+    satisfy generated = 1 + verify + accepted, and agree with the response's meta_info."""
+    names = ("blockspec_generation_tokens_total", "blockspec_spec_verify_total",
+             "blockspec_spec_draft_tokens_total", "blockspec_spec_accepted_tokens_total")
+    before = [metric(dflash, name) for name in names]
+    meta = chat(dflash, max_tokens=12, return_meta_info=True)["meta_info"]
+    generated, verify, drafted, accepted = (metric(dflash, name) - b for name, b in zip(names, before))
+    assert generated == 12 and verify == meta["spec_verify_ct"] > 0
+    assert accepted == generated - 1 - verify == meta["spec_accept_token_num"]
+    assert drafted == meta["spec_draft_token_num"] > accepted
+
+
 # ---------------------------------------------------------------------------------------------
 # Chat and completions
 # ---------------------------------------------------------------------------------------------

@@ -167,3 +167,26 @@ def test_langchain_with_structured_output(server, method):
     chat = ChatOpenAI(model=MODEL, base_url=server.url + "/v1", api_key="unused", max_retries=0)
     person = chat.with_structured_output(Person, method=method).invoke("Describe a person.")
     assert isinstance(person, Person)
+
+
+@pytest.fixture(scope="module")
+def plain_client(qwen3_dir):
+    llm = LLM(str(qwen3_dir), max_model_len=1024, max_num_seqs=4, show_progress=False, cuda_graphs=False)
+    with InProcessServer(lambda: llm, ServerSettings(model=str(qwen3_dir), served_model_name=MODEL)) as running:
+        assert wait_ready(running.url)
+        yield openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_responses_text_format_json_schema_is_chats_grammar(client, plain_client):
+    """/v1/responses text.format json_schema (the SDK's responses.parse(text_format=…), what
+    openai-agents' output_type sends): an object valid against the schema, DFlash == plain."""
+    texts = []
+    for each in (client, plain_client):
+        response = each.responses.parse(model=MODEL, input=ASK, text_format=Person, temperature=0,
+                                        max_output_tokens=200)
+        assert response.status == "completed"
+        assert isinstance(response.output_parsed, Person)
+        jsonschema.validate(json.loads(response.output_text), Person.model_json_schema())
+        assert response.text.format.type == "json_schema"
+        texts.append(response.output_text)
+    assert texts[0] == texts[1]

@@ -12,6 +12,8 @@ import random
 import time
 from typing import Any
 
+from blockspec.progress import track
+
 PROMPT_LEN = 64
 
 
@@ -37,7 +39,7 @@ def measure(device: str = "cpu", block_size: int = 8, num_prompts: int = 8, max_
         llm.generate_ids(prompts[0], params)
     totals = {"plain_s": 0.0, "dflash_s": 0.0, "tokens": 0}
     lengths: list[int] = []
-    for prompt in prompts:
+    for prompt in track(prompts, "bench --demo: plain vs DFlash", len(prompts), "prompt"):
         a, b = plain.generate_ids(prompt, params), dflash.generate_ids(prompt, params)
         if a.token_ids != b.token_ids:
             raise AssertionError("DFlash output differs from plain greedy decoding")
@@ -68,7 +70,7 @@ def batch_throughput(device: str, concurrency: list[int], block_size: int = 8, m
     result: dict[str, Any] = {}
     for name, llm in engines.items():
         llm.generate([prompts[0]], params)                              # warm-up
-        for c in concurrency:
+        for c in track(concurrency, f"bench --demo: {name} batches", len(concurrency), "batch"):
             started = time.perf_counter()
             outputs = llm.generate(prompts[1: c + 1], params)
             seconds = time.perf_counter() - started

@@ -221,6 +221,10 @@ class _SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# OpenAI's reasoning_effort values, lowest first.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
 class _ChatOnlyFields(_Request):
     """OpenAI chat parameters beyond sampling: refused with a 400 naming them where this server
     cannot honour them (never accepted and ignored), accepted where honouring them is the
@@ -245,12 +249,27 @@ class _ChatOnlyFields(_Request):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
 
-    @field_validator("audio", "moderation", "prediction", "web_search_options", "reasoning_effort", "verbosity")
+    @field_validator("audio", "moderation", "prediction", "web_search_options", "verbosity")
     @classmethod
     def _chat_only_not_served(cls, value: Any, info: ValidationInfo) -> Any:
         if value is not None:
             raise ValueError(f"{info.field_name} is not supported by this server")
         return value
+
+    @field_validator("reasoning_effort")
+    @classmethod
+    def _chat_only_known_effort(cls, value: str | None) -> str | None:
+        if value is not None and value not in REASONING_EFFORTS:
+            raise ValueError(f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)} (got {value!r})")
+        return value
+
+    @property
+    def thinking(self) -> bool | None:
+        """The chat template's enable_thinking that reasoning_effort implies (Qwen3-style
+        templates): none / minimal → off, low and above → on; None when it was not sent."""
+        if self.reasoning_effort is None:
+            return None
+        return self.reasoning_effort not in ("none", "minimal")
 
     @field_validator("modalities")
     @classmethod

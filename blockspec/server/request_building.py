@@ -161,6 +161,8 @@ def render_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> Prompt:
     """Chat template → prompt ids; a template that refuses the conversation is a 400."""
     kwargs = {k: v for k, v in (body.chat_template_kwargs or {}).items()
               if k not in RESERVED_TEMPLATE_KWARGS}
+    if body.thinking is not None:       # reasoning_effort; an explicit enable_thinking wins
+        kwargs = {"enable_thinking": body.thinking, "reasoning_effort": body.reasoning_effort, **kwargs}
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools_enabled else None
     messages = [template_message(message) for message in body.messages]
     try:

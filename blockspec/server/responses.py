@@ -100,11 +100,24 @@ class ResponsesRequest(_Request):
 
     @field_validator("text")
     @classmethod
-    def _plain_text(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        kind = ((value or {}).get("format") or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(f"text.format {kind!r} is not supported by this server (only 'text')")
+    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        fmt = (value or {}).get("format") or {}
+        kind = fmt.get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"text.format type must be 'text', 'json_object' or 'json_schema' (got {kind!r})")
+        if kind == "json_schema" and not isinstance(fmt.get("schema", {}), dict):
+            raise ValueError("text.format json_schema needs 'schema': a JSON schema object")
         return value
+
+    @property
+    def response_format(self) -> dict[str, Any] | None:
+        """text.format as chat's response_format: the same grammar enforces it (structured.py)."""
+        fmt = (self.text or {}).get("format") or {}
+        kind = fmt.get("type", "text")
+        if kind == "json_schema":
+            spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
+            return {"type": "json_schema", "json_schema": spec}
+        return {"type": kind} if kind == "json_object" else None
 
     @field_validator("truncation")
     @classmethod
@@ -115,9 +128,11 @@ class ResponsesRequest(_Request):
 
     @field_validator("reasoning")
     @classmethod
-    def _no_reasoning_controls(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value and any(v is not None for v in value.values()):
-            raise ValueError("reasoning controls (effort, summary) are not supported by this server")
+    def _reasoning_effort_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """reasoning.effort is chat's reasoning_effort (validated there); summaries are not made."""
+        others = {k: v for k, v in (value or {}).items() if k != "effort" and v is not None}
+        if others:
+            raise ValueError(f"reasoning {', '.join(others)} is not supported by this server (only effort)")
         return value
 
     @field_validator("top_logprobs")
@@ -190,11 +205,13 @@ def chat_request_body(body: ResponsesRequest) -> dict[str, Any]:
                                                if t.get(k) is not None}} for t in body.tools or []]
     chat = {"messages": input_messages(body), "tools": tools or None, "tool_choice": chat_tool_choice(body.tool_choice),
             "max_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
-            "seed": body.seed, "parallel_tool_calls": body.parallel_tool_calls}
+            "seed": body.seed, "parallel_tool_calls": body.parallel_tool_calls,
+            "reasoning_effort": (body.reasoning or {}).get("effort"), "response_format": body.response_format}
     return {k: v for k, v in chat.items() if v is not None}
 
 
-CHAT_TO_RESPONSES_PARAM = {"messages": "input", "max_tokens": "max_output_tokens"}
+CHAT_TO_RESPONSES_PARAM = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+                           "reasoning_effort": "reasoning.effort"}
 
 
 def responses_param(param: str | None) -> str | None:
@@ -317,7 +334,9 @@ def response_object(response_id: str, created_at: int, model: str, body: Respons
         "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
         "previous_response_id": None, "store": False, "metadata": body.metadata or {},
-        "text": {"format": {"type": "text"}}, "truncation": "disabled", "reasoning": None,
+        "text": {"format": (body.text or {}).get("format") or {"type": "text"}}, "truncation": "disabled",
+        "reasoning": {"effort": body.reasoning["effort"], "summary": None} if (body.reasoning or {}).get("effort")
+        else None,
         "background": False, "user": body.user,
     }
 

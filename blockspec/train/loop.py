@@ -355,7 +355,10 @@ def train(config: TrainConfig) -> dict[str, Any]:
 
 def run(trainer: Trainer) -> dict[str, Any]:
     from tqdm import tqdm
+
+    from blockspec.progress import on_terminal
     config, is_main = trainer.config, trainer.ranks.rank == 0
+    show_bar = config.show_progress and on_terminal()         # off a terminal: JSON progress lines instead
     trainer.out.mkdir(parents=True, exist_ok=True)
     log = trainer.out / "train_log.jsonl"
     if config.resume:
@@ -370,7 +373,7 @@ def run(trainer: Trainer) -> dict[str, Any]:
             log_line(log, {"step": 0, "acceptance_length": summary["acceptance_length"]})
     tokens_per_step = config.batch_size * config.seq_len
     bar = tqdm(total=config.steps, initial=trainer.step, desc="train-draft", unit="step",
-               disable=not (config.show_progress and is_main), dynamic_ncols=True)
+               disable=not (show_bar and is_main), dynamic_ncols=True)
     while trainer.step < config.steps:
         started = time.perf_counter()
         loss = trainer.train_step(trainer.step)
@@ -387,7 +390,7 @@ def run(trainer: Trainer) -> dict[str, Any]:
             summary["acceptance_length"] = record["acceptance_length"] = trainer.evaluate()
         if is_main:
             log_line(log, record)
-            if not config.show_progress and ("acceptance_length" in record or trainer.step % max(1, config.steps // 10) == 0):
+            if not show_bar and ("acceptance_length" in record or trainer.step % max(1, config.steps // 10) == 0):
                 print(json.dumps(record), flush=True)          # logs without a progress bar still show progress
     bar.close()
     if is_main:
