@@ -413,6 +413,7 @@ function init() {
     }
   });
   $("stop").addEventListener("click", stop);
+  document.addEventListener("keydown", (event) => { if (event.key === "Escape") stop(); });
   $("clear").addEventListener("click", clear);
   buildLegend();
   loadHealth();
