@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="the frozen target: checkpoint directory or hub id")
+    p.add_argument("--target", default=None, help="the frozen target: checkpoint directory or hub id "
+                   "(none: the shipped demo target)")
     p.add_argument("--out", required=True, help="output directory: the draft, checkpoints/, train_log.jsonl")
     p.add_argument("--data", default=None, help="text file, directory of text files, or JSONL "
                    "(token_ids | messages | prompt records; prompts are answered by the target); "
@@ -133,7 +134,8 @@ def parse_messages(text: str) -> list[dict[str, Any]]:
 def check_message(index: int, message: dict[str, Any]) -> None:
     """The server's validation of one chat message (server/protocol.py), as a one-line error."""
     import pydantic
-    from blockspec.server.protocol import ChatMessage, validation_error_message
+    from blockspec.server.errors import validation_error_message
+    from blockspec.server.protocol import ChatMessage
     try:
         ChatMessage.model_validate(message)
     except pydantic.ValidationError as exc:
@@ -276,6 +278,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def run_train_draft(args: argparse.Namespace) -> int:
     from blockspec.train.loop import TrainConfig, train
+    if args.target is None:
+        from blockspec import demo
+        args.target = str(demo.require_built()[0])
     try:
         layer_ids = tuple(int(i) for i in args.target_layer_ids.split(",")) if args.target_layer_ids else None
     except ValueError:

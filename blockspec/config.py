@@ -200,7 +200,9 @@ class EngineOptions:
                                        "or the model's positions if fewer)", (SERVE, GENERATE))
     max_num_seqs: int = option(32, "sequences decoded together in one batch", (SERVE,))
     max_queue: int = option(64, "requests waiting beyond the running batch (more: 503)", (SERVE,))
-    threads: int | None = option(None, "CPU threads for torch (none: torch's default)")
+    threads: int | None = option(1, "torch's CPU threads, when running on CPU. 1 measured fastest for the demo "
+                                 "pair on a shared 2-core machine (BENCHMARKS.md); raise it for a larger model on an "
+                                 "idle machine with more cores", metavar="N")
     page_size: int = option(16, "tokens per KV-cache page", ())
     num_pages: int | None = option(None, "KV-cache pages (none: max_num_seqs full-length sequences)", ())
     max_prefill_tokens: int = option(2048, "prompt tokens per prefill chunk (a long prompt never stalls "

@@ -17,7 +17,8 @@ from blockspec.tokenizer import Tokenizer
 
 
 def apply_threads(threads: int | None) -> None:
-    """--threads: torch's intra-op threads for this process (None leaves torch's choice)."""
+    """--threads: torch's intra-op threads for this process (None leaves torch's choice). Small
+    models on a busy machine lose most of their speed to thread contention (BENCHMARKS.md)."""
     if threads is not None:
         import torch
         torch.set_num_threads(threads)
@@ -48,9 +49,10 @@ class LLM:
                 else EngineOptions(model=model, **options))
         if opts.model is None:
             raise ConfigError("LLM needs a model (a checkpoint directory or hub id)")
-        apply_threads(opts.threads)
         loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, show_progress=show_progress)
         target = loaded.model
+        if target.lm_head.weight.device.type == "cpu":
+            apply_threads(opts.threads)
         self.options = opts
         self.model_path = loaded.path
         self.tokenizer = Tokenizer.from_dir(loaded.path)

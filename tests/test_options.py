@@ -26,7 +26,10 @@ def test_every_option_is_a_flag_of_its_commands_with_its_default(command, cls):
     assert declared
     for f, opt in declared:
         action = by_dest[f.name]
-        assert action.option_strings == ["--" + f.name.replace("_", "-")] and action.default == f.default
+        flag = "--" + f.name.replace("_", "-")
+        assert action.option_strings[0] == flag and action.default == f.default
+        if isinstance(f.default, bool):               # a switch: --x / --no-x
+            assert action.option_strings == [flag, "--no-" + flag[2:]]
     text = parser.format_help()
     if command == "serve":
         assert "(default: 32)" in text and "(default: 127.0.0.1)" in text and "(default: 8000)" in text

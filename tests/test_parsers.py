@@ -16,15 +16,9 @@ from blockspec.server.parsers import (
     ToolCallParser,
     parse_tool_calls_complete,
 )
-from blockspec.server.protocol import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    error_body,
-    validation_error_message,
-)
+from blockspec.server.errors import error_body, validation_error_message
+from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest
+from blockspec.server.replies import ChatCompletion, ChatCompletionChunk, Completion
 
 TAGS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<function=", "<parameter=")
 

@@ -11,15 +11,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from blockspec.server.errors import GenerationFailed
+from blockspec.server.errors import GenerationFailed, error_body
 from blockspec.server.generation import (Choice, close_all, make_choices, meta_info, merged_deltas, submit_all,
                                          total_usage)
 from blockspec.server.logprobs import chat_logprobs
 from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
-from blockspec.server.protocol import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
-                                       ChatCompletionChunkChoice, ChatCompletionMessage, ChatCompletionRequest,
-                                       ChatChoiceLogprobs, DeltaMessage, DeltaToolCall, FunctionCall, ToolCall,
-                                       error_body)
+from blockspec.server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from blockspec.server.replies import (ChatChoiceLogprobs, ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
+                                      ChatCompletionChunkChoice, ChatCompletionMessage, DeltaMessage, DeltaToolCall)
 from blockspec.server.request_building import (Prompt, check_queue_room, read_body, render_chat,
                                                request_grammar)
 from blockspec.server.state import ServerState

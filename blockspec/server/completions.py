@@ -11,11 +11,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from blockspec.server.errors import GenerationFailed
+from blockspec.server.errors import GenerationFailed, error_body
 from blockspec.server.generation import Choice, close_all, make_choices, meta_info, merged_deltas, submit_all, total_usage
 from blockspec.server.logprobs import completion_logprobs
 from blockspec.server.output import OutputAccumulator, OutputProcessor
-from blockspec.server.protocol import Completion, CompletionChoice, CompletionRequest, error_body
+from blockspec.server.protocol import CompletionRequest
+from blockspec.server.replies import Completion, CompletionChoice
 from blockspec.server.request_building import Prompt, check_queue_room, completion_prompt, read_body
 from blockspec.server.state import ServerState
 from blockspec.server.streaming import DONE, SSEResponse, collected, ended_by, sse, with_finish_reason

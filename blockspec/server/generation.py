@@ -16,7 +16,7 @@ from blockspec.engine.request import GenerationStats, TokenEvent
 from blockspec.engine.request import Request as EngineRequest
 from blockspec.server.errors import ApiError, GenerationFailed, retry_later
 from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
-from blockspec.server.protocol import MetaInfo, UsageInfo
+from blockspec.server.replies import MetaInfo, UsageInfo
 from blockspec.server.request_building import Body, Grammar, Prompt, make_engine_request
 from blockspec.server.spec_cycles import SpecCycles, wants_spec_cycles  # playground (#26)
 from blockspec.server.state import EngineHandle, ServerState

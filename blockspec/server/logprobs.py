@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from blockspec.engine.logprobs import TokenLogprob
-from blockspec.server.protocol import ChatChoiceLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from blockspec.server.replies import ChatChoiceLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 FLOOR = -9999.0
 

@@ -17,8 +17,8 @@ from blockspec.engine.engine import Engine
 from blockspec.engine.request import Request as EngineRequest
 from blockspec.sampling import SamplingParams
 from blockspec.sampling import check_seed as check_seed_range
-from blockspec.server.errors import ApiError, retry_later
-from blockspec.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, validation_error_message
+from blockspec.server.errors import ApiError, retry_later, validation_error_message
+from blockspec.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from blockspec.server.settings import ServerSettings
 from blockspec.server.state import EngineHandle, ServerState
 from blockspec.tokenizer import Tokenizer

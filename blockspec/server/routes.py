@@ -16,8 +16,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blockspec.server.chat import create_chat_completion
 from blockspec.server.completions import create_completion
-from blockspec.server.errors import RETRY_AFTER_S, ApiError
-from blockspec.server.protocol import ModelCard, ModelList, error_body
+from blockspec.server.errors import RETRY_AFTER_S, ApiError, error_body
+from blockspec.server.replies import ModelCard, ModelList
 from blockspec.server.responses import create_response
 from blockspec.server.settings import ServerSettings
 from blockspec.server.state import ServerState, memory_info

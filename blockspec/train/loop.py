@@ -135,7 +135,7 @@ def engine_generator(target_path: str, device: torch.device):
     def generate(prompts: list[list[int]], seq_len: int) -> list[list[int]]:
         from blockspec.llm import LLM
         from blockspec.sampling import SamplingParams
-        llm = LLM(target_path, device=str(device), max_model_len=seq_len, show_progress=False)
+        llm = LLM(target_path, device=str(device), max_model_len=seq_len, show_progress=False, threads=None)
         params = [SamplingParams(max_tokens=seq_len - len(p), temperature=0.0) for p in prompts]
         return [result.token_ids for result in llm.generate(prompts, params)]
     return generate
@@ -327,7 +327,7 @@ def measure_acceptance(target: str, draft: str, examples: data.Examples, config:
                        device: torch.device, max_len: int) -> float:
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams
-    llm = LLM(target, draft=draft, block_size=config.block_size, device=str(device), show_progress=False,
+    llm = LLM(target, draft=draft, block_size=config.block_size, device=str(device), show_progress=False, threads=None,
               max_model_len=max_len)
     lengths: list[int] = []
     for i in range(min(config.eval_prompts, len(examples))):
