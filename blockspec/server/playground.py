@@ -16,7 +16,7 @@ from importlib import resources
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from blockspec.server.protocol import error_body
+from blockspec.server.errors import error_body
 
 # The only files served, by name: nothing else under the package can be asked for.
 UI_FILES = {"index.html": "text/html; charset=utf-8", "playground.css": "text/css; charset=utf-8",
