@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from blockspec.tokenizer import Tokenizer
 
 
-
 class UsageError(ValueError):
     """Bad command-line input; printed as one line."""
 
@@ -90,22 +89,24 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "(token_ids | messages | prompt records; prompts are answered by the target); "
                    "default: the Python standard library's source")
     p.add_argument("--eval-data", default=None, help="held-out data (same formats); default: the tail of --data")
-    p.add_argument("--num-layers", type=int, default=1)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-layers", type=int, default=1, metavar="N", help="the draft's decoder layers")
+    p.add_argument("--block-size", type=int, default=16, metavar="N", help="the draft's block size")
     p.add_argument("--target-layer-ids", default=None, help="comma-separated target layers (default: z-lab's rule)")
-    p.add_argument("--mask-token-id", type=int, default=None)
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--mask-token-id", type=int, default=None, metavar="ID",
+                   help="(none: the tokenizer's mask token, else the first row past the tokenizer, else pad)")
+    p.add_argument("--steps", type=int, default=1000, metavar="N", help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step, over all processes")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--lr", type=float, default=6e-4, metavar="X", help="peak learning rate")
+    p.add_argument("--seq-len", type=int, default=512, metavar="N", help="tokens per training sequence")
     p.add_argument("--num-anchors", type=int, default=None, help="anchors per sequence (default seq_len / block size)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda (under torchrun: one GPU per process)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--eval-every", type=int, default=200, help="steps between acceptance evaluations (0: at the end)")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts per evaluation (0: none)")
-    p.add_argument("--eval-tokens", type=int, default=128)
-    p.add_argument("--save-every", type=int, default=500)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-tokens", type=int, default=128, metavar="N", help="tokens decoded per held-out prompt")
+    p.add_argument("--save-every", type=int, default=500, metavar="N",
+                   help="steps between resumable checkpoints (0: none)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="data order, anchors and initial weights")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

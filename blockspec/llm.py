@@ -110,7 +110,7 @@ class LLM:
         return min(self.config.max_num_seqs, self.kv_cache_tokens // self.config.max_positions_per_seq)
 
     @property
-    def cuda_graphs(self) -> str:
+    def graphs_summary(self) -> str:
         """"off", or the batch sizes graphs are captured for (on first use of each shape)."""
         graphs = self.engine.runner.graphs
         if graphs is None:

@@ -31,27 +31,33 @@ def test_generate_json_contract(qwen3_dir, qwen3_draft_dir):
     assert len(out["stats"]["acceptance_lengths"]) == out["stats"]["cycles"]
 
 
-def test_generate_renders_the_chat_template(qwen3_dir):
-    out = blockspec("generate", "--model", str(qwen3_dir), "--prompt", "Hi", "--max-tokens", "2", "--json")
-    assert out.returncode == 0, out.stderr
-    prompt = json.loads(out.stdout)["prompt_token_ids"]
+def generate_in_process(capsys, *args: str) -> str:
+    """`blockspec generate …` through cli.main (no interpreter start): its stdout."""
+    from blockspec.cli import main
+    code = main(["generate", *args])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
+
+
+def test_generate_renders_the_chat_template(qwen3_dir, capsys):
+    out = generate_in_process(capsys, "--model", str(qwen3_dir), "--prompt", "Hi", "--max-tokens", "2", "--json")
+    prompt = json.loads(out)["prompt_token_ids"]
     assert prompt[:3] == [151644, 872, 198] and prompt[-3:] == [151644, 77091, 198]  # <|im_start|>user\n … assistant\n
     messages = json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
-    out2 = blockspec("generate", "--model", str(qwen3_dir), "--messages", messages, "--max-tokens", "2", "--json")
-    assert out2.returncode == 0 and len(json.loads(out2.stdout)["prompt_token_ids"]) > len(prompt)
+    out2 = generate_in_process(capsys, "--model", str(qwen3_dir), "--messages", messages, "--max-tokens", "2", "--json")
+    assert len(json.loads(out2)["prompt_token_ids"]) > len(prompt)
 
 
-def test_generate_raw_continues_the_text_and_prints_it_whole(qwen3_dir):
+def test_generate_raw_continues_the_text_and_prints_it_whole(qwen3_dir, capsys):
     """--raw: the prompt's own tokens (no chat template), printed with its continuation."""
     from blockspec.tokenizer import Tokenizer
     text = "def add(a, b):"
-    as_json = blockspec("generate", "--model", str(qwen3_dir), "--prompt", text, "--raw", "--max-tokens", "4", "--json")
-    assert as_json.returncode == 0, as_json.stderr
-    result = json.loads(as_json.stdout)
+    result = json.loads(generate_in_process(capsys, "--model", str(qwen3_dir), "--prompt", text, "--raw",
+                                            "--max-tokens", "4", "--json"))
     assert result["prompt_token_ids"] == Tokenizer.from_dir(qwen3_dir).encode(text)
-    printed = blockspec("generate", "--model", str(qwen3_dir), "--prompt", text, "--raw", "--max-tokens", "4")
-    assert printed.returncode == 0, printed.stderr
-    assert printed.stdout == text + result["text"] + "\n"
+    printed = generate_in_process(capsys, "--model", str(qwen3_dir), "--prompt", text, "--raw", "--max-tokens", "4")
+    assert printed == text + result["text"] + "\n"
 
 
 @pytest.mark.parametrize("args, message", [

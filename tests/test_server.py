@@ -155,6 +155,24 @@ def test_the_log_says_what_is_served_and_how_it_goes(dflash, qwen3_dir, qwen3_dr
         assert part in summary, (part, summary)
 
 
+def test_startup_summary_reads_only_the_properties_a_model_has():
+    """The summary's typed accessor: a stand-in with the bare EngineHandle surface gets a shorter
+    line, not an error; a property another build adds (speculation_policy) is used when present."""
+    from blockspec.server.logs import startup_summary
+
+    class Bare:
+        speculative, block_size, max_model_len = False, 1, 64
+
+    class Adaptive(Bare):
+        speculative, block_size, speculation_policy, kv_cache_tokens = True, 8, "adaptive 1..8", 4096
+
+    settings = ServerSettings(model="/m/tiny", draft="/m/draft")
+    assert startup_summary(Bare(), settings) == "serving tiny: model /m/tiny, context 64 tokens, speculation none " \
+                                                "(plain decoding)"
+    assert startup_summary(Adaptive(), settings) == ("serving tiny: model /m/tiny, draft /m/draft, context 64 tokens, "
+                                                     "block size 8, speculation adaptive 1..8, KV pool 4096 tokens")
+
+
 def test_health_shape_and_startup_answers(dflash, plain, qwen3_draft_dir):
     for server in (dflash, plain):
         for status, body in server.startup_answers:  # before ready: only "loading"

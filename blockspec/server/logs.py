@@ -52,7 +52,7 @@ def startup_summary(llm: EngineHandle, settings: ServerSettings) -> str:
               ("KV pool", f"{pool} tokens" if pool is not None else None),
               ("max concurrency", f"{concurrency} requests of {llm.max_model_len} tokens"
                if concurrency is not None else None),
-              ("CUDA graphs", read_property(llm, "cuda_graphs", str)), ("threads", torch_threads(llm))]
+              ("CUDA graphs", read_property(llm, "graphs_summary", str)), ("threads", torch_threads(llm))]
     return "serving " + settings.model_name + ": " + ", ".join(f"{k} {v}" for k, v in fields if v is not None)
 
 
