@@ -189,6 +189,11 @@ def check_stream_options(path: str, body: dict) -> Callable[[LiveServer], None]:
         assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 4
         plain = server.stream(path, {**body, "max_tokens": 4, "temperature": 0})
         assert all("usage" not in event for event in plain[:-1])
+        # blockspec's own stream option (the playground's cycle data) is off unless asked for
+        assert all("spec_cycles" not in event for event in plain[:-1])
+        cycles = server.stream(path, {**body, "max_tokens": 4, "temperature": 0,
+                                      "stream_options": {"include_spec_cycles": True}})
+        assert sum(entry["tokens"] for event in cycles[:-1] for entry in event.get("spec_cycles", [])) == 4
     return check
 
 

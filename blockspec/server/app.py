@@ -83,6 +83,9 @@ def create_app(llm: EngineHandle | LLMFactory | None = None, settings: ServerSet
     add_error_handlers(app)
     add_routes(app, state)
     # Further route modules (the playground's GET /) are added here, after the API's routes.
+    if settings.ui:  # playground (#26): GET /, the chat page (blockspec/server/playground.py)
+        from blockspec.server.playground import add_playground
+        add_playground(app)
     if settings.cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],

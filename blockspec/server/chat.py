@@ -78,8 +78,9 @@ async def chat_chunks(choices: list[Choice], response_id: str, model: str, body:
         async for choice, delta in merged_deltas(choices):
             message = delta_message(delta)
             logprobs = chat_logprobs(tokenizer, delta.logprobs) if delta.logprobs else None
-            if message is not None or logprobs is not None:
-                yield chunk(choice.index, message or DeltaMessage(content=""), logprobs=logprobs)
+            cycles = choice.generation.spec_cycles.take() if choice.generation.spec_cycles else None  # playground (#26)
+            if message is not None or logprobs is not None or cycles:
+                yield chunk(choice.index, message or DeltaMessage(content=""), logprobs=logprobs, spec_cycles=cycles)
             if delta.finish_reason is not None:
                 finished.add(choice.index)
                 meta = meta_info([choice]) if body.return_meta_info else None

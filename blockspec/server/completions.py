@@ -66,8 +66,9 @@ async def completion_chunks(choices: list[Choice], response_id: str, model: str,
             logprobs = None
             if delta.logprobs:
                 logprobs, offsets[choice.index] = completion_logprobs(tokenizer, delta.logprobs, offsets[choice.index])
-            if delta.content or logprobs is not None:
-                yield chunk(CompletionChoice(index=choice.index, text=delta.content, logprobs=logprobs))
+            cycles = choice.generation.spec_cycles.take() if choice.generation.spec_cycles else None  # playground (#26)
+            if delta.content or logprobs is not None or cycles:
+                yield chunk(CompletionChoice(index=choice.index, text=delta.content, logprobs=logprobs), spec_cycles=cycles)
             if delta.finish_reason is not None:
                 finished.add(choice.index)
                 meta = meta_info([choice]) if body.return_meta_info else None

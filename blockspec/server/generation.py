@@ -18,6 +18,7 @@ from blockspec.server.errors import ApiError, GenerationFailed, retry_later
 from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
 from blockspec.server.replies import MetaInfo, UsageInfo
 from blockspec.server.request_building import Body, Grammar, Prompt, make_engine_request
+from blockspec.server.spec_cycles import SpecCycles, wants_spec_cycles  # playground (#26)
 from blockspec.server.state import EngineHandle, ServerState
 
 logger = logging.getLogger("blockspec.server")
@@ -50,6 +51,7 @@ class Generation:
         self._has_first_token = False
         self._ended = False
         self._final_stats: GenerationStats | None = None
+        self.spec_cycles: SpecCycles | None = None   # playground (#26): stream_options.include_spec_cycles
 
     @property
     def stats(self) -> GenerationStats:
@@ -67,6 +69,8 @@ class Generation:
         self.state.generations.add(self)
 
     def _on_event(self, event: TokenEvent) -> None:  # engine thread (or the loop, for interrupt)
+        if self.spec_cycles is not None:  # playground (#26): before the event can be read
+            self.spec_cycles.record(event, self.request.stats)
         with self._pending_lock:
             was_empty = self._pending is None
             self._pending = event if was_empty else merge_events(self._pending, event)
@@ -115,6 +119,8 @@ class Generation:
 
     def _process(self, event: TokenEvent) -> OutputDelta:
         try:
+            if self.spec_cycles is not None:  # playground (#26)
+                return self.spec_cycles.process(self.processor, event)
             return self.processor.process(event.token_ids, event.finish_reason, event.logprobs)
         except Exception as exc:  # a parser bug must cost one request, never the connection
             logger.exception("output processing failed")
@@ -206,6 +212,7 @@ def make_choices(state: ServerState, llm: EngineHandle, engine: Engine, response
             index = p * n + i
             request = make_engine_request(llm, f"{response_id}-{index}", prompt, body, choice=i, grammar=grammar)
             generation = Generation(state, engine, request, processor_for(prompt), arrival)
+            generation.spec_cycles = SpecCycles() if wants_spec_cycles(body) else None  # playground (#26)
             choices.append(Choice(index, prompt, generation, counts_prompt=i == 0, echo=echo))
     return choices
 

@@ -115,6 +115,8 @@ class NamedToolChoice(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # blockspec's extension (the playground, #26): per-chunk verify-cycle data (ARCHITECTURE.md §5)
+    include_spec_cycles: bool = False
 
 
 def _validate_stop(value: Any) -> Any:

@@ -151,10 +151,11 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatCompletionChunkChoice]
     usage: UsageInfo | None = None
     meta_info: MetaInfo | None = None
+    spec_cycles: list[dict[str, Any]] | None = None   # stream_options.include_spec_cycles only (playground, #26)
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler: Any) -> dict[str, Any]:
-        return _drop_none(handler(self), ("usage", "meta_info"))
+        return _drop_none(handler(self), ("usage", "meta_info", "spec_cycles"))
 
     @staticmethod
     def new_id() -> str:
@@ -178,10 +179,11 @@ class Completion(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     meta_info: MetaInfo | None = None
+    spec_cycles: list[dict[str, Any]] | None = None   # stream_options.include_spec_cycles only (playground, #26)
 
     @model_serializer(mode="wrap")
     def _omit_absent(self, handler: Any) -> dict[str, Any]:
-        return _drop_none(handler(self), ("usage", "meta_info"))
+        return _drop_none(handler(self), ("usage", "meta_info", "spec_cycles"))
 
 
 class ModelCard(BaseModel):

@@ -24,6 +24,8 @@ class ServerSettings(EngineOptions):
                                      "before ending the rest with an error", (SERVE,))
     log_level: str = option("info", "level of the server's log (stderr)", (SERVE,), choices=LOG_LEVELS)
     access_log: bool = option(True, "log one line per HTTP request (uvicorn's access log)", (SERVE,))
+    ui: bool = option(True, "serve the playground, a chat page showing each verify cycle, at / "
+                      "(--no-ui: the API only)", (SERVE,))
     log_stats_interval: float = option(10.0, "seconds between stats lines: throughput, running / waiting, "
                                        "KV usage, acceptance (0: none)", (SERVE,))
 
