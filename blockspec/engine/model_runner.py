@@ -462,6 +462,10 @@ class ModelRunner:
             return fn(meta)
 
         def graphed(m: AttentionMetadata) -> torch.Tensor:
+            # Everything a graph reads is made inside it: a tensor cached in m.shared by an
+            # earlier warm-up or graph would be freed by the next forward's clear() while this
+            # graph still reads it (the draft's graph replayed freed token rows).
+            m.shared.clear()
             derive_positions(m, self.page_size)
             return fn(m)
         return self.graphs.run(kind, graphed, meta)
