@@ -346,8 +346,8 @@ def test_speculation_metrics_are_exact_histograms(dense, reference):
     assert value("blockspec_spec_accepted_tokens_per_cycle_count") == cycles
 
 
-def test_adaptive_default_measures_its_costs_and_is_lossless(dense, reference):
-    """The default mode: a cost table measured on this CPU at the first cycle, then allocation."""
+def test_adaptive_mode_measures_its_costs_and_is_lossless(dense, reference):
+    """Adaptive mode: a cost table measured on this CPU at the first cycle, then allocation."""
     engine, _ = oracle_engine(dense, reference, None, speculation="adaptive")
     use_policy(engine, Speculation("adaptive", BLOCK - 1, layout="ragged", measure=engine.runner.measure_costs))
     run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))

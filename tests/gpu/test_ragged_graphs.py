@@ -62,18 +62,18 @@ def test_graphs_captured_at_startup_equal_the_eager_ragged_step(pair, block_size
 
 
 def test_the_pool_fills_the_memory_it_is_given(pair):
-    """gpu_memory_utilization set to leave 2 GiB above what this process and others use now: the
-    pages take most of it (minus one full-budget forward's activations), never more."""
+    """gpu_memory_utilization set to leave 6 GiB above what this process and others use now: the
+    pages take what one full-budget forward's activations (~2 GiB here) leave of it, never more."""
     target, draft = pair
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    utilization = (total - free + (2 << 30)) / total
+    utilization = (total - free + (6 << 30)) / total
     config = EngineConfig(max_model_len=4096, block_size=4, max_num_seqs=100_000, cuda_graphs=False,
                           gpu_memory_utilization=utilization)
     engine = Engine(target, draft, config)
     size = engine.runner.pool_size
     assert size.source == "measured"
     pool_bytes = size.num_pages * size.page_bytes
-    assert (1 << 30) < pool_bytes < (2 << 30) + (256 << 20), pool_bytes
+    assert (1 << 30) < pool_bytes < (6 << 30) + (256 << 20), pool_bytes
     assert engine.kv_cache_tokens == (size.num_pages - 1) * config.page_size
-    assert torch.cuda.mem_get_info()[0] > free - (2 << 30) - (256 << 20)         # within the 2 GiB (+ slack)
+    assert torch.cuda.mem_get_info()[0] > free - (6 << 30) - (256 << 20)         # within the 6 GiB (+ slack)
