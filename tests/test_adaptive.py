@@ -319,7 +319,7 @@ def test_speculation_metrics_are_exact_histograms(dense, reference):
     widths: one width observation per sequence-cycle, summing to the drafts verified; accepted
     tokens summing to the request's accepted drafts."""
     from prometheus_client import CollectorRegistry, generate_latest
-    from blockspec.server.app import EngineCollector
+    from blockspec.server.state import EngineCollector
     engine, _ = oracle_engine(dense, reference, ForcedWidths(BLOCK - 1, k=3))
     run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
     registry = CollectorRegistry()

@@ -588,6 +588,7 @@ class ScriptedEngine:
         from blockspec.engine.engine import EngineCounters
         self.llm, self.max_queue, self.counters = llm, max_queue, EngineCounters()
         self.kv_cache_usage = 0.0
+        self.prefix_cache_counts = (0, 0)              # (prompt tokens looked up, served from cache)
         self.num_running = 0
         self._queue: "queue.Queue" = queue.Queue()
         self._thread = threading.Thread(target=self._loop, daemon=True)
