@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockspec.options import GENERATE, SERVE, option
+from blockspec.options import BENCH, GENERATE, SERVE, option
 
 
 class ConfigError(ValueError):
@@ -200,7 +200,7 @@ class EngineOptions:
                         choices=DTYPES)
     device: str = option("auto", "auto | cpu | cuda[:N]")
     max_model_len: int | None = option(None, "context limit, prompt + output tokens (none: the model's "
-                                       "max_position_embeddings)", (SERVE, GENERATE))
+                                       "max_position_embeddings; bench: what its requests need)", (SERVE, GENERATE, BENCH))
     max_num_seqs: int = option(32, "sequences decoded together in one batch", (SERVE,))
     max_queue: int = option(64, "requests waiting beyond the running batch (more: 503)", (SERVE,))
     threads: int | None = option(1, "torch's CPU threads, when running on CPU. 1 measured fastest for the demo "
