@@ -499,18 +499,10 @@ def main(args) -> int:
         except EngineFailed as exc:
             print(f"blockspec bench: error: {exc}", file=sys.stderr)
             return 1
-    try:
-        results = run(args.shape, device, args.vs, concurrency, args.accept_len, args.prompt_len, args.max_tokens,
-                      block_sizes, dflash2=not getattr(args, "no_dflash2", False), layers=getattr(args, "layers", None),
-                      breakdown=getattr(args, "breakdown", False))
-    except EngineFailed as exc:
-        print(f"blockspec bench: error: {exc}", file=sys.stderr)
-        return 1
-    print_table(results)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+    return report(lambda args: run(args.shape, device, args.vs, concurrency, args.accept_len, args.prompt_len,
+                                   args.max_tokens, block_sizes, dflash2=not getattr(args, "no_dflash2", False),
+                                   layers=getattr(args, "layers", None), breakdown=getattr(args, "breakdown", False)),
+                  args)
 
 
 def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[int], accept_len: float | None,

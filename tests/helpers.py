@@ -36,7 +36,9 @@ class OneSequence:
                          config.head_dim, self.dtype, self.device)
         shapes = model.recurrent_shapes
         self.states = StatePool(2, shapes, self.dtype, self.device) if shapes else None
-        self.state_slot = self.states.allocate() if self.states is not None else None
+        self.state_slot = 1 if self.states is not None else None            # slot 0: padding rows
+        if self.states is not None:
+            self.states.clear([self.state_slot])
         self.block_table = list(range(1, self.num_pages))
         self.length = 0
         self._last_start: int | None = None

@@ -9,7 +9,6 @@ last committed position and the K−1 conv inputs ending there. No replay, no re
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -32,24 +31,6 @@ class StatePool:
                     for s in shapes]
         # After a verify: per layer (states after each position [B, T, Hv, Dk, Dv], conv inputs [B, C, K−1+T]).
         self.stashed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(shapes)
-        self._free: deque[int] = deque(range(1, num_slots))     # slot 0: padding rows of a batch
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int:
-        """A zeroed slot: the state before any token."""
-        if not self._free:
-            raise MemoryError("no free recurrent-state slot")
-        slot = self._free.popleft()
-        for conv, ssm in zip(self.conv, self.ssm):
-            conv[slot].zero_()
-            ssm[slot].zero_()
-        return slot
-
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
 
     def copy(self, src: int, dst: int) -> None:
         """Slot dst := slot src (every layer's conv window and SSM state): a prefix snapshot
@@ -63,8 +44,8 @@ class StatePool:
         return sum(c[0].numel() * c.element_size() + m[0].numel() * m.element_size() for c, m in zip(self.conv, self.ssm))
 
     def clear(self, slots: list[int]) -> None:
-        """Zero these slots' state (a sequence starting from its first token). The engine's slot
-        ids come from cache/manager.py; allocate/free above serve standalone harnesses."""
+        """Zero these slots' state (a sequence starting from its first token). Slot ids are
+        handed out by cache/manager.py (slot 0: padding rows of a batch)."""
         for slot in slots:
             for conv, ssm in zip(self.conv, self.ssm):
                 conv[slot].zero_()
