@@ -14,7 +14,7 @@ import torch
 
 from blockspec import gguf, named
 from blockspec.loader import LoadError, load_draft, load_model, load_tokenizer
-from gguf_fixtures import gguf_name, write_gguf
+from gguf_fixtures import gguf_name, write_gguf, write_llama3_style_gguf
 from helpers import make_engine, make_request, run_batch
 
 # Ten chat prompts: questions, instructions, code. No multi-digit numbers: SmolLM2's tokenizer
@@ -269,3 +269,25 @@ def test_unsupported_architecture_refused_by_name(tmp_path):
         load_model(str(path))
     with pytest.raises(LoadError, match="GGUF architecture 'gemma2' is not supported"):
         load_model(str(tmp_path))                               # a directory holding one .gguf
+
+
+def test_a_gguf_whose_end_of_turn_is_not_its_end_of_sequence_stops_on_both(tmp_path):
+    """Llama 3's layout: <|end_of_text|> is the file's eos, <|eot_id|> its eot. Both are stop ids
+    of the tokenizer and of the model's config, and a scripted answer ends at either."""
+    from blockspec.llm import LLM
+    from blockspec.sampling import SamplingParams
+    ids = {"a": ord("a"), "b": ord("b"), "c": ord("c"), "x": ord("x"), "y": ord("y")}
+    eos, eot = 257, 260
+    path, special = write_llama3_style_gguf(tmp_path / "llama3-style.gguf",
+                                            [[ids["a"], ids["b"], ids["c"], eot], [ids["x"], ids["y"], eos]])
+    assert (special["<|end_of_text|>"], special["<|eot_id|>"]) == (eos, eot)
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.eos_token_id == eos and tokenizer.generation_eos_ids == (eos, eot)
+    assert {eos, eot} <= tokenizer.stop_token_ids
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=2, show_progress=False)
+    assert llm.target.config.eos_token_ids == (eos, eot)
+    turn, sequence = llm.generate([[ids["a"]], [ids["x"]]], SamplingParams(max_tokens=10))
+    assert (turn.token_ids, turn.finish_reason) == ([ids["b"], ids["c"], eot], "stop")
+    assert (sequence.token_ids, sequence.finish_reason) == ([ids["y"], eos], "stop")
+    assert tokenizer.encode_chat([{"role": "user", "content": "hi"}]) == \
+        [256, 258, *b"user", 259, *b"\n\nhi", eot, 258, *b"assistant", 259, *b"\n\n"]

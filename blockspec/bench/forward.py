@@ -126,11 +126,12 @@ def experts_kernel(layers: list[SparseMoE], kernel: Callable):
 def graph_replay_ms(engine: Engine, concurrency: int) -> dict[str, float]:
     """Milliseconds of one replay of each captured forward (propose, verify) of the batch's size,
     at the longest key bucket the run used: the forwards alone, without the engine's host work.
-    Replays rewrite the finished batch's pages and state slots, which nobody reads any more."""
+    A batch larger than one step decodes (seats, token budget) ran in the graph of the largest
+    step. Replays rewrite the finished batch's pages and state slots, which nobody reads any more."""
     graphs = engine.runner.graphs
     if graphs is None or not graphs.capture:
         return {}
-    rows = graphs.shape(concurrency, 0)[0]
+    rows = graphs.shape(min(concurrency, engine.runner.max_decode_seqs), 0)[0]
     batches = [b for b in graphs.batches.values() if b.meta.num_seqs == rows]
     if not batches:
         return {}
