@@ -22,7 +22,8 @@ HERE = Path(__file__).parent
 CHILD = """
 import json
 from gdn_cases import make_case, compare
-from blockspec.kernels.gdn import gdn_step, reference_step
+from blockspec.kernels.gdn import gdn_step
+from blockspec.models.gated_delta import reference_step
 cases = {"ragged": [1, 3, 0, 5], "decode": [1, 1], "verify16": [16], "grouped-8": [2, 8], "norm": [1, 3, 0, 5]}
 errors = {name: compare(make_case(rows, num_v_heads=8 if name == "grouped-8" else 4, seed=i, with_norm=name == "norm"),
                         gdn_step, reference_step)

@@ -248,3 +248,53 @@ def gdn_rows_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, 
     if keep_steps:
         states.stash(index, steps, conv_inputs)
     return out if fuse_norm else layer.norm(out, z)
+
+
+def reference_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
+                   a_log: torch.Tensor, dt_bias: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
+                   slots: torch.Tensor, cu_seqlens: torch.Tensor, max_rows: int, num_k_heads: int, k_dim: int,
+                   keep_steps: bool, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """kernels/gdn.py's `gdn_step` from the torch forms (F.conv1d + SiLU, `recurrent_gated_delta_rule`),
+    one sequence at a time: the kernel's reference, same arguments and results."""
+    num_rows, conv_dim = mixed.shape
+    num_v_heads, v_dim = ssm_pool.shape[1], ssm_pool.shape[3]
+    kernel = conv_weight.shape[-1]
+    key_width = num_k_heads * k_dim
+    out = torch.empty(num_rows, num_v_heads, v_dim, dtype=mixed.dtype, device=mixed.device)
+    steps = torch.zeros(slots.shape[0], max_rows, num_v_heads, k_dim, v_dim, dtype=ssm_pool.dtype, device=mixed.device)
+    stash = torch.zeros(slots.shape[0], conv_dim, kernel - 1 + max_rows, dtype=conv_pool.dtype, device=mixed.device)
+    new_conv, new_ssm = conv_pool.clone(), ssm_pool.clone()
+    for seq, (start, end) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        slot, rows = int(slots[seq]), end - start
+        inputs = torch.cat((conv_pool[slot], mixed[start:end].T), dim=-1)[None]     # [1, C, K−1+T]
+        stash[seq, :, :inputs.shape[-1]] = inputs[0]
+        new_conv[slot] = inputs[0, :, rows:]
+        if rows == 0:
+            continue
+        conv = torch.nn.functional.silu(torch.nn.functional.conv1d(
+            inputs, conv_weight.reshape(conv_dim, 1, kernel), groups=conv_dim)).transpose(1, 2)   # [1, T, C]
+        q, k, v = conv.split((key_width, key_width, num_v_heads * v_dim), dim=-1)
+        dtype = state_dtype(a.dtype)
+        g = -a_log.to(dtype).exp() * torch.nn.functional.softplus(a[start:end].to(dtype) + dt_bias.to(dtype))
+        o, final, kept = recurrent_gated_delta_rule(
+            q.reshape(1, rows, num_k_heads, k_dim), k.reshape(1, rows, num_k_heads, k_dim),
+            v.reshape(1, rows, num_v_heads, v_dim), g[None], b[start:end].sigmoid()[None],
+            ssm_pool[slot][None], keep_steps=True)
+        out[start:end] = o[0]
+        steps[seq, :rows] = kept[0].to(steps.dtype)
+        new_ssm[slot] = final[0].to(new_ssm.dtype)
+    if norm is not None:
+        out = gated_rms_norm(out, *norm)
+    if keep_steps:
+        return out, steps, stash
+    conv_pool.copy_(new_conv)
+    ssm_pool.copy_(new_ssm)
+    return out, None, None
+
+
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
+    """models.qwen3_5.GatedRMSNorm's arithmetic: weight · rmsnorm(x) · silu(z) over the last dim."""
+    dtype = x.dtype
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed.to(dtype) * torch.nn.functional.silu(z.float())).to(dtype)

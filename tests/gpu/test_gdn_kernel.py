@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockspec.kernels.gdn import gdn_step, reference_step
+from blockspec.kernels.gdn import gdn_step
+from blockspec.models.gated_delta import reference_step
 from blockspec.models import gated_delta
 
 from gdn_cases import make_case
