@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -23,10 +23,14 @@ from blockspec.server.settings import ServerSettings
 from blockspec.server.spec_metrics import speculation_histograms
 from blockspec.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from blockspec.server.generation import Generation
-
 logger = logging.getLogger("blockspec.server")
+
+
+class OpenGeneration(Protocol):
+    """What the drain needs of an open generation (server/generation.py's Generation, which
+    imports this module: the dependency points one way)."""
+
+    def interrupt(self) -> None: ...
 
 
 class EngineHandle(Protocol):
@@ -143,7 +147,7 @@ class ServerState:
         self.draining = False
         self.interrupted = False        # the drain ran out: open generations were ended, none may start
         self.in_flight = 0
-        self.generations: set[Generation] = set()
+        self.generations: set[OpenGeneration] = set()
 
     def start_loading(self) -> None:
         """Load in a daemon thread, so /health answers "loading" meanwhile."""
