@@ -147,9 +147,9 @@ MUTANTS = [
     # the drain ends what is left; merged events keep every token
     Mutant("fault-fails-the-batch", "blockspec/engine/engine.py",
            "        except torch.OutOfMemoryError:\n            raise\n        except Exception as exc:\n"
-           "            traceback.print_exc()\n            self._end(seq",
+           "            logger.exception(",
            "        except torch.OutOfMemoryError:\n            raise\n        except ZeroDivisionError as exc:\n"
-           "            traceback.print_exc()\n            self._end(seq",
+           "            logger.exception(",
            ("tests/test_reliability.py::test_a_request_whose_decoding_raises_ends_alone",)),
     Mutant("oom-not-preempted", "blockspec/engine/engine.py",
            "        if out_of_memory:\n            self._preempt_after_oom(",

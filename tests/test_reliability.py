@@ -2,8 +2,10 @@
 reader that stops never stalls the engine, templates run sandboxed, request sizes are bounded."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import signal
 import socket
 import threading
@@ -195,6 +197,21 @@ def references(models, kind: str, spec: bool) -> list[list[int]]:
     return [run_alone(engine_for(models, kind, spec), r).output_ids for r in requests(kind)]
 
 
+@contextlib.contextmanager
+def engine_log():
+    """The records of the blockspec.engine logger while the block runs (a handler of its own:
+    configure_logging may have stopped the logger propagating to pytest's)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("blockspec.engine")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
 def free_memory(engine) -> tuple[int, int | None]:
     cache = engine.cache
     return cache.num_free_pages, cache.slots.num_free if cache.slots is not None else None
@@ -208,8 +225,11 @@ def test_a_request_whose_decoding_raises_ends_alone(models, kind, spec, phase):
     initial = free_memory(engine)
     engine.fault_hook = FailOnce(phase, RuntimeError("injected fault"), "r1", nth=3 if phase == "commit" else 1)
     runs = [submit(engine, r) for r in requests(kind)]
-    run_until_done(engine, runs)
+    with engine_log() as records:
+        run_until_done(engine, runs)
     assert engine.fault_hook.fired
+    # the failure and its traceback go to the engine's logger (the server's log), not bare stderr
+    assert [str(r.exc_info[1]) for r in records if r.levelname == "ERROR"] == ["injected fault"]
     failed = runs[1]
     failed.check_events()
     assert failed.finish_reason == "error" and "injected fault" in failed.events[-1].error

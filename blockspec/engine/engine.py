@@ -12,10 +12,10 @@ preempts the batch (recomputed later, exact) and halves the seats until steps su
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,6 +30,9 @@ from blockspec.engine.model_runner import DecodeResult, ModelRunner
 from blockspec.engine.request import Request, TokenEvent
 from blockspec.engine.scheduler import Batch, Emitted, FirstToken, Scheduler
 from blockspec.engine.sequence import Sequence
+
+
+logger = logging.getLogger("blockspec.engine")
 
 
 class QueueFullError(RuntimeError):
@@ -173,7 +176,7 @@ class Engine:
         except torch.OutOfMemoryError:
             out_of_memory = True
         except Exception as exc:  # a failed batched forward costs its sequences, never the engine
-            traceback.print_exc()
+            logger.exception("a step failed: %d sequences end with an error", len(batch.prefill) + len(batch.decode))
             for seq in [s for s, _ in batch.prefill] + batch.decode:
                 self._end(seq, "error", error=f"{type(exc).__name__}: {exc}")
         for item in emitted:
@@ -236,7 +239,7 @@ class Engine:
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
-            traceback.print_exc()
+            logger.exception("request %s failed: it ends alone", seq.request_id)
             self._end(seq, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _preempt_after_oom(self, seqs: list[Sequence]) -> None:
@@ -274,7 +277,7 @@ class Engine:
             try:
                 self.step()
             except Exception:  # the step's own handler ends its sequences; never let the thread die
-                traceback.print_exc()
+                logger.exception("the engine step failed")
         self._abort_all()
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -345,4 +348,4 @@ class Engine:
         try:
             callback(event)
         except Exception:  # the consumer's failure is the consumer's; keep serving others
-            traceback.print_exc()
+            logger.exception("the event consumer of request %s raised", seq.request_id)
