@@ -55,14 +55,16 @@ class StatePool:
         return self.conv[layer][slots], self.ssm[layer][slots]
 
     def write(self, layer: int, slots: torch.Tensor, conv_inputs: torch.Tensor, state: torch.Tensor,
-              lengths: list[int] | None = None) -> None:
+              lengths: list[int] | torch.Tensor | None = None) -> None:
         """After a forward that needs no rollback: the K−1 conv inputs ending at each sequence's
-        last row (lengths: its rows, when the group was padded past them) and the final state."""
+        last row (lengths: its rows, on the host or the device, when the group was padded past
+        them) and the final state."""
         window = self.conv[layer].shape[-1]
         if lengths is None:
             self.conv[layer][slots] = conv_inputs[..., conv_inputs.shape[-1] - window:]
         else:
-            columns = torch.tensor(lengths, device=slots.device)[:, None] + torch.arange(window, device=slots.device)
+            lengths = torch.as_tensor(lengths, device=slots.device)
+            columns = lengths[:, None] + torch.arange(window, device=slots.device)
             self.conv[layer][slots] = conv_inputs.gather(2, columns[:, None, :].expand(-1, conv_inputs.shape[1], -1))
         self.ssm[layer][slots] = state.to(self.ssm[layer].dtype)
 
