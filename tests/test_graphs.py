@@ -50,46 +50,46 @@ def test_plans_by_descriptor(dense):
 
 # -- models ------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def dense(qwen3_dir, qwen3_draft_dir, tmp_path_factory):
-    target = load_model(str(qwen3_dir)).model
-    draft2_dir = fixtures.write_dflash2_draft(tmp_path_factory.mktemp("graphs-d2") / "d2", qwen3_dir)
-    return dict(target=target, dflash=load_draft(str(qwen3_draft_dir), target),
-                dflash2=load_draft(str(draft2_dir), target), vocab=151643)
-
-
-def hf_saved(tmp_path_factory, name: str, make, randomise):
-    root = tmp_path_factory.mktemp(f"graphs-{name}")
-    ref = make()
+def build_models(kind: str, root, device: str = "cpu", dense_dirs=None) -> dict:
+    """The target of a kind (dense, hybrid, moe) with a DFlash draft (and a DFlash 2 draft for the
+    dense target), fp32 on `device`; dense_dirs: the dense target's and draft's checkpoints."""
+    if kind == "dense":
+        target_dir, draft_dir = dense_dirs
+        target = load_model(str(target_dir), device=device, dtype="float32").model
+        draft2_dir = fixtures.write_dflash2_draft(root / "d2", target_dir)
+        return dict(target=target, dflash=load_draft(str(draft_dir), target),
+                    dflash2=load_draft(str(draft2_dir), target), vocab=151643)
+    if kind == "hybrid":
+        from test_hybrid import TEXT as shape, VOCAB as vocab, hf_model, randomise
+        ref = hf_model("qwen3_5")
+    else:
+        from test_moe import ATTENTION as shape, VOCAB as vocab, hf_model, randomise
+        ref = hf_model("qwen3_5_moe")
     randomise(ref)
     ref.save_pretrained(root / "target")
-    return root
+    target = load_model(str(root / "target"), device=device, dtype="float32").model
+    (root / "shape").mkdir()
+    (root / "shape" / "config.json").write_text(json.dumps({"hidden_size": shape["hidden_size"],
+                                                            "num_hidden_layers": shape["num_hidden_layers"],
+                                                            "vocab_size": vocab}))
+    draft = fixtures.write_dflash_draft(root / "draft", root / "shape", target_layer_ids=[0, 2],
+                                        mask_token_id=vocab - 1)
+    return dict(target=target, dflash=load_draft(str(draft), target), vocab=vocab)
 
 
-def small_draft(root, hidden: int, layers: int, vocab: int):
-    shape = root / "shape"
-    shape.mkdir()
-    (shape / "config.json").write_text(json.dumps({"hidden_size": hidden, "num_hidden_layers": layers,
-                                                   "vocab_size": vocab}))
-    return fixtures.write_dflash_draft(root / "draft", shape, target_layer_ids=[0, 2], mask_token_id=vocab - 1)
+@pytest.fixture(scope="module")
+def dense(qwen3_dir, qwen3_draft_dir, tmp_path_factory):
+    return build_models("dense", tmp_path_factory.mktemp("graphs-dense"), dense_dirs=(qwen3_dir, qwen3_draft_dir))
 
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    from test_hybrid import TEXT, VOCAB, hf_model, randomise
-    root = hf_saved(tmp_path_factory, "hybrid", lambda: hf_model("qwen3_5"), randomise)
-    target = load_model(str(root / "target"), device="cpu", dtype="float32").model
-    draft = small_draft(root, TEXT["hidden_size"], TEXT["num_hidden_layers"], VOCAB)
-    return dict(target=target, dflash=load_draft(str(draft), target), vocab=VOCAB)
+    return build_models("hybrid", tmp_path_factory.mktemp("graphs-hybrid"))
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
-    from test_moe import ATTENTION, VOCAB, hf_model, randomise
-    root = hf_saved(tmp_path_factory, "moe", lambda: hf_model("qwen3_5_moe"), randomise)
-    target = load_model(str(root / "target"), device="cpu", dtype="float32").model
-    draft = small_draft(root, ATTENTION["hidden_size"], ATTENTION["num_hidden_layers"], VOCAB)
-    return dict(target=target, dflash=load_draft(str(draft), target), vocab=VOCAB)
+    return build_models("moe", tmp_path_factory.mktemp("graphs-moe"))
 
 
 # -- padded == eager -----------------------------------------------------------------------------
@@ -108,55 +108,69 @@ def requests(vocab: int):
     return [make_request(f"r{i}", p, max_tokens=10 + 2 * i) for i, p in enumerate(prompts(vocab))]
 
 
-def engine_factory(models, name: str, padded: bool, references: dict[str, list[int]], modes: Counter):
+def engine_factory(models, name: str, graphs: str, references: dict[str, list[int]], modes: Counter):
     """Two requests decode, two arrive at step 3 (one of them prefilled in chunks of the 32-token
     budget): PIECEWISE-shaped steps, then FULL-shaped ones, with verify widths drawn at random
-    per sequence and cycle (the same draws for the padded and the eager engine)."""
+    per sequence and cycle (the same draws on every path). graphs: "eager" (exact shapes),
+    "padded" (the dispatcher's shapes, capture=False), "captured" (the engine's own graphs,
+    captured at startup on CUDA; the oracles read the host inside the draft's forward, which a
+    graph cannot capture, so there the drafts are the real ones)."""
     target = models["target"]
-    config = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256)
+    oracles = graphs != "captured"
+    config = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
+                  cuda_graphs=graphs == "captured")
 
     def build():
         if name == "plain":
             engine = make_engine(target, **config)
         elif name == "dflash2":
-            install_oracle(models["dflash2"], list(references.values()))
+            if oracles:
+                install_oracle(models["dflash2"], list(references.values()))
             engine = make_engine(target, models["dflash2"], block_size=BLOCK, **config)
-            use_policy(engine, ForcedWidths(BLOCK - 1, seed=11))
         else:
-            oracle = OracleDraft(models["dflash"], references)
-            engine = make_engine(target, oracle, block_size=BLOCK, **config)
-            oracle.bind(engine)
+            draft = OracleDraft(models["dflash"], references) if oracles else models["dflash"]
+            engine = make_engine(target, draft, block_size=BLOCK, **config)
+            if oracles:
+                draft.bind(engine)
+        if name != "plain":
             use_policy(engine, ForcedWidths(BLOCK - 1, seed=11))
-        graphs = engine.runner.graphs = engine.runner.make_graphs(capture=False, padded=padded)
-        real = graphs.run
+        if graphs != "captured":
+            engine.runner.graphs = engine.runner.make_graphs(capture=False, padded=graphs == "padded")
+        dispatcher = engine.runner.graphs
+        real = dispatcher.run
 
         def run(kind, plan, fn, meta, prepare):
             modes[(kind, plan.mode)] += 1
             return real(kind, plan, fn, meta, prepare)
-        graphs.run = run
+        dispatcher.run = run
         return engine
     return build
 
 
-@pytest.mark.parametrize("kind,name", CASES, ids=[f"{k}-{n}" for k, n in CASES])
-def test_padded_path_decodes_like_the_eager_step(request, kind, name):
-    models = request.getfixturevalue(kind)
+def check_against_eager(models, name: str, graphs: str) -> None:
+    """The batch with arrivals on the `graphs` path decodes as on the eager path, both through
+    every plan kind the path has."""
     vocab = models["vocab"]
-    plain = make_engine(models["target"], max_num_seqs=4, max_model_len=256)
+    plain = make_engine(models["target"], max_num_seqs=4, max_model_len=256, cuda_graphs=False)
     _, runs = run_batch(lambda: plain, requests(vocab))
     references = {run.request.request_id: run.request.prompt_ids + run.output_ids for run in runs}
     results = {}
-    for padded in (False, True):
+    for path in ("eager", graphs):
         modes = Counter()
         first, later = requests(vocab)[:2], requests(vocab)[2:]
-        _, runs = run_batch(engine_factory(models, name, padded, references, modes), first, arrivals={3: later})
-        results[padded] = [(run.output_ids, run.stats.acceptance_lengths) for run in runs]
-        if padded:
+        _, runs = run_batch(engine_factory(models, name, path, references, modes), first, arrivals={3: later})
+        results[path] = [(run.output_ids, run.stats.acceptance_lengths) for run in runs]
+        if path == "eager":
+            assert set(mode for _, mode in modes) == {EAGER}
+        else:
             assert modes[("verify", FULL)] > 3 and modes[("verify", PIECEWISE)] > 2, modes
             assert name == "plain" or modes[("propose", FULL)] > 3, modes
-        else:
-            assert set(mode for _, mode in modes) == {EAGER}
-    assert results[True] == results[False]
-    if name != "plain":                       # drafts were accepted in part and whole: the rows mattered
-        lengths = {n for _, accepted in results[True] for n in accepted}
+    assert results[graphs] == results["eager"]
+    if name != "plain" and graphs != "captured":     # drafts accepted in part and whole: the rows mattered
+        lengths = {n for _, accepted in results[graphs] for n in accepted}
         assert len(lengths) >= 3, lengths
+
+
+@pytest.mark.parametrize("kind,name", CASES, ids=[f"{k}-{n}" for k, n in CASES])
+def test_padded_path_decodes_like_the_eager_step(request, kind, name):
+    check_against_eager(request.getfixturevalue(kind), name, "padded")

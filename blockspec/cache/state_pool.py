@@ -31,6 +31,33 @@ class StatePool:
                     for s in shapes]
         # After a verify: per layer (states after each position [B, T, Hv, Dk, Dv], conv inputs [B, C, K−1+T]).
         self.stashed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(shapes)
+        # Per layer, preallocated (steps [S, T, Hv, Dk, Dv], conv inputs [S, C, K−1+T]) that every
+        # CUDA graph's verify stashes into (engine/graphs.py): a graph's own would stay allocated
+        # for as long as the graph, one per graph.
+        self.space: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def reserve_space(self, num_seqs: int, num_rows: int) -> None:
+        """Stash space for verifies of up to num_seqs sequences of num_rows rows (before any capture)."""
+        self.space = [(torch.empty(num_seqs, num_rows, *ssm.shape[1:], dtype=ssm.dtype, device=ssm.device),
+                       torch.empty(num_seqs, conv.shape[1], conv.shape[2] + num_rows, dtype=conv.dtype,
+                                   device=conv.device))
+                      for conv, ssm in zip(self.conv, self.ssm)]
+
+    def space_for(self, layer: int, num_seqs: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Views of the layer's stash space for num_seqs × num_rows, if it is reserved and that large."""
+        if not self.space:
+            return None
+        steps, conv_inputs = self.space[layer]
+        if num_seqs > steps.shape[0] or num_rows != steps.shape[1]:
+            return None
+        return steps[:num_seqs], conv_inputs[:num_seqs]
+
+    @staticmethod
+    def space_bytes(shapes: list[RecurrentShape], num_seqs: int, num_rows: int, dtype: torch.dtype) -> int:
+        """Bytes reserve_space(num_seqs, num_rows) takes."""
+        state_size = torch.promote_types(dtype, torch.float32).itemsize
+        return sum(num_seqs * (num_rows * s.num_v_heads * s.k_dim * s.v_dim * state_size
+                               + s.conv_dim * (s.conv_kernel - 1 + num_rows) * dtype.itemsize) for s in shapes)
 
     def copy(self, src: int, dst: int) -> None:
         """Slot dst := slot src (every layer's conv window and SSM state): a prefix snapshot

@@ -43,6 +43,10 @@ from blockspec.layers.attention import padding_zeroed, unpack
 
 MIN_KEYS = 256
 FULL, PIECEWISE, EAGER = "full", "piecewise", "eager"
+# A hybrid target's verify stashes the recurrent state after every row (2 MiB a row and layer at
+# Qwen3.5's shapes) into one space all its FULL graphs share: its FULL graphs stop at this many
+# tokens, with ⌈tokens / block⌉ sequence slots; larger decode steps take the PIECEWISE graphs.
+STASHING_FULL_TOKENS = 256
 
 
 def bucket(num: int, sizes: list[int]) -> int | None:
@@ -145,14 +149,15 @@ class GraphDispatcher:
 
     def __init__(self, width: int, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int,
                  page_size: int, device: torch.device, capture: bool, padded: bool = True,
-                 bucket_keys: bool = True) -> None:
+                 bucket_keys: bool = True, stashing: bool = False) -> None:
         self.width, self.page_size, self.device = width, page_size, device
         self.pages_per_seq = pages_per_seq
         self.capture, self.padded, self.bucket_keys = capture, padded, bucket_keys
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs, self.stashing = max_num_seqs, stashing
         self.max_draft_seqs = max(1, min(max_num_seqs, max_num_batched_tokens // width))
         self.draft_sizes = capture_sizes(self.max_draft_seqs)
-        self.full_tokens = token_buckets(min(max_num_seqs * width, max_num_batched_tokens))
+        max_full = min(max_num_seqs * width, max_num_batched_tokens)
+        self.full_tokens = token_buckets(min(max_full, STASHING_FULL_TOKENS) if stashing else max_full)
         self.piecewise_tokens = token_buckets(max_num_batched_tokens)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.full: dict[tuple[str, BatchDescriptor, int], FullGraph] = {}
@@ -169,15 +174,21 @@ class GraphDispatcher:
         """The target forward of a step: FULL for decode / verify rows within the token buckets,
         PIECEWISE for prefill within the token budget, else EAGER (exact shapes)."""
         if self.padded and not has_prefill:
-            tokens = bucket(num_tokens, self.full_tokens)
-            if tokens is not None:
-                seqs = min(tokens, self.max_num_seqs)
-                return Plan(FULL, BatchDescriptor(tokens, seqs, False), self.pages_per_seq, self.keys(live_keys))
+            for tokens in self.full_tokens:
+                if tokens >= num_tokens and self.seq_slots(tokens) >= num_seqs:
+                    desc = BatchDescriptor(tokens, self.seq_slots(tokens), False)
+                    return Plan(FULL, desc, self.pages_per_seq, self.keys(live_keys))
         if self.padded and has_prefill:
             tokens = bucket(num_tokens, self.piecewise_tokens)
             if tokens is not None:
                 return Plan(PIECEWISE, BatchDescriptor(tokens, num_seqs, True), cols, live_keys)
         return Plan(EAGER, BatchDescriptor(num_tokens, num_seqs, has_prefill), cols, live_keys)
+
+    def seq_slots(self, num_tokens: int) -> int:
+        """Sequence slots of a FULL graph of num_tokens: one per token (any ragged mix of widths),
+        or for a stashing target one per block (its stash space is slots × block rows)."""
+        slots = -(-num_tokens // self.width) if self.stashing else num_tokens
+        return min(slots, self.max_num_seqs)
 
     def plan_draft(self, num_seqs: int, live_keys: int, cols: int) -> Plan:
         """The draft's propose over num_seqs blocks of the full width: FULL per sequence bucket."""
@@ -326,7 +337,7 @@ class GraphDispatcher:
     def describe(self) -> str:
         """The startup log's line: which buckets each mode serves."""
         return (f"FULL {len(self.full_tokens)} token buckets ≤ {self.full_tokens[-1]} "
-                f"({min(self.full_tokens[-1], self.max_num_seqs)} sequences), drafts {len(self.draft_sizes)} "
+                f"({self.seq_slots(self.full_tokens[-1])} sequences), drafts {len(self.draft_sizes)} "
                 f"sequence buckets ≤ {self.draft_sizes[-1]}, PIECEWISE {len(self.piecewise_tokens)} token buckets "
                 f"≤ {self.piecewise_tokens[-1]}, EAGER beyond")
 

@@ -84,12 +84,18 @@ class ModelRunner:
         graphed = config.cuda_graphs and self.device.type == "cuda"
         self.graphs = self.make_graphs(capture=False, padded=False)     # the profile runs eagerly
         # The pool: measured after the weights and one full-budget forward (engine/memory.py).
+        stash_bytes = 0
+        if graphed and self.is_hybrid and self.draft is not None:
+            stash = self.make_graphs(capture=False)
+            stash_bytes = StatePool.space_bytes(shapes, stash.seq_slots(stash.full_tokens[-1]), self.width, self.dtype)
         self.pool_size = size_pool(config, target, self.draft, self.device, self.dtype,
-                                   self.profile if self.device.type == "cuda" else None)
+                                   self.profile if self.device.type == "cuda" else None, stash_bytes)
         self.target_kv, self.draft_kv = self.make_pools(self.pool_size.num_pages)
         logger.info(startup_line(config, self.pool_size))
         if graphed:
             self.graphs = self.make_graphs(capture=True)
+            if stash_bytes:
+                self.states.reserve_space(self.graphs.seq_slots(self.graphs.full_tokens[-1]), self.width)
             self.warm_up()
         # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
         # draft (verify_widths), the step narrows after it; the cost table is measured on the
@@ -196,7 +202,7 @@ class ModelRunner:
             bucket_keys = not self.attention_reads_live_length
         graphs = GraphDispatcher(self.width, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                  self.config.pages_per_seq, self.page_size, self.device, capture, padded=padded,
-                                 bucket_keys=bucket_keys)
+                                 bucket_keys=bucket_keys, stashing=self.is_hybrid and self.draft is not None)
         graphs.probe, graphs.has_draft = self.probe, self.draft is not None
         return graphs
 
