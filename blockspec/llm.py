@@ -57,7 +57,8 @@ class LLM:
         self.tokenizer = load_tokenizer(loaded.path)
         draft_model = load_draft(opts.draft, target, show_progress) if opts.draft else None
         self.config = resolve_engine_config(opts, target.config.max_position_embeddings,
-                                            draft_model.block_size if draft_model is not None else None)
+                                            draft_model.block_size if draft_model is not None else None,
+                                            target.lm_head.weight.device.type)
         self.engine = Engine(target, draft_model, self.config)
         self.stop_ids = self.tokenizer.stop_token_ids | frozenset(target.config.eos_token_ids)
         self._events: dict[str, deque[TokenEvent]] = {}
