@@ -106,10 +106,13 @@ class FullGraph:
 
 class Pieces:
     """A PIECEWISE graph: graphs[i] runs the forward up to its i-th mixer call, calls[i] is that
-    call (fn, its input tensors, its static output), the last graph runs the rest."""
+    call (fn, its input tensors, its static output), the last graph runs the rest. A call's
+    output is read by the next piece alone, so every call of every piecewise graph writes the
+    same scratch rows (one buffer per row shape): 36 layers × 40 buckets of their own would
+    hold gigabytes."""
 
-    def __init__(self, pool) -> None:
-        self.pool = pool
+    def __init__(self, pool, scratch: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.pool, self.scratch = pool, scratch
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.calls: list[tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor]] = []
         self.output: Any = None
@@ -123,7 +126,9 @@ class Pieces:
         """While capturing: the piece so far ends, fn runs eagerly (on inputs nothing has computed
         yet: its output only fixes a static tensor) and the next piece begins."""
         self.graphs[-1].capture_end()
-        out = padding_zeroed(fn(dataclasses.replace(meta, pieces=None), *inputs), meta, inputs[0].shape[0])
+        result = padding_zeroed(fn(dataclasses.replace(meta, pieces=None), *inputs), meta, inputs[0].shape[0])
+        out = self.scratch(result)
+        out.copy_(result)
         self.calls.append((fn, inputs, out))
         self.begin()
         return out
@@ -162,6 +167,7 @@ class GraphDispatcher:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.full: dict[tuple[str, BatchDescriptor, int], FullGraph] = {}
         self.piecewise: dict[int, PiecewiseGraph] = {}
+        self.scratch: dict[tuple, torch.Tensor] = {}          # a mixer call's output rows, by row shape
         self.costs: dict[str, dict[int, float]] | None = None
         # The runner's forward of one bucket on padding rows: probe(kind, size), kind "verify"
         # (size tokens, logits of every row) or "propose" (size blocks); None without a draft.
@@ -283,7 +289,7 @@ class GraphDispatcher:
         (its token rows become the graph's static inputs)."""
         static = PiecewiseGraph(meta.packed[: 3 * num_tokens])
         self.warm(lambda: fn(meta))
-        pieces = Pieces(self.pool)
+        pieces = Pieces(self.pool, self.scratch_rows)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         torch.cuda.synchronize(self.device)
@@ -294,6 +300,14 @@ class GraphDispatcher:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         static.pieces = pieces
         self.piecewise[num_tokens] = static
+
+    def scratch_rows(self, like: torch.Tensor) -> torch.Tensor:
+        """The shared rows a mixer call of a piecewise graph writes, shaped like `like`."""
+        key = (tuple(like.shape[1:]), like.dtype)
+        if key not in self.scratch:
+            self.scratch[key] = torch.empty(self.piecewise_tokens[-1], *like.shape[1:], dtype=like.dtype,
+                                            device=like.device)
+        return self.scratch[key][: like.shape[0]]
 
     def warm(self, once: Callable[[], Any]) -> None:
         """Two eager runs on a side stream (Triton compiles and autotunes, cuBLAS picks its
