@@ -111,11 +111,11 @@ class LLM:
 
     @property
     def graphs_summary(self) -> str:
-        """"off", or the batch sizes graphs are captured for (on first use of each shape)."""
+        """"off", or the buckets each graph mode serves (engine/graphs.py)."""
         graphs = self.engine.runner.graphs
-        if graphs is None:
+        if not graphs.capture:
             return "off"
-        return "batch sizes " + ",".join(str(size) for size in graphs.sizes) + " (captured on first use)"
+        return graphs.describe()
 
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)
