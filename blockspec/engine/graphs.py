@@ -106,12 +106,13 @@ class FullGraph:
 
 class Pieces:
     """A PIECEWISE graph: graphs[i] runs the forward up to its i-th mixer call, calls[i] is that
-    call (fn, its input tensors, its static output), the last graph runs the rest. A call's
-    output is read by the next piece alone, so every call of every piecewise graph writes the
-    same scratch rows (one buffer per row shape): 36 layers × 40 buckets of their own would
-    hold gigabytes."""
+    call (fn, its staged inputs, its static output), the last graph runs the rest. A call's
+    inputs are copied (inside piece i) into scratch rows it alone reads, and its output goes to
+    scratch rows the next piece alone reads, so every call of every piecewise graph shares them
+    (one buffer per role and row shape): tensors of the graphs' own pool kept for the calls
+    would be 36 layers × 40 buckets of them, gigabytes."""
 
-    def __init__(self, pool, scratch: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, pool, scratch: Callable[[tuple, torch.Tensor], torch.Tensor]) -> None:
         self.pool, self.scratch = pool, scratch
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.calls: list[tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor]] = []
@@ -125,11 +126,12 @@ class Pieces:
     def call(self, fn: Callable, meta: AttentionMetadata, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """While capturing: the piece so far ends, fn runs eagerly (on inputs nothing has computed
         yet: its output only fixes a static tensor) and the next piece begins."""
+        staged = tuple(self.scratch(("in", j), x).copy_(x) for j, x in enumerate(inputs))
         self.graphs[-1].capture_end()
-        result = padding_zeroed(fn(dataclasses.replace(meta, pieces=None), *inputs), meta, inputs[0].shape[0])
-        out = self.scratch(result)
+        result = padding_zeroed(fn(dataclasses.replace(meta, pieces=None), *staged), meta, inputs[0].shape[0])
+        out = self.scratch(("out",), result)
         out.copy_(result)
-        self.calls.append((fn, inputs, out))
+        self.calls.append((fn, staged, out))
         self.begin()
         return out
 
@@ -167,7 +169,7 @@ class GraphDispatcher:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.full: dict[tuple[str, BatchDescriptor, int], FullGraph] = {}
         self.piecewise: dict[int, PiecewiseGraph] = {}
-        self.scratch: dict[tuple, torch.Tensor] = {}          # a mixer call's output rows, by row shape
+        self.scratch: dict[tuple, torch.Tensor] = {}          # mixer calls' rows, by role and row shape
         self.costs: dict[str, dict[int, float]] | None = None
         # The runner's forward of one bucket on padding rows: probe(kind, size), kind "verify"
         # (size tokens, logits of every row) or "propose" (size blocks); None without a draft.
@@ -253,13 +255,21 @@ class GraphDispatcher:
 
     def make_full(self, meta: AttentionMetadata) -> FullGraph:
         packed = torch.zeros_like(meta.packed)
-        num_tokens = meta.input_ids.shape[0]
-        views = unpack(packed, meta.num_seqs, num_tokens, meta.block_tables.shape[1])
+        num_tokens, cols = meta.input_ids.shape[0], meta.block_tables.shape[1]
+        views = unpack(packed, meta.num_seqs, num_tokens, cols)
         if meta.state_slots is None:
             views["state_slots"] = None
         static_meta = dataclasses.replace(meta, **views, packed=packed, shared={})
-        # Padding only: every sequence without rows, every token at page 0, state slot 0.
-        return FullGraph(static_meta, torch.zeros_like(packed))
+        # Padding only, every token at page 0 and state slot 0: no rows at all (a bounded batch),
+        # or blocks of the width at positions 0 … T − 1 (the draft's uniform batch).
+        padding = torch.zeros_like(packed)
+        if meta.width:
+            pad = unpack(padding, meta.num_seqs, num_tokens, cols)
+            pad["positions"].copy_(torch.arange(meta.width, device=packed.device).repeat(meta.num_seqs))
+            pad["slot_mapping"].copy_(pad["positions"] % meta.page_size)
+            pad["query_start"].copy_(torch.arange(meta.num_seqs + 1, device=packed.device) * meta.width)
+            pad["context_lens"].fill_(meta.width)
+        return FullGraph(static_meta, padding)
 
     def record_full(self, static: FullGraph, fn: Callable) -> None:
         """Warm up and capture on padding-only inputs (touching nobody's pages or state), then put
@@ -301,9 +311,10 @@ class GraphDispatcher:
         static.pieces = pieces
         self.piecewise[num_tokens] = static
 
-    def scratch_rows(self, like: torch.Tensor) -> torch.Tensor:
-        """The shared rows a mixer call of a piecewise graph writes, shaped like `like`."""
-        key = (tuple(like.shape[1:]), like.dtype)
+    def scratch_rows(self, role: tuple, like: torch.Tensor) -> torch.Tensor:
+        """The shared rows of a piecewise graph's mixer calls for one role (an input's position,
+        the output), shaped like `like` (contiguous)."""
+        key = (role, tuple(like.shape[1:]), like.dtype)
         if key not in self.scratch:
             self.scratch[key] = torch.empty(self.piecewise_tokens[-1], *like.shape[1:], dtype=like.dtype,
                                             device=like.device)
