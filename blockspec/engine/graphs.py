@@ -276,13 +276,16 @@ class GraphDispatcher:
         the batch back."""
         batch = static.meta.packed.clone()
         static.meta.packed.copy_(static.padding)
+        states = static.meta.states
         self.warm(lambda: fn(static.meta))
+        if states is not None:                  # what this graph stashes, nothing of an earlier forward's
+            states.stashed = [None] * len(states.stashed)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             static.output = fn(static.meta)
         static.graph = graph
-        if static.meta.states is not None and any(s is not None for s in static.meta.states.stashed):
-            static.stashed = list(static.meta.states.stashed)
+        if states is not None and any(s is not None for s in states.stashed):
+            static.stashed = list(states.stashed)
         static.meta.packed.copy_(batch)
 
     def run_piecewise(self, plan: Plan, fn: Callable, meta: AttentionMetadata) -> Any:
