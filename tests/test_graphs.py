@@ -42,7 +42,8 @@ def test_plans_by_descriptor(dense):
     assert full.cols == graphs.pages_per_seq
     mixed = graphs.plan(50, 3, True, live_keys=40, cols=3)
     assert (mixed.mode, mixed.desc, mixed.cols) == (PIECEWISE, BatchDescriptor(64, 3, True), 3)
-    assert graphs.plan(40, 10, False, 40, 3).mode == EAGER              # past the FULL buckets
+    assert graphs.plan(40, 10, False, 40, 3).mode == PIECEWISE          # past the FULL buckets
+    assert graphs.plan(65, 3, True, 40, 3).mode == EAGER                # past the token budget
     draft_plan = graphs.plan_draft(3, 40, 3)
     assert (draft_plan.mode, draft_plan.desc) == (FULL, BatchDescriptor(16, 4, False))
     assert engine.runner.make_graphs(capture=False, padded=False).plan(13, 5, False, 40, 3).mode == EAGER

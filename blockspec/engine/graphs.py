@@ -179,17 +179,18 @@ class GraphDispatcher:
     # -- plans ------------------------------------------------------------------------------
 
     def plan(self, num_tokens: int, num_seqs: int, has_prefill: bool, live_keys: int, cols: int) -> Plan:
-        """The target forward of a step: FULL for decode / verify rows within the token buckets,
-        PIECEWISE for prefill within the token budget, else EAGER (exact shapes)."""
+        """The target forward of a step: FULL for decode / verify rows within its token buckets,
+        else PIECEWISE within the token budget (prefill chunks, or decode rows past the FULL
+        buckets), else EAGER (exact shapes)."""
         if self.padded and not has_prefill:
             for tokens in self.full_tokens:
                 if tokens >= num_tokens and self.seq_slots(tokens) >= num_seqs:
                     desc = BatchDescriptor(tokens, self.seq_slots(tokens), False)
                     return Plan(FULL, desc, self.pages_per_seq, self.keys(live_keys))
-        if self.padded and has_prefill:
+        if self.padded:
             tokens = bucket(num_tokens, self.piecewise_tokens)
             if tokens is not None:
-                return Plan(PIECEWISE, BatchDescriptor(tokens, num_seqs, True), cols, live_keys)
+                return Plan(PIECEWISE, BatchDescriptor(tokens, num_seqs, has_prefill), cols, live_keys)
         return Plan(EAGER, BatchDescriptor(num_tokens, num_seqs, has_prefill), cols, live_keys)
 
     def seq_slots(self, num_tokens: int) -> int:
