@@ -26,7 +26,7 @@ from torch import nn
 
 from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
-from blockspec.engine.graphs import EAGER, FULL, PIECEWISE, GraphDispatcher, Plan
+from blockspec.engine.graphs import PIECEWISE, GraphDispatcher, Plan
 from blockspec.engine.logits import LogitsProcessor
 from blockspec.engine.memory import dummy_sequence, size_pool, startup_line
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
