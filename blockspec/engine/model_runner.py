@@ -57,6 +57,15 @@ class StepResult:
 
 
 @dataclass
+class Launched:
+    """A step whose forwards are launched: what `collect` needs to finish it."""
+    batch: Batch
+    logits: torch.Tensor | None              # verify logits [B, max k + 1, V] of the decoding sequences
+    proposal: Proposal | None
+    first_logits: torch.Tensor | None        # [P, V]: the P prefill chunks that end their prompt
+
+
+@dataclass
 class Entry:
     """One sequence's rows of a forward: tokens fed from position start."""
     seq: Sequence
@@ -281,10 +290,15 @@ class ModelRunner:
 
     # -- the step ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self, batch: Batch) -> StepResult:
         """One forward of the target over the whole step (after one of the draft over the
-        decoding sequences' blocks)."""
+        decoding sequences' blocks), and its results on the host."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch) -> Launched:
+        """The step's forwards, up to the target's logits, reading none of their results back
+        (on CUDA they may still be running when this returns: the engine works meanwhile)."""
         decode, num_drafts = batch.decode, batch.num_drafts
         self._calibrated = None
         for seq in [s for s, _ in batch.prefill] + decode:
@@ -295,11 +309,20 @@ class ModelRunner:
                       and all(k == self.width - 1 for k in num_drafts))
         if use_graphs:
             logits, proposal = self.graphed_decode(decode)
-            first_tokens: list[FirstToken | None] = []
+            first_logits = None
         else:
-            logits, proposal, first_tokens = self.ragged_forward(batch)
+            logits, proposal, first_logits = self.ragged_forward(batch)
             self.take_snapshots([seq for seq, _ in batch.prefill])
-        result = self.finish_decode(decode, batch.num_drafts, logits, proposal) if decode else None
+        return Launched(batch, logits, proposal, first_logits)
+
+    @torch.inference_mode()
+    def collect(self, launched: Launched) -> StepResult:
+        """The host side of a launched step: first tokens, then accepted drafts (one read of the
+        device for the whole batch), logprobs."""
+        batch = launched.batch
+        first_tokens = self.first_tokens(batch, launched.first_logits)
+        result = (self.finish_decode(batch.decode, batch.num_drafts, launched.logits, launched.proposal)
+                  if batch.decode else None)
         return StepResult(first_tokens, result)
 
     def blocks(self, decode: list[Sequence]) -> list[Entry]:
@@ -323,10 +346,10 @@ class ModelRunner:
         logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
         return logits.view(num_seqs, width, -1), proposal
 
-    def ragged_forward(self, batch: Batch) -> tuple[torch.Tensor | None, Proposal | None, list[FirstToken | None]]:
+    def ragged_forward(self, batch: Batch) -> tuple[torch.Tensor | None, Proposal | None, torch.Tensor | None]:
         """The eager step: the draft over the decoding sequences, then one flat target forward
-        over prefill chunks and verify rows → (verify logits [B, max k + 1, V], proposal,
-        first tokens)."""
+        over prefill chunks and verify rows → (verify logits [B, max k + 1, V], proposal, the
+        logits [P, V] of the P prefill chunks that end their prompt)."""
         decode, num_drafts = batch.decode, batch.num_drafts
         proposal = self.propose_for(decode, num_drafts)
         if proposal is not None:
@@ -349,17 +372,18 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         logits = self.target.compute_logits(out.hidden[torch.tensor(rows, device=self.device)]) if rows else None
-        first_tokens = self.first_tokens(batch, logits)
+        num_first = sum(samples_first_token(seq, n) for seq, n in batch.prefill)
+        first_logits = logits[:num_first] if num_first else None
         if not decode:
-            return None, proposal, first_tokens
-        verify = logits[sum(token is not None for token in first_tokens):]
+            return None, proposal, first_logits
+        verify = logits[num_first:]
         width = max(num_drafts) + 1
         if all(k + 1 == width for k in num_drafts):
-            return verify.view(len(decode), width, -1), proposal, first_tokens
+            return verify.view(len(decode), width, -1), proposal, first_logits
         # Rows past a sequence's k_b repeat its last row (never read: acceptance stops at k_b).
         offsets = [sum(k + 1 for k in num_drafts[:b]) for b in range(len(decode))]
         index = [[offset + min(j, k) for j in range(width)] for offset, k in zip(offsets, num_drafts)]
-        return verify[torch.tensor(index, device=self.device)], proposal, first_tokens
+        return verify[torch.tensor(index, device=self.device)], proposal, first_logits
 
     def propose_for(self, decode: list[Sequence], num_drafts: list[int]) -> Proposal | None:
         """The draft forward over the sequences that verify drafts (k_b > 0); rows of the others
@@ -410,22 +434,27 @@ class ModelRunner:
         return rows
 
     def first_tokens(self, batch: Batch, logits: torch.Tensor | None) -> list[FirstToken | None]:
-        """Advance each prefill chunk's sequence; sample a first token where its prompt ended."""
-        result: list[FirstToken | None] = []
-        row = 0
-        for seq, n in batch.prefill:
+        """Advance each prefill chunk's sequence; sample a first token where its prompt ended
+        (logits [P, V]: those prompts' last rows). The tokens are chosen on the device and read
+        back together."""
+        ending: list[int] = []                          # chunks whose prompt ends here
+        chosen: list[torch.Tensor] = []
+        raw: list[torch.Tensor | None] = []
+        for i, (seq, n) in enumerate(batch.prefill):
             samples = samples_first_token(seq, n)
             seq.num_cached += n
             if not samples:
-                result.append(None)
                 continue
-            scores = logits[row: row + 1]                                                  # [1, V]
-            row += 1
-            raw = self.raw_logprobs([seq], scores.view(1, 1, -1))[0]           # before any processing
+            scores = logits[len(ending): len(ending) + 1]                                  # [1, V]
+            raw.append(self.raw_logprobs([seq], scores.view(1, 1, -1))[0])     # before any processing
             if self.processor_of(seq) is not None:
                 scores = seq.logits_processor.rows(scores, [])
-            token = int(sample(scores[0], seq.request.params, seq.generator))
-            result.append(FirstToken(token, self.scored(seq, raw, [token])))
+            chosen.append(sample(scores[0], seq.request.params, seq.generator))
+            ending.append(i)
+        result: list[FirstToken | None] = [None] * len(batch.prefill)
+        tokens = torch.stack(chosen).tolist() if chosen else []
+        for i, rows, token in zip(ending, raw, tokens):
+            result[i] = FirstToken(token, self.scored(batch.prefill[i][0], rows, [token]))
         return result
 
     def finish_decode(self, decode: list[Sequence], num_drafts: list[int], logits: torch.Tensor,
