@@ -7,6 +7,8 @@ must be equal (a batch changes nothing). Prints seconds for each and the ratio.
 
     python scripts/bench_streams.py                        # demo pair, DFlash (block 8)
     python scripts/bench_streams.py --serve-args "--speculation off"
+    python scripts/bench_streams.py --fixture              # the suite's tiny Qwen3 (152k vocabulary), random draft
+    python scripts/bench_streams.py --serve-args "--device cuda" --requests 64 --overlap off   # and --overlap on
     py-spy record --subprocesses -o streams.svg -- python scripts/bench_streams.py   # where the time goes
 """
 from __future__ import annotations
@@ -32,8 +34,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(port: int, serve_args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def start_server(port: int, serve_args: list[str], overlap: bool) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "BLOCKSPEC_OVERLAP": "1" if overlap else "0"}
     command = [sys.executable, "-m", "blockspec.cli", "serve", "--port", str(port), "--log-level", "warning",
                "--no-access-log", *serve_args]
     process = subprocess.Popen(command, env=env)
@@ -136,6 +138,8 @@ def main() -> int:
     parser.add_argument("--fixture", action="store_true",
                         help="the test suite's tiny random Qwen3 (152k vocabulary) with a random DFlash draft")
     parser.add_argument("--serve-args", default="", help="more `blockspec serve` arguments, one string")
+    parser.add_argument("--overlap", choices=("on", "off"), default="on",
+                        help="the engine's overlap on CUDA (off: BLOCKSPEC_OVERLAP=0 for the server)")
     parser.add_argument("--json", action="store_true", help="print one JSON line too")
     args = parser.parse_args()
     port = free_port()
@@ -143,7 +147,7 @@ def main() -> int:
         args.model, draft = write_fixture()
         args.serve_args += f" --draft {draft}"
     serve_args = shlex.split(args.serve_args) + (["--model", args.model] if args.model else [])
-    server = start_server(port, serve_args)
+    server = start_server(port, serve_args, args.overlap == "on")
     url = f"http://127.0.0.1:{port}"
     try:
         prompts = demo_prompts(args.requests + 1, args.model)

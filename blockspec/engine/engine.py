@@ -13,6 +13,7 @@ preempts the batch (recomputed later, exact) and halves the seats until steps su
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -89,9 +90,10 @@ class Engine:
         self.fault_hook: FaultHook | None = None         # off: one `is None` test per call site
         # Events wait here until _send_events: with overlap, a step's events go to their
         # consumers after the next step's launch, while the device runs it (invariant 12); off
-        # on CPU, where the launch is the compute and the wait would delay every token a step.
+        # on CPU, where the launch is the compute and the wait would delay every token a step
+        # (BLOCKSPEC_OVERLAP=0 turns it off on CUDA too, for side-by-side measurements).
         self._outbox: list[tuple[EventCallback, TokenEvent]] = []
-        self.overlap = self.runner.device.type == "cuda"
+        self.overlap = self.runner.device.type == "cuda" and os.environ.get("BLOCKSPEC_OVERLAP", "1") != "0"
         self._steps_since_oom = 0
 
     # -- what other threads may call --------------------------------------------------------
