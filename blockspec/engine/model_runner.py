@@ -240,6 +240,13 @@ class ModelRunner:
         state_slots += [0] * num_padding
         return ids + [0] * (2 * len(ids)) + starts + tables + context_lens + state_slots
 
+    def device_ints(self, values: list) -> torch.Tensor:
+        """Host ints (nested lists too) → a long tensor on the device, copied without waiting for
+        the device (torch.tensor(values, device=cuda) copies from pageable memory and so waits for
+        every queued kernel: the host would never run ahead of the device)."""
+        is_cuda = self.device.type == "cuda"
+        return torch.tensor(values, dtype=torch.long, pin_memory=is_cuda).to(self.device, non_blocking=is_cuda)
+
     def processor_of(self, seq: Sequence) -> LogitsProcessor | None:
         """The sequence's logits processor, made here (the engine thread) when first needed;
         None for a request that changes nothing in the distribution."""
@@ -278,7 +285,7 @@ class ModelRunner:
             slots.append(seq.pending_slot)
             kept.append(boundary - seq.num_cached)
         if slots and from_stash:
-            self.states.select(torch.tensor(slots, device=self.device), kept, keep_stash=True, rows=rows)
+            self.states.select(self.device_ints(slots), kept, keep_stash=True, rows=rows)
         elif slots:
             for row, slot in zip(rows, slots):
                 self.states.copy(seqs[row].state_slot, slot)
@@ -371,7 +378,7 @@ class ModelRunner:
         out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
-        logits = self.target.compute_logits(out.hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        logits = self.target.compute_logits(out.hidden[self.device_ints(rows)]) if rows else None
         num_first = sum(samples_first_token(seq, n) for seq, n in batch.prefill)
         first_logits = logits[:num_first] if num_first else None
         if not decode:
@@ -383,7 +390,7 @@ class ModelRunner:
         # Rows past a sequence's k_b repeat its last row (never read: acceptance stops at k_b).
         offsets = [sum(k + 1 for k in num_drafts[:b]) for b in range(len(decode))]
         index = [[offset + min(j, k) for j in range(width)] for offset, k in zip(offsets, num_drafts)]
-        return verify[torch.tensor(index, device=self.device)], proposal, first_logits
+        return verify[self.device_ints(index)], proposal, first_logits
 
     def propose_for(self, decode: list[Sequence], num_drafts: list[int]) -> Proposal | None:
         """The draft forward over the sequences that verify drafts (k_b > 0); rows of the others
@@ -396,7 +403,7 @@ class ModelRunner:
         part = propose(self.draft_proposal(self.prepare(self.blocks(seqs))), seqs, confidence=self.speculation.adaptive)
         if len(drafting) == len(decode):
             return part
-        index = torch.tensor(drafting, device=self.device)
+        index = self.device_ints(drafting)
         drafts = torch.zeros(len(decode), self.width - 1, dtype=part.drafts.dtype, device=self.device)
         drafts[index] = part.drafts
         probs: list[torch.Tensor | None] = [None] * len(decode)
@@ -417,7 +424,7 @@ class ModelRunner:
             src_row += [b] * k
             src_col += range(k)
             at += k + 1
-        index = torch.tensor([dst, src_row, src_col], device=self.device)
+        index = self.device_ints([dst, src_row, src_col])
         meta.input_ids[index[0]] = proposal.drafts[index[1], index[2]]
 
     def logit_rows(self, batch: Batch) -> list[int]:
@@ -469,7 +476,7 @@ class ModelRunner:
         if self.is_hybrid:
             self.snapshot_page_boundaries(decode, num_accepted, from_stash=self.draft is not None)
         if self.is_hybrid and self.draft is not None:
-            slots = torch.tensor([seq.state_slot for seq in decode], device=self.device)
+            slots = self.device_ints([seq.state_slot for seq in decode])
             self.states.select(slots, [a + 1 for a in num_accepted])
         logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(decode, raw, new_tokens)]
         return DecodeResult(num_accepted, new_tokens, logprobs, list(num_drafts))
