@@ -109,15 +109,16 @@ def requests(vocab: int):
     return [make_request(f"r{i}", p, max_tokens=10 + 2 * i) for i, p in enumerate(prompts(vocab))]
 
 
-def engine_factory(models, name: str, graphs: str, references: dict[str, list[int]], modes: Counter):
+def engine_factory(models, name: str, graphs: str, references: dict[str, list[int]], modes: Counter,
+                   oracles: bool = True):
     """Two requests decode, two arrive at step 3 (one of them prefilled in chunks of the 32-token
     budget): PIECEWISE-shaped steps, then FULL-shaped ones, with verify widths drawn at random
     per sequence and cycle (the same draws on every path). graphs: "eager" (exact shapes),
     "padded" (the dispatcher's shapes, capture=False), "captured" (the engine's own graphs,
-    captured at startup on CUDA; the oracles read the host inside the draft's forward, which a
-    graph cannot capture, so there the drafts are the real ones)."""
+    captured at startup on CUDA). oracles: drafts that know the target's continuations (they read
+    the host inside the draft's forward, which a graph cannot capture: off where one is compared
+    with captured graphs)."""
     target = models["target"]
-    oracles = graphs != "captured"
     config = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256,
                   cuda_graphs=graphs == "captured")
 
@@ -155,11 +156,12 @@ def check_against_eager(models, name: str, graphs: str) -> None:
     plain = make_engine(models["target"], max_num_seqs=4, max_model_len=256, cuda_graphs=False)
     _, runs = run_batch(lambda: plain, requests(vocab))
     references = {run.request.request_id: run.request.prompt_ids + run.output_ids for run in runs}
-    results = {}
+    results, oracles = {}, graphs != "captured"          # both paths run the same drafts
     for path in ("eager", graphs):
         modes = Counter()
         first, later = requests(vocab)[:2], requests(vocab)[2:]
-        _, runs = run_batch(engine_factory(models, name, path, references, modes), first, arrivals={3: later})
+        _, runs = run_batch(engine_factory(models, name, path, references, modes, oracles), first,
+                            arrivals={3: later})
         results[path] = [(run.output_ids, run.stats.acceptance_lengths) for run in runs]
         if path == "eager":
             assert set(mode for _, mode in modes) == {EAGER}
