@@ -226,6 +226,8 @@ class EngineOptions:
                                 "prefixes computed before (--no-prefix-cache: every prompt computed whole)")
     prefix_state_slots: int = option(64, "hybrid targets: recurrent-state snapshots the prefix cache keeps "
                                      "(each one slot of every linear-attention layer's state)")
+    tensor_parallel_size: int = option(1, "devices the target is split over (tensor parallel: one worker process "
+                                       "per further device; under torchrun, its processes)", metavar="N")
 
     def __post_init__(self) -> None:
         checks = [(self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),
@@ -244,7 +246,14 @@ class EngineOptions:
                    "--max-num-batched-tokens must hold at least one block (--block-size)"),
                   (self.speculation in SPECULATION_MODES,
                    f"--speculation must be one of {', '.join(SPECULATION_MODES)} (got {self.speculation!r})"),
-                  (self.prefix_state_slots >= 0, "--prefix-state-slots must be at least 0")]
+                  (self.prefix_state_slots >= 0, "--prefix-state-slots must be at least 0"),
+                  (self.tensor_parallel_size >= 1, "--tensor-parallel-size must be at least 1"),
+                  (self.tensor_parallel_size == 1 or self.speculation != "adaptive",
+                   "--speculation adaptive runs on one device only (its widths are rank 0's decision inside "
+                   "the step); use fixed with --tensor-parallel-size"),
+                  (self.tensor_parallel_size == 1 or ":" not in self.device,
+                   "--device cuda:N names one device; with --tensor-parallel-size N the ranks use cuda:0 … "
+                   "cuda:N-1 (choose them with CUDA_VISIBLE_DEVICES)")]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)

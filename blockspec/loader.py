@@ -272,7 +272,7 @@ def check_draft_fits(config, target: nn.Module, path: Path) -> None:
     bad = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
     if bad:
         raise LoadError(f"{path}: target_layer_ids {bad} outside the target's {target.num_layers} layers")
-    vocab = target.lm_head.weight.shape[0]
+    vocab = target.lm_head.out_features
     if not 0 <= config.mask_token_id < vocab:
         raise LoadError(f"{path}: mask_token_id {config.mask_token_id} outside the target's vocabulary of {vocab}")
     if config.selector_rank is not None and config.vocab_size != vocab:

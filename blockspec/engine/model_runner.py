@@ -26,7 +26,7 @@ from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.logits import LogitsProcessor
-from blockspec.engine.memory import dummy_sequence, size_pool, startup_line
+from blockspec.engine.memory import PoolSize, dummy_sequence, size_pool, startup_line
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence
@@ -81,8 +81,7 @@ class ModelRunner:
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
         self.graphs = None
         # The pool: measured after the weights and one full-budget forward (engine/memory.py).
-        self.pool_size = size_pool(config, target, self.draft, self.device, self.dtype,
-                                   self.profile if self.device.type == "cuda" else None)
+        self.pool_size = self.size_pool()
         self.target_kv, self.draft_kv = self.make_pools(self.pool_size.num_pages)
         logger.info(startup_line(config, self.pool_size))
         if config.cuda_graphs and self.device.type == "cuda":
@@ -94,6 +93,10 @@ class ModelRunner:
         self.speculation = Speculation(config.speculation if self.draft is not None else "fixed", self.width - 1,
                                        layout="ragged", measure=self.measure_costs)
         self._calibrated: torch.Tensor | None = None
+
+    def size_pool(self) -> PoolSize:
+        return size_pool(self.config, self.target, self.draft, self.device, self.dtype,
+                         self.profile if self.device.type == "cuda" else None)
 
     def measure_costs(self):
         from blockspec.engine.spec.costs import measure_costs
@@ -235,7 +238,7 @@ class ModelRunner:
         """The sequence's logits processor, made here (the engine thread) when first needed;
         None for a request that changes nothing in the distribution."""
         if seq.logits_processor is None and seq.request.processes_logits:
-            seq.logits_processor = LogitsProcessor(seq.request, self.target.lm_head.weight.shape[0], self.device)
+            seq.logits_processor = LogitsProcessor(seq.request, self.target.lm_head.out_features, self.device)
         return seq.logits_processor
 
     # -- [prefix] state-slot copies the cache manager asks for (cache/prefix.py) -------------
@@ -314,8 +317,7 @@ class ModelRunner:
         meta = self.graphs.bind(self.prepare(self.blocks(decode), padded=True))
         proposal = None
         if self.draft is not None:
-            proposal = propose(self.run_forward("propose", self.draft_proposal, meta), decode,
-                               confidence=self.speculation.adaptive)
+            proposal = self.proposal_of(self.run_forward("propose", self.draft_proposal, meta), decode)
             # The whole block's rows are computed in the graph anyway: every draft is verified
             # (the calibration still learns from them).
             self._calibrated = self.speculation.calibrated(decode, proposal.confidence)
@@ -369,7 +371,7 @@ class ModelRunner:
             return None
         self.num_forwards += 1
         seqs = [decode[b] for b in drafting]
-        part = propose(self.draft_proposal(self.prepare(self.blocks(seqs))), seqs, confidence=self.speculation.adaptive)
+        part = self.proposal_of(self.draft_proposal(self.prepare(self.blocks(seqs))), seqs)
         if len(drafting) == len(decode):
             return part
         index = torch.tensor(drafting, device=self.device)
@@ -384,6 +386,10 @@ class ModelRunner:
                                      device=part.confidence.device)
             confidence[index.to(confidence.device)] = part.confidence
         return Proposal(drafts, probs, confidence)
+
+    def proposal_of(self, drafted, seqs: list[Sequence]) -> Proposal:
+        """The drafts the draft's output proposes for seqs, drawn with each one's parameters."""
+        return propose(drafted, seqs, confidence=self.speculation.adaptive)
 
     def place_drafts(self, meta: AttentionMetadata, proposal: Proposal, num_drafts: list[int], at: int) -> None:
         """The drafts go into their verify rows: sequence b's row 1 + j takes d_{j+1}, j < k_b."""

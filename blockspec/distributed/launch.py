@@ -1,0 +1,232 @@
+"""Starting the tensor-parallel ranks, and their lives: rank 0 is the process the user started
+(server, CLI, LLM); it spawns one worker process per further device (torch.multiprocessing,
+"spawn"), or, under torchrun (several hosts), every rank is a process torchrun started and the
+ranks above 0 run `serve_steps` instead of the command.
+
+Messages from rank 0 (Load, StepPlan, Unload, Exit: runner.py) go over the control group, one
+per step. Faults end everything with one line, never a hang: a watchdog thread on rank 0 waits
+on the workers' process sentinels; a worker that dies (killed, crashed) makes rank 0 print
+`blockspec: tensor-parallel worker rank R (pid P) died (…); stopping` and exit 1 at once, killing
+the other workers; a worker dies with its parent (PR_SET_PDEATHSIG). Workers ignore SIGINT and
+SIGTERM: those are rank 0's to handle (the server drains, then stops every worker at exit).
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from blockspec.distributed.group import TPGroup, init_group
+from blockspec.distributed.runner import Exit, Load, StepPlan, Unload, WorkerRunner
+
+STOP_TIMEOUT_S = 10.0
+FATAL_GRACE_S = 1.0          # a step error on rank 0 waits this long for a worker's death to name
+
+
+@dataclass
+class Workers:
+    """Rank 0's handle on the group: its collectives and the worker processes it started."""
+    tp: TPGroup
+    processes: list = field(default_factory=list)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    fatal_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, message: object) -> None:
+        self.tp.broadcast_message(message)
+
+    def stop(self) -> None:
+        """Stop every worker (at exit: after the server's drain, after generate's output)."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        try:
+            self.send(Exit())
+        except Exception:  # noqa: BLE001 - a group already broken has nobody left to tell
+            pass
+        for process in self.processes:
+            process.join(STOP_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+        dist.destroy_process_group()
+
+    def dead_worker(self, timeout: float) -> str | None:
+        """A line naming the first worker that has died (waiting up to timeout), or None."""
+        by_sentinel = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, start=1)}
+        ready = multiprocessing.connection.wait(list(by_sentinel), timeout) if by_sentinel else []
+        if not ready:
+            return None
+        rank, process = by_sentinel[ready[0]]
+        process.join()
+        code = process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        return f"tensor-parallel worker rank {rank} (pid {process.pid}) died ({how}); stopping"
+
+    def fatal(self, message: str) -> None:
+        """End this process (and every worker) with one line on stderr."""
+        with self.fatal_lock:
+            if self.stopping.is_set():
+                return
+            message = self.dead_worker(FATAL_GRACE_S) or message
+            print(f"blockspec: {message}", file=sys.stderr, flush=True)
+            for process in self.processes:
+                if process.is_alive():
+                    process.kill()
+            os._exit(1)
+
+    def watch(self) -> None:
+        """The watchdog thread: any worker's death while not stopping is fatal."""
+        message = self.dead_worker(None)
+        if message is not None and not self.stopping.is_set():
+            self.fatal(message)
+
+    @contextmanager
+    def loading(self) -> Iterator[None]:
+        """Rank 0's side of a load: every rank says whether it loaded, so a rank that failed
+        (a bad checkpoint, no memory) fails the load everywhere with its own message, and the
+        workers wait for the next message rather than a forward that will never come."""
+        try:
+            yield
+        except Exception as exc:
+            exchange_status(self.tp, f"{type(exc).__name__}: {exc}")
+            raise
+        failures = exchange_status(self.tp, None)
+        if failures:
+            from blockspec.loader import LoadError
+            raise LoadError(failures[0])
+
+
+_LEADER: Workers | None = None
+
+
+def leader(size: int, device_type: str) -> Workers:
+    """This process as rank 0 of `size` ranks: the group started once per process (spawned
+    workers, or joined under torchrun) and kept for every LLM made in it."""
+    global _LEADER
+    if _LEADER is not None:
+        if _LEADER.tp.size != size:
+            from blockspec.config import ConfigError
+            raise ConfigError(f"--tensor-parallel-size {size}: this process already runs a group of {_LEADER.tp.size}")
+        return _LEADER
+    if torchrun_rank() is not None:
+        check_torchrun_size(size)
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        workers = Workers(init_group(0, size, "env://", device_type))
+    else:
+        port = free_port()
+        init_method = f"tcp://127.0.0.1:{port}"
+        context = mp.get_context("spawn")
+        processes = [context.Process(target=worker_main, args=(rank, size, init_method, device_type), daemon=True,
+                                     name=f"blockspec-tp{rank}")
+                     for rank in range(1, size)]
+        for process in processes:
+            process.start()
+        workers = Workers(None, processes)          # the watchdog runs while the group forms
+        threading.Thread(target=workers.watch, name="blockspec-tp-watchdog", daemon=True).start()
+        workers.tp = init_group(0, size, init_method, device_type)
+    atexit.register(workers.stop)
+    _LEADER = workers
+    return workers
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun started it (RANK and WORLD_SIZE set), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+def check_torchrun_size(size: int) -> None:
+    world = int(os.environ["WORLD_SIZE"])
+    if world != size:
+        from blockspec.config import ConfigError
+        raise ConfigError(f"--tensor-parallel-size {size} but torchrun started {world} processes")
+
+
+def exchange_status(tp: TPGroup, error: str | None) -> list[str]:
+    """Every rank's load error (None: loaded) → the failures, named by rank."""
+    statuses: list[str | None] = [None] * tp.size
+    dist.all_gather_object(statuses, error, group=tp.control)
+    return [f"tensor-parallel rank {rank}: {status}" for rank, status in enumerate(statuses) if status is not None]
+
+
+def worker_main(rank: int, size: int, init_method: str, device_type: str) -> None:
+    """A spawned worker: dies with its parent, leaves signals to it, serves rank 0's steps."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    tp = init_group(rank, size, init_method, device_type)
+    serve_steps(tp)
+
+
+def torchrun_worker() -> int:
+    """A rank above 0 under torchrun: serve rank 0's steps, then exit."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    tp = init_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", device_type)
+    serve_steps(tp)
+    return 0
+
+
+def die_with_parent() -> None:
+    """PR_SET_PDEATHSIG: the kernel kills this process when its parent (rank 0) dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def serve_steps(tp: TPGroup) -> None:
+    """A worker's loop: load when told, run each step's plan, stop when told. A failure here
+    would leave rank 0 waiting on a collective: it ends this process with one line, which the
+    watchdog turns into rank 0's exit."""
+    runner: WorkerRunner | None = None
+    try:
+        while True:
+            message = tp.broadcast_message()
+            if isinstance(message, StepPlan):
+                runner.run(message)
+            elif isinstance(message, Load):
+                runner = load_runner(message.options, tp)
+            elif isinstance(message, Unload):
+                runner = None
+            elif isinstance(message, Exit):
+                break
+    except Exception as exc:  # noqa: BLE001 - one line, then the watchdog ends rank 0
+        print(f"blockspec: tensor-parallel rank {tp.rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+def load_runner(options, tp: TPGroup) -> WorkerRunner | None:
+    """This rank's share of the models and its runner (None when any rank failed to load)."""
+    from blockspec.llm import load_models
+    try:
+        target, draft, config, _ = load_models(options, tp)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
+        error = f"{type(exc).__name__}: {exc}"
+    if exchange_status(tp, error):
+        return None
+    return WorkerRunner(target, draft, config, tp)
