@@ -1,11 +1,14 @@
 """Starting the tensor-parallel ranks, and their lives: rank 0 is the process the user started
-(server, CLI, LLM); it spawns one worker process per further device (torch.multiprocessing,
-"spawn"), or, under torchrun (several hosts), every rank is a process torchrun started and the
-ranks above 0 run `serve_steps` instead of the command.
+(server, CLI, LLM); it starts one worker process per further device (`python -m
+blockspec.distributed.launch RANK …`: a fresh interpreter, as multiprocessing's spawn would
+make, but without re-importing the caller's main module, so a script using LLM(...) needs no
+`if __name__ == "__main__"` guard, and without a resource tracker to complain at a fatal exit),
+or, under torchrun (several hosts), every rank is a process torchrun started and the ranks above
+0 run `serve_steps` instead of the command.
 
 Messages from rank 0 (Load, StepPlan, Unload, Exit: runner.py) go over the control group, one
 per step. Faults end everything with one line, never a hang: a watchdog thread on rank 0 waits
-on the workers' process sentinels; a worker that dies (killed, crashed) makes rank 0 print
+on each worker process; a worker that dies (killed, crashed) makes rank 0 print
 `blockspec: tensor-parallel worker rank R (pid P) died (…); stopping` and exit 1 at once, killing
 the other workers; a worker dies with its parent (PR_SET_PDEATHSIG). Workers ignore SIGINT and
 SIGTERM: those are rank 0's to handle (the server drains, then stops every worker at exit).
@@ -14,19 +17,19 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import multiprocessing.connection
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from blockspec.distributed.group import TPGroup, init_group
 from blockspec.distributed.runner import Exit, Load, StepPlan, Unload, WorkerRunner
@@ -56,22 +59,22 @@ class Workers:
         except Exception:  # noqa: BLE001 - a group already broken has nobody left to tell
             pass
         for process in self.processes:
-            process.join(STOP_TIMEOUT_S)
-            if process.is_alive():
+            try:
+                process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
                 process.kill()
         dist.destroy_process_group()
 
     def dead_worker(self, timeout: float) -> str | None:
         """A line naming the first worker that has died (waiting up to timeout), or None."""
-        by_sentinel = {p.sentinel: (rank, p) for rank, p in enumerate(self.processes, start=1)}
-        ready = multiprocessing.connection.wait(list(by_sentinel), timeout) if by_sentinel else []
-        if not ready:
-            return None
-        rank, process = by_sentinel[ready[0]]
-        process.join()
-        code = process.exitcode
-        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-        return f"tensor-parallel worker rank {rank} (pid {process.pid}) died ({how}); stopping"
+        deadline = time.monotonic() + timeout
+        while True:
+            for rank, process in enumerate(self.processes, start=1):
+                if process.poll() is not None:
+                    return death_line(rank, process)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def fatal(self, message: str) -> None:
         """End this process (and every worker) with one line on stderr."""
@@ -81,15 +84,15 @@ class Workers:
             message = self.dead_worker(FATAL_GRACE_S) or message
             print(f"blockspec: {message}", file=sys.stderr, flush=True)
             for process in self.processes:
-                if process.is_alive():
+                if process.poll() is None:
                     process.kill()
             os._exit(1)
 
-    def watch(self) -> None:
-        """The watchdog thread: any worker's death while not stopping is fatal."""
-        message = self.dead_worker(None)
-        if message is not None and not self.stopping.is_set():
-            self.fatal(message)
+    def watch(self, rank: int, process: subprocess.Popen) -> None:
+        """A watchdog thread per worker: its death while not stopping is fatal."""
+        process.wait()
+        if not self.stopping.is_set():
+            self.fatal(death_line(rank, process))
 
     @contextmanager
     def loading(self) -> Iterator[None]:
@@ -125,20 +128,24 @@ def leader(size: int, device_type: str) -> Workers:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         workers = Workers(init_group(0, size, "env://", device_type))
     else:
-        port = free_port()
-        init_method = f"tcp://127.0.0.1:{port}"
-        context = mp.get_context("spawn")
-        processes = [context.Process(target=worker_main, args=(rank, size, init_method, device_type), daemon=True,
-                                     name=f"blockspec-tp{rank}")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        processes = [subprocess.Popen([sys.executable, "-m", "blockspec.distributed.launch", str(rank), str(size),
+                                       init_method, device_type])
                      for rank in range(1, size)]
-        for process in processes:
-            process.start()
-        workers = Workers(None, processes)          # the watchdog runs while the group forms
-        threading.Thread(target=workers.watch, name="blockspec-tp-watchdog", daemon=True).start()
+        workers = Workers(None, processes)          # the watchdogs run while the group forms
+        for rank, process in enumerate(processes, start=1):
+            threading.Thread(target=workers.watch, args=(rank, process), name=f"blockspec-tp{rank}-watchdog",
+                             daemon=True).start()
         workers.tp = init_group(0, size, init_method, device_type)
     atexit.register(workers.stop)
     _LEADER = workers
     return workers
+
+
+def death_line(rank: int, process: subprocess.Popen) -> str:
+    code = process.returncode
+    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+    return f"tensor-parallel worker rank {rank} (pid {process.pid}) died ({how}); stopping"
 
 
 def free_port() -> int:
@@ -169,7 +176,7 @@ def exchange_status(tp: TPGroup, error: str | None) -> list[str]:
 
 
 def worker_main(rank: int, size: int, init_method: str, device_type: str) -> None:
-    """A spawned worker: dies with its parent, leaves signals to it, serves rank 0's steps."""
+    """A worker process: dies with its parent, leaves signals to it, serves rank 0's steps."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -230,3 +237,7 @@ def load_runner(options, tp: TPGroup) -> WorkerRunner | None:
     if exchange_status(tp, error):
         return None
     return WorkerRunner(target, draft, config, tp)
+
+
+if __name__ == "__main__":
+    worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
