@@ -330,6 +330,9 @@ def run_train_draft(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "tensor_parallel_size", 1) > 1 and os.environ.get("RANK", "0") != "0":
+        from blockspec.distributed.launch import torchrun_worker      # torchrun's ranks above 0 serve rank 0
+        return torchrun_worker(args.device)
     from blockspec.loader import LoadError
     try:
         runner = {"generate": run_generate, "serve": run_serve, "bench": run_bench,

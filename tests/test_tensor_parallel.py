@@ -245,8 +245,8 @@ def alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def tp2_args(targets) -> list[str]:
-    path = targets["dense"][0]
-    return ["--model", str(path), "--draft", str(path.parent / "dense-dflash"), "--tensor-parallel-size", "2",
+    path = targets["hybrid"][0]
+    return ["--model", str(path), "--draft", str(path.parent / "hybrid-dflash"), "--tensor-parallel-size", "2",
             "--max-model-len", "256", "--log-stats-interval", "0"]
 
 

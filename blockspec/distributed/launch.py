@@ -186,9 +186,10 @@ def worker_main(rank: int, size: int, init_method: str, device_type: str) -> Non
     serve_steps(tp)
 
 
-def torchrun_worker() -> int:
+def torchrun_worker(device: str) -> int:
     """A rank above 0 under torchrun: serve rank 0's steps, then exit."""
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    from blockspec.loader import resolve_device
+    device_type = resolve_device(device).type
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     tp = init_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", device_type)
