@@ -31,10 +31,10 @@ def start_tensor_parallel(opts: EngineOptions):
     once per process), told to load `opts`; else None."""
     if opts.tensor_parallel_size == 1:
         return None
-    from blockspec.distributed.launch import leader
+    from blockspec.distributed.launch import leader, rank_models
     from blockspec.distributed.runner import Load
     workers = leader(opts.tensor_parallel_size, resolve_device(opts.device).type)
-    workers.send(Load(opts))
+    workers.send(Load(rank_models, (opts,)))
     return workers
 
 

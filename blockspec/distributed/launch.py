@@ -216,7 +216,8 @@ def serve_steps(tp: TPGroup) -> None:
             if isinstance(message, StepPlan):
                 runner.run(message)
             elif isinstance(message, Load):
-                runner = load_runner(message.options, tp)
+                runner = None                          # the last runner's pools go before the next one's
+                runner = load_runner(message, tp)
             elif isinstance(message, Unload):
                 runner = None
             elif isinstance(message, Exit):
@@ -227,11 +228,10 @@ def serve_steps(tp: TPGroup) -> None:
     dist.destroy_process_group()
 
 
-def load_runner(options, tp: TPGroup) -> WorkerRunner | None:
+def load_runner(load: Load, tp: TPGroup) -> WorkerRunner | None:
     """This rank's share of the models and its runner (None when any rank failed to load)."""
-    from blockspec.llm import load_models
     try:
-        target, draft, config, _ = load_models(options, tp)
+        target, draft, config = load.make(tp, *load.args)
         error = None
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
         error = f"{type(exc).__name__}: {exc}"
@@ -239,6 +239,12 @@ def load_runner(options, tp: TPGroup) -> WorkerRunner | None:
         return None
     return WorkerRunner(target, draft, config, tp)
 
+
+def rank_models(tp: TPGroup, options) -> tuple:
+    """Load's `make` for an LLM: this rank's share of the target, the draft, the engine config."""
+    from blockspec.llm import load_models
+    target, draft, config, _ = load_models(options, tp)
+    return target, draft, config
 
 if __name__ == "__main__":
     worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])

@@ -172,8 +172,10 @@ class WorkerRunner(ModelRunner):
 
 @dataclass
 class Load:
-    """Build the engine's runner from these options (every rank loads its own share)."""
-    options: object
+    """Build a runner on every rank from `make(tp, *args)` → (target, draft, EngineConfig): a
+    module-level function, so that it pickles by name (each rank loads its own share)."""
+    make: Callable
+    args: tuple
 
 
 @dataclass
