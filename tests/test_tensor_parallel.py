@@ -44,6 +44,8 @@ LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_
 def hf_model(kind: str) -> torch.nn.Module:
     import transformers as tf
     torch.manual_seed(0)
+    if kind == "dense":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**ATTENTION, tie_word_embeddings=True))   # one tensor, two vocab-parallel uses
     if kind == "qwen3_moe":
         return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**ATTENTION, **EXPERTS, mlp_only_layers=[2]))
     if kind == "qwen3_next":          # fused GDN projections, a shared expert, sparse every second layer
@@ -52,8 +54,8 @@ def hf_model(kind: str) -> torch.nn.Module:
     raise ValueError(kind)
 
 
-def write_moe(directory: Path, kind: str, tokenizer_dir: Path) -> torch.nn.Module:
-    """A tiny random MoE target (every weight off its init, sharp logits), as test_moe writes them."""
+def write_target(directory: Path, kind: str, tokenizer_dir: Path) -> torch.nn.Module:
+    """A tiny random target (every weight off its init, sharp logits), as test_moe writes them."""
     model = hf_model(kind)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -86,24 +88,22 @@ def targets(tmp_path_factory) -> dict[str, tuple[Path, list[list[int]]]]:
     """kind → (checkpoint, transformers' greedy continuations of PROMPTS); drafts beside them."""
     from transformers import AutoModelForCausalLM
     root = tmp_path_factory.mktemp("tp")
-    fixtures.write_dense_checkpoint(root / "dense", "qwen3")
     fixtures.write_hybrid_checkpoint(root / "hybrid")
-    out = {}
+    hybrid = AutoModelForCausalLM.from_pretrained(root / "hybrid", dtype=torch.float32).eval()
+    out = {"hybrid": (root / "hybrid", transformers_greedy(hybrid))}
+    for kind in ("dense", "qwen3_moe", "qwen3_next"):
+        out[kind] = (root / kind, transformers_greedy(write_target(root / kind, kind, root / "hybrid")))
+    for kind in out:
+        fixtures.write_dflash_draft(root / f"{kind}-dflash", root / kind, block_size=4, mask_token_id=VOCAB - 1)
     for kind in ("dense", "hybrid"):
-        model = AutoModelForCausalLM.from_pretrained(root / kind, dtype=torch.float32).eval()
-        out[kind] = (root / kind, transformers_greedy(model))
-        fixtures.write_dflash_draft(root / f"{kind}-dflash", root / kind, block_size=4, mask_token_id=VOCAB - 1)
         fixtures.write_dflash2_draft(root / f"{kind}-dflash2", root / kind, block_size=4, mask_token_id=VOCAB - 1)
-    for kind in ("qwen3_moe", "qwen3_next"):
-        out[kind] = (root / kind, transformers_greedy(write_moe(root / kind, kind, root / "dense")))
-        fixtures.write_dflash_draft(root / f"{kind}-dflash", root / kind, block_size=4, mask_token_id=VOCAB - 1)
     return out
 
 
 @pytest.fixture(scope="module")
 def one_tokenizer(targets):
     """Every checkpoint carries the same tokenizer files: read once (most of an LLM's load)."""
-    shared = Tokenizer.from_dir(targets["dense"][0])
+    shared = Tokenizer.from_dir(targets["hybrid"][0])
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Tokenizer, "from_dir", staticmethod(lambda path: shared))
         yield
@@ -126,7 +126,7 @@ def test_tp2_greedy_equals_transformers_and_tp1(targets, one_tokenizer, kind, dr
     llm = LLM(str(path), draft=draft_path, tensor_parallel_size=2, max_model_len=128, max_num_seqs=4,
               show_progress=False)
     try:
-        assert llm.tp.size == 2 and llm.target.lm_head.weight.shape[0] == VOCAB_OF[kind] // 2
+        assert llm.tp.size == 2 and llm.target.lm_head.weight.shape[0] == VOCAB // 2
         assert greedy(llm) == expected
     finally:
         llm.close()
@@ -134,7 +134,7 @@ def test_tp2_greedy_equals_transformers_and_tp1(targets, one_tokenizer, kind, dr
         assert greedy(LLM(str(path), max_model_len=128, max_num_seqs=4, show_progress=False)) == expected
 
 
-VOCAB_OF = {"dense": fixtures.QWEN3_VOCAB_SIZE, "hybrid": fixtures.HYBRID_VOCAB, "qwen3_moe": VOCAB, "qwen3_next": VOCAB}
+
 
 
 def test_tp2_batch_and_prefix_cache_agree_with_alone(targets, one_tokenizer):

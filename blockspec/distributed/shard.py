@@ -26,6 +26,7 @@ from blockspec.distributed.layers import RowParallelLinear, VocabParallelEmbeddi
 from blockspec.layers.attention import Attention
 from blockspec.layers.common import MLP
 from blockspec.layers.moe import SparseMoE
+from blockspec.models.qwen3_5 import GatedDeltaNet
 
 
 def shard_config(config: dict[str, Any], full: ModelConfig, tp: int) -> dict[str, Any]:
@@ -74,7 +75,7 @@ def shard_modules(model: nn.Module, tp: TPGroup) -> None:
             module.down_proj = row_parallel(module.down_proj, tp)
         elif isinstance(module, SparseMoE):
             module.register_forward_hook(reduce_output(tp))
-        elif hasattr(module, "out_proj") and hasattr(module, "state_shape"):        # a GatedDeltaNet layer
+        elif isinstance(module, GatedDeltaNet):
             module.out_proj = row_parallel(module.out_proj, tp)
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
     model.model.embed_tokens = VocabParallelEmbedding(vocab, hidden, tp)
