@@ -228,6 +228,8 @@ class EngineOptions:
                                      "(each one slot of every linear-attention layer's state)")
     tensor_parallel_size: int = option(1, "devices the target is split over (tensor parallel: one worker process "
                                        "per further device; under torchrun, its processes)", metavar="N")
+    expert_parallel: bool = option(False, "MoE targets with --tensor-parallel-size: each rank holds 1/N of the "
+                                   "experts, whole (expert parallel), rather than 1/N of every expert's rows")
 
     def __post_init__(self) -> None:
         checks = [(self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),
@@ -248,6 +250,8 @@ class EngineOptions:
                    f"--speculation must be one of {', '.join(SPECULATION_MODES)} (got {self.speculation!r})"),
                   (self.prefix_state_slots >= 0, "--prefix-state-slots must be at least 0"),
                   (self.tensor_parallel_size >= 1, "--tensor-parallel-size must be at least 1"),
+                  (self.tensor_parallel_size > 1 or not self.expert_parallel,
+                   "--expert-parallel splits experts over ranks: it needs --tensor-parallel-size > 1"),
                   (self.tensor_parallel_size == 1 or self.speculation != "adaptive",
                    "--speculation adaptive runs on one device only (its widths are rank 0's decision inside "
                    "the step); use fixed with --tensor-parallel-size"),

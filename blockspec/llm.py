@@ -45,7 +45,8 @@ def load_models(opts: EngineOptions, tp=None, show_progress: bool = False):
         loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, show_progress=show_progress)
     else:
         from blockspec.distributed.loading import load_sharded_model
-        loaded = load_sharded_model(opts.model, tp, device=opts.device, dtype=opts.dtype)
+        loaded = load_sharded_model(opts.model, tp, device=opts.device, dtype=opts.dtype,
+                                    expert_parallel=opts.expert_parallel)
     target = loaded.model
     if target.lm_head.weight.device.type == "cpu":
         apply_threads(opts.threads)

@@ -114,23 +114,24 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [r.token_ids for r in llm.generate(PROMPTS, params)]
 
 
-CASES = [("dense", None), ("dense", "dflash"), ("dense", "dflash2"), ("hybrid", None), ("hybrid", "dflash"),
-         ("hybrid", "dflash2"), ("qwen3_moe", None), ("qwen3_moe", "dflash"), ("qwen3_next", None),
-         ("qwen3_next", "dflash")]
+CASES = [("dense", None, False), ("dense", "dflash", False), ("dense", "dflash2", False), ("hybrid", None, False),
+         ("hybrid", "dflash", False), ("hybrid", "dflash2", False), ("qwen3_moe", None, False),
+         ("qwen3_moe", "dflash", False), ("qwen3_next", None, False), ("qwen3_next", "dflash", False),
+         ("qwen3_moe", None, True), ("qwen3_next", "dflash", True)]
 
 
-@pytest.mark.parametrize("kind,draft", CASES)
-def test_tp2_greedy_equals_transformers_and_tp1(targets, one_tokenizer, kind, draft):
+@pytest.mark.parametrize("kind,draft,expert_parallel", CASES)
+def test_tp2_greedy_equals_transformers_and_tp1(targets, one_tokenizer, kind, draft, expert_parallel):
     path, expected = targets[kind]
     draft_path = str(path.parent / f"{kind}-{draft}") if draft else None
-    llm = LLM(str(path), draft=draft_path, tensor_parallel_size=2, max_model_len=128, max_num_seqs=4,
-              show_progress=False)
+    llm = LLM(str(path), draft=draft_path, tensor_parallel_size=2, expert_parallel=expert_parallel,
+              max_model_len=128, max_num_seqs=4, show_progress=False)
     try:
         assert llm.tp.size == 2 and llm.target.lm_head.weight.shape[0] == VOCAB // 2
         assert greedy(llm) == expected
     finally:
         llm.close()
-    if draft is None:                                       # TP1 on the same checkpoint: the same tokens
+    if draft is None and not expert_parallel:               # TP1 on the same checkpoint: the same tokens
         assert greedy(LLM(str(path), max_model_len=128, max_num_seqs=4, show_progress=False)) == expected
 
 
@@ -175,38 +176,55 @@ def fuse_experts(src: Path, dst: Path) -> Path:
     return dst
 
 
-def layouts(targets, tmp_path) -> dict[str, Path]:
-    return {"dense": targets["dense"][0], "hybrid": targets["hybrid"][0], "qwen3_moe": targets["qwen3_moe"][0],
-            "qwen3_moe_fused": fuse_experts(targets["qwen3_moe"][0], tmp_path / "fused"),
-            "qwen3_next": targets["qwen3_next"][0]}
+def layouts(targets, tmp_path) -> dict[str, tuple[Path, bool]]:
+    """name → (checkpoint, expert parallel)."""
+    fused = fuse_experts(targets["qwen3_moe"][0], tmp_path / "fused")
+    return {"dense": (targets["dense"][0], False), "hybrid": (targets["hybrid"][0], False),
+            "qwen3_moe": (targets["qwen3_moe"][0], False), "qwen3_moe_fused": (fused, False),
+            "qwen3_next": (targets["qwen3_next"][0], False), "qwen3_moe_ep": (targets["qwen3_moe"][0], True),
+            "qwen3_moe_fused_ep": (fused, True), "qwen3_next_ep": (targets["qwen3_next"][0], True)}
 
 
 def test_each_rank_reads_only_its_slices(targets, tmp_path):
-    """Every layout: each rank's parameters have its share's shapes and equal its rows of the
-    whole model; it read half of every split tensor, all of the replicated ones, nothing else."""
-    for layout, path in layouts(targets, tmp_path).items():
+    """Every layout: each rank's parameters have its share's shapes and put together give the
+    whole model's; it read half of every split tensor, all of the replicated ones, its own
+    experts whole under expert parallelism and nothing of the other rank's."""
+    for layout, (path, ep) in layouts(targets, tmp_path).items():
         whole_model = load_model(str(path)).model
         whole, config = dict(whole_model.named_parameters()), whole_model.config
         shards = []
         for rank in range(2):
             log = ReadLog()
-            model = load_sharded_model(str(path), TPGroup(rank, 2, None, None), log=log).model
+            model = load_sharded_model(str(path), TPGroup(rank, 2, None, None), log=log, expert_parallel=ep).model
             shards.append(dict(model.named_parameters()))
             for name, (shape, read) in log.reads.items():
-                split = rank_slice(name, shape, config, 2, rank) is not None
+                split = rank_slice(name, shape, config, 2, rank, ep) is not None
                 assert read == (torch.Size(shape).numel() // 2 if split else torch.Size(shape).numel()), (layout, name)
+            experts_read = {int(m[1]) for m in map(EXPERT.search, log.reads) if m}
+            assert experts_read == experts_to_read(layout, ep, rank), layout
             assert sum(r for _, r in log.reads.values()) < sum(torch.Size(s).numel() for s, _ in log.reads.values())
         for name, param in whole.items():
-            pieces = [shard[name] for shard in shards]
-            assert_rank_pieces(layout, name, param, pieces)
+            assert_rank_pieces(layout, name, param, [shard[name] for shard in shards], ep)
 
 
-def assert_rank_pieces(layout: str, name: str, whole: torch.Tensor, pieces: list[torch.Tensor]) -> None:
+EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def experts_to_read(layout: str, ep: bool, rank: int) -> set[int]:
+    """The per-expert tensors' expert ids a rank reads (8 experts; none in a dense or fused layout)."""
+    if layout in ("dense", "hybrid") or "fused" in layout:
+        return set()
+    return set(range(4 * rank, 4 * rank + 4)) if ep else set(range(8))
+
+
+def assert_rank_pieces(layout: str, name: str, whole: torch.Tensor, pieces: list[torch.Tensor], ep: bool) -> None:
     """The two ranks' pieces put together give the whole parameter back (each in its layout)."""
     if pieces[0].shape == whole.shape:                       # replicated: the same on both ranks
         assert all(torch.equal(p, whole) for p in pieces), (layout, name)
         return
-    if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")) and whole.dim() == 2:
+    if ep and re.search(r"experts\.(gate_up|down)_proj$", name):         # rank r: experts 4r … 4r + 3
+        assert torch.equal(torch.cat(pieces, dim=0), whole), (layout, name)
+    elif name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")) and whole.dim() == 2:
         assert torch.equal(torch.cat(pieces, dim=1), whole), (layout, name)
     elif name.endswith("experts.down_proj"):
         assert torch.equal(torch.cat(pieces, dim=2), whole), (layout, name)

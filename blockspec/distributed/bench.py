@@ -28,10 +28,10 @@ from blockspec.models.registry import ARCHITECTURES
 _MODELS: dict[tuple, tuple] = {}           # (shape, layers, block size, ranks) → target, DFlash, DFlash 2
 
 
-def shape_models(tp: TPGroup, shape_name: str, layers: int | None, block_size: int, device: torch.device,
-                 dtype: torch.dtype) -> tuple:
+def shape_models(tp: TPGroup, shape_name: str, layers: int | None, block_size: int, expert_parallel: bool,
+                 device: torch.device, dtype: torch.dtype) -> tuple:
     """This rank's share of the shape's target with random weights, and whole drafts (cached)."""
-    key = (shape_name, layers, block_size, tp.size)
+    key = (shape_name, layers, block_size, expert_parallel, tp.size)
     if key not in _MODELS:
         _MODELS.clear()
         torch.manual_seed(0)
@@ -41,11 +41,11 @@ def shape_models(tp: TPGroup, shape_name: str, layers: int | None, block_size: i
         spec = ARCHITECTURES[arch]()
         with torch.device("meta"):
             full = spec.build(target_cfg, arch).config
-        local = shard_config(target_cfg, full, tp.size)
+        local = shard_config(target_cfg, full, tp.size, expert_parallel)
 
         def build():
             module = spec.build(local, arch)
-            shard_modules(module, tp)
+            shard_modules(module, tp, expert_parallel)
             return module
         target = bench.random_init(build_empty(build, device, dtype))
         draft = bench.random_init(build_empty(lambda: DFlashDraftModel(DraftConfig.from_hf(draft_cfg)), device, dtype))
@@ -53,12 +53,12 @@ def shape_models(tp: TPGroup, shape_name: str, layers: int | None, block_size: i
     return _MODELS[key]
 
 
-def rank_engine(tp: TPGroup, shape_name: str, layers: int | None, block_size: int, device: str, draft_kind: str,
-                config: EngineConfig) -> tuple:
+def rank_engine(tp: TPGroup, shape_name: str, layers: int | None, block_size: int, expert_parallel: bool,
+                device: str, draft_kind: str, config: EngineConfig) -> tuple:
     """What a worker builds a runner from (Load's `make`): its models and rank 0's config."""
     torch_device = resolve_device(device)
     dtype = torch.bfloat16 if torch_device.type == "cuda" else torch.float32
-    target, dflash, dflash2 = shape_models(tp, shape_name, layers, block_size, torch_device, dtype)
+    target, dflash, dflash2 = shape_models(tp, shape_name, layers, block_size, expert_parallel, torch_device, dtype)
     return target, {"plain": None, "dflash": dflash, "dflash2": dflash2}[draft_kind], config
 
 
@@ -68,7 +68,7 @@ def throughput(workers: Workers, key: tuple, draft_kind: str, block_size: int, c
     config = EngineConfig(**{"max_model_len": prompt_len + max_tokens + 8, **bench.ENGINE_OPTIONS},
                           block_size=block_size if draft_kind != "plain" else 1, max_num_seqs=concurrency,
                           max_queue=concurrency, max_prefill_tokens=prompt_len, speculation="fixed",
-                          tensor_parallel_size=workers.tp.size)
+                          tensor_parallel_size=workers.tp.size, expert_parallel=key[3])
     workers.send(Load(rank_engine, (*key, draft_kind, config)))
     with workers.loading():
         target, draft, _ = rank_engine(workers.tp, *key, draft_kind, config)
@@ -85,10 +85,10 @@ def run(args, tp_size: int) -> dict[str, Any]:
     block_size = int(str(args.block_size).split(",")[0])
     concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
     workers = leader(tp_size, device.type)
-    key = (args.shape, getattr(args, "layers", None), block_size, str(device))
+    key = (args.shape, getattr(args, "layers", None), block_size, args.expert_parallel, str(device))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = shape_models(workers.tp, args.shape, key[1], block_size, device, dtype)[0]
-    r: dict[str, Any] = {"shape": args.shape, "tensor_parallel_size": tp_size,
+    target = shape_models(workers.tp, *key[:4], device, dtype)[0]
+    r: dict[str, Any] = {"shape": args.shape, "tensor_parallel_size": tp_size, "expert_parallel": args.expert_parallel,
                          "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                          "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "block_size": block_size,
                          "forced_acceptance_length": args.accept_len, "prompt_len": args.prompt_len,

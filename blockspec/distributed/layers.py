@@ -5,8 +5,9 @@ FusedLinear of its own heads.
 
 - RowParallelLinear: o_proj, down_proj, a GDN layer's out_proj: this rank's input columns, one
   all-reduce of the partial sums, the bias added once after it.
-- A sparse MoE block (router replicated, each expert's intermediate rows split): its experts'
-  and shared expert's partial sums meet in one all-reduce of the block's output (`reduce_output`).
+- A sparse MoE block (router replicated; each expert's intermediate rows split, or with
+  expert_parallel each rank's 1/N of the experts whole, `LocalExperts`): its experts' and shared
+  expert's partial sums meet in one all-reduce of the block's output (`reduce_output`).
 - VocabParallelEmbedding: this rank's vocabulary rows; other ranks' ids look up zeros, one all-reduce.
 - VocabParallelLMHead: this rank's vocabulary rows of the logits, one all-gather: every rank then
   holds the whole logits, so sampling, grammars and acceptance run exactly as on one device.
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.distributed.group import TPGroup
+from blockspec.layers.moe import select_experts_kernel
 
 
 class RowParallelLinear(nn.Linear):
@@ -59,6 +61,24 @@ class VocabParallelLMHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_gather_last(F.linear(x, self.weight))
+
+
+class LocalExperts:
+    """Expert parallel: an experts kernel over this rank's experts [first, first + count) of the
+    router's E. Pairs routed to another rank's expert weigh 0 here (their id mapped to a local
+    expert, so the kernel's shapes stay fixed); the block's all-reduce adds the ranks' sums."""
+
+    def __init__(self, first: int, count: int) -> None:
+        self.first, self.count = first, count
+        self.inner = None
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                 gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+        if self.inner is None:
+            self.inner = select_experts_kernel(x.device, x.dtype)
+        local = experts - self.first                                                   # [N, k]
+        mine = (local >= 0) & (local < self.count)
+        return self.inner(x, weights * mine, torch.where(mine, local, 0), gate_up_proj, down_proj)
 
 
 def reduce_output(tp: TPGroup):

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from blockspec.distributed.group import TPGroup
-from blockspec.distributed.shard import Slice, rank_slice, shard_config, shard_modules
+from blockspec.distributed.shard import Slice, local_expert, rank_slice, shard_config, shard_modules
 from blockspec.loader import (LoadedModel, LoadError, architecture_of, build_empty, checkpoint_files, gguf_path,
                               load_weights, read_json, resolve_device, resolve_dtype, resolve_model_path)
 from blockspec.models.registry import ARCHITECTURES
@@ -25,7 +25,7 @@ class ReadLog:
 
 
 def load_sharded_model(model: str, tp: TPGroup, device: str = "auto", dtype: str = "auto",
-                       log: ReadLog | None = None) -> LoadedModel:
+                       log: ReadLog | None = None, expert_parallel: bool = False) -> LoadedModel:
     """This rank's share of a target checkpoint (directory or hub id; GGUF files are refused)."""
     if gguf_path(model) is not None:
         raise LoadError("--tensor-parallel-size > 1 needs a safetensors checkpoint (GGUF files load on one device)")
@@ -37,35 +37,38 @@ def load_sharded_model(model: str, tp: TPGroup, device: str = "auto", dtype: str
     try:
         with torch.device("meta"):                      # the full model's parsed config, no weights
             full = spec.build(config, arch).config
-        local = shard_config(config, full, tp.size)
+        expert_parallel = expert_parallel and full.moe is not None          # a dense target has no experts
+        local = shard_config(config, full, tp.size, expert_parallel)
 
         def build():
             module = spec.build(local, arch)
-            shard_modules(module, tp)
+            shard_modules(module, tp, expert_parallel)
             return module
         module = build_empty(build, torch_device, resolve_dtype(dtype, torch_device))
     except (KeyError, ValueError) as exc:
         raise LoadError(f"{path / 'config.json'}: cannot build {arch}: {exc}") from None
     files = checkpoint_files(path)
-    load_weights(module, files, spec.rename, tensors=rank_tensors(files, spec.rename, full, tp, log))
+    load_weights(module, files, spec.rename, tensors=rank_tensors(files, spec.rename, full, tp, log, expert_parallel))
     return LoadedModel(module, path, local, arch)
 
 
-def rank_tensors(files: list[Path], rename, full, tp: TPGroup, log: ReadLog | None
+def rank_tensors(files: list[Path], rename, full, tp: TPGroup, log: ReadLog | None, expert_parallel: bool = False
                  ) -> Iterator[tuple[str, Path, torch.Tensor]]:
-    """(name, file, this rank's slice) of every checkpoint tensor the model takes."""
+    """(name, file, this rank's slice) of every checkpoint tensor the model takes; expert
+    parallel: this rank's experts only, under their local numbers."""
     for f in files:
         with safe_open(str(f), framework="pt") as handle:
             for name in handle.keys():
-                if rename(name) is None:              # not ours (a vision tower, MTP): never read
+                ours = local_expert(name, full.moe.num_experts, tp.size, tp.rank) if expert_parallel else name
+                if ours is None or rename(name) is None:     # another rank's expert, a vision tower, MTP
                     continue
                 part = handle.get_slice(name)
                 shape = tuple(part.get_shape())
-                where = rank_slice(name, shape, full, tp.size, tp.rank)
+                where = rank_slice(name, shape, full, tp.size, tp.rank, expert_parallel)
                 tensor = part[:] if where is None else read_slice(part, shape, where)
                 if log is not None:
                     log.reads[name] = (shape, tensor.numel())
-                yield name, f, tensor
+                yield ours, f, tensor
 
 
 def read_slice(part, shape: tuple[int, ...], where: Slice) -> torch.Tensor:

@@ -22,23 +22,25 @@ from torch import nn
 
 from blockspec.config import ConfigError, ModelConfig
 from blockspec.distributed.group import TPGroup
-from blockspec.distributed.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelLMHead, reduce_output
+from blockspec.distributed.layers import (LocalExperts, RowParallelLinear, VocabParallelEmbedding,
+                                          VocabParallelLMHead, reduce_output)
 from blockspec.layers.attention import Attention
 from blockspec.layers.common import MLP
-from blockspec.layers.moe import SparseMoE
+from blockspec.layers.moe import Experts, SparseMoE
 from blockspec.models.qwen3_5 import GatedDeltaNet
 
 
-def shard_config(config: dict[str, Any], full: ModelConfig, tp: int) -> dict[str, Any]:
-    """The config.json dict of one rank's share of a model whose parsed config is `full`."""
-    check_divisible(full, tp)
+def shard_config(config: dict[str, Any], full: ModelConfig, tp: int, expert_parallel: bool = False) -> dict[str, Any]:
+    """The config.json dict of one rank's share of a model whose parsed config is `full`
+    (expert_parallel: the experts keep their rows; shard_modules gives each rank E/N of them)."""
+    check_divisible(full, tp, expert_parallel)
     local = copy.deepcopy(config)
     text = local.get("text_config") or local          # the multimodal layout nests the text config
     text.update(num_attention_heads=full.num_attention_heads // tp,
                 num_key_value_heads=max(1, full.num_key_value_heads // tp),
                 head_dim=full.head_dim, intermediate_size=full.intermediate_size // tp)
     if full.moe is not None:
-        text.update(moe_intermediate_size=full.moe.moe_intermediate_size // tp,
+        text.update(moe_intermediate_size=full.moe.moe_intermediate_size // (1 if expert_parallel else tp),
                     shared_expert_intermediate_size=full.moe.shared_expert_intermediate_size // tp)
     if hasattr(full, "linear_num_key_heads"):
         text.update(linear_num_key_heads=full.linear_num_key_heads // tp,
@@ -46,13 +48,14 @@ def shard_config(config: dict[str, Any], full: ModelConfig, tp: int) -> dict[str
     return local
 
 
-def check_divisible(full: ModelConfig, tp: int) -> None:
+def check_divisible(full: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
     """Every split dimension must divide by tp (K/V heads may instead be replicated)."""
     sizes = {"num_attention_heads": full.num_attention_heads, "intermediate_size": full.intermediate_size,
              "vocab_size": full.vocab_size}
     if full.moe is not None:
-        sizes.update(moe_intermediate_size=full.moe.moe_intermediate_size,
-                     shared_expert_intermediate_size=full.moe.shared_expert_intermediate_size)
+        sizes.update(shared_expert_intermediate_size=full.moe.shared_expert_intermediate_size,
+                     **({"num_experts": full.moe.num_experts} if expert_parallel
+                        else {"moe_intermediate_size": full.moe.moe_intermediate_size}))
     if hasattr(full, "linear_num_key_heads"):
         sizes.update(linear_num_key_heads=full.linear_num_key_heads,
                      linear_num_value_heads=full.linear_num_value_heads)
@@ -65,7 +68,7 @@ def check_divisible(full: ModelConfig, tp: int) -> None:
                           f"by {tp} nor divides it")
 
 
-def shard_modules(model: nn.Module, tp: TPGroup) -> None:
+def shard_modules(model: nn.Module, tp: TPGroup, expert_parallel: bool = False) -> None:
     """Put the meeting layers into a model built from a local config (on the meta device)."""
     in_moe = {id(m.shared_expert) for m in model.modules() if isinstance(m, SparseMoE) and m.has_shared_expert}
     for module in list(model.modules()):
@@ -75,6 +78,11 @@ def shard_modules(model: nn.Module, tp: TPGroup) -> None:
             module.down_proj = row_parallel(module.down_proj, tp)
         elif isinstance(module, SparseMoE):
             module.register_forward_hook(reduce_output(tp))
+            if expert_parallel:
+                num_experts, inter, hidden = (module.experts.gate_up_proj.shape[0],
+                                              module.experts.down_proj.shape[2], module.experts.down_proj.shape[1])
+                module.experts = Experts(num_experts // tp.size, hidden, inter)
+                module.kernel = LocalExperts(tp.rank * (num_experts // tp.size), num_experts // tp.size)
         elif isinstance(module, GatedDeltaNet):
             module.out_proj = row_parallel(module.out_proj, tp)
     vocab, hidden = model.config.vocab_size, model.config.hidden_size
@@ -119,11 +127,31 @@ SPLIT_COLUMNS = re.compile(r"(self_attn\.o_proj|\.down_proj|linear_attn\.out_pro
 SPLIT_QKV = re.compile(r"linear_attn\.(in_proj_qkv|conv1d)\.weight$")
 FUSED_GATE_UP = re.compile(r"experts\.gate_up_proj$")
 FUSED_DOWN = re.compile(r"experts\.down_proj$")
+EXPERT_TENSOR = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
 
-def rank_slice(name: str, shape: tuple[int, ...], full: ModelConfig, tp: int, rank: int) -> Slice | None:
+def local_expert(name: str, num_experts: int, tp: int, rank: int) -> str | None:
+    """Expert parallel: a per-expert checkpoint name under this rank's numbering of its experts,
+    or None for another rank's expert (never read)."""
+    match = EXPERT_TENSOR.search(name)
+    if match is None:
+        return name
+    per_rank = num_experts // tp
+    local = int(match[1]) - rank * per_rank
+    if not 0 <= local < per_rank:
+        return None
+    return f"{name[:match.start(1)]}{local}{name[match.end(1):]}"
+
+
+def rank_slice(name: str, shape: tuple[int, ...], full: ModelConfig, tp: int, rank: int,
+               expert_parallel: bool = False) -> Slice | None:
     """The part of checkpoint tensor `name` (of `shape`) that rank `rank` reads; None: all of it
-    (norms, the router, biases added after a reduce, the shared expert's gate)."""
+    (norms, the router, biases added after a reduce, the shared expert's gate). Expert parallel:
+    the fused experts' first dim; a per-expert tensor is read whole or not at all (local_expert)."""
+    if expert_parallel and (FUSED_GATE_UP.search(name) or FUSED_DOWN.search(name)):
+        return Slice(0, (chunk(shape[0], tp, rank),))
+    if expert_parallel and EXPERT_TENSOR.search(name):
+        return None
     if SPLIT_KV.search(name):
         kv = full.num_key_value_heads
         return Slice(0, (chunk(shape[0], tp, rank, min(tp, kv)),))
