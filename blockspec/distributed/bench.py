@@ -13,7 +13,7 @@ from unittest import mock
 
 import torch
 
-from blockspec import bench
+from blockspec.bench import common as bench
 from blockspec.config import EngineConfig
 from blockspec.distributed.group import TPGroup
 from blockspec.distributed.launch import Workers, leader
