@@ -15,8 +15,10 @@ import torch
 import torch.distributed as dist
 
 # An idle server waits for its next step in the control group's broadcast for as long as no
-# request comes: the control group's timeout is "never" in practice.
+# request comes: the control group's timeout is "never" in practice. NCCL keeps a finite one, so
+# that a collective whose peer is gone (another host, under torchrun) fails rather than hangs.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+NCCL_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 @dataclass
@@ -58,6 +60,7 @@ class TPGroup:
 def init_group(rank: int, size: int, init_method: str, device_type: str) -> TPGroup:
     """Join the process group (every rank calls this) and make the control group."""
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=IDLE_TIMEOUT)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=NCCL_TIMEOUT if backend == "nccl" else IDLE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT) if backend != "gloo" else dist.group.WORLD
     return TPGroup(rank, size, dist.group.WORLD, control)
