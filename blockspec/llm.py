@@ -48,7 +48,8 @@ class LLM:
                 else EngineOptions(model=model, **options))
         if opts.model is None:
             raise ConfigError("LLM needs a model (a checkpoint directory or hub id)")
-        loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, show_progress=show_progress)
+        loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, show_progress=show_progress,
+                            quantization=opts.quantization)
         target = loaded.model
         if target.lm_head.weight.device.type == "cpu":
             apply_threads(opts.threads)
