@@ -201,9 +201,11 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto",
     files = checkpoint_files(path)
     plan = fp8_plan(config, path, files, spec.rename, quantization, torch_device)
     from blockspec.layers import fp8
+
+    def build() -> nn.Module:
+        return spec.build(config, arch) if plan is None else fp8.convert(spec.build(config, arch), plan)
     try:
-        module = build_empty(lambda: spec.build(config, arch) if plan is None else fp8.convert(spec.build(config, arch), plan),
-                             torch_device, resolve_dtype(dtype, torch_device))
+        module = build_empty(build, torch_device, resolve_dtype(dtype, torch_device))
     except (KeyError, ValueError) as exc:
         raise LoadError(f"{path / 'config.json'}: cannot build {arch}: {exc}") from None
     if plan is None:

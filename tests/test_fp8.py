@@ -275,11 +275,33 @@ for rows, n, k, block in [(1, 40, 200, fp8.ScaleBlock()), (5, 130, 256, fp8.Scal
     ref = K.reference_linear(x, q, scale, block, bias)
     out = K.weight_only_linear(x, q, scale, block, bias, tiles=(16, 32, 4, 2))
     assert (out - ref).abs().max() < 1e-4 * ref.abs().max(), (rows, n, k)
+    # FP8 x FP8 against the product of its own quantized activations (the interpreter's e4m3
+    # conversion truncates, so its codes are not torch's; the GPU test compares those too)
+    x_q, x_scale = K.quantize_rows(x)
+    ref = fp8.dequantize(x_q, x_scale, fp8.ScaleBlock(rows=1)) @ fp8.dequantize(q, scale, block).T + bias
+    assert (K.fp8_fp8_linear(x, q, scale, block, bias) - ref).abs().max() < 1e-4 * ref.abs().max(), (rows, n, k)
+
+# FP8 experts in the fused MoE kernel, gate | up of 24 rows each (a scale per row)
+from blockspec.kernels import moe as M
+from blockspec.layers.moe import reference_experts, route
+gate_up, down = torch.randn(4, 48, 64, generator=gen), torch.randn(4, 64, 24, generator=gen)
+block = fp8.fused_scale_block((24, 24))
+halves = [fp8.quantize(half) for half in gate_up.chunk(2, dim=1)]
+gate_up_q = torch.cat([q for q, _ in halves], dim=1)
+gate_up_s = torch.cat([fp8.part_scale_rows(s, 24, block) for _, s in halves], dim=1)
+down_q, down_s = fp8.quantize(down)
+x = torch.randn(5, 64, generator=gen)
+weights, experts = route(torch.randn(5, 4, generator=gen), 2, True)
+ref = reference_experts(x, weights, experts, fp8.dequantize(gate_up_q, gate_up_s, block),
+                        fp8.dequantize(down_q, down_s, fp8.ScaleBlock()))
+ours = M.fused_experts(x, weights, experts, gate_up_q, down_q, None,
+                       M.ExpertScales(gate_up_s, down_s, block, fp8.ScaleBlock()))
+assert (ours - ref).abs().max() < 1e-4 * ref.abs().max()
 print("ok")
 """
 
 
-def test_weight_only_kernel_equals_the_reference_in_the_interpreter():
+def test_fp8_kernels_equal_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
