@@ -96,6 +96,18 @@ class LLM:
         return str(self.target.lm_head.weight.dtype).removeprefix("torch.")
 
     @property
+    def weight_format(self) -> str:
+        """The target's weights: `fp8_e4m3` (layers/fp8.py) or their dtype; the draft is never FP8."""
+        from blockspec.layers.fp8 import weight_format
+        return weight_format(self.target)
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        """Target weight bytes one decode step reads (scales included, unchosen experts not)."""
+        from blockspec.layers.fp8 import step_weight_bytes
+        return step_weight_bytes(self.target)
+
+    @property
     def device(self) -> str:
         return str(self.target.lm_head.weight.device)
 

@@ -23,6 +23,7 @@ import fixtures
 import fp8_fixtures
 from blockspec.kernels import fp8 as fp8_kernels
 from blockspec.layers import fp8
+from blockspec.layers.moe import SparseMoE
 from blockspec.llm import LLM
 from blockspec.loader import LoadError, load_model
 from blockspec.sampling import SamplingParams
@@ -308,3 +309,48 @@ def test_fp8_kernels_equal_the_reference_in_the_interpreter():
     done = subprocess.run([sys.executable, "-c", INTERPRETED_KERNEL_CHECK], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_quantize_model_in_memory_equals_quantization_on_load(fp8_models):
+    """bench's path (random weights quantized where they are) makes what --quantization fp8 loads."""
+    _, _, bf16 = fp8_models["qwen3_5_moe"]
+    on_load = load_model(str(bf16), quantization="fp8").model.state_dict()
+    in_memory = fp8.quantize_model(load_model(str(bf16)).model).state_dict()
+    assert on_load.keys() == in_memory.keys()
+    for name, tensor in on_load.items():
+        if tensor.dtype == fp8.FP8:
+            tensor, other = tensor.view(torch.uint8), in_memory[name].view(torch.uint8)
+        else:
+            other = in_memory[name]
+        assert torch.equal(tensor, other), name
+
+
+# ── what serve says about the weights ──────────────────────────────────────────────────────────
+
+def test_startup_line_and_metrics_say_the_weight_format_and_bytes(fp8_models, one_tokenizer):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from blockspec.server.logs import startup_summary
+    from blockspec.server.settings import ServerSettings
+    from blockspec.server.state import weight_metrics
+
+    _, path, bf16 = fp8_models["qwen3_moe"]
+    figures = {}
+    for name, checkpoint in (("fp8", path), ("bf16", bf16)):
+        llm = LLM(str(checkpoint), max_model_len=256, show_progress=False)
+        target = llm.target
+        experts = [m.experts for m in target.modules() if isinstance(m, SparseMoE)]
+        total = sum(p.numel() * p.element_size() for p in target.parameters())
+        unchosen = sum(p.numel() * p.element_size() for m in experts for p in m.parameters()) * (1 - 2 / 4)
+        assert llm.weight_bytes_per_step == int(total - unchosen)
+        registry = CollectorRegistry()
+        registry.register(type("Weights", (), {"collect": lambda self, llm=llm: weight_metrics(llm)})())
+        samples = {s.name: s for family in text_string_to_metric_families(generate_latest(registry).decode())
+                   for s in family.samples}
+        assert samples["blockspec_weight_bytes_per_step"].value == llm.weight_bytes_per_step
+        assert samples["blockspec_weight_format"].labels == {"format": llm.weight_format}
+        line = startup_summary(llm, ServerSettings(model=str(checkpoint)))
+        assert f"weights {llm.weight_format}, {llm.weight_bytes_per_step / 1e9:.3g} GB read per step" in line
+        figures[name] = (llm.weight_format, llm.weight_bytes_per_step)
+    assert figures["fp8"][0] == "fp8_e4m3" and figures["bf16"][0] == "float32"
+    assert figures["fp8"][1] < 0.5 * figures["bf16"][1]

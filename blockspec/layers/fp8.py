@@ -445,3 +445,53 @@ def quantize_on_load(raw: str, ours, tensor: torch.Tensor, plan: Fp8Plan
 def rename_scale(piece: ParamSlice, experts: str, raw: str) -> str:
     """Our name of an expert piece's scale (`…experts.{e}.gate_proj.weight_scale_inv`)."""
     return f"{experts}.{piece.index}.{raw.rsplit('.', 2)[-2]}{SCALE}"
+
+
+def quantize_model(model: nn.Module) -> nn.Module:
+    """--quantization fp8 over a model already in memory (bench's random weights): its decoder
+    linears and experts become FP8 in place, as loading its checkpoint with --quantization fp8
+    would make them; each bf16 weight is freed once quantized."""
+    from pathlib import Path
+
+    from blockspec.loader import load_weights
+    device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
+    state = model.state_dict()                 # Hugging Face names (fused parts split), views
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    plan = Fp8Plan(set(), on_load=True)
+    with torch.device("meta"):
+        convert(model, plan)
+    for module in model.modules():             # only the replacements need memory
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            module.to_empty(device=device, recurse=False).to(dtype)
+
+    def drained() -> Iterator[tuple[str, Any, torch.Tensor]]:
+        while state:
+            name, tensor = state.popitem()
+            yield name, Path("<memory>"), tensor
+
+    def same(name: str) -> str:
+        return name
+    load_weights(model, [], fp8_rename(same, plan), tensors=fp8_stream(drained(), same, plan))
+    return model
+
+
+def weight_format(model: nn.Module) -> str:
+    """`fp8_e4m3` when the target holds e4m3 weights, else its weights' dtype (`bfloat16`)."""
+    if any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules()):
+        return "fp8_e4m3"
+    return str(model.lm_head.weight.dtype).removeprefix("torch.")
+
+
+def step_weight_bytes(model: nn.Module) -> int:
+    """Weight bytes one decode step reads: every parameter (scales included) but the experts a
+    token does not choose (top_k of E per sparse layer)."""
+    from blockspec.layers.moe import SparseMoE
+
+    def nbytes(module: nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in {id(p): p for p in module.parameters()}.values())
+    unread = 0.0
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            unread += nbytes(module.experts) * (1 - module.top_k / module.experts.gate_up_proj.shape[0])
+    return int(nbytes(model) - unread)
