@@ -1,7 +1,8 @@
 """The FP8 weight-only kernel against bf16 (cuBLAS through F.linear) at the Qwen3-8B linear
 shapes, graphed, at M = 1, 16, 256 rows; the FP8 × FP8 kernel at 256; per-channel scales
 against 128 × 128 blocks (speed here; accuracy: the relative error of each against the bf16
-product); a small tile sweep of the weight-only kernel at M = 1 and 16.
+product); a small sweep of the weight-only kernel's column tile and K split at M = 1 and 16; the
+auto-chosen tiles with the K split turned off.
 
 COPIES distinct weights per graph, so no weight is still in L2 from the replay before (a real
 step reads every layer's weights once).
@@ -48,9 +49,14 @@ def shape_rows(name: str, out_features: int, in_features: int, bandwidth: float)
                                  COPIES)
         channel_us = per_linear_us(lambda: [K.weight_only_linear(x, q, s, per_channel, None) for q, s in channels],
                                    COPIES)
+        chosen = K.weight_only_tiles(m, out_features, in_features, K.num_sms(torch.device("cuda", 0)))
+        unsplit = K.WeightOnlyTiles(chosen.block_m, chosen.block_n, chosen.num_warps, chosen.num_stages, 1)
+        unsplit_us = per_linear_us(lambda: [K.weight_only_linear(x, q, s, fp8.ScaleBlock(), None, unsplit)
+                                            for q, s in blocks], COPIES)
         ref = F.linear(x.float(), weights[0].float())
         row = {"linear": name, "N": out_features, "K": in_features, "M": m, "bf16_us": round(bf16_us, 2),
                "fp8_block_us": round(block_us, 2), "fp8_channel_us": round(channel_us, 2),
+               "split_k": chosen.split_k, "fp8_block_unsplit_us": round(unsplit_us, 2),
                "bf16_over_fp8_block": round(bf16_us / block_us, 3),
                "fp8_block_GBps": round(out_features * in_features / block_us / 1e3, 1),
                "bf16_GBps": round(2 * out_features * in_features / bf16_us / 1e3, 1),
@@ -66,23 +72,23 @@ def shape_rows(name: str, out_features: int, in_features: int, bandwidth: float)
 
 
 def sweep(name: str, out_features: int, in_features: int) -> list[dict]:
-    """Weight-only tiles (BLOCK_M 16) at M = 1 and 16: the column tile and the pipeline depth."""
+    """Weight-only tiles (BLOCK_M 16) at M = 1 and 16: the column tile and the K split."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     blocks = [fp8.quantize((torch.randn(out_features, in_features, device="cuda", generator=gen) * 0.02))
               for _ in range(COPIES)]
     out = []
     for m in (1, 16):
         x = torch.randn(m, in_features, device="cuda", generator=gen).to(torch.bfloat16)
-        chosen = K.weight_only_tiles(m, out_features, K.num_sms(0))
-        for block_n in (16, 32, 64):
-            for stages in (3, 4, 6):
-                tiles = (16, block_n, 4, stages)
+        chosen = K.weight_only_tiles(m, out_features, in_features, K.num_sms(torch.device("cuda", 0)))
+        for block_n in (32, 64):
+            for split in (1, 2, 4, 8):
+                tiles = K.WeightOnlyTiles(16, block_n, 4, 4, split)
                 us = per_linear_us(lambda: [K.weight_only_linear(x, q, s, fp8.ScaleBlock(), None, tiles)
                                             for q, s in blocks], COPIES)
-                out.append({"linear": name, "M": m, "block_n": block_n, "stages": stages, "us": round(us, 2),
+                out.append({"linear": name, "M": m, "block_n": block_n, "split_k": split, "us": round(us, 2),
                             "chosen": tiles == chosen})
         best = min((r for r in out if r["M"] == m), key=lambda r: r["us"])
-        print(json.dumps({"sweep_best": best, "chosen": chosen}), flush=True)
+        print(json.dumps({"sweep_best": best, "chosen": str(chosen)}), flush=True)
     return out
 
 
@@ -95,7 +101,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copies": COPIES,
               "rows": [r for name, (n, k) in SHAPES.items() for r in shape_rows(name, n, k, bandwidth)]}
     if not args.no_sweep:
-        result["sweep"] = [r for name in ("o_proj", "gate_up_proj") for r in sweep(name, *SHAPES[name])]
+        result["sweep"] = [r for name in ("o_proj", "down_proj") for r in sweep(name, *SHAPES[name])]
     total = {m: {key: sum(r[key] for r in result["rows"] if r["M"] == m) for key in ("bf16_us", "fp8_block_us",
                                                                                    "fp8_channel_us")}
              for m in ROWS}

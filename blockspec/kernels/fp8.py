@@ -4,24 +4,28 @@
 x · (weight · scale)ᵀ + bias with the weight dequantized to fp32 and rounded to x's dtype. Two
 kernels, chosen by the number of rows M (both fixed-shape, no host sync: inside CUDA graphs):
 
-- M ≤ WEIGHT_ONLY_MAX_ROWS (decode rows, DFlash verify blocks): weight-only. Each program
-  streams e4m3 weight tiles [BLOCK_K, BLOCK_N], widens them to x's dtype in registers (exact:
-  e4m3 fits in bf16), multiplies with tl.dot in fp32 and scales each 128-column tile's partial
-  product by its block scale. A step reads one byte per weight; the math stays bf16, so
-  activations are never quantized where acceptance is decided.
-- larger M (prefill chunks): FP8 × FP8. x is quantized per row and 128 columns (one scale each,
-  largest magnitude → 448, `quantize_rows`) and the tensor cores multiply e4m3 by e4m3, each
-  tile's partial product scaled by its row's and its weight block's scales: twice bf16's peak
-  where a chunk is compute-bound. `reference_fp8_fp8` is its spec (x quantized the same way).
+- M ≤ WEIGHT_ONLY_MAX_ROWS (decode rows, a few sequences' DFlash verify blocks): weight-only.
+  Each program streams e4m3 weight tiles [BLOCK_K, BLOCK_N], widens them to x's dtype in
+  registers (exact: e4m3 fits in bf16), multiplies with tl.dot in fp32 and scales each
+  128-column tile's partial product by its block scale. A step reads one byte per weight and
+  the math stays bf16. Where N gives too few programs to keep every SM streaming, K is split
+  too: each split writes its fp32 partial sums and one small kernel adds them in split order
+  (deterministic, no atomics) with the bias.
+- larger M (prefill chunks, verify of many sequences): FP8 × FP8. x is quantized per row and
+  128 columns (one scale each, largest magnitude → 448, `quantize_rows`) and the tensor cores
+  multiply e4m3 by e4m3, each tile's partial product scaled by its row's and its weight
+  block's scales. `reference_fp8_fp8` is its spec (x quantized the same way).
 
-No split over K: a partial sum per split would need a reduction kernel after every linear (a
-few µs each inside a graph, hundreds per step); programs split over N instead, narrow tiles at
-small M so that every SM streams weights. Results are deterministic (no atomics).
+Measured on the H200 at the Qwen3-8B shapes (scripts/fp8_kernel_bench.py, BENCHMARKS.md): at
+256 rows the FP8 × FP8 kernel took 0.39-0.52 × the weight-only kernel's time, hence the
+threshold of 64 rows (not 256); at 1 and 16 rows 32-column tiles with 4 stages were the best
+of the swept ones, within 3 % or better.
 torch._scaled_mm's block-wise scaling is not used: ours runs the same on every torch version.
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +39,7 @@ try:
 except ImportError:          # CPU-only installs: the reference path serves
     triton = None
 
-WEIGHT_ONLY_MAX_ROWS = 256
+WEIGHT_ONLY_MAX_ROWS = 64
 MIN_CAPABILITY = (8, 9)      # e4m3 tensor-core and conversion instructions: Ada and Hopper on
 
 
@@ -82,8 +86,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: Sc
 
 
 @functools.lru_cache(maxsize=None)
-def num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 elsewhere: Triton's CPU interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def scale_cols(block: ScaleBlock, in_features: int) -> int:
@@ -92,18 +97,31 @@ def scale_cols(block: ScaleBlock, in_features: int) -> int:
     return block.cols if block.cols < in_features else 1 << 30
 
 
-def weight_only_tiles(num_rows: int, out_features: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): rows rounded up to a tl.dot tile; the widest
-    column tile that still gives every SM two programs."""
+@dataclass(frozen=True)
+class WeightOnlyTiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+
+
+# K splits give each program at least this many 128-column tiles; at most MAX_SPLITS of them.
+MIN_TILES_PER_SPLIT, MAX_SPLITS = 4, 8
+
+
+def weight_only_tiles(num_rows: int, out_features: int, in_features: int, sms: int) -> WeightOnlyTiles:
+    """Rows rounded up to a tl.dot tile; 32 columns per program (the sweep's best at 1 and 16
+    rows); K split until there are about four programs per SM."""
     block_m = min(64, max(16, triton.next_power_of_2(num_rows)))
-    widths = (128, 64, 32, 16) if num_rows > 64 else (64, 32, 16)
-    row_blocks = triton.cdiv(num_rows, block_m)
-    block_n = next((w for w in widths if triton.cdiv(out_features, w) * row_blocks >= 2 * sms), 16)
-    return block_m, block_n, 4, 4 if num_rows <= 64 else 3
+    programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, 32)
+    k_tiles = triton.cdiv(in_features, BLOCK)
+    split = max(1, min(triton.cdiv(4 * sms, programs), k_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    return WeightOnlyTiles(block_m, 32, 4, 4, split)
 
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
-                       bias: torch.Tensor | None, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None, tiles: WeightOnlyTiles | None = None) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32) · e4m3 weight [N, K] → [M, N] in x's dtype."""
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
@@ -111,15 +129,36 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    block_m, block_n, warps, stages = tiles or weight_only_tiles(num_rows, out_features, num_sms(x.device.index or 0))
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, block_n))
+    tiles = tiles or weight_only_tiles(num_rows, out_features, in_features, num_sms(x.device))
+    k_tiles = triton.cdiv(in_features, BLOCK)
+    split = min(tiles.split_k, k_tiles)
+    tiles_per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, tiles_per_split)              # no empty split
+    partial = (torch.empty(split, num_rows, out_features, dtype=torch.float32, device=x.device)
+               if split > 1 else out)                                                    # [S, M, N]
+    grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split)
     _weight_only_kernel[grid](
-        x, weight, scale, bias if bias is not None else x, out, num_rows, out_features, in_features,
-        x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        SCALE_ROWS=block.rows, SCALE_COLS=scale_cols(block, in_features), HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, num_warps=warps, num_stages=stages)
+        x, weight, scale, bias if bias is not None else x, partial, num_rows, out_features, in_features,
+        tiles_per_split * BLOCK, x.stride(0), weight.stride(0), scale.stride(0), partial.stride(-2),
+        num_rows * out_features, SCALE_ROWS=block.rows, SCALE_COLS=scale_cols(block, in_features),
+        HAS_BIAS=bias is not None and split == 1, PRECISION="ieee" if x.dtype == torch.float32 else None,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    if split > 1:
+        size = num_rows * out_features
+        _split_sum_kernel[(triton.cdiv(size, 1024),)](partial, bias if bias is not None else x, out, size,
+                                                      out_features, SPLITS=split, HAS_BIAS=bias is not None,
+                                                      BLOCK=1024, num_warps=4)
     return out
+
+
+def fp8_fp8_tiles(num_rows: int, out_features: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): 128 × 128 where that fills every SM, else smaller tiles
+    (256 rows × 4096 columns are 64 tiles of 128 × 128 for 132 SMs)."""
+    for block_m, block_n, warps in ((128, 128, 8), (128, 64, 4)):
+        if triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n) >= sms:
+            return block_m, block_n, warps
+    return 64, 64, 4
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,33 +183,35 @@ def fp8_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    block_m = block_n = 128
+    block_m, block_n, warps = fp8_fp8_tiles(num_rows, out_features, num_sms(x.device))
     grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n),)
     _fp8_fp8_kernel[grid](
         q, x_scales, weight, scale, bias if bias is not None else x, out, num_rows, out_features, in_features,
         q.stride(0), x_scales.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         SCALE_ROWS=block.rows, SCALE_COLS=scale_cols(block, in_features), HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, GROUP_M=8, num_warps=8, num_stages=3)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, GROUP_M=8, num_warps=warps, num_stages=3)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                            stride_om, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+    def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
+                            stride_sn, stride_om, stride_split, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                             HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[m, n] = Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[m, k] · w[n, k] (+ bias[n])."""
+        """out[split, m, n] = Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[m, k] · w[n, k] over
+        the split's columns K_PER_SPLIT · split … (+ bias[n]); one split: out[m, n] in out's dtype."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_start = tl.program_id(2) * K_PER_SPLIT
         offs_k = tl.arange(0, BLOCK_K)
         m_ok, n_ok = offs_m < M, offs_n < N
-        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]          # [BLOCK_K, BLOCK_N]
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k_start + offs_k[:, None]   # [BLOCK_K, BLOCK_N]
         s_ptrs = s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
+        for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
             k_ok = offs_k < K - k
             a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -181,8 +222,22 @@ if triton is not None:
             w_ptrs += BLOCK_K
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        out_ptrs = (out_ptr + tl.program_id(2).to(tl.int64) * stride_split + offs_m[:, None].to(tl.int64) * stride_om
+                    + offs_n[None, :])
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _split_sum_kernel(partial_ptr, b_ptr, out_ptr, size, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """out = Σ_split partial[split] (+ bias) over the flat [M·N] outputs, splits in order."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < size
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for split in tl.static_range(SPLITS):
+            acc += tl.load(partial_ptr + split * size + offs, mask=ok, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, FP8_MAX: tl.constexpr,

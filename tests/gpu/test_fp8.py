@@ -54,6 +54,18 @@ def test_weight_only_kernel_equals_the_reference(case, rows):
     assert relative_error(K.reference_linear(x, q, scale, block, bias), expected) < TOLERANCE
 
 
+@pytest.mark.parametrize("split", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_weight_only_kernel_split_over_k(split, rows):
+    out_features, in_features, block = CASES["per_row"]
+    q, scale = weights(out_features, in_features, block, seed=4)
+    x = torch.randn(rows, in_features, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(out_features, device="cuda").to(torch.bfloat16)
+    expected = x.float() @ fp8.dequantize(q, scale, block).T + bias.float()
+    tiles = K.WeightOnlyTiles(min(64, max(16, rows)), 32, 4, 4, split)
+    assert relative_error(K.weight_only_linear(x, q, scale, block, bias, tiles), expected) < TOLERANCE
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("rows", ROWS)
 def test_fp8_fp8_kernel_equals_its_reference(case, rows):
