@@ -129,3 +129,33 @@ def test_fp8_experts_equal_the_dequantized_reference(inter, num_tokens):
                                  fp8.dequantize(down_q, down_s, fp8.ScaleBlock()))
     ours = moe_kernels.fused_experts(x, weights_.to(torch.bfloat16), experts, gate_up_q, down_q, None, scales)
     assert relative_error(ours, expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_5_moe"])
+def test_fp8_targets_decode_on_the_gpu_as_on_the_cpu(kind, tmp_path):
+    """The FP8 fixtures of tests/test_fp8_targets.py in fp32 on the GPU, graphed (the weight-only
+    kernel at every width, FP8 experts, GDN's mixed in_proj): plain and DFlash, batched and
+    alone, decode what the CPU's dequantizing reference decodes (which tests/test_fp8_targets.py
+    holds equal to transformers)."""
+    import fixtures
+    import fp8_fixtures
+    from test_fp8_targets import PROMPTS, VOCAB, hf_model, randomise
+
+    from blockspec.llm import LLM
+    from blockspec.sampling import SamplingParams
+
+    model = hf_model(kind)
+    randomise(model)
+    path = fp8_fixtures.write_fp8_checkpoint(tmp_path / kind, model)
+    fixtures.write_tokenizer_files(path, "qwen3")
+    params = SamplingParams(max_tokens=16)
+    cpu = LLM(str(path), device="cpu", show_progress=False)
+    expected = [cpu.generate_ids(p, params).token_ids for p in PROMPTS]
+    assert all(len(set(tokens)) > 3 for tokens in expected)
+    draft = fixtures.write_dflash_draft(tmp_path / "draft", path, target_layer_ids=[0, 2], mask_token_id=VOCAB - 1)
+    for draft_dir, block_size in ((None, None), (str(draft), 8)):
+        llm = LLM(str(path), draft=draft_dir, block_size=block_size, device="cuda", dtype="float32",
+                  show_progress=False)
+        assert llm.weight_format == "fp8_e4m3"
+        assert [r.token_ids for r in llm.generate(PROMPTS, params)] == expected, block_size
+        assert [llm.generate_ids(p, params).token_ids for p in PROMPTS] == expected, block_size
