@@ -42,7 +42,8 @@ def load_models(opts: EngineOptions, tp=None, show_progress: bool = False):
     """(target, draft or None, EngineConfig, the target's path): the whole target, or with a
     tensor-parallel group `tp` this rank's share of it (the draft is whole on every rank)."""
     if tp is None:
-        loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, show_progress=show_progress)
+        loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, show_progress=show_progress,
+                            quantization=opts.quantization)
     else:
         from blockspec.distributed.loading import load_sharded_model
         loaded = load_sharded_model(opts.model, tp, device=opts.device, dtype=opts.dtype,
@@ -137,6 +138,18 @@ class LLM:
     @property
     def dtype(self) -> str:
         return str(self.target.lm_head.weight.dtype).removeprefix("torch.")
+
+    @property
+    def weight_format(self) -> str:
+        """The target's weights: `fp8_e4m3` (layers/fp8.py) or their dtype; the draft is never FP8."""
+        from blockspec.layers.fp8 import weight_format
+        return weight_format(self.target)
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        """Target weight bytes one decode step reads (scales included, unchosen experts not)."""
+        from blockspec.layers.fp8 import step_weight_bytes
+        return step_weight_bytes(self.target)
 
     @property
     def device(self) -> str:

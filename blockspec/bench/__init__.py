@@ -68,5 +68,6 @@ def main(args) -> int:
             return 1
     return report(lambda args: run(args.shape, device, args.vs, concurrency, args.accept_len, args.prompt_len,
                                    args.max_tokens, block_sizes, dflash2=not getattr(args, "no_dflash2", False),
-                                   layers=getattr(args, "layers", None), breakdown=getattr(args, "breakdown", False)),
+                                   layers=getattr(args, "layers", None), breakdown=getattr(args, "breakdown", False),
+                                   quantization=getattr(args, "quantization", None)),
                   args)

@@ -31,6 +31,8 @@ def load_sharded_model(model: str, tp: TPGroup, device: str = "auto", dtype: str
         raise LoadError("--tensor-parallel-size > 1 needs a safetensors checkpoint (GGUF files load on one device)")
     path = resolve_model_path(model)
     config = read_json(path / "config.json")
+    if (config.get("text_config") or config).get("quantization_config") or config.get("quantization_config"):
+        raise LoadError(f"{path}: a quantized checkpoint loads on one device only (--tensor-parallel-size 1)")
     arch = architecture_of(config, path)
     spec = ARCHITECTURES[arch]()
     torch_device = resolve_device(device)
