@@ -236,12 +236,15 @@ def fp8_plan(config: dict[str, Any], path: Path, files: list[Path], rename: Rena
         raise LoadError(f"FP8 weights need a GPU of compute capability {need} or later (Ada, Hopper); {device} "
                         f"has none: serve a bf16 checkpoint without --quantization")
     if not stored:
-        return fp8.Fp8Plan(set(), on_load=True)
+        return fp8.Fp8Plan(set(), on_load=True, device=device)
     names = []
     for f in files:
         with safe_open(str(f), framework="pt") as handle:
             names.extend(handle.keys())
-    return fp8.plan_from_names(names, rename)
+    try:
+        return fp8.plan_from_names(names, rename)
+    except fp8.Fp8Error as exc:
+        raise LoadError(f"{path}: {exc}") from None
 
 
 def gguf_path(model: str) -> Path | None:

@@ -355,3 +355,37 @@ def test_startup_line_and_metrics_say_the_weight_format_and_bytes(fp8_models, on
         figures[name] = (llm.weight_format, llm.weight_bytes_per_step)
     assert figures["fp8"][0] == "fp8_e4m3" and figures["bf16"][0] == "float32"
     assert figures["fp8"][1] < 0.5 * figures["bf16"][1]
+
+
+def test_bench_takes_quantization_in_its_default_mode_only(capsys):
+    from blockspec.cli import main
+    assert main(["bench", "--device", "cpu", "--burst", "4", "--quantization", "fp8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["blockspec bench: error: --quantization measures the default mode only, not --burst"]
+
+
+def test_bench_prints_fp8_beside_bf16(tmp_path, capsys):
+    """`bench --quantization fp8`: the target measured, then quantized in place and measured
+    again; the side-by-side rows hold both (on CPU the reference path: a plumbing check)."""
+    from blockspec.cli import main
+    out = tmp_path / "r.json"
+    assert main(["bench", "--shape", "tiny", "--device", "cpu", "--layers", "1", "--block-size", "2",
+                 "--prompt-len", "8", "--max-tokens", "2", "--no-dflash2", "--accept-len", "1.5",
+                 "--quantization", "fp8", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["fp8_side_by_side"]
+    assert result["weight_format"] == "fp8_e4m3"
+    row = result["c1"]
+    assert row["bf16_plain_ms_per_step"] > 0 and row["fp8_plain_ms_per_step"] > 0
+    assert row["fp8_dflash_ms_per_cycle"] > 0 and row["fp8_dflash_acceptance_length"] >= 1
+    assert "fp8 target (fp8_e4m3" in capsys.readouterr().out
+
+
+def test_an_fp8_lm_head_is_refused(fp8_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "ckpt"
+    shutil.copytree(fp8_models["qwen3"][1], path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["lm_head.weight_scale_inv"] = torch.ones(VOCAB // 128, 2)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(LoadError, match="an FP8 lm_head is not supported"):
+        load_model(str(path))

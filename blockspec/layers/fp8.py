@@ -258,10 +258,12 @@ def quantizable(module_name: str) -> bool:
 @dataclass
 class Fp8Plan:
     """Our names of the FP8 tensors of one load: `X` for every `X.weight` stored as e4m3 (and,
-    for fused experts, `…experts.gate_up_proj` / `…experts.down_proj`). on_load: the checkpoint
-    is bf16 and `quantized_stream` quantizes these as it reads them."""
+    for fused experts, `…experts.gate_up_proj` / `…experts.down_proj`; `…experts.per_expert`:
+    the experts' per-expert tensors). on_load: the checkpoint is bf16 and `fp8_stream` quantizes
+    these as it reads them, on `device` (the model's: a GPU quantizes 8B weights in seconds)."""
     fp8: set[str]
     on_load: bool = False
+    device: torch.device | None = None
     # filled by convert(): checkpoint names (ours) → where the tensor goes, and how a part's scale
     # is laid out in its fused module
     slices: dict[str, ParamSlice] = field(default_factory=dict)
@@ -279,6 +281,8 @@ def plan_from_names(names: Iterable[str], rename: Rename) -> Fp8Plan:
         ours = rename(name) if name.endswith(SCALE) or name.endswith(EXPERT_SCALES) else None
         if isinstance(ours, str):
             fp8.add(ours[: -len(SCALE)] if ours.endswith(SCALE) else ours[: -len("_scale_inv")])
+    if "lm_head" in fp8:
+        raise Fp8Error("an FP8 lm_head is not supported (the draft reads the target's lm_head in bf16)")
     return Fp8Plan(fp8)
 
 
@@ -412,6 +416,8 @@ def fp8_stream(tensors: Iterator[tuple[str, Any, torch.Tensor]], rename: Rename,
 def quantize_on_load(raw: str, ours, tensor: torch.Tensor, plan: Fp8Plan
                      ) -> tuple[torch.Tensor, str, torch.Tensor] | None:
     """(e4m3 weight, the scale's checkpoint name, its scale) for a weight the plan quantizes."""
+    if plan.device is not None:
+        tensor = tensor.to(plan.device)
     if isinstance(ours, ParamSlice):                         # one expert's piece
         experts = ours.param.rsplit(".", 1)[0]
         if not plan.is_fp8(f"{experts}.per_expert") or not raw.endswith(".weight"):
