@@ -41,8 +41,8 @@ FATAL_GRACE_S = 1.0          # a step error on rank 0 waits this long for a work
 @dataclass
 class Workers:
     """Rank 0's handle on the group: its collectives and the worker processes it started."""
-    tp: TPGroup
-    processes: list = field(default_factory=list)
+    tp: TPGroup | None                              # None while the spawned workers join
+    processes: list[subprocess.Popen] = field(default_factory=list)
     stopping: threading.Event = field(default_factory=threading.Event)
     fatal_lock: threading.Lock = field(default_factory=threading.Lock)
 

@@ -16,7 +16,7 @@ every rank holds whole; the workers skip it. Two results of those decisions reac
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -186,4 +186,3 @@ class Unload:
 @dataclass
 class Exit:
     """Stop the worker process."""
-    reason: str = field(default="")
