@@ -107,8 +107,8 @@ class LeaderRunner(ModelRunner):
         self._accepted: list[int] | None = None
         super().__init__(target, draft, config)
 
-    def size_pool(self) -> PoolSize:
-        return agreed_pool(self.tp, super().size_pool())
+    def size_pool(self, graphed: bool) -> PoolSize:
+        return agreed_pool(self.tp, super().size_pool(graphed))
 
     def step(self, batch: Batch) -> StepResult:
         plan = StepPlan([(SeqView.of(seq, n), n) for seq, n in batch.prefill],
@@ -140,8 +140,8 @@ class WorkerRunner(ModelRunner):
         self._verified: list[SeqView] = []
         super().__init__(target, draft, config)
 
-    def size_pool(self) -> PoolSize:
-        return agreed_pool(self.tp, super().size_pool())
+    def size_pool(self, graphed: bool) -> PoolSize:
+        return agreed_pool(self.tp, super().size_pool(graphed))
 
     def run(self, plan: StepPlan) -> None:
         if plan.accepted is not None:

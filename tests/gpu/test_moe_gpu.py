@@ -49,5 +49,5 @@ def test_moe_graphs_equal_eager(tmp_path, dtype):
         llm = LLM(str(tmp_path / "target"), draft=str(draft) if block_size > 1 else None,
                   block_size=block_size if block_size > 1 else None, device="cuda", dtype=dtype,
                   show_progress=False)
-        assert llm.engine.runner.graphs is not None
+        assert llm.engine.runner.graphs.capture
         assert [r.token_ids for r in llm.generate(prompts, params)] == expected, block_size
