@@ -272,12 +272,12 @@ def test_chunked_prefill_equals_unchunked(request, kind, name):
 
     def factory():
         built = engine()
-        step = built.runner.step
+        launch = built.runner.launch
 
         def recorded(batch):
             chunks.extend(num_tokens for _, num_tokens in batch.prefill)
-            return step(batch)
-        built.runner.step = recorded
+            return launch(batch)
+        built.runner.launch = recorded
         return built
 
     short, long = requests()

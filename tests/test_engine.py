@@ -94,15 +94,15 @@ def test_every_request_ends_exactly_once_even_when_a_step_fails(llm, monkeypatch
     engine = llm.engine
     finished: list[Request] = []
     monkeypatch.setattr(engine, "on_finish", finished.append)
-    real_step, calls = engine.runner.step, []
+    real_launch, calls = engine.runner.launch, []
 
     def failing_once(batch):
         if batch.decode:
             calls.append(len(batch.decode))
             if len(calls) == 2:
                 raise RuntimeError("kernel fault")
-        return real_step(batch)
-    monkeypatch.setattr(engine.runner, "step", failing_once)
+        return real_launch(batch)
+    monkeypatch.setattr(engine.runner, "launch", failing_once)
     gone = make(llm, "gone")
     gone.abort()
     events = run_until_done(engine, [make(llm, "x"), make(llm, "y"), gone], finished)

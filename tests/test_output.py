@@ -6,6 +6,7 @@ import codecs
 import json
 from collections.abc import Iterator
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +17,7 @@ from blockspec.server.output import (
     StopStringFilter,
 )
 from blockspec.server.parsers import ToolCallDelta
+from blockspec.server.streaming import TextChunks
 
 # A toy byte-level vocabulary: every single byte, plus multi-char tokens, tokens that split tags
 # ("<tool" + "_call>", "</th" + "ink>") and a stop string ("ST" + "OP"). "é" has no token of its
@@ -352,3 +354,28 @@ def test_parallel_tool_calls_false_keeps_only_the_first_call():
         _, _, first = run(batches, tools_enabled=True, tools=None, max_tool_calls=1)
         assert [(call.name, json.loads(call.arguments)) for call in first.tool_calls] == [("a", {"x": 1})]
         assert first.finish_reason == "tool_calls"
+
+
+# -- the streamed chunks' fast path (server/streaming.py TextChunks) ------------------------------
+
+TRICKY_TEXTS = ["plain", 'a"b\\c', "\n\t\r\b\f", "".join(chr(i) for i in range(32)), "\x7f é中文😀",
+                "\u2028\u2029 </script> a/b", "\ufffd", "", TextChunks.MARK, "x" * 5000]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_text_chunks_equal_the_models_rendered_each_time(kind):
+    """The template's bytes for any text equal pydantic's for the same chunk (escapes included),
+    also for a model name holding the template's own marker."""
+    from blockspec.server.replies import (ChatCompletionChunk, ChatCompletionChunkChoice, Completion,
+                                          CompletionChoice, DeltaMessage)
+    from blockspec.server.streaming import sse
+
+    def render(text: str) -> bytes:
+        if kind == "chat":
+            choice = ChatCompletionChunkChoice(index=3, delta=DeltaMessage(content=text))
+            return sse(ChatCompletionChunk(id="chatcmpl-1", model="m" + TextChunks.MARK, created=7, choices=[choice]))
+        return sse(Completion(id="cmpl-1", model="m" + TextChunks.MARK, created=7,
+                              choices=[CompletionChoice(index=3, text=text)]))
+    fast = TextChunks(render)
+    for text in TRICKY_TEXTS:
+        assert fast(text) == render(text), repr(text)

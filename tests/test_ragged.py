@@ -54,12 +54,12 @@ def recording(build):
 
     def make() -> Engine:
         engine = build()
-        real = engine.runner.step
+        real = engine.runner.launch
 
         def step(batch):
             steps.append((len(batch.prefill), len(batch.decode)))
             return real(batch)
-        engine.runner.step = step
+        engine.runner.launch = step
         return engine
     return make, steps
 

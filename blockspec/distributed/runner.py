@@ -1,8 +1,8 @@
 """The step on every rank: rank 0 decides, the other ranks compute the same forwards.
 
-Rank 0's LeaderRunner sends each step once, as a StepPlan (what its ModelRunner.step reads of
+Rank 0's LeaderRunner sends each step once, as a StepPlan (what its ModelRunner.launch reads of
 the batch's sequences: positions, block tables, state slots, prefill chunks), then runs the step
-as on one device. Each worker's WorkerRunner runs ModelRunner.step on the plan's SeqViews: the
+as on one device (launch, then collect). Each worker's WorkerRunner runs ModelRunner.step on the plan's SeqViews: the
 same metadata, the same forwards, so every collective inside them (the row-parallel all-reduces,
 the vocab-parallel lookups, the logits' all-gather) meets its peers in the same order. What only
 rank 0 can decide — sampling, grammars, acceptance — it does on the gathered logits, which
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from blockspec.distributed.group import TPGroup
 from blockspec.engine.memory import PoolSize
-from blockspec.engine.model_runner import DecodeResult, ModelRunner, StepResult
+from blockspec.engine.model_runner import DecodeResult, Launched, ModelRunner, StepResult
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.spec.dflash import Proposal
@@ -110,16 +110,26 @@ class LeaderRunner(ModelRunner):
     def size_pool(self, graphed: bool) -> PoolSize:
         return agreed_pool(self.tp, super().size_pool(graphed))
 
-    def step(self, batch: Batch) -> StepResult:
+    def launch(self, batch: Batch) -> Launched:
         plan = StepPlan([(SeqView.of(seq, n), n) for seq, n in batch.prefill],
                         [SeqView.of(seq) for seq in batch.decode], list(batch.num_drafts), self._accepted)
         self._accepted = None
         try:
             self.tp.broadcast_message(plan)
-            return super().step(batch)
+            return super().launch(batch)
         except BaseException as exc:
-            self.on_fatal(f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc})")
+            self.fail(exc)
             raise
+
+    def collect(self, launched: Launched) -> StepResult:
+        try:
+            return super().collect(launched)
+        except BaseException as exc:              # the workers would keep states rank 0 did not select
+            self.fail(exc)
+            raise
+
+    def fail(self, exc: BaseException) -> None:
+        self.on_fatal(f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc})")
 
     def proposal_of(self, drafted, seqs: list[Sequence]) -> Proposal:
         proposal = super().proposal_of(drafted, seqs)

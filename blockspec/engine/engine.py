@@ -12,10 +12,11 @@ preempts the batch (recomputed later, exact) and halves the seats until steps su
 """
 from __future__ import annotations
 
+import logging
+import os
 import queue
 import threading
 import time
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,6 +31,9 @@ from blockspec.engine.model_runner import DecodeResult, ModelRunner
 from blockspec.engine.request import Request, TokenEvent
 from blockspec.engine.scheduler import Batch, Emitted, FirstToken, Scheduler
 from blockspec.engine.sequence import Sequence
+
+
+logger = logging.getLogger("blockspec.engine")
 
 
 class QueueFullError(RuntimeError):
@@ -86,6 +90,12 @@ class Engine:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.fault_hook: FaultHook | None = None         # off: one `is None` test per call site
+        # Events wait here until _send_events: with overlap, a step's events go to their
+        # consumers after the next step's launch, while the device runs it (invariant 12); off
+        # on CPU, where the launch is the compute and the wait would delay every token a step
+        # (BLOCKSPEC_OVERLAP=0 turns it off on CUDA too, for side-by-side measurements).
+        self._outbox: list[tuple[EventCallback, TokenEvent]] = []
+        self.overlap = self.runner.device.type == "cuda" and os.environ.get("BLOCKSPEC_OVERLAP", "1") != "0"
         self._steps_since_oom = 0
 
     # -- what other threads may call --------------------------------------------------------
@@ -153,7 +163,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self._num_inbox > 0 or self.scheduler.has_work
+        return self._num_inbox > 0 or self.scheduler.has_work or bool(self._outbox)
 
     def step(self) -> None:
         self._take_inbox()
@@ -166,8 +176,12 @@ class Engine:
             self._end(seq, "error", error=f"the sequence needs more KV-cache pages than the pool has "
                                           f"({self.cache.num_usable_pages}); raise the pool size "
                                           f"or lower --max-model-len")
-        if batch.is_empty:
-            return
+        if not batch.is_empty:
+            self._step(batch)
+        if not self.overlap or batch.is_empty:
+            self._send_events()
+
+    def _step(self, batch: Batch) -> None:
         emitted: list[Emitted] = []
         out_of_memory = False
         try:
@@ -175,7 +189,7 @@ class Engine:
         except torch.OutOfMemoryError:
             out_of_memory = True
         except Exception as exc:  # a failed batched forward costs its sequences, never the engine
-            traceback.print_exc()
+            logger.exception("a batched step failed; its sequences end with an error")
             for seq in [s for s, _ in batch.prefill] + batch.decode:
                 self._end(seq, "error", error=f"{type(exc).__name__}: {exc}")
         for item in emitted:
@@ -186,7 +200,8 @@ class Engine:
             self._restore_seats()
 
     def _run(self, batch: Batch, emitted: list[Emitted]) -> None:
-        """One forward for the whole step (runner.step), then each sequence's own postprocess."""
+        """The step's forwards (runner.launch), the previous step's events sent while the device
+        runs them (overlap), then each sequence's own postprocess of the results."""
         if self.fault_hook is not None:
             for seq, _ in batch.prefill:
                 self._isolated(seq, lambda: self.fault_hook("prefill", [seq]))
@@ -198,7 +213,10 @@ class Engine:
         if batch.decode:
             self.counters.decode_batch_sizes[len(batch.decode)] += 1
         started = time.perf_counter()
-        result = self.runner.step(batch)
+        launched = self.runner.launch(batch)
+        if self.overlap:
+            self._send_events()
+        result = self.runner.collect(launched)
         if result.decode is not None and self.runner.draft is not None:
             self._count_speculation(result.decode)
         for (seq, _), first_token in zip(batch.prefill, result.first_tokens):
@@ -238,7 +256,7 @@ class Engine:
         except torch.OutOfMemoryError:
             raise
         except Exception as exc:
-            traceback.print_exc()
+            logger.exception("request %s failed; it ends with an error, the step goes on", seq.request_id)
             self._end(seq, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _preempt_after_oom(self, seqs: list[Sequence]) -> None:
@@ -256,8 +274,8 @@ class Engine:
         self.scheduler.seat_limit = max(1, min(self.scheduler.seat_limit, len(self.scheduler.running)) // 2)
         for seq in reversed(live):
             self.scheduler.preempt(seq)
-        print(f"blockspec: out of memory in a step of {len(live)} sequences: preempted them; "
-              f"seats now {self.scheduler.seat_limit}", flush=True)
+        logger.warning("blockspec: out of memory in a step of %d sequences: preempted them; seats now %d",
+                       len(live), self.scheduler.seat_limit)
 
     def _restore_seats(self) -> None:
         if self.scheduler.seat_limit >= self.config.max_num_seqs:
@@ -276,7 +294,7 @@ class Engine:
             try:
                 self.step()
             except Exception:  # the step's own handler ends its sequences; never let the thread die
-                traceback.print_exc()
+                logger.exception("an engine step failed")
         self._abort_all()
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -306,6 +324,7 @@ class Engine:
         self._take_inbox()
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._end(seq, "abort")
+        self._send_events()
 
     def _emit_tokens(self, item: Emitted) -> None:
         request = item.seq.request
@@ -341,10 +360,16 @@ class Engine:
             self.on_finish(request)
 
     def _emit(self, seq: Sequence, event: TokenEvent) -> None:
+        """Queue the event for its consumer (_send_events hands the queue over, in order)."""
         callback = self._callbacks.get(id(seq))
-        if callback is None:
-            return
-        try:
-            callback(event)
-        except Exception:  # the consumer's failure is the consumer's; keep serving others
-            traceback.print_exc()
+        if callback is not None:
+            self._outbox.append((callback, event))
+
+    def _send_events(self) -> None:
+        """Every queued event to its consumer, in the order they were made."""
+        outbox, self._outbox = self._outbox, []
+        for callback, event in outbox:
+            try:
+                callback(event)
+            except Exception:  # the consumer's failure is the consumer's; keep serving others
+                logger.exception("an event consumer failed (request %s)", event.request_id)

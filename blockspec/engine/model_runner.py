@@ -59,6 +59,15 @@ class StepResult:
 
 
 @dataclass
+class Launched:
+    """A step whose forwards are launched: what `collect` needs to finish it."""
+    batch: Batch
+    logits: torch.Tensor | None              # verify logits [B, max k + 1, V] of the decoding sequences
+    proposal: Proposal | None
+    first_logits: torch.Tensor | None        # [P, V]: the P prefill chunks that end their prompt
+
+
+@dataclass
 class Entry:
     """One sequence's rows of a forward: tokens fed from position start."""
     seq: Sequence
@@ -317,6 +326,13 @@ class ModelRunner:
     def derive(self, meta: AttentionMetadata) -> None:
         derive_positions(meta, self.page_size)
 
+    def device_ints(self, values: list) -> torch.Tensor:
+        """Host ints (nested lists too) → a long tensor on the device, copied without waiting for
+        the device (torch.tensor(values, device=cuda) copies from pageable memory and so waits for
+        every queued kernel: the host would never run ahead of the device)."""
+        is_cuda = self.device.type == "cuda"
+        return torch.tensor(values, dtype=torch.long, pin_memory=is_cuda).to(self.device, non_blocking=is_cuda)
+
     def processor_of(self, seq: Sequence) -> LogitsProcessor | None:
         """The sequence's logits processor, made here (the engine thread) when first needed;
         None for a request that changes nothing in the distribution."""
@@ -355,7 +371,7 @@ class ModelRunner:
             slots.append(seq.pending_slot)
             kept.append(boundary - seq.num_cached)
         if slots and from_stash:
-            self.states.select(torch.tensor(slots, device=self.device), kept, keep_stash=True, rows=rows)
+            self.states.select(self.device_ints(slots), kept, keep_stash=True, rows=rows)
         elif slots:
             for row, slot in zip(rows, slots):
                 self.states.copy(seqs[row].state_slot, slot)
@@ -367,19 +383,32 @@ class ModelRunner:
 
     # -- the step ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self, batch: Batch) -> StepResult:
         """One forward of the target over the whole step (after one of the draft over the
-        decoding sequences' blocks)."""
-        decode = batch.decode
+        decoding sequences' blocks), and its results on the host."""
+        return self.collect(self.launch(batch))
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch) -> Launched:
+        """The step's forwards, up to the target's logits, reading none of their results back
+        (on CUDA they may still be running when this returns: the engine works meanwhile)."""
         self._calibrated = None
-        for seq in [s for s, _ in batch.prefill] + decode:
+        for seq in [s for s, _ in batch.prefill] + batch.decode:
             self.processor_of(seq)
         self.clear_states([seq for seq, _ in batch.prefill])
         self.restore_snapshots([seq for seq, _ in batch.prefill])
-        logits, proposal, first_tokens = self.forward_step(batch)
+        logits, proposal, first_logits = self.forward_step(batch)
         self.take_snapshots([seq for seq, _ in batch.prefill])
-        result = self.finish_decode(decode, batch.num_drafts, logits, proposal) if decode else None
+        return Launched(batch, logits, proposal, first_logits)
+
+    @torch.inference_mode()
+    def collect(self, launched: Launched) -> StepResult:
+        """The host side of a launched step: first tokens, then accepted drafts (one read of the
+        device for the whole batch), logprobs."""
+        batch = launched.batch
+        first_tokens = self.first_tokens(batch, launched.first_logits)
+        result = (self.finish_decode(batch.decode, batch.num_drafts, launched.logits, launched.proposal)
+                  if batch.decode else None)
         return StepResult(first_tokens, result)
 
     def blocks(self, decode: list[Sequence]) -> list[Entry]:
@@ -387,9 +416,10 @@ class ModelRunner:
         mask = self.draft.mask_token_id if self.draft is not None else 0
         return [Entry(seq, seq.num_cached, [seq.anchor] + [mask] * (self.width - 1)) for seq in decode]
 
-    def forward_step(self, batch: Batch) -> tuple[torch.Tensor | None, Proposal | None, list[FirstToken | None]]:
+    def forward_step(self, batch: Batch) -> tuple[torch.Tensor | None, Proposal | None, torch.Tensor | None]:
         """The draft over the decoding sequences, then one flat target forward over prefill chunks
-        and verify rows → (verify logits [B, max k + 1, V], proposal, first tokens)."""
+        and verify rows → (verify logits [B, max k + 1, V], proposal, the logits [P, V] of the P
+        prefill chunks that end their prompt)."""
         decode, num_drafts = batch.decode, batch.num_drafts
         proposal = self.propose_for(decode, num_drafts)
         if proposal is not None:
@@ -406,18 +436,19 @@ class ModelRunner:
         drafts = (proposal, num_drafts) if proposal is not None and any(num_drafts) else None
         hidden = self.forward(entries, len(batch.prefill), drafts)
         rows = self.logit_rows(batch)
-        logits = self.target.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
-        first_tokens = self.first_tokens(batch, logits)
+        logits = self.target.compute_logits(hidden[self.device_ints(rows)]) if rows else None
+        num_first = sum(samples_first_token(seq, n) for seq, n in batch.prefill)
+        first_logits = logits[:num_first] if num_first else None
         if not decode:
-            return None, proposal, first_tokens
-        verify = logits[sum(token is not None for token in first_tokens):]
+            return None, proposal, first_logits
+        verify = logits[num_first:]
         width = max(num_drafts) + 1
         if all(k + 1 == width for k in num_drafts):
-            return verify.view(len(decode), width, -1), proposal, first_tokens
+            return verify.view(len(decode), width, -1), proposal, first_logits
         # Rows past a sequence's k_b repeat its last row (never read: acceptance stops at k_b).
         offsets = [sum(k + 1 for k in num_drafts[:b]) for b in range(len(decode))]
         index = [[offset + min(j, k) for j in range(width)] for offset, k in zip(offsets, num_drafts)]
-        return verify[torch.tensor(index, device=self.device)], proposal, first_tokens
+        return verify[self.device_ints(index)], proposal, first_logits
 
     def propose_for(self, decode: list[Sequence], num_drafts: list[int]) -> Proposal | None:
         """The draft forward over the sequences that verify drafts (k_b > 0); rows of the others
@@ -429,7 +460,7 @@ class ModelRunner:
         part = self.proposal_of(self.propose_blocks(self.blocks(seqs)), seqs)
         if len(drafting) == len(decode):
             return part
-        index = torch.tensor(drafting, device=self.device)
+        index = self.device_ints(drafting)
         drafts = torch.zeros(len(decode), self.width - 1, dtype=part.drafts.dtype, device=self.device)
         drafts[index] = part.drafts
         probs: list[torch.Tensor | None] = [None] * len(decode)
@@ -454,7 +485,7 @@ class ModelRunner:
             src_row += [b] * k
             src_col += range(k)
             at += k + 1
-        index = torch.tensor([dst, src_row, src_col], device=self.device)
+        index = self.device_ints([dst, src_row, src_col])
         meta.input_ids[index[0]] = proposal.drafts[index[1], index[2]]
 
     def logit_rows(self, batch: Batch) -> list[int]:
@@ -471,22 +502,27 @@ class ModelRunner:
         return rows
 
     def first_tokens(self, batch: Batch, logits: torch.Tensor | None) -> list[FirstToken | None]:
-        """Advance each prefill chunk's sequence; sample a first token where its prompt ended."""
-        result: list[FirstToken | None] = []
-        row = 0
-        for seq, n in batch.prefill:
+        """Advance each prefill chunk's sequence; sample a first token where its prompt ended
+        (logits [P, V]: those prompts' last rows). The tokens are chosen on the device and read
+        back together."""
+        ending: list[int] = []                          # chunks whose prompt ends here
+        chosen: list[torch.Tensor] = []
+        raw: list[torch.Tensor | None] = []
+        for i, (seq, n) in enumerate(batch.prefill):
             samples = samples_first_token(seq, n)
             seq.num_cached += n
             if not samples:
-                result.append(None)
                 continue
-            scores = logits[row: row + 1]                                                  # [1, V]
-            row += 1
-            raw = self.raw_logprobs([seq], scores.view(1, 1, -1))[0]           # before any processing
+            scores = logits[len(ending): len(ending) + 1]                                  # [1, V]
+            raw.append(self.raw_logprobs([seq], scores.view(1, 1, -1))[0])     # before any processing
             if self.processor_of(seq) is not None:
                 scores = seq.logits_processor.rows(scores, [])
-            token = int(sample(scores[0], seq.request.params, seq.generator))
-            result.append(FirstToken(token, self.scored(seq, raw, [token])))
+            chosen.append(sample(scores[0], seq.request.params, seq.generator))
+            ending.append(i)
+        result: list[FirstToken | None] = [None] * len(batch.prefill)
+        tokens = torch.stack(chosen).tolist() if chosen else []
+        for i, rows, token in zip(ending, raw, tokens):
+            result[i] = FirstToken(token, self.scored(batch.prefill[i][0], rows, [token]))
         return result
 
     def finish_decode(self, decode: list[Sequence], num_drafts: list[int], logits: torch.Tensor,
@@ -501,7 +537,7 @@ class ModelRunner:
         if self.is_hybrid:
             self.snapshot_page_boundaries(decode, num_accepted, from_stash=self.draft is not None)
         if self.is_hybrid and self.draft is not None:
-            slots = torch.tensor([seq.state_slot for seq in decode], device=self.device)
+            slots = self.device_ints([seq.state_slot for seq in decode])
             self.states.select(slots, [a + 1 for a in num_accepted])
         logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(decode, raw, new_tokens)]
         return DecodeResult(num_accepted, new_tokens, logprobs, list(num_drafts))

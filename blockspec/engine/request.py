@@ -103,11 +103,12 @@ class Request:
     def commit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Append what may be emitted of `tokens` (and their logprobs); return exactly that part."""
         allowed = tokens[: self.num_allowed]
-        for i, token in enumerate(allowed):
-            if token in self.stop_ids:
-                allowed = allowed[: i + 1]
-                self.finish_reason = "stop"
-                break
+        if not self.stop_ids.isdisjoint(allowed):      # the common case tested in one call
+            for i, token in enumerate(allowed):
+                if token in self.stop_ids:
+                    allowed = allowed[: i + 1]
+                    self.finish_reason = "stop"
+                    break
         self.output_ids.extend(allowed)
         if logprobs is not None:
             self.output_logprobs.extend(logprobs[: len(allowed)])

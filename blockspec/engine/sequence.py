@@ -64,7 +64,9 @@ class Sequence:
 
     @property
     def anchor(self) -> int:
-        return self.tokens[-1]
+        """The last committed token (read every decode step: no copy of the whole context)."""
+        request = self.request
+        return request.output_ids[-1] if request.output_ids else request.prompt_ids[-1]
 
     def reset_for_recompute(self) -> None:
         """Preempted: pages and slot were handed back; compute everything again later."""

@@ -190,7 +190,9 @@ class DFlashDraftModel(nn.Module):
         return self.norm.add(x, residual)[0]
 
     def read_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        logits = lm_head(hidden) * self.config.output_multiplier
+        logits = lm_head(hidden)                                              # [..., V]
+        if self.config.output_multiplier != 1.0:      # x · 1 == x: skip a pass over every logit
+            logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 

@@ -22,7 +22,7 @@ from blockspec.server.replies import (ChatChoiceLogprobs, ChatCompletion, ChatCo
 from blockspec.server.request_building import (Prompt, check_queue_room, read_body, render_chat,
                                                request_grammar)
 from blockspec.server.state import ServerState
-from blockspec.server.streaming import DONE, SSEResponse, collected, ended_by, sse, with_finish_reason
+from blockspec.server.streaming import DONE, SSEResponse, TextChunks, collected, ended_by, sse, with_finish_reason
 from blockspec.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -65,12 +65,15 @@ def delta_message(delta: OutputDelta) -> DeltaMessage | None:
 
 async def chat_chunks(choices: list[Choice], response_id: str, model: str, body: ChatCompletionRequest,
                       tokenizer: Tokenizer) -> AsyncIterator[bytes]:
+    created = int(time.time())                  # one time for every chunk of the stream
+
     def chunk(index: int, delta: DeltaMessage, finish_reason: str | None = None,
               logprobs: ChatChoiceLogprobs | None = None,
               **extra: Any) -> bytes:
         choice = ChatCompletionChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
-        return sse(ChatCompletionChunk(id=response_id, model=model, choices=[choice], **extra))
+        return sse(ChatCompletionChunk(id=response_id, model=model, created=created, choices=[choice], **extra))
 
+    texts = {c.index: TextChunks(lambda text, index=c.index: chunk(index, DeltaMessage(content=text))) for c in choices}
     for choice in choices:
         yield chunk(choice.index, DeltaMessage(role="assistant", content=""))
     finished: set[int] = set()
@@ -79,7 +82,10 @@ async def chat_chunks(choices: list[Choice], response_id: str, model: str, body:
             message = delta_message(delta)
             logprobs = chat_logprobs(tokenizer, delta.logprobs) if delta.logprobs else None
             cycles = choice.generation.spec_cycles.take() if choice.generation.spec_cycles else None  # playground (#26)
-            if message is not None or logprobs is not None or cycles:
+            if delta.content and message.reasoning_content is None and message.tool_calls is None \
+                    and logprobs is None and not cycles:
+                yield texts[choice.index](delta.content)
+            elif message is not None or logprobs is not None or cycles:
                 yield chunk(choice.index, message or DeltaMessage(content=""), logprobs=logprobs, spec_cycles=cycles)
             if delta.finish_reason is not None:
                 finished.add(choice.index)
@@ -91,7 +97,8 @@ async def chat_chunks(choices: list[Choice], response_id: str, model: str, body:
         yield sse(error_body(exc.status, exc.message))
     else:
         if body.include_usage:
-            yield sse(ChatCompletionChunk(id=response_id, model=model, choices=[], usage=total_usage(choices)))
+            yield sse(ChatCompletionChunk(id=response_id, model=model, created=created, choices=[],
+                                          usage=total_usage(choices)))
     yield DONE
 
 

@@ -19,7 +19,7 @@ from blockspec.server.protocol import CompletionRequest
 from blockspec.server.replies import Completion, CompletionChoice
 from blockspec.server.request_building import Prompt, check_queue_room, completion_prompt, read_body
 from blockspec.server.state import ServerState
-from blockspec.server.streaming import DONE, SSEResponse, collected, ended_by, sse, with_finish_reason
+from blockspec.server.streaming import DONE, SSEResponse, TextChunks, collected, ended_by, sse, with_finish_reason
 from blockspec.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -53,9 +53,13 @@ async def create_completion(state: ServerState, request: Request) -> Response:
 
 async def completion_chunks(choices: list[Choice], response_id: str, model: str, body: CompletionRequest,
                             tokenizer: Tokenizer) -> AsyncIterator[bytes]:
-    def chunk(choice: CompletionChoice, **extra: Any) -> bytes:
-        return sse(Completion(id=response_id, model=model, choices=[choice], **extra))
+    created = int(time.time())                  # one time for every chunk of the stream
 
+    def chunk(choice: CompletionChoice, **extra: Any) -> bytes:
+        return sse(Completion(id=response_id, model=model, created=created, choices=[choice], **extra))
+
+    texts = {c.index: TextChunks(lambda text, index=c.index: chunk(CompletionChoice(index=index, text=text)))
+             for c in choices}
     offsets = {choice.index: len(choice.echo) for choice in choices}
     for choice in choices:
         if choice.echo:
@@ -67,7 +71,9 @@ async def completion_chunks(choices: list[Choice], response_id: str, model: str,
             if delta.logprobs:
                 logprobs, offsets[choice.index] = completion_logprobs(tokenizer, delta.logprobs, offsets[choice.index])
             cycles = choice.generation.spec_cycles.take() if choice.generation.spec_cycles else None  # playground (#26)
-            if delta.content or logprobs is not None or cycles:
+            if delta.content and logprobs is None and not cycles:
+                yield texts[choice.index](delta.content)
+            elif delta.content or logprobs is not None or cycles:
                 yield chunk(CompletionChoice(index=choice.index, text=delta.content, logprobs=logprobs), spec_cycles=cycles)
             if delta.finish_reason is not None:
                 finished.add(choice.index)
@@ -76,12 +82,13 @@ async def completion_chunks(choices: list[Choice], response_id: str, model: str,
                             meta_info=meta)
     except GenerationFailed as exc:
         for index in ended_by(exc, choices, finished):
-            final = sse(Completion(id=response_id, model=model, choices=[CompletionChoice(index=index, text="")]))
+            final = sse(Completion(id=response_id, model=model, created=created,
+                                   choices=[CompletionChoice(index=index, text="")]))
             yield sse(with_finish_reason(final, exc.finish_reason))
         yield sse(error_body(exc.status, exc.message))
     else:
         if body.include_usage:
-            yield sse(Completion(id=response_id, model=model, choices=[], usage=total_usage(choices)))
+            yield sse(Completion(id=response_id, model=model, created=created, choices=[], usage=total_usage(choices)))
     yield DONE
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
-import logging
+import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -75,10 +76,11 @@ class Generation:
             was_empty = self._pending is None
             self._pending = event if was_empty else merge_events(self._pending, event)
         if was_empty:
-            try:
-                self._loop.call_soon_threadsafe(self._ready.set)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                self.request.abort()
+            waker_of(self._loop).wake(self)
+
+    def mark_ready(self) -> None:
+        """On the loop: an event is pending (LoopWaker)."""
+        self._ready.set()
 
     async def _next_event(self) -> TokenEvent:
         while True:
@@ -161,6 +163,50 @@ class Generation:
         self.state.generations.discard(self)
         self.state.metrics.requests.labels(finish_reason=reason).inc()
         self.state.metrics.e2e_latency.observe(time.monotonic() - self.arrival)
+
+
+class LoopWaker:
+    """Wakes the event loop's readers of events made on the engine thread: one
+    call_soon_threadsafe (a write to the loop's wake-up pipe, and one wake-up) for all the
+    generations a step gave events to, not one each."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._waiting: list[Generation] = []
+
+    def wake(self, generation: Generation) -> None:
+        with self._lock:
+            first = not self._waiting
+            self._waiting.append(generation)
+        if not first:             # a wake-up is already on its way; it takes this one too
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._set_ready)
+        except RuntimeError:      # the loop is closed: nobody is listening any more
+            for waiting in self._take():
+                waiting.request.abort()
+
+    def _take(self) -> list[Generation]:
+        with self._lock:
+            waiting, self._waiting = self._waiting, []
+        return waiting
+
+    def _set_ready(self) -> None:
+        for generation in self._take():
+            generation.mark_ready()
+
+
+_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
+_wakers_lock = threading.Lock()
+
+
+def waker_of(loop: asyncio.AbstractEventLoop) -> LoopWaker:
+    with _wakers_lock:
+        waker = _wakers.get(loop)
+        if waker is None:
+            waker = _wakers[loop] = LoopWaker(loop)
+        return waker
 
 
 def merge_events(first: TokenEvent, then: TokenEvent) -> TokenEvent:

@@ -58,6 +58,11 @@ class StopStringFilter:
         self._stop = [s for s in stop if s]
         self._held = ""
 
+    @property
+    def is_empty(self) -> bool:
+        """No stop strings: every text is released as it comes."""
+        return not self._stop
+
     def feed(self, text: str) -> tuple[str, bool]:
         """Add text; return (text released, whether a stop string matched)."""
         self._held += text
@@ -129,13 +134,18 @@ class OutputProcessor:
         delta = OutputDelta()
         if self.is_finished:
             return delta
-        # One id at a time, so a stop string ends the count at the id that completed it.
-        for i, token_id in enumerate(token_ids):
-            self.completion_tokens += 1
+        if self._stop.is_empty:      # nothing can end the count early: the ids' text at once
+            self.completion_tokens += len(token_ids)
             if logprobs is not None:
-                delta.logprobs.append(logprobs[i])
-            if self._add_text(self._detokenizer.add([token_id]), delta):
-                return self._finish(delta, "stop", stop_hit=True)
+                delta.logprobs.extend(logprobs[: len(token_ids)])
+            self._add_text(self._detokenizer.add(list(token_ids)), delta)
+        else:                         # one id at a time: a stop string ends the count at the id that completed it
+            for i, token_id in enumerate(token_ids):
+                self.completion_tokens += 1
+                if logprobs is not None:
+                    delta.logprobs.append(logprobs[i])
+                if self._add_text(self._detokenizer.add([token_id]), delta):
+                    return self._finish(delta, "stop", stop_hit=True)
         if finished is None:
             return delta
         if self._add_text(self._detokenizer.flush(), delta):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from json.encoder import encode_basestring
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -89,6 +90,23 @@ async def until_disconnect(choices: list[Choice], request: Request) -> list[Outp
         return collect.result()
     finally:
         close_all(choices)
+
+
+class TextChunks:
+    """The SSE bytes of one stream's chunks that differ only in one text field (a content
+    delta): the reference chunk (pydantic) rendered once around a marker, then per token event
+    prefix + the text escaped as pydantic escapes it + suffix — a tenth of the time of building
+    and serializing the models for every event (tests/test_output.py holds the two equal)."""
+
+    MARK = "\u0001blockspec-text\u0001"
+
+    def __init__(self, render: Callable[[str], bytes]) -> None:
+        self.prefix, mark, self.suffix = render(self.MARK).rpartition(encode_basestring(self.MARK)[1:-1].encode())
+        if not mark:
+            raise ValueError("the chunk does not carry its text as given")
+
+    def __call__(self, text: str) -> bytes:
+        return self.prefix + encode_basestring(text)[1:-1].encode() + self.suffix
 
 
 def sse(payload: pydantic.BaseModel | dict[str, Any]) -> bytes:

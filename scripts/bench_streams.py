@@ -1,0 +1,183 @@
+"""N streamed requests over HTTP, one after another and then all at once, side by side.
+
+A real `blockspec serve` subprocess (the shipped demo pair unless --model is given); this
+process is the client: streamed /v1/completions with held-out code prompts (token ids),
+greedy, `--rounds` alternated rounds, the best time of each way kept. The two ways' texts
+must be equal (a batch changes nothing). Prints seconds for each and the ratio.
+
+    python scripts/bench_streams.py                        # demo pair, DFlash (block 8)
+    python scripts/bench_streams.py --serve-args "--speculation off"
+    python scripts/bench_streams.py --fixture              # the suite's tiny Qwen3 (152k vocabulary), random draft
+    python scripts/bench_streams.py --serve-args "--device cuda" --requests 64 --overlap off   # and --overlap on
+    py-spy record --subprocesses -o streams.svg -- python scripts/bench_streams.py   # where the time goes
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(port: int, serve_args: list[str], overlap: bool) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "BLOCKSPEC_OVERLAP": "1" if overlap else "0"}
+    command = [sys.executable, "-m", "blockspec.cli", "serve", "--port", str(port), "--log-level", "warning",
+               "--no-access-log", *serve_args]
+    process = subprocess.Popen(command, env=env)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited with {process.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise SystemExit("the server was not ready in 180 s")
+
+
+# One client for every request: a new one per request costs an SSL context (~10 ms of this
+# process's CPU, which the server's cores share).
+CLIENT = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+
+def stream(url: str, prompt: list[int], max_tokens: int) -> str:
+    """One streamed completion → its text (SSE chunks joined)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    parts: list[str] = []
+    with CLIENT.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices = json.loads(line[len("data: "):]).get("choices") or []
+                parts += [c.get("text", "") for c in choices]
+    return "".join(parts)
+
+
+def cpu_seconds(path: str) -> float:
+    """User + system CPU time so far of the process or thread whose /proc stat file this is."""
+    fields = open(path).read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu(pid: int) -> tuple[float, float]:
+    """The server's CPU seconds: its main thread (the event loop: HTTP, streaming, detokenizing)
+    and all the others (the engine thread, mostly)."""
+    loop = cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
+    return loop, cpu_seconds(f"/proc/{pid}/stat") - loop
+
+
+def sequential(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[str]]:
+    started = time.perf_counter()
+    texts = [stream(url, p, max_tokens) for p in prompts]
+    return time.perf_counter() - started, texts
+
+
+def concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[str]]:
+    texts: list[str] = [""] * len(prompts)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            texts[i] = stream(url, prompts[i], max_tokens)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - started, texts
+
+
+def demo_prompts(num: int, model: str | None) -> list[list[int]]:
+    from blockspec.demo import TARGET_DIR
+    from blockspec.demo.measure import held_out_prompts
+    from blockspec.loader import load_tokenizer
+    tokenizer = load_tokenizer(TARGET_DIR if model is None else Path(model))
+    return held_out_prompts(tokenizer, num)
+
+
+def write_fixture() -> tuple[str, str]:
+    """tests/fixtures.py's tiny Qwen3 and its DFlash draft (block 16), in a temporary directory."""
+    import tempfile
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import fixtures
+    root = Path(tempfile.mkdtemp(prefix="bench-streams-"))
+    target = fixtures.write_dense_checkpoint(root / "qwen3", "qwen3")
+    return str(target), str(fixtures.write_dflash_draft(root / "draft", target))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--model", default=None, help="checkpoint (none: the demo pair)")
+    parser.add_argument("--fixture", action="store_true",
+                        help="the test suite's tiny random Qwen3 (152k vocabulary) with a random DFlash draft")
+    parser.add_argument("--serve-args", default="", help="more `blockspec serve` arguments, one string")
+    parser.add_argument("--overlap", choices=("on", "off"), default="on",
+                        help="the engine's overlap on CUDA (off: BLOCKSPEC_OVERLAP=0 for the server)")
+    parser.add_argument("--json", action="store_true", help="print one JSON line too")
+    args = parser.parse_args()
+    port = free_port()
+    if args.fixture:
+        args.model, draft = write_fixture()
+        args.serve_args += f" --draft {draft}"
+    serve_args = shlex.split(args.serve_args) + (["--model", args.model] if args.model else [])
+    server = start_server(port, serve_args, args.overlap == "on")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        prompts = demo_prompts(args.requests + 1, args.model)
+        stream(url, prompts[0], args.max_tokens)                                  # warm-up
+        prompts = prompts[1:]
+        best_seq, best_conc, reference = float("inf"), float("inf"), None
+        for r in range(args.rounds):
+            cpu = [server_cpu(server.pid)]
+            seq_s, seq_texts = sequential(url, prompts, args.max_tokens)
+            cpu.append(server_cpu(server.pid))
+            conc_s, conc_texts = concurrent(url, prompts, args.max_tokens)
+            cpu.append(server_cpu(server.pid))
+            if seq_texts != conc_texts or (reference is not None and seq_texts != reference):
+                raise SystemExit("the concurrent texts differ from the sequential ones")
+            reference = seq_texts
+            best_seq, best_conc = min(best_seq, seq_s), min(best_conc, conc_s)
+            (l0, e0), (l1, e1), (l2, e2) = cpu
+            print(f"round {r + 1}: sequential {seq_s:.2f} s (server CPU: loop {l1 - l0:.2f} s, engine {e1 - e0:.2f} s), "
+                  f"concurrent {conc_s:.2f} s (loop {l2 - l1:.2f} s, engine {e2 - e1:.2f} s): {seq_s / conc_s:.2f}x",
+                  flush=True)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    print(f"{args.requests} requests x {args.max_tokens} tokens: sequential {best_seq:.2f} s, "
+          f"concurrent {best_conc:.2f} s, concurrent {best_seq / best_conc:.2f}x sooner (best of {args.rounds})")
+    if args.json:
+        print(json.dumps({"requests": args.requests, "max_tokens": args.max_tokens, "sequential_s": round(best_seq, 3),
+                          "concurrent_s": round(best_conc, 3), "ratio": round(best_seq / best_conc, 3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

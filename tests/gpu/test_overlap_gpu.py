@@ -1,0 +1,60 @@
+"""Overlap on CUDA (invariant 12): the engine launches a step without waiting for the device and
+sends the previous step's events while it runs. The launch of a graphed decode step synchronizes
+nothing (so the host really is ahead), and the outputs equal those with overlap off. CPU
+analogue: tests/test_overlap.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.config import EngineConfig
+from blockspec.engine.engine import Engine
+from blockspec.loader import load_draft, load_model
+from helpers import make_request, run_batch
+
+PROMPT = [int(t) for t in torch.randint(0, 151643, (200,), generator=torch.Generator().manual_seed(7))]
+
+
+@pytest.fixture(scope="module")
+def pair(qwen3_dir, qwen3_draft_dir):
+    target = load_model(str(qwen3_dir), device="cuda", dtype="float32").model
+    return target, load_draft(str(qwen3_draft_dir), target)
+
+
+def requests():
+    spans = [(0, 30), (30, 41), (5, 120), (90, 97)]
+    return [make_request(f"r{i}", PROMPT[a:b], max_tokens=20 + 4 * i) for i, (a, b) in enumerate(spans)]
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_overlap_on_cuda_launches_without_a_sync_and_changes_no_output(pair, block_size):
+    target, draft = pair
+    drafter = draft if block_size > 1 else None
+    config = EngineConfig(max_model_len=512, block_size=block_size, max_num_seqs=8)
+    quiet_launches = [0]
+
+    def build(overlap: bool) -> Engine:
+        engine = Engine(target, drafter, config)
+        assert engine.overlap                                 # the CUDA default
+        engine.overlap = overlap
+        launch = engine.runner.launch
+
+        def checked(batch):
+            if batch.prefill or any(k != engine.runner.width - 1 for k in batch.num_drafts):
+                return launch(batch)
+            torch.cuda.set_sync_debug_mode("error")           # a host wait here would raise
+            try:
+                launched = launch(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            quiet_launches[0] += 1
+            return launched
+        engine.runner.launch = checked
+        return engine
+
+    _, off = run_batch(lambda: build(False), requests()[:2], arrivals={3: requests()[2:]})
+    _, on = run_batch(lambda: build(True), requests()[:2], arrivals={3: requests()[2:]})
+    assert quiet_launches[0] > 10
+    for a, b in zip(on, off):
+        assert [e.token_ids for e in a.events] == [e.token_ids for e in b.events], a.request.request_id
+        assert a.stats.acceptance_lengths == b.stats.acceptance_lengths
