@@ -23,6 +23,7 @@ import fixtures
 from servers import ServerProcess, wait_until
 from blockspec.config import ConfigError
 from blockspec.distributed.group import TPGroup
+from blockspec.distributed.launch import stop_leader
 from blockspec.distributed.loading import ReadLog, load_sharded_model
 from blockspec.distributed.shard import rank_slice
 from blockspec.llm import LLM
@@ -98,6 +99,13 @@ def targets(tmp_path_factory) -> dict[str, tuple[Path, list[list[int]]]]:
     for kind in ("dense", "hybrid"):
         fixtures.write_dflash2_draft(root / f"{kind}-dflash2", root / kind, block_size=4, mask_token_id=VOCAB - 1)
     return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def worker_group():
+    """The workers this module's LLMs start live until its end, not the whole session's."""
+    yield
+    stop_leader()
 
 
 @pytest.fixture(scope="module")

@@ -142,6 +142,15 @@ def leader(size: int, device_type: str) -> Workers:
     return workers
 
 
+def stop_leader() -> None:
+    """Stop this process's group now, its workers included (at exit this happens by itself)."""
+    global _LEADER
+    if _LEADER is not None:
+        _LEADER.stop()
+        atexit.unregister(_LEADER.stop)
+        _LEADER = None
+
+
 def death_line(rank: int, process: subprocess.Popen) -> str:
     code = process.returncode
     how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
