@@ -295,6 +295,9 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from blockspec.llm import apply_threads
     apply_threads(from_namespace(EngineOptions, args, BENCH).threads)
+    other_modes = [flag for flag in ("demo", "burst", "compare_speculation", "multi_turn") if getattr(args, flag, None)]
+    if args.quantization and other_modes:
+        raise ValueError(f"--quantization measures the default mode only, not --{other_modes[0].replace('_', '-')}")
     if args.demo:
         from blockspec.demo.measure import main as measure_demo, main_compare
         concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
@@ -330,6 +333,9 @@ def run_train_draft(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "tensor_parallel_size", 1) > 1 and os.environ.get("RANK", "0") != "0":
+        from blockspec.distributed.launch import torchrun_worker      # torchrun's ranks above 0 serve rank 0
+        return torchrun_worker(args.device)
     from blockspec.loader import LoadError
     try:
         runner = {"generate": run_generate, "serve": run_serve, "bench": run_bench,

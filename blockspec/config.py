@@ -179,6 +179,7 @@ def eos_ids(value: Any) -> tuple[int, ...]:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SPECULATION_MODES = ("adaptive", "fixed", "off")      # engine/spec/policy.py
+QUANTIZATIONS = ("fp8",)                               # layers/fp8.py
 DEFAULT_MAX_MODEL_LEN = 4096             # EngineConfig's own default (built directly, as tests do); the
                                          # options resolve an unset --max-model-len to the model's positions
 
@@ -199,6 +200,10 @@ class EngineOptions:
     dtype: str = option("auto", "weights' dtype (auto: bfloat16 on CUDA, float32 on CPU)", (SERVE, GENERATE),
                         choices=DTYPES)
     device: str = option("auto", "auto | cpu | cuda[:N]")
+    quantization: str | None = option(None, "fp8: the target's decoder weights quantized to FP8 e4m3 on load "
+                                      "(128 x 128 block scales; CUDA of compute capability 8.9 or later). FP8 "
+                                      "checkpoints load as FP8 without it; the draft and the KV cache stay bf16",
+                                      (SERVE, GENERATE, BENCH), choices=QUANTIZATIONS)
     max_model_len: int | None = option(None, "context limit, prompt + output tokens (none: the model's "
                                        "max_position_embeddings; bench: what its requests need)", (SERVE, GENERATE, BENCH))
     max_num_seqs: int | None = option(None, "sequences decoded together in one batch (none: 256 on CUDA, as "
@@ -227,6 +232,10 @@ class EngineOptions:
                                 "prefixes computed before (--no-prefix-cache: every prompt computed whole)")
     prefix_state_slots: int = option(64, "hybrid targets: recurrent-state snapshots the prefix cache keeps "
                                      "(each one slot of every linear-attention layer's state)")
+    tensor_parallel_size: int = option(1, "devices the target is split over (tensor parallel: one worker process "
+                                       "per further device; under torchrun, its processes)", metavar="N")
+    expert_parallel: bool = option(False, "MoE targets with --tensor-parallel-size: each rank holds 1/N of the "
+                                   "experts, whole (expert parallel), rather than 1/N of every expert's rows")
 
     def __post_init__(self) -> None:
         checks = [(self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),
@@ -235,6 +244,8 @@ class EngineOptions:
                   (self.max_queue >= 1, "--max-queue must be at least 1"),
                   (self.threads is None or self.threads >= 1, "--threads must be at least 1"),
                   (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
+                  (self.quantization in (None, *QUANTIZATIONS),
+                   f"--quantization must be one of {', '.join(QUANTIZATIONS)} (got {self.quantization!r})"),
                   (self.page_size >= 1, "the page size must be at least 1"),
                   (self.num_pages is None or self.num_pages >= 2, "the KV pool needs at least 2 pages"),
                   (self.max_prefill_tokens >= 1, "the prefill chunk must be at least 1 token"),
@@ -245,7 +256,18 @@ class EngineOptions:
                    "--max-num-batched-tokens must hold at least one block (--block-size)"),
                   (self.speculation in SPECULATION_MODES,
                    f"--speculation must be one of {', '.join(SPECULATION_MODES)} (got {self.speculation!r})"),
-                  (self.prefix_state_slots >= 0, "--prefix-state-slots must be at least 0")]
+                  (self.prefix_state_slots >= 0, "--prefix-state-slots must be at least 0"),
+                  (self.tensor_parallel_size >= 1, "--tensor-parallel-size must be at least 1"),
+                  (self.tensor_parallel_size > 1 or not self.expert_parallel,
+                   "--expert-parallel splits experts over ranks: it needs --tensor-parallel-size > 1"),
+                  (self.tensor_parallel_size == 1 or self.quantization is None,
+                   "--quantization fp8 runs on one device only (use --tensor-parallel-size 1)"),
+                  (self.tensor_parallel_size == 1 or self.speculation != "adaptive",
+                   "--speculation adaptive runs on one device only (its widths are rank 0's decision inside "
+                   "the step); use fixed with --tensor-parallel-size"),
+                  (self.tensor_parallel_size == 1 or ":" not in self.device,
+                   "--device cuda:N names one device; with --tensor-parallel-size N the ranks use cuda:0 … "
+                   "cuda:N-1 (choose them with CUDA_VISIBLE_DEVICES)")]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)

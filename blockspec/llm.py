@@ -3,14 +3,17 @@ as one batch. A thin layer over the engine: it loads, configures once, and steps
 the calling thread (the server instead runs the same engine on its own thread)."""
 from __future__ import annotations
 
+import functools
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 from blockspec.config import ConfigError, EngineOptions, resolve_engine_config
 from blockspec.engine.engine import Engine, QueueFullError
 from blockspec.engine.request import GenerationStats, Request, TokenEvent
-from blockspec.loader import load_draft, load_model, load_tokenizer
+from blockspec.engine.model_runner import ModelRunner
+from blockspec.loader import load_draft, load_model, load_tokenizer, resolve_device
 from blockspec.options import project
 from blockspec.sampling import SamplingParams
 
@@ -21,6 +24,38 @@ def apply_threads(threads: int | None) -> None:
     if threads is not None:
         import torch
         torch.set_num_threads(threads)
+
+
+def start_tensor_parallel(opts: EngineOptions):
+    """With --tensor-parallel-size > 1: this process as rank 0 of the group (workers started
+    once per process), told to load `opts`; else None."""
+    if opts.tensor_parallel_size == 1:
+        return None
+    from blockspec.distributed.launch import leader, rank_models
+    from blockspec.distributed.runner import Load
+    workers = leader(opts.tensor_parallel_size, resolve_device(opts.device).type)
+    workers.send(Load(rank_models, (opts,)))
+    return workers
+
+
+def load_models(opts: EngineOptions, tp=None, show_progress: bool = False):
+    """(target, draft or None, EngineConfig, the target's path): the whole target, or with a
+    tensor-parallel group `tp` this rank's share of it (the draft is whole on every rank)."""
+    if tp is None:
+        loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, show_progress=show_progress,
+                            quantization=opts.quantization)
+    else:
+        from blockspec.distributed.loading import load_sharded_model
+        loaded = load_sharded_model(opts.model, tp, device=opts.device, dtype=opts.dtype,
+                                    expert_parallel=opts.expert_parallel)
+    target = loaded.model
+    if target.lm_head.weight.device.type == "cpu":
+        apply_threads(opts.threads)
+    draft_model = load_draft(opts.draft, target, show_progress) if opts.draft else None
+    config = resolve_engine_config(opts, target.config.max_position_embeddings,
+                                   draft_model.block_size if draft_model is not None else None,
+                                   target.lm_head.weight.device.type)
+    return target, draft_model, config, loaded.path
 
 
 @dataclass
@@ -48,20 +83,30 @@ class LLM:
                 else EngineOptions(model=model, **options))
         if opts.model is None:
             raise ConfigError("LLM needs a model (a checkpoint directory or hub id)")
-        loaded = load_model(opts.model, device=opts.device, dtype=opts.dtype, show_progress=show_progress)
-        target = loaded.model
-        if target.lm_head.weight.device.type == "cpu":
-            apply_threads(opts.threads)
         self.options = opts
-        self.model_path = loaded.path
-        self.tokenizer = load_tokenizer(loaded.path)
-        draft_model = load_draft(opts.draft, target, show_progress) if opts.draft else None
-        self.config = resolve_engine_config(opts, target.config.max_position_embeddings,
-                                            draft_model.block_size if draft_model is not None else None,
-                                            target.lm_head.weight.device.type)
-        self.engine = Engine(target, draft_model, self.config)
+        self.workers = start_tensor_parallel(opts)
+        with self.workers.loading() if self.workers is not None else nullcontext():
+            target, draft_model, self.config, self.model_path = load_models(opts, self.tp, show_progress)
+            self.tokenizer = load_tokenizer(self.model_path)
+        make_runner = ModelRunner
+        if self.workers is not None:
+            from blockspec.distributed.runner import LeaderRunner
+            make_runner = functools.partial(LeaderRunner, tp=self.tp, on_fatal=self.workers.fatal)
+        self.engine = Engine(target, draft_model, self.config, make_runner=make_runner)
         self.stop_ids = self.tokenizer.stop_token_ids | frozenset(target.config.eos_token_ids)
         self._events: dict[str, deque[TokenEvent]] = {}
+
+    @property
+    def tp(self):
+        """The tensor-parallel group (distributed/group.py), None on one device."""
+        return self.workers.tp if self.workers is not None else None
+
+    def close(self) -> None:
+        """Free the workers' share of this model (the group stays for the next LLM, until exit)."""
+        if self.workers is not None:
+            from blockspec.distributed.runner import Unload
+            self.workers.send(Unload())
+            self.workers = None
 
     @property
     def target(self):
@@ -89,11 +134,23 @@ class LLM:
     @property
     def vocab_size(self) -> int:
         """Rows of the logits: the token ids logit_bias and grammars may name."""
-        return int(self.target.lm_head.weight.shape[0])
+        return int(self.target.lm_head.out_features)
 
     @property
     def dtype(self) -> str:
         return str(self.target.lm_head.weight.dtype).removeprefix("torch.")
+
+    @property
+    def weight_format(self) -> str:
+        """The target's weights: `fp8_e4m3` (layers/fp8.py) or their dtype; the draft is never FP8."""
+        from blockspec.layers.fp8 import weight_format
+        return weight_format(self.target)
+
+    @property
+    def weight_bytes_per_step(self) -> int:
+        """Target weight bytes one decode step reads (scales included, unchosen experts not)."""
+        from blockspec.layers.fp8 import step_weight_bytes
+        return step_weight_bytes(self.target)
 
     @property
     def device(self) -> str:

@@ -185,10 +185,13 @@ def architecture_of(config: dict[str, Any], path: Path) -> str:
 
 
 def load_model(model: str, device: str = "auto", dtype: str = "auto",
-               show_progress: bool = False) -> LoadedModel:
-    """Load a target model from a checkpoint directory, hub id, GGUF file or named model."""
+               show_progress: bool = False, quantization: str | None = None) -> LoadedModel:
+    """Load a target model from a checkpoint directory, hub id, GGUF file or named model;
+    FP8 checkpoints as they are, `quantization="fp8"` quantizes a bf16 one on load."""
     gguf_file = gguf_path(model)
     if gguf_file is not None:
+        if quantization is not None:
+            raise LoadError("--quantization fp8 takes a safetensors checkpoint, not a GGUF file")
         return load_gguf_model(gguf_file, device, dtype)
     path = resolve_model_path(model)
     config = read_json(path / "config.json")
@@ -196,12 +199,52 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto",
     torch_device = resolve_device(device)
     spec = ARCHITECTURES[arch]()
     files = checkpoint_files(path)
+    plan = fp8_plan(config, path, files, spec.rename, quantization, torch_device)
+    from blockspec.layers import fp8
+
+    def build() -> nn.Module:
+        return spec.build(config, arch) if plan is None else fp8.convert(spec.build(config, arch), plan)
     try:
-        module = build_empty(lambda: spec.build(config, arch), torch_device, resolve_dtype(dtype, torch_device))
+        module = build_empty(build, torch_device, resolve_dtype(dtype, torch_device))
     except (KeyError, ValueError) as exc:
         raise LoadError(f"{path / 'config.json'}: cannot build {arch}: {exc}") from None
-    load_weights(module, files, spec.rename, show_progress)
+    if plan is None:
+        load_weights(module, files, spec.rename, show_progress)
+    else:
+        load_weights(module, files, fp8.fp8_rename(spec.rename, plan),
+                     tensors=fp8.fp8_stream(iter_tensors(files, show_progress), spec.rename, plan))
     return LoadedModel(module, path, config, arch)
+
+
+def fp8_plan(config: dict[str, Any], path: Path, files: list[Path], rename: Rename, quantization: str | None,
+             device: torch.device):
+    """Which weights of this load are FP8 (layers/fp8.py): those the checkpoint stores so, or
+    (quantization "fp8" over a bf16 checkpoint) every quantizable one; None: none. Refused,
+    in one line, on a device without FP8."""
+    from blockspec.kernels.fp8 import MIN_CAPABILITY, has_fp8
+    from blockspec.layers import fp8
+    if quantization not in (None, "fp8"):
+        raise LoadError(f"--quantization {quantization!r} is not supported (fp8 is)")
+    try:
+        stored = fp8.check_quantization_config(config)
+    except fp8.Fp8Error as exc:
+        raise LoadError(f"{path / 'config.json'}: {exc}") from None
+    if not stored and quantization is None:
+        return None
+    if not has_fp8(device):
+        need = ".".join(map(str, MIN_CAPABILITY))
+        raise LoadError(f"FP8 weights need a GPU of compute capability {need} or later (Ada, Hopper); {device} "
+                        f"has none: serve a bf16 checkpoint without --quantization")
+    if not stored:
+        return fp8.Fp8Plan(set(), on_load=True, device=device)
+    names = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            names.extend(handle.keys())
+    try:
+        return fp8.plan_from_names(names, rename)
+    except fp8.Fp8Error as exc:
+        raise LoadError(f"{path}: {exc}") from None
 
 
 def gguf_path(model: str) -> Path | None:
@@ -272,7 +315,7 @@ def check_draft_fits(config, target: nn.Module, path: Path) -> None:
     bad = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
     if bad:
         raise LoadError(f"{path}: target_layer_ids {bad} outside the target's {target.num_layers} layers")
-    vocab = target.lm_head.weight.shape[0]
+    vocab = target.lm_head.out_features
     if not 0 <= config.mask_token_id < vocab:
         raise LoadError(f"{path}: mask_token_id {config.mask_token_id} outside the target's vocabulary of {vocab}")
     if config.selector_rank is not None and config.vocab_size != vocab:

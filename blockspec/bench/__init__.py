@@ -55,6 +55,9 @@ def main(args) -> int:
         raise ValueError("--layers must be at least 1")
     ENGINE_OPTIONS.clear()
     ENGINE_OPTIONS.update({name: getattr(args, name) for name in MEMORY_OPTIONS if getattr(args, name, None) is not None})
+    if getattr(args, "tensor_parallel_size", 1) > 1:   # plain / DFlash / DFlash 2 over N ranks (distributed/bench.py)
+        from blockspec.distributed import bench as tp_bench
+        return report(lambda args: tp_bench.run(args, args.tensor_parallel_size), args)
     if getattr(args, "burst", None):
         return burst_main(args, device, block_sizes[0])
     if getattr(args, "compare_speculation", False):
@@ -65,5 +68,6 @@ def main(args) -> int:
             return 1
     return report(lambda args: run(args.shape, device, args.vs, concurrency, args.accept_len, args.prompt_len,
                                    args.max_tokens, block_sizes, dflash2=not getattr(args, "no_dflash2", False),
-                                   layers=getattr(args, "layers", None), breakdown=getattr(args, "breakdown", False)),
+                                   layers=getattr(args, "layers", None), breakdown=getattr(args, "breakdown", False),
+                                   quantization=getattr(args, "quantization", None)),
                   args)

@@ -30,6 +30,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-4b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=2560,
                      intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=True, draft_layers=5),
+    "qwen3-32b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=5120,
+                      intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64, num_key_value_heads=8,
+                      head_dim=128, rope_theta=1e6, max_position_embeddings=40960, draft_layers=5),
     "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=128, rope_theta=5e5, max_position_embeddings=131072, draft_layers=5),
@@ -57,6 +60,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                           num_key_value_heads=4, head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
                           draft_layers=5, draft=dict(intermediate_size=6144)),
+    "qwen3-235b-a22b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                            hidden_size=4096, intermediate_size=12288, num_hidden_layers=94, num_attention_heads=64,
+                            num_key_value_heads=4, head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
+                            num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, norm_topk_prob=True,
+                            draft_layers=5, draft=dict(intermediate_size=12288, num_attention_heads=32)),
     "qwen3.5-35b-a3b": dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
                             vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
                             num_key_value_heads=2, head_dim=256, rope_theta=1e7, partial_rotary_factor=0.25,
@@ -106,16 +114,22 @@ def random_init(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def build_models(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, block_size: int = 16):
+def shape_configs(shape: dict[str, Any], block_size: int = 16) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A bench shape → the target's config.json dict and its DFlash draft's."""
     target_cfg = {k: v for k, v in shape.items() if k not in ("draft_layers", "draft")}
-    arch = target_cfg["architectures"][0]
-    target = random_init(build_empty(lambda: ARCHITECTURES[arch]().build(target_cfg, arch), device, dtype))
-    layer_ids = default_target_layer_ids(target.num_layers, shape["draft_layers"])
+    layer_ids = default_target_layer_ids(target_cfg["num_hidden_layers"], shape["draft_layers"])
     same_as_target = ("hidden_size", "vocab_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                       "head_dim", "rope_theta", "max_position_embeddings")
     draft_cfg = {**{k: target_cfg[k] for k in same_as_target if k in target_cfg}, **shape.get("draft", {}),
                  "model_type": "qwen3", "num_hidden_layers": shape["draft_layers"], "block_size": block_size,
                  "dflash_config": {"mask_token_id": 151669, "target_layer_ids": layer_ids}}
+    return target_cfg, draft_cfg
+
+
+def build_models(shape: dict[str, Any], device: torch.device, dtype: torch.dtype, block_size: int = 16):
+    target_cfg, draft_cfg = shape_configs(shape, block_size)
+    arch = target_cfg["architectures"][0]
+    target = random_init(build_empty(lambda: ARCHITECTURES[arch]().build(target_cfg, arch), device, dtype))
     draft = random_init(build_empty(lambda: DFlashDraftModel(DraftConfig.from_hf(draft_cfg)), device, dtype))
     return target_cfg, draft_cfg, target, draft
 

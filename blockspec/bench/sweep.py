@@ -38,9 +38,10 @@ def throughput(target, draft, block_size: int, concurrency: int, prompt_len: int
 
 def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[int], accept_len: float | None,
         prompt_len: int, max_tokens: int, block_sizes: list[int], dflash2: bool = True,
-        layers: int | None = None, breakdown: bool = False) -> dict[str, Any]:
+        layers: int | None = None, breakdown: bool = False, quantization: str | None = None) -> dict[str, Any]:
     """layers: the shape's first `layers` layers only (a per-layer comparison where the whole
-    model and a peer's copy do not both fit)."""
+    model and a peer's copy do not both fit). quantization "fp8": after every bf16 figure, the
+    target quantized in place and its plain step and DFlash cycle measured again (`fp8_side_by_side`)."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     block_size = block_sizes[0]
@@ -114,4 +115,51 @@ def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[
         r["zlab"] = bench_zlab(target_cfg, draft_cfg, target, draft, device)
         r["ratio_zlab_plain_over_ours"] = r["zlab"]["plain_ms_per_token"] / r[first]["plain_ms_per_step"]
         r["ratio_zlab_cycle_over_ours"] = r["zlab"]["cycle_ms_b16"] / r[first]["dflash_ms_per_cycle"]
+    if quantization == "fp8":
+        r["fp8_side_by_side"] = fp8_side_by_side(r, target, draft, block_size, concurrency, prompt_len, max_tokens,
+                                                 accept_len)
+        print_side_by_side(r["fp8_side_by_side"])
     return r
+
+
+def fp8_side_by_side(r: dict[str, Any], target, draft, block_size: int, concurrency: list[int], prompt_len: int,
+                     max_tokens: int, accept_len: float | None) -> dict[str, Any]:
+    """The target quantized in place (layers/fp8.py, as --quantization fp8 loads it; the draft
+    stays bf16), then plain and DFlash at each concurrency beside the bf16 figures of `r`."""
+    from blockspec.layers import fp8
+    from blockspec.kernels.fp8 import has_fp8
+    device = target.lm_head.weight.device
+    if not has_fp8(device):
+        return {"error": f"{device} has no FP8 (compute capability 8.9 or later)"}
+    fp8.quantize_model(target)
+    out: dict[str, Any] = {"weight_format": fp8.weight_format(target),
+                           "step_weight_GB": fp8.step_weight_bytes(target) / 1e9}
+    if "copy_bandwidth_TBps" in r:
+        out["floor_ms_per_token"] = out["step_weight_GB"] / r["copy_bandwidth_TBps"]
+    for c in concurrency:
+        plain = throughput(target, None, 1, c, prompt_len, max_tokens, None)
+        spec = throughput(target, draft, block_size, c, prompt_len, max_tokens, accept_len)
+        bf16 = r[f"c{c}"]
+        out[f"c{c}"] = {"bf16_plain_ms_per_step": bf16["plain_ms_per_step"], "fp8_plain_ms_per_step": plain["ms_per_cycle"],
+                        "bf16_dflash_ms_per_cycle": bf16["dflash_ms_per_cycle"],
+                        "fp8_dflash_ms_per_cycle": spec["ms_per_cycle"],
+                        "bf16_dflash_tok_s": bf16["dflash_tok_s"], "fp8_dflash_tok_s": spec["tok_s"],
+                        "fp8_plain_tok_s": plain["tok_s"],
+                        "fp8_over_bf16_dflash_tok_s": spec["tok_s"] / bf16["dflash_tok_s"],
+                        "fp8_dflash_acceptance_length": spec["mean_acceptance_length"]}
+    return out
+
+
+def print_side_by_side(figures: dict[str, Any]) -> None:
+    if "error" in figures:
+        print(f"fp8: {figures['error']}")
+        return
+    print(f"fp8 target ({figures['weight_format']}, {figures['step_weight_GB']:.2f} GB per step) beside bf16:")
+    print(f"{'conc':>5} {'plain bf16':>11} {'plain fp8':>10} {'cycle bf16':>11} {'cycle fp8':>10} "
+          f"{'tok/s bf16':>11} {'tok/s fp8':>10} {'fp8/bf16':>9}")
+    for key, row in figures.items():
+        if key.startswith("c") and isinstance(row, dict):
+            print(f"{key[1:]:>5} {row['bf16_plain_ms_per_step']:>11.3f} {row['fp8_plain_ms_per_step']:>10.3f} "
+                  f"{row['bf16_dflash_ms_per_cycle']:>11.3f} {row['fp8_dflash_ms_per_cycle']:>10.3f} "
+                  f"{row['bf16_dflash_tok_s']:>11.1f} {row['fp8_dflash_tok_s']:>10.1f} "
+                  f"{row['fp8_over_bf16_dflash_tok_s']:>9.3f}")

@@ -67,9 +67,11 @@ SEATS_RESTORED_AFTER = 64          # successful steps after an out-of-memory bef
 
 class Engine:
     def __init__(self, target: nn.Module, draft: nn.Module | None, config: EngineConfig,
-                 on_finish: Callable[[Request], None] | None = None) -> None:
+                 on_finish: Callable[[Request], None] | None = None,
+                 make_runner: Callable[..., ModelRunner] = ModelRunner) -> None:
+        """make_runner: ModelRunner, or rank 0's runner of a tensor-parallel group (distributed/)."""
         self.config = config
-        self.runner = ModelRunner(target, draft, config)
+        self.runner = make_runner(target, draft, config)
         num_slots = config.max_num_seqs if self.runner.is_hybrid else 0
         if config.prefix_cache:
             self.cache = PrefixCacheManager(self.runner.pool_size.num_pages, config.page_size, num_slots,

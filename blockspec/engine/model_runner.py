@@ -28,7 +28,7 @@ from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.graphs import PIECEWISE, GraphDispatcher, Plan
 from blockspec.engine.logits import LogitsProcessor
-from blockspec.engine.memory import dummy_sequence, size_pool, startup_line
+from blockspec.engine.memory import PoolSize, dummy_sequence, size_pool, startup_line
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence
@@ -93,12 +93,7 @@ class ModelRunner:
         graphed = config.cuda_graphs and self.device.type == "cuda"
         self.graphs = self.make_graphs(capture=False, padded=False)     # the profile runs eagerly
         # The pool: measured after the weights and one full-budget forward (engine/memory.py).
-        stash_bytes = 0
-        if graphed and self.is_hybrid and self.draft is not None:
-            stash = self.make_graphs(capture=False)
-            stash_bytes = StatePool.space_bytes(shapes, stash.seq_slots(stash.full_tokens[-1]), self.width, self.dtype)
-        self.pool_size = size_pool(config, target, self.draft, self.device, self.dtype,
-                                   self.profile if self.device.type == "cuda" else None, stash_bytes)
+        self.pool_size = self.size_pool(graphed)
         self.target_kv, self.draft_kv = self.make_pools(self.pool_size.num_pages)
         logger.info(startup_line(config, self.pool_size))
         if graphed:
@@ -112,6 +107,16 @@ class ModelRunner:
         self.speculation = Speculation(config.speculation if self.draft is not None else "fixed", self.width - 1,
                                        layout="ragged", measure=self.measure_costs)
         self._calibrated: torch.Tensor | None = None
+
+    def size_pool(self, graphed: bool) -> PoolSize:
+        """The pool's size (engine/memory.py), with the graphs' verify stash of a hybrid target."""
+        stash_bytes = 0
+        if graphed and self.is_hybrid and self.draft is not None:
+            stash = self.make_graphs(capture=False)
+            stash_bytes = StatePool.space_bytes(self.target.recurrent_shapes, stash.seq_slots(stash.full_tokens[-1]),
+                                                self.width, self.dtype)
+        return size_pool(self.config, self.target, self.draft, self.device, self.dtype,
+                         self.profile if self.device.type == "cuda" else None, stash_bytes)
 
     def measure_costs(self):
         from blockspec.engine.spec.costs import measure_costs
@@ -332,7 +337,7 @@ class ModelRunner:
         """The sequence's logits processor, made here (the engine thread) when first needed;
         None for a request that changes nothing in the distribution."""
         if seq.logits_processor is None and seq.request.processes_logits:
-            seq.logits_processor = LogitsProcessor(seq.request, self.target.lm_head.weight.shape[0], self.device)
+            seq.logits_processor = LogitsProcessor(seq.request, self.target.lm_head.out_features, self.device)
         return seq.logits_processor
 
     # -- [prefix] state-slot copies the cache manager asks for (cache/prefix.py) -------------
@@ -452,7 +457,7 @@ class ModelRunner:
         if self.draft is None or not drafting:
             return None
         seqs = [decode[b] for b in drafting]
-        part = propose(self.propose_blocks(self.blocks(seqs)), seqs, confidence=self.speculation.adaptive)
+        part = self.proposal_of(self.propose_blocks(self.blocks(seqs)), seqs)
         if len(drafting) == len(decode):
             return part
         index = self.device_ints(drafting)
@@ -467,6 +472,10 @@ class ModelRunner:
                                      device=part.confidence.device)
             confidence[index.to(confidence.device)] = part.confidence
         return Proposal(drafts, probs, confidence)
+
+    def proposal_of(self, drafted, seqs: list[Sequence]) -> Proposal:
+        """The drafts the draft's output proposes for seqs, drawn with each one's parameters."""
+        return propose(drafted, seqs, confidence=self.speculation.adaptive)
 
     def place_drafts(self, meta: AttentionMetadata, proposal: Proposal, num_drafts: list[int], at: int) -> None:
         """The drafts go into their verify rows: sequence b's row 1 + j takes d_{j+1}, j < k_b."""

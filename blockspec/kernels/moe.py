@@ -23,10 +23,15 @@ captured in a CUDA graph:
 Every chosen expert's weights are read once per step whatever the batch: at decode widths the
 kernel is weight-bandwidth-bound, so small BLOCK_M (16, the least tl.dot takes) and programs
 split over the output columns keep every SM streaming weights.
+
+FP8 experts (`scales`, layers/fp8.py): the same launches read e4m3 weights, widen each tile to
+x's dtype in registers and scale each 128-column partial product by its block scale (the
+weight-only scheme of kernels/fp8.py); the shared expert then runs on its own, outside the slots.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +48,16 @@ MAX_PAIRS_ONE_PROGRAM = 256
 
 def is_available() -> bool:
     return triton is not None
+
+
+@dataclass(frozen=True)
+class ExpertScales:
+    """Block scales of FP8 experts: gate_up [E, ⌈2I/rows⌉, ⌈H/128⌉], down [E, ⌈H/128⌉, ⌈I/128⌉],
+    and the weight rows × columns each scale covers (layers.fp8.ScaleBlock)."""
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_block: Any
+    down_block: Any
 
 
 @dataclass(frozen=True)
@@ -113,15 +128,19 @@ if triton is not None:
 
     @triton.jit
     def _expert_gemm_kernel(a_ptr, w_ptr, shared_ptr, shared_up_ptr, out_ptr, sorted_ids_ptr, ends_ptr,
-                            num_padded_ptr, route_ptr, num_pairs, N, K, stride_am, stride_we, stride_wn, stride_om,
+                            num_padded_ptr, route_ptr, s_ptr, num_pairs, N, K, stride_am, stride_we, stride_wn,
+                            stride_om, stride_se, stride_sn,
                             ROWS_PER_A: tl.constexpr, NUM_IDS: tl.constexpr, E_POW2: tl.constexpr,
                             HAS_SHARED: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+                            SCALED: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
         """out[pair, n] = Σ_k a[pair // ROWS_PER_A, k] · w[expert, n, k] for the pairs of one
         block (all of one expert); GATED: also the up rows w[expert, N + n, :] and the output is
         silu(gate) · up; WEIGHTED: times the pair's routing weight. HAS_SHARED: the last id is
-        the shared expert, whose (gate, up) or down rows live in their own tensors (same row stride)."""
+        the shared expert, whose (gate, up) or down rows live in their own tensors (same row stride).
+        SCALED: w is e4m3, each BLOCK_K-column partial product times s[expert, row // SCALE_ROWS,
+        k // SCALE_COLS] (BLOCK_K divides SCALE_COLS)."""
         row0 = tl.program_id(0) * BLOCK_M
         if row0 >= tl.load(num_padded_ptr):
             return                                        # past the real pairs: the grid is the worst case
@@ -144,16 +163,27 @@ if triton is not None:
         w_offs = offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
         w_ptrs = w_base + w_offs
         up_ptrs = up_base + w_offs
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        s_ptrs = s_base + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
+        s_up_ptrs = s_base + ((N + offs_n) // SCALE_ROWS).to(tl.int64) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             k_ok = offs_k < K - k
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            if SCALED:
+                s = tl.load(s_ptrs + k // SCALE_COLS, mask=n_ok, other=0.0)
+                acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * s[None, :]
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
             if GATED:
                 w_up = tl.load(up_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-                acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+                if SCALED:
+                    s_up = tl.load(s_up_ptrs + k // SCALE_COLS, mask=n_ok, other=0.0)
+                    acc_up += tl.dot(a, w_up.to(a.dtype), input_precision=PRECISION) * s_up[None, :]
+                else:
+                    acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
                 up_ptrs += BLOCK_K
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -234,11 +264,12 @@ def route_fused(logits: torch.Tensor, x: torch.Tensor, top_k: int, normalize: bo
 
 
 def fused_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, normalize: bool, gate_up_proj: torch.Tensor,
-              down_proj: torch.Tensor, shared: SharedExpert | None = None) -> torch.Tensor:
+              down_proj: torch.Tensor, shared: SharedExpert | None = None,
+              scales: ExpertScales | None = None) -> torch.Tensor:
     """The whole sparse block from the router logits [N, E]: route, the experts and (when given,
     of the experts' intermediate size) the shared expert as one more slot of every token."""
     weights, experts = route_fused(logits, x, top_k, normalize, shared)
-    return fused_experts(x, weights, experts, gate_up_proj, down_proj, shared)
+    return fused_experts(x, weights, experts, gate_up_proj, down_proj, shared, scales)
 
 
 def align_torch(flat: torch.Tensor, num_experts: int, block_m: int,
@@ -275,18 +306,23 @@ def align(flat: torch.Tensor, num_experts: int, block_m: int,
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None,
                 out: torch.Tensor, routing: tuple[torch.Tensor, ...], tiles: Tiles, rows_per_a: int, gated: bool,
-                route_weights: torch.Tensor | None) -> None:
+                route_weights: torch.Tensor | None, scale: tuple[torch.Tensor, Any] | None = None) -> None:
     """One gather-GEMM launch over the aligned pairs (see _expert_gemm_kernel); `shared`: the
-    shared expert's (gate, up) or (down, down) rows, id E."""
+    shared expert's (gate, up) or (down, down) rows, id E; `scale`: (block scales [E, ·, ·], their
+    ScaleBlock) of e4m3 weights."""
     sorted_ids, ends, num_padded = routing
+    s, block = scale if scale is not None else (out, None)
+    scale_cols = 1 if block is None else (block.cols if block.cols < w.shape[2] else 1 << 30)
     num_ids, n_out, k_in = w.shape[0] + (shared is not None), (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
     grid = (sorted_ids.numel() // tiles.block_m, triton.cdiv(n_out, tiles.block_n))
     _expert_gemm_kernel[grid](
         a, w, shared[0] if shared is not None else w, shared[1] if shared is not None else w, out, sorted_ids,
-        ends, num_padded, route_weights if route_weights is not None else out,
+        ends, num_padded, route_weights if route_weights is not None else out, s,
         out.shape[0], n_out, k_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        s.stride(0) if scale is not None else 0, s.stride(1) if scale is not None else 0,
         ROWS_PER_A=rows_per_a, NUM_IDS=num_ids, E_POW2=triton.next_power_of_2(num_ids),
         HAS_SHARED=shared is not None, GATED=gated, WEIGHTED=route_weights is not None,
+        SCALED=scale is not None, SCALE_ROWS=1 if block is None else block.rows, SCALE_COLS=scale_cols,
         PRECISION="ieee" if a.dtype == torch.float32 else None,       # fp32 stays fp32 (no TF32)
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -294,9 +330,11 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, shared: tuple[torch.Tensor, to
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                   gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                  shared: SharedExpert | None = None) -> torch.Tensor:
+                  shared: SharedExpert | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
     """x [N, H], weights / experts [N, k] → Σ_k weights · expert(x) [N, H] (see the module doc).
-    With `shared`, id E in `experts` is the shared expert (route_fused puts it in the last slot)."""
+    With `shared`, id E in `experts` is the shared expert (route_fused puts it in the last slot).
+    With `scales`, the expert weights are e4m3 (no shared slot then)."""
+    assert scales is None or shared is None, "FP8 experts run the shared expert on its own"
     num_tokens, top_k = experts.shape
     num_experts, inter = gate_up_proj.shape[0], down_proj.shape[2]
     num_ids = num_experts + (shared is not None)
@@ -312,8 +350,10 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     routing = align(experts.flatten().contiguous(), num_ids, up_tiles.block_m, sorted_len)
     hidden = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)                # [N·k, I]
     expert_gemm(x, gate_up_proj, (shared.gate, shared.up) if shared is not None else None, hidden, routing,
-                up_tiles, top_k, gated=True, route_weights=None)
+                up_tiles, top_k, gated=True, route_weights=None,
+                scale=(scales.gate_up, scales.gate_up_block) if scales is not None else None)
     out = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)              # [N·k, H]
     expert_gemm(hidden, down_proj, (shared.down, shared.down) if shared is not None else None, out, routing,
-                dn_tiles, 1, gated=False, route_weights=weights.flatten().contiguous())
+                dn_tiles, 1, gated=False, route_weights=weights.flatten().contiguous(),
+                scale=(scales.down, scales.down_block) if scales is not None else None)
     return out.view(num_tokens, top_k, -1).sum(dim=1)

@@ -43,6 +43,12 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
+    def stacked(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up_proj, down_proj) as the experts kernels take them (FP8 experts: dequantized)."""
+        return self.gate_up_proj, self.down_proj
+
+    scales = None                                  # block scales of FP8 experts (layers/fp8.py)
+
 
 def route(logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] → (weights [N, k] in the logits' dtype, expert ids [N, k])."""
@@ -132,7 +138,7 @@ class SparseMoE(nn.Module):
         if self.kernel is moe_kernels.fused_experts:
             return self.fused_forward(x, logits)
         weights, experts = route(logits, self.top_k, self.normalize)                # [N, k] each
-        out = self.kernel(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj)
+        out = self.kernel(x, weights, experts, *self.experts.stacked(x.dtype))
         if self.has_shared_expert:
             out = out + self.gated_shared_expert(x)
         return out
@@ -143,13 +149,15 @@ class SparseMoE(nn.Module):
     def fused_forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Triton: routing in one launch, the experts in two gather-GEMMs; a shared expert of the
         experts' intermediate size (Qwen3.5-MoE, Qwen3-Next) rides along as one more slot per token."""
-        shared = None
-        if self.has_shared_expert and self.shared_expert.down_proj.weight.shape[1] == self.experts.down_proj.shape[2]:
+        shared, scales = None, self.experts.scales
+        if (self.has_shared_expert and scales is None and isinstance(self.shared_expert.gate_up_proj, nn.Linear)
+                and isinstance(self.shared_expert.down_proj, nn.Linear)
+                and self.shared_expert.down_proj.weight.shape[1] == self.experts.down_proj.shape[2]):
             mlp = self.shared_expert
             gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)          # fused rows: gate, then up
             shared = moe_kernels.SharedExpert(gate, up, mlp.down_proj.weight, self.shared_expert_gate.weight)
         out = moe_kernels.fused_moe(x, logits, self.top_k, self.normalize, self.experts.gate_up_proj,
-                                    self.experts.down_proj, shared)
+                                    self.experts.down_proj, shared, scales)
         if self.has_shared_expert and shared is None:
             out = out + self.gated_shared_expert(x)
         return out

@@ -39,14 +39,17 @@ def read_property(handle: object, name: str, kind: type[T]) -> T | None:
 
 
 def startup_summary(llm: EngineHandle, settings: ServerSettings) -> str:
-    """One line: model, draft, dtype, device, context, block size, speculation policy, KV pool
-    in tokens and maximum concurrency, CUDA graphs."""
+    """One line: model, draft, dtype, device, the target's weight format and bytes per step,
+    context, block size, speculation policy, KV pool in tokens and maximum concurrency, CUDA graphs."""
     policy = read_property(llm, "speculation_policy", str)
     if policy is None:
         policy = f"fixed block size {llm.block_size}" if llm.speculative else "none (plain decoding)"
     pool, concurrency = read_property(llm, "kv_cache_tokens", int), read_property(llm, "max_concurrency", int)
+    weights, step_bytes = read_property(llm, "weight_format", str), read_property(llm, "weight_bytes_per_step", int)
     fields = [("model", settings.model), ("draft", settings.draft if llm.speculative else None),
               ("dtype", read_property(llm, "dtype", str)), ("device", read_property(llm, "device", str)),
+              ("weights", f"{weights}, {step_bytes / 1e9:.3g} GB read per step"
+               if weights is not None and step_bytes is not None else None),
               ("context", f"{llm.max_model_len} tokens"),
               ("block size", llm.block_size if llm.speculative else None), ("speculation", policy),
               ("KV pool", f"{pool} tokens" if pool is not None else None),

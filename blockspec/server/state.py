@@ -91,6 +91,22 @@ class EngineCollector:
                                   value=queries)
         yield CounterMetricFamily("blockspec_prefix_cache_hits", "Prompt tokens served by the prefix cache",
                                   value=hits)
+        yield from weight_metrics(self._state.llm)
+
+
+def weight_metrics(llm: EngineHandle | None):
+    """The target's weight format (a label, value 1) and the weight bytes one decode step reads,
+    once loaded and where the handle says them (test stand-ins may not)."""
+    weights, step_bytes = getattr(llm, "weight_format", None), getattr(llm, "weight_bytes_per_step", None)
+    if isinstance(weights, str):
+        info = GaugeMetricFamily("blockspec_weight_format", "The target's weight format (fp8_e4m3 or its dtype)",
+                                 labels=["format"])
+        info.add_metric([weights], 1)
+        yield info
+    if isinstance(step_bytes, int):
+        yield GaugeMetricFamily("blockspec_weight_bytes_per_step",
+                                "Target weight bytes one decode step reads (unchosen experts excluded)",
+                                value=step_bytes)
 
 
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -1,0 +1,172 @@
+"""The FP8 kernels (kernels/fp8.py, the FP8 experts of kernels/moe.py) on the GPU against the
+dequantizing references, at every row count the graphs use, and inside a CUDA graph.
+
+Tolerance: bf16's. Both sides are compared with an fp32 product of the same e4m3 weights
+(x rounded to bf16 as the model holds it; for FP8 × FP8, x quantized as the kernel does):
+max |Δ| ≤ 1e-2 · max |ref|, what one bf16 rounding of the output and fp32 sums in another
+order leave."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from blockspec.kernels import fp8 as K
+from blockspec.kernels import moe as moe_kernels
+from blockspec.layers import fp8
+from blockspec.layers.moe import reference_experts, route
+
+ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+# (out, in, scale block): 128 × 128 blocks; a scale per row (a fused q/k/v boundary inside a block)
+# with a ragged K; per channel
+CASES = {"block": (1536, 1024, fp8.ScaleBlock()), "per_row": (640, 1000, fp8.ScaleBlock(rows=1)),
+         "per_channel": (512, 768, fp8.ScaleBlock(rows=1, cols=768))}
+TOLERANCE = 1e-2
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or not K.has_fp8(torch.device("cuda")),
+                                reason="FP8 kernels need CUDA of compute capability 8.9 or later")
+
+
+def weights(out_features: int, in_features: int, block: fp8.ScaleBlock, seed: int = 0):
+    """e4m3 weights [N, K] and their scales in `block`'s layout (per row: the 128 × 128 block
+    scales repeated over their rows, as a fused module with a part boundary inside a block holds them)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(out_features, in_features, device="cuda", generator=gen) / in_features ** 0.5
+    if block.cols != fp8.BLOCK:
+        return fp8.quantize(w, block)
+    q, scale = fp8.quantize(w)
+    return q, fp8.part_scale_rows(scale, out_features, block)
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("rows", ROWS)
+def test_weight_only_kernel_equals_the_reference(case, rows):
+    out_features, in_features, block = CASES[case]
+    q, scale = weights(out_features, in_features, block)
+    x = torch.randn(rows, in_features, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(out_features, device="cuda").to(torch.bfloat16) if case == "block" else None
+    expected = x.float() @ fp8.dequantize(q, scale, block).T + (0 if bias is None else bias.float())
+    ours = K.weight_only_linear(x, q, scale, block, bias)
+    assert ours.dtype == torch.bfloat16 and relative_error(ours, expected) < TOLERANCE
+    assert relative_error(K.reference_linear(x, q, scale, block, bias), expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("split", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_weight_only_kernel_split_over_k(split, rows):
+    out_features, in_features, block = CASES["per_row"]
+    q, scale = weights(out_features, in_features, block, seed=4)
+    x = torch.randn(rows, in_features, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(out_features, device="cuda").to(torch.bfloat16)
+    expected = x.float() @ fp8.dequantize(q, scale, block).T + bias.float()
+    tiles = K.WeightOnlyTiles(min(64, max(16, rows)), 32, 4, 4, split)
+    assert relative_error(K.weight_only_linear(x, q, scale, block, bias, tiles), expected) < TOLERANCE
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("rows", ROWS)
+def test_fp8_fp8_kernel_equals_its_reference(case, rows):
+    out_features, in_features, block = CASES[case]
+    q, scale = weights(out_features, in_features, block, seed=1)
+    x = torch.randn(rows, in_features, device="cuda").to(torch.bfloat16)
+    x_q, x_scale = K.quantize_rows(x)
+    ref_q, ref_scale = K.quantize_rows_reference(x)
+    assert torch.allclose(x_scale, ref_scale, rtol=1e-6, atol=0)        # Triton's fp32 division: ≤ 2 ulp
+    assert (x_q.float() != ref_q.float()).float().mean() < 1e-3           # codes differ only at rounding ties
+    expected = fp8.dequantize(x_q, x_scale, fp8.ScaleBlock(rows=1)) @ fp8.dequantize(q, scale, block).T
+    assert relative_error(K.fp8_fp8_linear(x, q, scale, block, None), expected) < TOLERANCE
+    assert relative_error(K.reference_fp8_fp8(x, q, scale, block, None), expected) < 5e-2
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_linear_dispatch_by_rows(rows):
+    out_features, in_features, block = CASES["block"]
+    q, scale = weights(out_features, in_features, block, seed=2)
+    x = torch.randn(rows, in_features, device="cuda").to(torch.bfloat16)
+    ours = K.linear(x, q, scale, block)
+    if rows <= K.WEIGHT_ONLY_MAX_ROWS:
+        assert torch.equal(ours, K.weight_only_linear(x, q, scale, block, None))
+    else:
+        assert torch.equal(ours, K.fp8_fp8_linear(x, q, scale, block, None))
+    # against the plain dequantized product: FP8 × FP8 adds the activations' e4m3 rounding
+    expected = x.float() @ fp8.dequantize(q, scale, block).T
+    assert relative_error(ours, expected) < (TOLERANCE if rows <= K.WEIGHT_ONLY_MAX_ROWS else 8e-2)
+
+
+@pytest.mark.parametrize("rows", [16, 512])
+def test_linear_replays_in_a_cuda_graph(rows):
+    out_features, in_features, block = CASES["per_row"]
+    q, scale = weights(out_features, in_features, block, seed=3)
+    x = torch.randn(rows, in_features, device="cuda").to(torch.bfloat16)
+    K.linear(x, q, scale, block)                                                      # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = K.linear(x, q, scale, block)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, K.linear(x, q, scale, block))
+
+
+@pytest.mark.parametrize("inter", [128, 96], ids=["aligned", "straddling"])
+@pytest.mark.parametrize("num_tokens", [1, 16, 64, 256])
+def test_fp8_experts_equal_the_dequantized_reference(inter, num_tokens):
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens + inter)
+    num_experts, hidden = 16, 512
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden ** 0.5
+    down = torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) / inter ** 0.5
+    block = fp8.fused_scale_block((inter, inter))
+    halves = [fp8.quantize(half) for half in gate_up.chunk(2, dim=1)]
+    gate_up_q = torch.cat([q for q, _ in halves], dim=1)
+    gate_up_s = torch.cat([fp8.part_scale_rows(s, inter, block) for _, s in halves], dim=1)
+    down_q, down_s = fp8.quantize(down)
+    scales = moe_kernels.ExpertScales(gate_up_s, down_s, block, fp8.ScaleBlock())
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    weights_, experts = route(torch.randn(num_tokens, num_experts, device="cuda", generator=gen), 4, normalize=True)
+    expected = reference_experts(x.float(), weights_.float(), experts, fp8.dequantize(gate_up_q, gate_up_s, block),
+                                 fp8.dequantize(down_q, down_s, fp8.ScaleBlock()))
+    ours = moe_kernels.fused_experts(x, weights_.to(torch.bfloat16), experts, gate_up_q, down_q, None, scales)
+    assert relative_error(ours, expected) < TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    import fixtures
+    directory = tmp_path_factory.mktemp("tokenizer")
+    fixtures.write_tokenizer_files(directory, "qwen3")
+    return sorted(directory.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_5_moe"])
+def test_fp8_targets_decode_on_the_gpu_as_on_the_cpu(kind, tmp_path, tokenizer_files):
+    """The FP8 fixtures of tests/test_fp8_targets.py in fp32 on the GPU, graphed (the weight-only
+    kernel at every width, FP8 experts, GDN's mixed in_proj): plain and DFlash, batched and
+    alone, decode what the CPU's dequantizing reference decodes (which tests/test_fp8_targets.py
+    holds equal to transformers)."""
+    import fixtures
+    import fp8_fixtures
+    from test_fp8_targets import PROMPTS, VOCAB, hf_model, randomise
+
+    from blockspec.llm import LLM
+    from blockspec.sampling import SamplingParams
+
+    model = hf_model(kind)
+    randomise(model)
+    path = fp8_fixtures.write_fp8_checkpoint(tmp_path / kind, model)
+    for file in tokenizer_files:
+        shutil.copy(file, path / file.name)
+    params = SamplingParams(max_tokens=16)
+    cpu = LLM(str(path), device="cpu", show_progress=False)
+    expected = [cpu.generate_ids(p, params).token_ids for p in PROMPTS]
+    assert all(len(set(tokens)) > 3 for tokens in expected)
+    draft = fixtures.write_dflash_draft(tmp_path / "draft", path, target_layer_ids=[0, 2], mask_token_id=VOCAB - 1)
+    for draft_dir, block_size in ((None, None), (str(draft), 8)):
+        llm = LLM(str(path), draft=draft_dir, block_size=block_size, device="cuda", dtype="float32",
+                  show_progress=False)
+        assert llm.weight_format == "fp8_e4m3"
+        assert [r.token_ids for r in llm.generate(PROMPTS, params)] == expected, block_size
+        assert [llm.generate_ids(p, params).token_ids for p in PROMPTS] == expected, block_size

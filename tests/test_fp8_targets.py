@@ -1,0 +1,391 @@
+"""FP8 targets (layers/fp8.py, kernels/fp8.py): block-scaled e4m3 fp8_models in Qwen's format
+loaded as they are, `--quantization fp8` on load, and the dequantizing reference path on CPU.
+
+Checkpoints: tiny random transformers models written as FP8 fp8_models by tests/fp8_fixtures.py
+(dense Qwen3 whose q/k/v and gate/up boundaries fall inside 128-row blocks; Qwen3-MoE with
+aligned experts and bf16 scales; a Qwen3.5-MoE hybrid whose GDN in_proj mixes FP8 and bf16
+parts and whose experts straddle blocks). The reference is transformers on the same weights
+dequantized to fp32. fp32, CPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fixtures
+import fp8_fixtures
+from blockspec.kernels import fp8 as fp8_kernels
+from blockspec.layers import fp8
+from blockspec.layers.moe import SparseMoE
+from blockspec.llm import LLM
+from blockspec.loader import LoadError, load_model
+from blockspec.sampling import SamplingParams
+from blockspec.tokenizer import Tokenizer
+
+VOCAB = 512
+KINDS = ["qwen3", "qwen3_moe", "qwen3_5_moe"]
+PROMPT = [int(t) for t in torch.randint(0, VOCAB - 1, (40,), generator=torch.Generator().manual_seed(3))]
+PROMPTS = [PROMPT[:6], PROMPT]
+
+
+def hf_model(kind: str) -> torch.nn.Module:
+    import transformers as tf
+    torch.manual_seed(0)
+    if kind == "qwen3":        # q 192 | k 96 | v 96 rows, gate 320 | up 320: boundaries inside blocks
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(
+            vocab_size=VOCAB, hidden_size=192, intermediate_size=320, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=48, max_position_embeddings=1024))
+    if kind == "qwen3_moe":    # experts 128 | 128: on block boundaries
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
+            mlp_only_layers=[2], max_position_embeddings=1024))
+    return tf.Qwen3_5MoeForCausalLM(tf.Qwen3_5MoeTextConfig(   # experts 96 | 96, shared expert 96
+        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=96, shared_expert_intermediate_size=96, max_position_embeddings=1024,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"]))
+
+
+def randomise(model: torch.nn.Module) -> None:
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+        model.get_decoder().norm.weight.add_(8.0)
+
+
+@pytest.fixture(scope="module")
+def fp8_models(tmp_path_factory, qwen3_dir) -> dict[str, tuple[torch.nn.Module, Path, Path]]:
+    """kind → (transformers on the dequantized weights, the FP8 checkpoint, the bf16 original)."""
+    root = tmp_path_factory.mktemp("fp8")
+    out = {}
+    for kind in KINDS:
+        model = hf_model(kind)
+        randomise(model)
+        model.save_pretrained(root / f"{kind}-bf16")
+        scale_dtype = torch.bfloat16 if kind == "qwen3_moe" else torch.float32
+        fp8_fixtures.write_fp8_checkpoint(root / kind, model, scale_dtype)
+        out[kind] = (model.eval(), root / kind, root / f"{kind}-bf16")
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_tokenizer(qwen3_dir):
+    """The session's Qwen3 tokenizer for every checkpoint here (their ids are < VOCAB)."""
+    shared = Tokenizer.from_dir(qwen3_dir)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Tokenizer, "from_dir", staticmethod(lambda path: shared))
+        yield
+
+
+@pytest.fixture(scope="module")
+def expected(fp8_models) -> dict[str, list[list[int]]]:
+    out = {}
+    for kind, (model, _, _) in fp8_models.items():
+        out[kind] = []
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                tokens = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+                                        min_new_tokens=16, pad_token_id=0)
+            out[kind].append(tokens[0, len(prompt):].tolist())
+    return out
+
+
+# ── the format ─────────────────────────────────────────────────────────────────────────────────
+
+@pytest.mark.parametrize("shape", [(128, 128), (200, 70), (1, 300), (384, 129)])
+def test_quantize_matches_the_block_by_block_format(shape):
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
+    weight[: min(128, shape[0]), :64] = 0                       # an all-zero block gets scale 1
+    q, scale = fp8.quantize(weight)
+    q_ref, scale_ref = fp8_fixtures.quantize_block_by_block(weight, torch.float32)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scale, scale_ref)
+    assert torch.equal(fp8.dequantize(q, scale, fp8.ScaleBlock()), fp8_fixtures.dequantize_block_by_block(q, scale))
+    per_row = fp8.part_scale_rows(scale, shape[0], fp8.ScaleBlock(rows=1))
+    assert torch.equal(fp8.dequantize(q, per_row, fp8.ScaleBlock(rows=1)), fp8.dequantize(q, scale, fp8.ScaleBlock()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_tensors_load_as_fp8(fp8_models, kind):
+    """Every e4m3 tensor of the file is held as e4m3 (no bf16 copy), the rest as before."""
+    _, path, _ = fp8_models[kind]
+    model = load_model(str(path)).model
+    on_disk = sum(torch.Size(s).numel() for s in shapes_of(path, fp8_fixtures.fp8_tensor_names(path)))
+    held = sum(p.numel() for p in model.parameters() if p.dtype == fp8.FP8)
+    assert held == on_disk > 0
+    assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.float32
+    model.to(torch.bfloat16)                                     # a cast keeps the format
+    assert {p.dtype for n, p in model.named_parameters() if "scale_inv" in n} == {torch.float32}
+    assert sum(p.numel() for p in model.parameters() if p.dtype == fp8.FP8) == held
+
+
+def shapes_of(path: Path, names: set[str]) -> list[list[int]]:
+    from safetensors import safe_open
+    with safe_open(str(path / "model.safetensors"), framework="pt") as handle:
+        return [handle.get_slice(name).get_shape() for name in names]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fused_modules_hold_each_parts_dequantized_weights(fp8_models, kind):
+    """qkv, gate_up, GDN in_proj (FP8 and bf16 segments) and the stacked experts: dequantized,
+    exactly the transformers model's (dequantized) parts side by side."""
+    reference, path, _ = fp8_models[kind]
+    state = reference.state_dict()
+    model = load_model(str(path)).model
+    checked = 0
+    for name, module in model.named_modules():
+        if ".segments." in name:                                 # checked through their SegmentedLinear
+            continue
+        if isinstance(module, (fp8.Fp8Linear, fp8.SegmentedLinear)) and module.part_sizes:
+            parent = name.rsplit(".", 1)[0]
+            expected = torch.cat([state[f"{parent}.{part}.weight"] for part in module.part_sizes])
+            segments = module.segments if isinstance(module, fp8.SegmentedLinear) else [module]
+            ours = torch.cat([s.dequantized(torch.float32) if isinstance(s, fp8.Fp8Linear) else s.weight
+                              for s in segments])
+            assert torch.equal(ours, expected), name
+            checked += 1
+        elif isinstance(module, fp8.Fp8Experts):
+            gate_up, down = module.stacked(torch.float32)
+            assert torch.equal(gate_up, state[name + ".gate_up_proj"]) and torch.equal(down, state[name + ".down_proj"])
+            checked += 1
+    assert checked >= 8
+    if kind == "qwen3":
+        assert model.model.layers[0].self_attn.qkv_proj.block.rows == 1          # k starts at row 192
+    if kind == "qwen3_moe":
+        assert model.model.layers[0].mlp.experts.gate_up_block.rows == 128
+    if kind == "qwen3_5_moe":
+        in_proj = model.model.layers[0].linear_attn.in_proj
+        assert isinstance(in_proj, fp8.SegmentedLinear)
+        assert [type(s).__name__ for s in in_proj.segments] == ["Fp8Linear", "PartsLinear"]
+
+
+# ── agreement with transformers, DFlash over FP8 ───────────────────────────────────────────────
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equals_transformers_on_the_dequantized_weights(fp8_models, one_tokenizer, expected, kind):
+    llm = LLM(str(fp8_models[kind][1]), max_model_len=256, show_progress=False)
+    outputs = [llm.generate_ids(prompt, SamplingParams(max_tokens=16)).token_ids for prompt in PROMPTS]
+    assert outputs == expected[kind]
+    assert all(len(set(tokens)) > 3 for tokens in outputs)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5_moe"])          # dense; hybrid with MoE
+def test_dflash_over_fp8_equals_plain(fp8_models, one_tokenizer, expected, kind, tmp_path):
+    _, path, _ = fp8_models[kind]
+    draft = fixtures.write_dflash_draft(tmp_path / "draft", path, target_layer_ids=[0, 2], mask_token_id=VOCAB - 1)
+    params = SamplingParams(max_tokens=16)
+    llm = LLM(str(path), draft=str(draft), block_size=8, max_model_len=256, show_progress=False)
+    assert [llm.generate_ids(p, params).token_ids for p in PROMPTS] == expected[kind]
+    assert [r.token_ids for r in llm.generate(PROMPTS, params)] == expected[kind]
+    assert all(p.dtype != fp8.FP8 for p in llm.draft.parameters())
+
+
+# ── --quantization fp8 ─────────────────────────────────────────────────────────────────────────
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5_moe"])
+def test_quantization_on_load_equals_the_fp8_checkpoint(fp8_models, kind):
+    """The bf16 original quantized on load holds, bit for bit, what the FP8 file of the same
+    weights holds: the same modules, e4m3 codes and scales."""
+    _, path, bf16 = fp8_models[kind]
+    stored = load_model(str(path)).model.state_dict()
+    quantized = load_model(str(bf16), quantization="fp8").model.state_dict()
+    assert stored.keys() == quantized.keys()
+    for name, tensor in stored.items():
+        same = (torch.equal(tensor.view(torch.uint8), quantized[name].view(torch.uint8)) if tensor.dtype == fp8.FP8
+                else torch.equal(tensor, quantized[name]))
+        assert same and tensor.dtype == quantized[name].dtype, name
+
+
+def test_quantization_on_load_keeps_routers_and_gdn_gates_in_bf16(fp8_models):
+    model = load_model(str(fp8_models["qwen3_5_moe"][2]), quantization="fp8").model
+    fp8_names = {n for n, p in model.named_parameters() if p.dtype == fp8.FP8}
+    assert not any(".mlp.gate." in n or "shared_expert_gate" in n or "lm_head" in n or "embed" in n for n in fp8_names)
+    assert "model.layers.0.linear_attn.in_proj.segments.0.weight" in fp8_names
+    assert "model.layers.0.linear_attn.in_proj.segments.1.weight" not in fp8_names       # in_proj_b / a
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fp8_names
+
+
+# ── refusals ───────────────────────────────────────────────────────────────────────────────────
+
+@pytest.mark.parametrize("change, message", [
+    ({"fmt": "e5m2"}, "FP8 format 'e5m2' is not supported"),
+    ({"weight_block_size": [64, 64]}, "weight_block_size [64, 64] is not supported"),
+    ({"activation_scheme": "static"}, "activation_scheme 'static' is not supported"),
+    ({"quant_method": "gptq"}, "quant_method 'gptq' is not supported"),
+])
+def test_other_quantization_configs_are_refused_in_one_line(fp8_models, tmp_path, change, message):
+    path = tmp_path / "ckpt"
+    shutil.copytree(fp8_models["qwen3"][1], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"].update(change)
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match=message.replace("[", r"\[").replace("]", r"\]")) as error:
+        load_model(str(path))
+    assert "\n" not in str(error.value)
+
+
+def test_a_device_without_fp8_is_refused(fp8_models, monkeypatch):
+    cuda = torch.device("cuda")
+    assert not fp8_kernels.has_fp8(cuda, capability=(8, 0)) and fp8_kernels.has_fp8(cuda, capability=(9, 0))
+    assert fp8_kernels.has_fp8(cuda, capability=(8, 9)) and fp8_kernels.has_fp8(torch.device("cpu"))
+    monkeypatch.setattr(fp8_kernels, "has_fp8", lambda device: False)
+    for path, quantization in ((fp8_models["qwen3"][1], None), (fp8_models["qwen3"][2], "fp8")):
+        with pytest.raises(LoadError, match="FP8 weights need a GPU of compute capability 8.9"):
+            load_model(str(path), quantization=quantization)
+    load_model(str(fp8_models["qwen3"][2]))                                        # bf16 still loads
+
+
+def test_cli_says_why_in_one_line(fp8_models, tmp_path, capsys):
+    from blockspec.cli import main
+    path = tmp_path / "ckpt"
+    shutil.copytree(fp8_models["qwen3"][1], path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["fmt"] = "e5m2"
+    (path / "config.json").write_text(json.dumps(config))
+    code = main(["generate", "--model", str(path), "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "'e5m2' is not supported" in err
+    with pytest.raises(SystemExit) as parser_exit:
+        main(["generate", "--model", str(path), "--quantization", "int4"])
+    assert parser_exit.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+# ── the Triton kernels in the interpreter (the GPU runs them for real: tests/gpu/test_fp8.py) ──
+
+INTERPRETED_KERNEL_CHECK = """
+import torch
+from blockspec.kernels import fp8 as K
+from blockspec.layers import fp8
+gen = torch.Generator().manual_seed(0)
+for rows, n, k, block in [(1, 40, 200, fp8.ScaleBlock()), (5, 130, 256, fp8.ScaleBlock(rows=1)),
+                          (17, 64, 96, fp8.ScaleBlock(rows=1, cols=96))]:          # per channel
+    weight = torch.randn(n, k, generator=gen)
+    q, scale = fp8.quantize(weight, block)
+    x = torch.randn(rows, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    ref = K.reference_linear(x, q, scale, block, bias)
+    for split in (1, 2, 3):                                      # K split: partial sums added in order
+        out = K.weight_only_linear(x, q, scale, block, bias, tiles=K.WeightOnlyTiles(16, 32, 4, 2, split))
+        assert (out - ref).abs().max() < 1e-4 * ref.abs().max(), (rows, n, k, split)
+    # FP8 x FP8 against the product of its own quantized activations (the interpreter's e4m3
+    # conversion truncates, so its codes are not torch's; the GPU test compares those too)
+    x_q, x_scale = K.quantize_rows(x)
+    ref = fp8.dequantize(x_q, x_scale, fp8.ScaleBlock(rows=1)) @ fp8.dequantize(q, scale, block).T + bias
+    assert (K.fp8_fp8_linear(x, q, scale, block, bias) - ref).abs().max() < 1e-4 * ref.abs().max(), (rows, n, k)
+
+# FP8 experts in the fused MoE kernel, gate | up of 24 rows each (a scale per row)
+from blockspec.kernels import moe as M
+from blockspec.layers.moe import reference_experts, route
+gate_up, down = torch.randn(4, 48, 64, generator=gen), torch.randn(4, 64, 24, generator=gen)
+block = fp8.fused_scale_block((24, 24))
+halves = [fp8.quantize(half) for half in gate_up.chunk(2, dim=1)]
+gate_up_q = torch.cat([q for q, _ in halves], dim=1)
+gate_up_s = torch.cat([fp8.part_scale_rows(s, 24, block) for _, s in halves], dim=1)
+down_q, down_s = fp8.quantize(down)
+x = torch.randn(5, 64, generator=gen)
+weights, experts = route(torch.randn(5, 4, generator=gen), 2, True)
+ref = reference_experts(x, weights, experts, fp8.dequantize(gate_up_q, gate_up_s, block),
+                        fp8.dequantize(down_q, down_s, fp8.ScaleBlock()))
+ours = M.fused_experts(x, weights, experts, gate_up_q, down_q, None,
+                       M.ExpertScales(gate_up_s, down_s, block, fp8.ScaleBlock()))
+assert (ours - ref).abs().max() < 1e-4 * ref.abs().max()
+print("ok")
+"""
+
+
+def test_fp8_kernels_equal_the_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", INTERPRETED_KERNEL_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_quantize_model_in_memory_equals_quantization_on_load(fp8_models):
+    """bench's path (random weights quantized where they are) makes what --quantization fp8 loads."""
+    _, _, bf16 = fp8_models["qwen3_5_moe"]
+    on_load = load_model(str(bf16), quantization="fp8").model.state_dict()
+    in_memory = fp8.quantize_model(load_model(str(bf16)).model).state_dict()
+    assert on_load.keys() == in_memory.keys()
+    for name, tensor in on_load.items():
+        if tensor.dtype == fp8.FP8:
+            tensor, other = tensor.view(torch.uint8), in_memory[name].view(torch.uint8)
+        else:
+            other = in_memory[name]
+        assert torch.equal(tensor, other), name
+
+
+# ── what serve says about the weights ──────────────────────────────────────────────────────────
+
+def test_startup_line_and_metrics_say_the_weight_format_and_bytes(fp8_models, one_tokenizer):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from blockspec.server.logs import startup_summary
+    from blockspec.server.settings import ServerSettings
+    from blockspec.server.state import weight_metrics
+
+    _, path, bf16 = fp8_models["qwen3_moe"]
+    figures = {}
+    for name, checkpoint in (("fp8", path), ("bf16", bf16)):
+        llm = LLM(str(checkpoint), max_model_len=256, show_progress=False)
+        target = llm.target
+        experts = [m.experts for m in target.modules() if isinstance(m, SparseMoE)]
+        total = sum(p.numel() * p.element_size() for p in target.parameters())
+        unchosen = sum(p.numel() * p.element_size() for m in experts for p in m.parameters()) * (1 - 2 / 4)
+        assert llm.weight_bytes_per_step == int(total - unchosen)
+        registry = CollectorRegistry()
+        registry.register(type("Weights", (), {"collect": lambda self, llm=llm: weight_metrics(llm)})())
+        samples = {s.name: s for family in text_string_to_metric_families(generate_latest(registry).decode())
+                   for s in family.samples}
+        assert samples["blockspec_weight_bytes_per_step"].value == llm.weight_bytes_per_step
+        assert samples["blockspec_weight_format"].labels == {"format": llm.weight_format}
+        line = startup_summary(llm, ServerSettings(model=str(checkpoint)))
+        assert f"weights {llm.weight_format}, {llm.weight_bytes_per_step / 1e9:.3g} GB read per step" in line
+        figures[name] = (llm.weight_format, llm.weight_bytes_per_step)
+    assert figures["fp8"][0] == "fp8_e4m3" and figures["bf16"][0] == "float32"
+    assert figures["fp8"][1] < 0.5 * figures["bf16"][1]
+
+
+def test_bench_takes_quantization_in_its_default_mode_only(capsys):
+    from blockspec.cli import main
+    assert main(["bench", "--device", "cpu", "--burst", "4", "--quantization", "fp8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["blockspec bench: error: --quantization measures the default mode only, not --burst"]
+
+
+def test_bench_prints_fp8_beside_bf16(tmp_path, capsys):
+    """`bench --quantization fp8`: the target measured, then quantized in place and measured
+    again; the side-by-side rows hold both (on CPU the reference path: a plumbing check)."""
+    from blockspec.cli import main
+    out = tmp_path / "r.json"
+    assert main(["bench", "--shape", "tiny", "--device", "cpu", "--layers", "1", "--block-size", "2",
+                 "--prompt-len", "8", "--max-tokens", "2", "--no-dflash2", "--accept-len", "1.5",
+                 "--quantization", "fp8", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())["fp8_side_by_side"]
+    assert result["weight_format"] == "fp8_e4m3"
+    row = result["c1"]
+    assert row["bf16_plain_ms_per_step"] > 0 and row["fp8_plain_ms_per_step"] > 0
+    assert row["fp8_dflash_ms_per_cycle"] > 0 and row["fp8_dflash_acceptance_length"] >= 1
+    assert "fp8 target (fp8_e4m3" in capsys.readouterr().out
+
+
+def test_an_fp8_lm_head_is_refused(fp8_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "ckpt"
+    shutil.copytree(fp8_models["qwen3"][1], path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["lm_head.weight_scale_inv"] = torch.ones(VOCAB // 128, 2)
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(LoadError, match="an FP8 lm_head is not supported"):
+        load_model(str(path))
