@@ -3,9 +3,10 @@ as one batch. A thin layer over the engine: it loads, configures once, and steps
 the calling thread (the server instead runs the same engine on its own thread)."""
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from blockspec.config import ConfigError, EngineOptions, resolve_engine_config
 from blockspec.engine.engine import Engine, QueueFullError
@@ -13,6 +14,9 @@ from blockspec.engine.request import GenerationStats, Request, TokenEvent
 from blockspec.loader import load_draft, load_model, load_tokenizer
 from blockspec.options import project
 from blockspec.sampling import SamplingParams
+
+if TYPE_CHECKING:      # Pillow is imported only where images come in
+    from blockspec.multimodal import ImageInput, ImageProcessorConfig, MultimodalPrompt
 
 
 def apply_threads(threads: int | None) -> None:
@@ -116,8 +120,28 @@ class LLM:
             return "off"
         return "batch sizes " + ",".join(str(size) for size in graphs.sizes) + " (captured on first use)"
 
-    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-        return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)
+    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     multimodal: MultimodalPrompt | None = None) -> Request:
+        if multimodal is not None and self.target.visual is None:
+            raise ValueError("this model takes no images (its checkpoint has no vision tower)")
+        return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len, multimodal=multimodal)
+
+    @property
+    def takes_images(self) -> bool:
+        return self.target.visual is not None
+
+    def image_prompt(self, prompt_ids: list[int], images: list[ImageInput]) -> tuple[list[int], MultimodalPrompt]:
+        """Prompt ids with one image placeholder token per image (what the chat template writes)
+        → the ids with each placeholder expanded to the image's rows, and their M-RoPE positions."""
+        from blockspec.multimodal import expand_prompt
+        vision = self.target.visual.config
+        return expand_prompt(prompt_ids, images, vision.image_token_id, vision.spatial_merge_size)
+
+    @functools.cached_property
+    def image_processor(self) -> ImageProcessorConfig:
+        """The checkpoint's preprocessor_config.json (multimodal/processor.py)."""
+        from blockspec.multimodal import ImageProcessorConfig
+        return ImageProcessorConfig.from_dir(self.model_path)
 
     def stream(self, request: Request) -> Iterator[TokenEvent]:
         """Decode one request, yielding its events; other open streams advance in the same steps

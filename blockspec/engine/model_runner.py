@@ -26,6 +26,7 @@ from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.logits import LogitsProcessor
+from blockspec.engine.multimodal import step_rows
 from blockspec.engine.memory import dummy_sequence, size_pool, startup_line
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.scheduler import Batch, FirstToken
@@ -291,14 +292,20 @@ class ModelRunner:
             self.processor_of(seq)
         self.clear_states([seq for seq, _ in batch.prefill])
         self.restore_snapshots([seq for seq, _ in batch.prefill])
+        # [today] Rows after an image rotate at their position + the sequence's M-RoPE delta,
+        # which the graphs do not take yet: such decode steps run eagerly.
         use_graphs = (self.graphs is not None and not batch.prefill and bool(decode)
-                      and all(k == self.width - 1 for k in num_drafts))
+                      and all(k == self.width - 1 for k in num_drafts)
+                      and all(seq.request.multimodal is None for seq in decode))
         if use_graphs:
             logits, proposal = self.graphed_decode(decode)
             first_tokens: list[FirstToken | None] = []
         else:
             logits, proposal, first_tokens = self.ragged_forward(batch)
             self.take_snapshots([seq for seq, _ in batch.prefill])
+            for seq, _ in batch.prefill:
+                if not seq.is_prefilling:
+                    seq.vision_outputs = {}
         result = self.finish_decode(decode, batch.num_drafts, logits, proposal) if decode else None
         return StepResult(first_tokens, result)
 
@@ -345,7 +352,8 @@ class ModelRunner:
             self.place_drafts(meta, proposal, num_drafts, sum(n for _, n in batch.prefill))
         rows = self.logit_rows(batch)
         self.num_forwards += 1
-        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
+        multimodal = step_rows(self.target.visual, entries, self.device)    # images: M-RoPE, the tower's tokens
+        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers, multimodal)
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         logits = self.target.compute_logits(out.hidden[torch.tensor(rows, device=self.device)]) if rows else None
