@@ -69,10 +69,11 @@ def randomise(model: torch.nn.Module, seed: int = 0) -> None:
         model.model.language_model.norm.weight.add_(8.0)
 
 
-def write_vl_checkpoint(directory: Path, kind: str) -> Path:
-    """save_pretrained of a tiny random model of `kind`, its preprocessor config and tokenizer."""
+def write_vl_checkpoint(directory: Path, kind: str) -> tuple[Path, torch.nn.Module]:
+    """save_pretrained of a tiny random model of `kind`, its preprocessor config and tokenizer;
+    returns the directory and the model as saved (the reference)."""
     from transformers import GenerationConfig
-    model = hf_vl_model(kind)
+    model = hf_vl_model(kind).eval()
     randomise(model)
     model.generation_config = GenerationConfig(eos_token_id=[IM_END_ID, ENDOFTEXT_ID], bos_token_id=ENDOFTEXT_ID)
     model.save_pretrained(directory)
@@ -82,4 +83,45 @@ def write_vl_checkpoint(directory: Path, kind: str) -> Path:
     config = json.loads(config_path.read_text())
     config["chat_template"] = QWEN3_5_CHAT_TEMPLATE
     config_path.write_text(json.dumps(config, ensure_ascii=False, indent=2))
-    return directory
+    return directory, model
+
+
+def write_vl_draft(directory: Path, target_dir: Path, block_size: int = 8) -> Path:
+    """A random DFlash draft for a multimodal target (the draft reads its text model's shape)."""
+    from fixtures import write_dflash_draft
+    shim = directory.parent / (directory.name + "-text-config")
+    shim.mkdir(parents=True, exist_ok=True)
+    text = json.loads((target_dir / "config.json").read_text())["text_config"]
+    (shim / "config.json").write_text(json.dumps(text))
+    return write_dflash_draft(directory, shim, block_size=block_size)
+
+
+def hf_processor(directory: Path):
+    """transformers' own Qwen3-VL processor (its Pillow image processor) for a checkpoint."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    class ImageOnlyProcessor(Qwen3VLProcessor):
+        # Without torchvision transformers cannot resolve the video processor's class; images need none.
+        def check_argument_for_proper_class(self, name, arg):
+            return None
+
+    image_processor = Qwen2VLImageProcessorPil(**json.loads((directory / "preprocessor_config.json").read_text()))
+    return ImageOnlyProcessor(image_processor=image_processor, tokenizer=AutoTokenizer.from_pretrained(directory))
+
+
+def random_image(height: int, width: int, seed: int, mode: str = "RGB"):
+    import numpy as np
+    from PIL import Image
+    channels = 4 if mode == "RGBA" else 3
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, channels), dtype=np.uint8)
+    return Image.fromarray(pixels, mode)
+
+
+def data_url(image, fmt: str = "PNG") -> str:
+    import base64
+    import io
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
