@@ -205,3 +205,85 @@ def test_image_urls_under_the_media_policy(tmp_path):
         load_image(data_url(random_image(64, 64, seed=9)), MediaPolicy(max_bytes=1000))
     with pytest.raises(ImageError, match="pixels"):
         load_image(data_url(image), MediaPolicy(max_pixels=100))
+
+
+# -- the server ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    """A served qwen3_vl (its own engine: the server's thread steps it) taking at most 2 images
+    of at most 64 KiB each."""
+    from blockspec.server.app import ServerSettings
+    from servers import InProcessServer
+    llm = LLM(str(checkpoints["qwen3_vl"]), show_progress=False, **SMALL_POOL)
+    settings = ServerSettings(model="vl", limit_images_per_prompt=2, max_image_bytes=64 << 10,
+                              media_fetch_timeout=2.0, log_stats_interval=0)
+    with InProcessServer(lambda: llm, settings) as running:
+        yield running
+
+
+def test_openai_client_image_url_equals_in_process(server, plain):
+    import openai
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    content = [{"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": data_url(IMAGES["tall"])}},
+               {"type": "text", "text": "with"}, {"type": "image_url", "image_url": {"url": data_url(IMAGES["wide"])}}]
+    reply = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": content}],
+                                           temperature=0, max_tokens=MAX_TOKENS)
+    llm = plain["qwen3_vl"]
+    request = our_request(llm, *PROMPTS["two"])
+    llm.generate_requests([request])
+    assert reply.usage.prompt_tokens == len(request.prompt_ids)
+    assert reply.usage.completion_tokens == len(request.output_ids)
+    message = reply.choices[0].message     # the template opens <think>: the answer so far is reasoning
+    text = (message.model_extra.get("reasoning_content") or "") + (message.content or "")
+    assert text == llm.tokenizer.decode(request.output_ids, skip_special_tokens=True) and text
+    response = client.responses.create(model="vl", max_output_tokens=MAX_TOKENS, temperature=0, input=[{
+        "role": "user", "content": [{"type": "input_text", "text": "Compare"},
+                                    {"type": "input_image", "image_url": data_url(IMAGES["tall"])},
+                                    {"type": "input_text", "text": "with"},
+                                    {"type": "input_image", "image_url": data_url(IMAGES["wide"])}]}])
+    reasoning = "".join(part.text for item in response.output if item.type == "reasoning" for part in item.content)
+    assert reasoning + response.output_text == text
+
+
+def test_bad_images_are_400s_and_the_server_keeps_serving(server):
+    import base64
+    import httpx
+
+    def chat(*urls: str) -> httpx.Response:
+        content = [{"type": "text", "text": "Look:"}] + [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+        return httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+            "model": "vl", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": content}]})
+
+    good = data_url(IMAGES["wide"])
+    not_an_image = "data:image/png;base64," + base64.b64encode(b"\x89PNG but not really" * 8).decode()
+    cases = {
+        "not an image": (not_an_image,),
+        "too large": (data_url(random_image(200, 200, seed=5)),),
+        "unreachable": ("http://127.0.0.1:9/image.png",),
+        "too many": (good, good, good),
+        "local files off": ("file:///etc/hostname",),
+    }
+    for name, urls in cases.items():
+        response = chat(*urls)
+        assert response.status_code == 400, (name, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"], name
+        assert error["param"] == ("messages" if name == "too many" else "messages[0].content[1].image_url"), name
+        assert chat(good).status_code == 200, name
+
+
+def test_a_text_model_refuses_images_by_name():
+    from blockspec.server.errors import ApiError
+    from blockspec.server.images import check_images
+    from blockspec.server.protocol import ChatCompletionRequest
+    from blockspec.server.settings import ServerSettings
+
+    class TextOnly:
+        takes_images = False
+
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    with pytest.raises(ApiError, match="takes no images") as error:
+        check_images(TextOnly(), ServerSettings(model="m"), body)
+    assert error.value.status == 400 and error.value.param == "messages[0].content[0].image_url"
