@@ -233,6 +233,8 @@ def text_config(d: dict[str, Any], architecture: str) -> ModelConfig:
 
 def attach_vision(model: nn.Module, d: dict[str, Any]) -> nn.Module:
     """A multimodal checkpoint's target: its text model with the tower at `model.visual`."""
+    if len(model.config.rope.mrope_section) != 3:
+        raise ConfigError("a vision-language text model needs rope_parameters.mrope_section (t, h, w)")
     model.model.visual = VisionModel(VisionConfig.from_hf(d))
     return model
 
