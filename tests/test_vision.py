@@ -36,6 +36,27 @@ PROMPTS = {
 SMALL_POOL = dict(max_model_len=1024, kv_cache_memory=32 << 20)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_tokenizer_load():
+    """Every checkpoint here carries the same tokenizer files: parse them once for the module's
+    nine engines (about 4 s each on a busy 2-core machine), not once per LLM."""
+    import hashlib
+    from blockspec import llm as llm_module
+    loaded: dict[bytes, object] = {}
+    original = llm_module.load_tokenizer
+
+    def load_tokenizer(path):
+        key = hashlib.sha256(b"".join((path / name).read_bytes()
+                                      for name in ("tokenizer.json", "tokenizer_config.json"))).digest()
+        if key not in loaded:
+            loaded[key] = original(path)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(llm_module, "load_tokenizer", load_tokenizer)
+        yield
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict:
     """kind → (checkpoint directory, the transformers model it was saved from)."""
@@ -170,11 +191,11 @@ def test_prefix_cache_keys_pages_by_image(kind, checkpoints, plain):
     assert other.output_ids == run(fresh, turn, ["tall"], "f3").output_ids
 
 
-def test_make_request_refuses_images_for_a_text_model(tmp_path):
-    from fixtures import write_hybrid_checkpoint
-    llm = LLM(str(write_hybrid_checkpoint(tmp_path / "text")), show_progress=False, max_model_len=256)
+def test_make_request_refuses_images_for_a_text_model():
+    from types import SimpleNamespace
+    text_only = SimpleNamespace(target=SimpleNamespace(visual=None))
     with pytest.raises(ValueError, match="no images"):
-        llm.make_request("x", [1, 2, 3], GREEDY, multimodal=object())
+        LLM.make_request(text_only, "x", [1, 2, 3], GREEDY, multimodal=object())
 
 
 def test_image_urls_under_the_media_policy(tmp_path):

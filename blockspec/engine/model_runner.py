@@ -26,8 +26,8 @@ from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.cuda_graphs import GraphedForwards
 from blockspec.engine.logits import LogitsProcessor
-from blockspec.engine.multimodal import step_rows
 from blockspec.engine.memory import dummy_sequence, size_pool, startup_line
+from blockspec.engine.multimodal import step_rows
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence

@@ -124,7 +124,8 @@ class VisionAttention(nn.Module):
         cos, sin = rope                                                                    # [P, 1, D] fp32
         q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
-        out = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+        # [1, H, p, D] per image: 4-D inputs let SDPA pick a fused kernel (no p × p scores in memory)
+        out = [F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)))[0]
                for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]  # [H, p, D] each
         return self.proj(torch.cat(out, dim=1).transpose(0, 1).flatten(1))
 

@@ -474,7 +474,8 @@ function init() {
     event.target.value = "";
   });
   $("prompt").addEventListener("paste", (event) => {
-    const files = Array.from(event.clipboardData ? event.clipboardData.items : []).filter((item) => item.kind === "file").map((item) => item.getAsFile()).filter(Boolean);
+    const items = Array.from(event.clipboardData ? event.clipboardData.items : []);
+    const files = items.filter((item) => item.kind === "file").map((item) => item.getAsFile()).filter(Boolean);
     if (files.length) attachFiles(files);
   });
   $("stop").addEventListener("click", stop);
