@@ -6,17 +6,15 @@ from __future__ import annotations
 import functools
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 from blockspec.config import ConfigError, EngineOptions, resolve_engine_config
 from blockspec.engine.engine import Engine, QueueFullError
 from blockspec.engine.request import GenerationStats, Request, TokenEvent
 from blockspec.loader import load_draft, load_model, load_tokenizer
+from blockspec.multimodal import ImageInput, ImageProcessorConfig, MultimodalPrompt, expand_prompt
 from blockspec.options import project
 from blockspec.sampling import SamplingParams
-
-if TYPE_CHECKING:      # Pillow is imported only where images come in
-    from blockspec.multimodal import ImageInput, ImageProcessorConfig, MultimodalPrompt
 
 
 def apply_threads(threads: int | None) -> None:
@@ -133,14 +131,12 @@ class LLM:
     def image_prompt(self, prompt_ids: list[int], images: list[ImageInput]) -> tuple[list[int], MultimodalPrompt]:
         """Prompt ids with one image placeholder token per image (what the chat template writes)
         → the ids with each placeholder expanded to the image's rows, and their M-RoPE positions."""
-        from blockspec.multimodal import expand_prompt
         vision = self.target.visual.config
         return expand_prompt(prompt_ids, images, vision.image_token_id, vision.spatial_merge_size)
 
     @functools.cached_property
     def image_processor(self) -> ImageProcessorConfig:
         """The checkpoint's preprocessor_config.json (multimodal/processor.py)."""
-        from blockspec.multimodal import ImageProcessorConfig
         return ImageProcessorConfig.from_dir(self.model_path)
 
     def stream(self, request: Request) -> Iterator[TokenEvent]:

@@ -12,8 +12,10 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from PIL import Image
+if TYPE_CHECKING:          # Pillow is imported where an image is decoded (the engine never needs it)
+    from PIL import Image
 
 
 class ImageError(ValueError):
@@ -109,6 +111,7 @@ def read_local(url: str, policy: MediaPolicy) -> bytes:
 
 
 def decode(data: bytes, policy: MediaPolicy) -> Image.Image:
+    from PIL import Image
     try:
         image = Image.open(io.BytesIO(data))
     except Exception:   # Pillow raises many kinds for bytes that are no image

@@ -12,11 +12,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
-from PIL import Image
 
 from blockspec.multimodal.fetch import ImageError
+
+if TYPE_CHECKING:          # Pillow is imported where an image is processed (the engine never needs it)
+    from PIL import Image
 
 MAX_ASPECT_RATIO = 200        # transformers refuses more extreme images; so do we (a 400)
 
@@ -33,7 +37,7 @@ class ImageProcessorConfig:
     rescale_factor: float = 1 / 255
     do_rescale: bool = True
     do_normalize: bool = True
-    resample: int = int(Image.Resampling.BICUBIC)
+    resample: int = 3                         # PIL.Image.Resampling.BICUBIC
 
     @staticmethod
     def from_dir(path: Path) -> "ImageProcessorConfig":
@@ -88,6 +92,7 @@ def fitted_size(height: int, width: int, config: ImageProcessorConfig) -> tuple[
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
+    from PIL import Image
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")

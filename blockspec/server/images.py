@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from blockspec.multimodal import ImageError, MediaPolicy, load_image, process_image
 from blockspec.server.errors import ApiError
 from blockspec.server.protocol import ChatCompletionRequest
 from blockspec.server.request_building import Prompt
@@ -38,8 +39,7 @@ def check_images(llm: EngineHandle, settings: ServerSettings, body: ChatCompleti
                             f"{settings.limit_images_per_prompt} per prompt.", "messages")
 
 
-def media_policy(settings: ServerSettings):
-    from blockspec.multimodal import MediaPolicy
+def media_policy(settings: ServerSettings) -> MediaPolicy:
     domains = tuple(d.strip().lower() for d in (settings.allowed_media_domains or "").split(",") if d.strip())
     local = Path(settings.allowed_local_media_path) if settings.allowed_local_media_path else None
     return MediaPolicy(allow_remote=settings.remote_images, allowed_domains=domains, local_dir=local,
@@ -51,7 +51,6 @@ def with_images(llm: EngineHandle, settings: ServerSettings, body: ChatCompletio
     parts = image_parts(body)
     if not parts:
         return prompt
-    from blockspec.multimodal import ImageError, load_image, process_image
     policy = media_policy(settings)
     images = []
     for param, url in parts:
