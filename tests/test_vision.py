@@ -265,6 +265,10 @@ def test_openai_client_image_url_equals_in_process(server, plain):
                                     {"type": "input_image", "image_url": data_url(IMAGES["wide"])}]}])
     reasoning = "".join(part.text for item in response.output if item.type == "reasoning" for part in item.content)
     assert reasoning + response.output_text == text
+    again = client.chat.completions.create(model="vl", messages=[{"role": "user", "content": content}],
+                                           temperature=0, max_tokens=MAX_TOKENS)
+    page = llm.config.page_size
+    assert again.usage.prompt_tokens_details.cached_tokens == (len(request.prompt_ids) - 1) // page * page > 0
 
 
 def test_bad_images_are_400s_and_the_server_keeps_serving(server):
