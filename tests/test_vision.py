@@ -312,3 +312,41 @@ def test_a_text_model_refuses_images_by_name():
     with pytest.raises(ApiError, match="takes no images") as error:
         check_images(TextOnly(), ServerSettings(model="m"), body)
     assert error.value.status == 400 and error.value.param == "messages[0].content[0].image_url"
+
+
+def test_http_images_fetched_with_limits(tmp_path):
+    """A local HTTP server: an image is fetched and decodes as sent; a 404, a body over the byte
+    limit, a host off the allowed list and a redirect to one are refused."""
+    import functools
+    import http.server
+    import threading
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/moved":
+                self.send_response(302)
+                self.send_header("Location", "http://elsewhere.invalid/a.png")
+                self.end_headers()
+                return
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    IMAGES["wide"].save(tmp_path / "a.png")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        fetched = load_image(base + "/a.png", MediaPolicy(allowed_domains=("127.0.0.1",)))
+        assert fetched.tobytes() == IMAGES["wide"].convert("RGB").tobytes()
+        for url, policy, reason in [
+            (base + "/missing.png", MediaPolicy(), "HTTP 404"),
+            (base + "/a.png", MediaPolicy(max_bytes=100), "limit"),
+            (base + "/a.png", MediaPolicy(allowed_domains=("example.org",)), "only from"),
+            (base + "/moved", MediaPolicy(allowed_domains=("127.0.0.1",)), "redirects"),
+        ]:
+            with pytest.raises(ImageError, match=reason):
+                load_image(url, policy)
+    finally:
+        server.shutdown()

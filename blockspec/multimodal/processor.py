@@ -70,7 +70,7 @@ class ImageInput:
     pixel_values: torch.Tensor                # [P, C · Tp · ps · ps] fp32, patches in merge-block order
     grid: tuple[int, int, int]                # (t, h, w) in patches
     num_tokens: int                           # merged tokens: its placeholder rows in the prompt
-    digest: bytes                             # sha256 of the patches and grid: the prefix cache's key
+    digest: bytes                             # sha256 of the resized image and settings: the prefix cache's key
 
 
 def fitted_size(height: int, width: int, config: ImageProcessorConfig) -> tuple[int, int]:
@@ -111,9 +111,11 @@ def process_image(image: Image.Image, config: ImageProcessorConfig) -> ImageInpu
         std = np.array(config.image_std, dtype=np.float32)[:, None, None]
         pixels = (pixels - mean) / std
     patches, grid = patchify(pixels, config)
-    tensor = torch.from_numpy(np.ascontiguousarray(patches))
-    digest = hashlib.sha256(tensor.numpy().tobytes() + repr(grid).encode()).digest()
-    return ImageInput(tensor, grid, grid[0] * grid[1] * grid[2] // config.merge_size ** 2, digest)
+    # The resized RGB bytes and the settings determine the patches: hash those (3 bytes a pixel,
+    # not the patches' 24).
+    digest = hashlib.sha256(resized.tobytes() + repr((grid, config)).encode()).digest()
+    return ImageInput(torch.from_numpy(np.ascontiguousarray(patches)), grid,
+                      grid[0] * grid[1] * grid[2] // config.merge_size ** 2, digest)
 
 
 def patchify(pixels: np.ndarray, config: ImageProcessorConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
