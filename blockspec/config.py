@@ -21,6 +21,9 @@ class RopeConfig:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     partial_rotary_factor: float = 1.0
+    # Multimodal RoPE (Qwen3-VL, Qwen3.5): frequency i of the rotary half takes its angle from the
+    # temporal, height or width position, interleaved (i mod 3 picks, within each section's length).
+    mrope_section: tuple[int, ...] = ()
 
     @staticmethod
     def from_hf(d: dict[str, Any]) -> "RopeConfig":
@@ -29,6 +32,11 @@ class RopeConfig:
         scaling = d.get("rope_scaling") or {}
         params = {**scaling, **params}
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        if rope_type == "mrope":          # older configs name the multimodal sections as a rope type
+            rope_type = "default"
+        section = tuple(int(s) for s in params.get("mrope_section") or ())
+        if section and not params.get("mrope_interleaved", True):
+            raise ConfigError("mrope_interleaved false (Qwen2-VL's sectioned M-RoPE) is not supported")
         if rope_type not in ("default", "llama3", "linear"):
             raise ConfigError(f"rope type {rope_type!r} is not supported (default, llama3, linear are)")
         return RopeConfig(
@@ -39,6 +47,7 @@ class RopeConfig:
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
             partial_rotary_factor=float(params.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))),
+            mrope_section=section,
         )
 
 
@@ -161,7 +170,7 @@ class ModelConfig:
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             attention_out_bias=model_type != "qwen2" and bool(d.get("attention_bias", False)),
             mlp_bias=bool(d.get("mlp_bias", False)),
-            use_qk_norm=(model_type in ("qwen3", "qwen3_moe")
+            use_qk_norm=(model_type in ("qwen3", "qwen3_moe", "qwen3_vl_text")
                          or architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")),
             eos_token_ids=eos_ids(d.get("eos_token_id")),
             moe=MoeConfig.from_hf(d, architecture),

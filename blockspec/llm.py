@@ -14,6 +14,7 @@ from blockspec.engine.engine import Engine, QueueFullError
 from blockspec.engine.request import GenerationStats, Request, TokenEvent
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.loader import load_draft, load_model, load_tokenizer, resolve_device
+from blockspec.multimodal import ImageInput, ImageProcessorConfig, MultimodalPrompt, expand_prompt
 from blockspec.options import project
 from blockspec.sampling import SamplingParams
 
@@ -174,8 +175,26 @@ class LLM:
             return "off"
         return graphs.describe()
 
-    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-        return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)
+    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     multimodal: MultimodalPrompt | None = None) -> Request:
+        if multimodal is not None and self.target.visual is None:
+            raise ValueError("this model takes no images (its checkpoint has no vision tower)")
+        return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len, multimodal=multimodal)
+
+    @property
+    def takes_images(self) -> bool:
+        return self.target.visual is not None
+
+    def image_prompt(self, prompt_ids: list[int], images: list[ImageInput]) -> tuple[list[int], MultimodalPrompt]:
+        """Prompt ids with one image placeholder token per image (what the chat template writes)
+        → the ids with each placeholder expanded to the image's rows, and their M-RoPE positions."""
+        vision = self.target.visual.config
+        return expand_prompt(prompt_ids, images, vision.image_token_id, vision.spatial_merge_size)
+
+    @functools.cached_property
+    def image_processor(self) -> ImageProcessorConfig:
+        """The checkpoint's preprocessor_config.json (multimodal/processor.py)."""
+        return ImageProcessorConfig.from_dir(self.model_path)
 
     def stream(self, request: Request) -> Iterator[TokenEvent]:
         """Decode one request, yielding its events; other open streams advance in the same steps

@@ -405,7 +405,12 @@ def rejection(body: dict, model: type[pydantic.BaseModel] = ChatCompletionReques
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content",
-            "only text content parts",
+            "needs image_url.url",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+            "messages[0].content",
+            "only text and image_url content parts",
         ),
         ({"messages": USER, "stream": "maybe"}, "stream", "boolean"),
         ({"messages": USER, "chat_template_kwargs": [1]}, "chat_template_kwargs", "dictionary"),

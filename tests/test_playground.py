@@ -362,3 +362,40 @@ def test_the_playground_asks_for_the_api_key(browser, qwen3_dir):
         wait_for(lambda: last_answer(driver).get_attribute("data-state") == "done")
         assert last_answer(driver).get_attribute("data-completion-tokens") == "4"
         assert not driver.find_element("id", "error").is_displayed()
+
+
+def test_the_playground_sends_and_shows_images(browser, tmp_path):
+    """An image attached through the file input (and one pasted) shows in the conversation and
+    goes to a multimodal model as an image_url part; the next turn sends it again (history)."""
+    import base64
+    import io
+    from vision_fixtures import random_image, write_vl_checkpoint
+    driver = browser
+    directory, _ = write_vl_checkpoint(tmp_path / "vl", "qwen3_vl")
+    llm = LLM(str(directory), show_progress=False, max_model_len=1024, kv_cache_memory=32 << 20)
+    buffer = io.BytesIO()
+    random_image(37, 53, seed=1).save(buffer, format="PNG")
+    png = base64.b64encode(buffer.getvalue()).decode()
+    attach = ("const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));"
+              "const data = new DataTransfer(); data.items.add(new File([bytes], 'a.png', {type: 'image/png'}));"
+              "const input = document.getElementById(arguments[1]);")
+    with LiveServer(llm, "vl") as live:
+        driver.get(live.url + "/")
+        wait_for(lambda: driver.find_element("id", "server-status").get_attribute("data-status") == "ok")
+        set_control(driver, "temperature", "0")
+        set_control(driver, "max-tokens", "4")
+        driver.execute_script(attach + "input.files = data.files; input.dispatchEvent(new Event('change'));",
+                              png, "image-file")
+        wait_for(lambda: len(driver.find_elements("css selector", "#attachments img")) == 1)
+        driver.execute_script(attach + "const event = new Event('paste'); event.clipboardData = data;"
+                              "input.dispatchEvent(event);", png, "prompt")
+        wait_for(lambda: len(driver.find_elements("css selector", "#attachments img")) == 2)
+        send_message(driver, "What is this?")
+        wait_for(lambda: last_answer(driver).get_attribute("data-state") == "done")
+        shown = driver.find_elements("css selector", ".message.user .images img")
+        assert len(shown) == 2 and all(img.get_attribute("src").startswith("data:image/png") for img in shown)
+        assert driver.find_elements("css selector", "#attachments img") == []
+        send_message(driver, "And now?")
+        wait_for(lambda: last_answer(driver).get_attribute("data-state") == "done")
+        assert not driver.find_element("id", "error").is_displayed()
+        assert [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"] == []

@@ -177,10 +177,10 @@ def test_unpin_without_pin_is_an_error():
         cache.unpin(a.path)
 
 
-def test_token_range_is_a_slice_of_prompt_and_output():
+def test_token_range_is_a_slice_of_prompt_keys_and_output():
     from types import SimpleNamespace
     from blockspec.cache.prefix import token_range
-    seq = SimpleNamespace(request=SimpleNamespace(prompt_ids=list(range(10)), output_ids=list(range(100, 107))))
+    seq = SimpleNamespace(request=SimpleNamespace(prompt_keys=list(range(10)), output_ids=list(range(100, 107))))
     tokens = list(range(10)) + list(range(100, 107))
     for start in range(0, 18):
         for end in range(start, 18):

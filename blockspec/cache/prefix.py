@@ -1,7 +1,8 @@
 """Prefix cache: a radix tree over FULL pages of token ids, so a new request reuses the K/V of
 the longest prefix an earlier (or running) sequence already computed.
 
-- A node is one full page: key = the page's page_size token ids, child per next page. Its page
+- A node is one full page: key = the page's page_size token ids (an image's rows: ids derived
+  from the image's content, Request.prompt_keys), child per next page. Its page
   id holds the target's K/V and the draft's context K/V of those positions (both pools share
   page ids and positions), so a hit skips the draft's context too.
 - Ownership: pages are reference counted (cache/manager.py). The tree holds one reference on
@@ -287,7 +288,7 @@ class PrefixCacheManager(CacheManager):
         recomputed: the first token's logits and the draft's features come from it); on a hybrid
         target the hit ends at the deepest snapshot. Its pages start seq's block table. Undo with
         drop_hit when seq is not admitted after all."""
-        hit = self.prefix.match(seq.tokens, seq.prefill_len - 1)
+        hit = self.prefix.match(seq.key_tokens, seq.prefill_len - 1)
         self.prefix.pin(hit.nodes)
         seq.prefix_path = list(hit.nodes)
         seq.block_table = [node.page for node in hit.nodes]
@@ -377,8 +378,8 @@ class PrefixCacheManager(CacheManager):
 
 
 def token_range(seq: Sequence, start: int, end: int) -> list[int]:
-    """seq.tokens[start:end] without building the whole list (a long context, every page)."""
-    prompt, output = seq.request.prompt_ids, seq.request.output_ids
+    """seq.key_tokens[start:end] without building the whole list (a long context, every page)."""
+    prompt, output = seq.request.prompt_keys, seq.request.output_ids
     if end <= len(prompt):
         return prompt[start:end]
     tail = output[max(0, start - len(prompt)):end - len(prompt)]

@@ -26,15 +26,17 @@ from torch import nn
 
 from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
-from blockspec.engine.graphs import PIECEWISE, GraphDispatcher, Plan
+from blockspec.engine.graphs import EAGER, PIECEWISE, BatchDescriptor, GraphDispatcher, Plan
 from blockspec.engine.logits import LogitsProcessor
 from blockspec.engine.memory import PoolSize, dummy_sequence, size_pool, startup_line
+from blockspec.engine.multimodal import step_rows
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.spec.dflash import Proposal, accept, process_verify, propose
 from blockspec.engine.spec.policy import Speculation
 from blockspec.layers import AttentionMetadata
+from blockspec.models.base import MultimodalRows
 from blockspec.layers.attention import token_rows, unpack, uses_kernels
 from blockspec.sampling import sample
 
@@ -247,10 +249,12 @@ class ModelRunner:
 
     # -- batches ----------------------------------------------------------------------------
 
-    def plan(self, entries: list[Entry], num_prefill_seqs: int = 0) -> Plan:
-        """The dispatcher's plan for a target forward over these rows."""
-        return self.graphs.plan(sum(len(entry.tokens) for entry in entries), len(entries), num_prefill_seqs > 0,
-                                live_keys(entries), max(len(entry.seq.block_table) for entry in entries))
+    def plan(self, entries: list[Entry], num_prefill_seqs: int = 0, eager: bool = False) -> Plan:
+        """The dispatcher's plan for a target forward over these rows (eager: exact shapes)."""
+        num_tokens, cols = sum(len(entry.tokens) for entry in entries), max(len(entry.seq.block_table) for entry in entries)
+        if eager:
+            return Plan(EAGER, BatchDescriptor(num_tokens, len(entries), num_prefill_seqs > 0), cols, live_keys(entries))
+        return self.graphs.plan(num_tokens, len(entries), num_prefill_seqs > 0, live_keys(entries), cols)
 
     def prepare(self, entries: list[Entry], num_prefill_seqs: int, plan: Plan, uniform: bool = False
                 ) -> AttentionMetadata:
@@ -307,12 +311,18 @@ class ModelRunner:
         the proposal and each decoding entry's k_b, written into its verify rows) → hidden
         [≥ rows, hidden], its rows in the entries' order (a graph's static output: read it
         before the next forward)."""
-        plan = self.plan(entries, num_prefill_seqs)
+        multimodal = step_rows(self.target.visual, entries, self.device)    # images: M-RoPE, the tower's tokens
+        plan = self.plan(entries, num_prefill_seqs, eager=multimodal is not None)
         meta = self.prepare(entries, num_prefill_seqs, plan)
         if drafts is not None:
             proposal, num_drafts = drafts
             self.place_drafts(meta, proposal, num_drafts, sum(len(e.tokens) for e in entries[:num_prefill_seqs]))
         self.num_forwards += 1
+        if multimodal is not None:
+            # [today] Rows of a sequence with images rotate at M-RoPE positions (and prefill rows take
+            # the tower's tokens), which no graph takes yet: such a step runs eagerly, exact shapes.
+            self.derive(meta)
+            return self.target_forward(meta, multimodal)
         return self.graphs.run("verify", plan, self.target_forward, meta, self.derive)
 
     def propose_blocks(self, blocks: list[Entry]):
@@ -399,6 +409,9 @@ class ModelRunner:
         self.restore_snapshots([seq for seq, _ in batch.prefill])
         logits, proposal, first_logits = self.forward_step(batch)
         self.take_snapshots([seq for seq, _ in batch.prefill])
+        for seq, n in batch.prefill:        # the tower's tokens are kept only while a prompt's rows remain
+            if seq.num_cached + n >= seq.prefill_len:
+                seq.vision_outputs = {}
         return Launched(batch, logits, proposal, first_logits)
 
     @torch.inference_mode()
@@ -565,11 +578,11 @@ class ModelRunner:
         anchors = meta.input_ids.view(meta.num_seqs, width)[:, 0]
         return self.draft.propose(hidden.view(meta.num_seqs, width, -1), anchors, self.target.lm_head)
 
-    def target_forward(self, meta: AttentionMetadata) -> torch.Tensor:
+    def target_forward(self, meta: AttentionMetadata, multimodal: MultimodalRows | None = None) -> torch.Tensor:
         """Target forward → hidden [N, hidden]; the features of every row join the draft's
         context (those past the accepted prefix lie past the sequence's length: masked, then
         overwritten; a bucket's padding tokens go to page 0)."""
-        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
+        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers, multimodal)
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         return out.hidden

@@ -53,7 +53,7 @@ class TokenEvent:
 
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 stop_ids: frozenset[int], max_model_len: int, grammar: Any = None) -> None:
+                 stop_ids: frozenset[int], max_model_len: int, grammar: Any = None, multimodal: Any = None) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= max_model_len:
@@ -69,6 +69,10 @@ class Request:
         self.grammar = grammar
         self.grammar_stop_ids = frozenset(stop_ids) | frozenset(params.stop_token_ids)
         self.max_model_len = max_model_len
+        # Images (multimodal/prompt.py MultimodalPrompt): prompt_ids hold their placeholder rows;
+        # prompt_keys are the ids the prefix cache keys pages by (image rows by image content).
+        self.multimodal = multimodal
+        self.prompt_keys = multimodal.key_tokens(self.prompt_ids) if multimodal is not None else self.prompt_ids
         self.output_ids: list[int] = []
         self.num_logprobs: int | None = None     # None: no logprobs; k: each token's and its top k
         self.output_logprobs: list[TokenLogprob] = []

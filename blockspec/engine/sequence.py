@@ -39,6 +39,8 @@ class Sequence:
         self.snapshot_into: int | None = None
         self.pending_slot: int | None = None
         self.pending_boundary: int | None = None
+        # engine/multimodal.py: the vision tower's output per image index, kept while prefilling
+        self.vision_outputs: dict = {}
 
     @property
     def request_id(self) -> str:
@@ -47,6 +49,11 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.request.prompt_ids + self.request.output_ids
+
+    @property
+    def key_tokens(self) -> list[int]:
+        """The prefix cache's view of tokens: image rows carry their image's digest (request.py)."""
+        return self.request.prompt_keys + self.request.output_ids
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +81,7 @@ class Sequence:
         self.state_slot = None
         self.num_cached = 0
         self.prefix_path, self.snapshot_points = [], ()
+        self.vision_outputs = {}
         self.num_preemptions += 1
 
     def mark_admitted(self) -> None:

@@ -66,12 +66,24 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.rope, self.head_dim)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [B, T] → cos, sin [B, 1, T, rot_dim]
+        # positions [N] → cos, sin [N, 1, rot_dim]; M-RoPE positions [3, N] (t, h, w) likewise
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[..., None].float() * self.inv_freq
+        if positions.dim() == 2:
+            freqs = self.interleave_sections(freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+    def interleave_sections(self, freqs: torch.Tensor) -> torch.Tensor:
+        """[3, N, rot/2] angles by (t, h, w) → [N, rot/2]: frequency i takes the height angle where
+        i ≡ 1 (mod 3) and the width angle where i ≡ 2, within 3 × their section's length; the
+        temporal angle elsewhere. Text rows have t = h = w, so they rotate as 1-D RoPE."""
+        out = freqs[0].clone()
+        for axis in (1, 2):
+            picked = slice(axis, 3 * self.rope.mrope_section[axis], 3)
+            out[:, picked] = freqs[axis, :, picked]
+        return out
 
 
 class FusedLinear(nn.Linear):

@@ -16,6 +16,15 @@ class ForwardOutput:
     features: torch.Tensor | None        # [N, len(capture_layers) · hidden] or None
 
 
+@dataclass
+class MultimodalRows:
+    """What a step's images change in a target forward (engine/multimodal.py builds it)."""
+    rope_positions: torch.Tensor                  # [3, N] M-RoPE (t, h, w) positions of every row
+    rows: torch.Tensor | None = None              # [n] rows of image tokens in this forward
+    embeds: torch.Tensor | None = None            # [n, hidden] the vision tower's tokens for them
+    deepstack: tuple[torch.Tensor, ...] = ()      # per DeepStack tap j, [n, hidden]: added after layer j
+
+
 class PreNormLayer(nn.Module):
     """A decoder layer: norm → token mixer → add + norm → MLP. Subclasses build input_layernorm,
     post_attention_layernorm, mlp and the mixer (`mix`: self_attn unless overridden).
@@ -61,6 +70,11 @@ class CausalLM(nn.Module):
         return self.config.num_hidden_layers
 
     @property
+    def visual(self) -> nn.Module | None:
+        """The vision tower of a multimodal checkpoint (models/qwen3_vl.py), else None."""
+        return getattr(self.model, "visual", None)
+
+    @property
     def recurrent_shapes(self) -> list:
         """Shapes of the recurrent layers' state (RecurrentShape); none in a dense target."""
         return []
@@ -72,10 +86,15 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+                capture_layers: tuple[int, ...] = (), multimodal: MultimodalRows | None = None) -> ForwardOutput:
+        """multimodal: image rows take the vision tower's tokens and rotate by M-RoPE positions
+        (positions stay the rows' cache positions: they place K/V in the pool)."""
         meta.shared.clear()
         x = self.embed(input_ids)                                           # [N, hidden]
-        rope = self.model.rotary_emb(positions, x.dtype)                   # cos, sin [N, 1, rot]
+        if multimodal is not None and multimodal.rows is not None:
+            x = x.index_copy(0, multimodal.rows, multimodal.embeds.to(x.dtype))
+        rope_positions = positions if multimodal is None else multimodal.rope_positions
+        rope = self.model.rotary_emb(rope_positions, x.dtype)              # cos, sin [N, 1, rot]
         # Layers pass (x, residual), the stream being their sum: each layer's entry norm adds them
         # in the same kernel (RMSNorm.add), so the sum is never a kernel of its own, except for
         # the layers whose output the draft reads.
@@ -85,5 +104,9 @@ class CausalLM(nn.Module):
             x, residual = layer.forward_residual(x, residual, rope, meta)
             if i in capture_layers:
                 captured[i] = x + residual
+            if multimodal is not None and i < len(multimodal.deepstack):
+                # DeepStack: added to the stream after the layer (transformers' hidden_states[i + 1]
+                # are taken before it, so the draft's features are too).
+                x = x.index_add(0, multimodal.rows, multimodal.deepstack[i].to(x.dtype))
         features = torch.cat([captured[i] for i in capture_layers], dim=-1) if captured else None
         return ForwardOutput(self.model.norm.add(x, residual)[0], features)

@@ -4,7 +4,8 @@ with dense or sparse (mixture-of-experts, shared expert) feed-forward layers as 
 Three checkpoint layouts load into one module tree with Hugging Face's names:
 - Qwen3_5ForCausalLM: `model.*`, `lm_head.weight`.
 - Qwen3_5ForConditionalGeneration (the released Qwen3.5 checkpoints): config under `text_config`,
-  text weights under `model.language_model.*`; `model.visual.*` and `mtp.*` are not ours.
+  text weights under `model.language_model.*`, the vision tower under `model.visual.*`
+  (models/qwen3_vl.py); `mtp.*` is not served.
 - Qwen3NextForCausalLM: as the first, with the GDN input projections fused per key head.
 Qwen3.5-MoE comes in the first two layouts too (Qwen3_5MoeForCausalLM / …ForConditionalGeneration).
 Experts load per expert (`mlp.experts.{e}.gate_proj.weight` …) or fused (`mlp.experts.gate_up_proj`).
@@ -63,7 +64,7 @@ class HybridConfig(ModelConfig):
         text = d.get("text_config") or d      # the multimodal layout nests the text model's config
         if text.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ConfigError(f"hidden_act {text['hidden_act']!r} is not supported (silu is)")
-        base = ModelConfig.from_hf(with_text_rope(text), architecture)
+        base = ModelConfig.from_hf(text, architecture)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(ModelConfig)}
         # transformers ties by the outermost config; the nested text_config may say otherwise.
         fields["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
@@ -81,16 +82,6 @@ class HybridConfig(ModelConfig):
             attn_output_gate=bool(text.get("attn_output_gate", True)),
             fused_gdn_projections=architecture == "Qwen3NextForCausalLM" or text.get("model_type") == "qwen3_next",
         )
-
-
-def with_text_rope(text: dict[str, Any]) -> dict[str, Any]:
-    """M-RoPE with text-only positions (all three sections equal) is plain 1-D RoPE."""
-    params = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-    if params.get("rope_type", params.get("type")) == "mrope":
-        params["rope_type"] = "default"
-        params.pop("type", None)
-        return {**text, "rope_parameters": params, "rope_scaling": None}
-    return text
 
 
 def layer_types_of(text: dict[str, Any]) -> tuple[str, ...]:
@@ -301,15 +292,3 @@ class Qwen3_5ForCausalLM(CausalLM):
 
 # One class serves all: the config says whether the GDN projections are fused and which layers are sparse.
 Qwen3NextForCausalLM = Qwen3_5MoeForCausalLM = Qwen3_5ForCausalLM
-
-IGNORED_PREFIXES = ("model.visual.", "mtp.")
-
-
-def rename(name: str) -> str | None:
-    """Checkpoint name → ours: the multimodal text prefix becomes `model.`; vision and MTP go."""
-    if name.startswith(IGNORED_PREFIXES):
-        return None
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
-    return name
-

@@ -66,9 +66,26 @@ def dense_spec() -> ArchSpec:
 
 
 def hybrid_spec() -> ArchSpec:
-    from blockspec.models.qwen3_5 import HybridConfig, Qwen3_5ForCausalLM, rename
+    from blockspec.models.qwen3_5 import HybridConfig, Qwen3_5ForCausalLM
+    from blockspec.models.qwen3_vl import multimodal_rename
     return ArchSpec(build=lambda d, arch: Qwen3_5ForCausalLM(HybridConfig.from_hf(d, arch)),
-                    rename=stacking_experts(rename))
+                    rename=stacking_experts(multimodal_rename))
+
+
+def multimodal_hybrid_spec() -> ArchSpec:
+    """Qwen3.5 (-MoE) ForConditionalGeneration: the hybrid text model and the vision tower."""
+    from blockspec.models.qwen3_5 import HybridConfig, Qwen3_5ForCausalLM
+    from blockspec.models.qwen3_vl import attach_vision, multimodal_rename
+    return ArchSpec(build=lambda d, arch: attach_vision(Qwen3_5ForCausalLM(HybridConfig.from_hf(d, arch)), d),
+                    rename=stacking_experts(multimodal_rename))
+
+
+def qwen3_vl_spec() -> ArchSpec:
+    """Qwen3VLForConditionalGeneration: a Qwen3 text model (M-RoPE, DeepStack) and the vision tower."""
+    from blockspec.models.qwen3 import Qwen3ForCausalLM
+    from blockspec.models.qwen3_vl import attach_vision, multimodal_rename, text_config
+    return ArchSpec(build=lambda d, arch: attach_vision(Qwen3ForCausalLM(text_config(d, arch)), d),
+                    rename=multimodal_rename)
 
 
 ARCHITECTURES: dict[str, Callable[[], ArchSpec]] = {
@@ -78,8 +95,9 @@ ARCHITECTURES: dict[str, Callable[[], ArchSpec]] = {
     "MistralForCausalLM": dense_spec,
     "Qwen3MoeForCausalLM": dense_spec,
     "Qwen3_5ForCausalLM": hybrid_spec,
-    "Qwen3_5ForConditionalGeneration": hybrid_spec,
+    "Qwen3_5ForConditionalGeneration": multimodal_hybrid_spec,
+    "Qwen3VLForConditionalGeneration": qwen3_vl_spec,
     "Qwen3NextForCausalLM": hybrid_spec,
     "Qwen3_5MoeForCausalLM": hybrid_spec,
-    "Qwen3_5MoeForConditionalGeneration": hybrid_spec,
+    "Qwen3_5MoeForConditionalGeneration": multimodal_hybrid_spec,
 }

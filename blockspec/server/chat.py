@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from blockspec.server.errors import GenerationFailed, error_body
 from blockspec.server.generation import (Choice, close_all, make_choices, meta_info, merged_deltas, submit_all,
                                          total_usage)
+from blockspec.server.images import check_images, with_images
 from blockspec.server.logprobs import chat_logprobs
 from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
 from blockspec.server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
@@ -32,7 +33,9 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     body = await read_body(state, request, ChatCompletionRequest)
     llm, engine = state.ready()
     check_queue_room(engine, body.num_choices)
+    check_images(llm, state.settings, body)
     prompt = await asyncio.to_thread(render_chat, llm.tokenizer, body)
+    prompt = await asyncio.to_thread(with_images, llm, state.settings, body, prompt)
     response_id = "chatcmpl-" + uuid.uuid4().hex[:24]
     grammar = await asyncio.to_thread(request_grammar, llm, body)
     choices = make_choices(state, llm, engine, response_id, [prompt], body, arrival,

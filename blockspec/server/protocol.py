@@ -8,7 +8,7 @@ Unknown request fields are ignored (clients send vendor extensions freely).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -34,6 +34,24 @@ class TextPart(_Request):
     text: str
 
 
+class ImageURL(_Request):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None   # accepted; the image processor's budget decides
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _url_as_object(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
 class FunctionCall(BaseModel):
     name: str
     arguments: str  # a JSON object, as text (OpenAI sends it this way)
@@ -54,7 +72,7 @@ class ToolCall(BaseModel):
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     tool_calls: list[ToolCall] | None = None  # before content: content's validator reads it
-    content: str | list[TextPart] | None = Field(None, validate_default=True)
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
     tool_call_id: str | None = None
     name: str | None = None
     reasoning_content: str | None = None
@@ -73,13 +91,17 @@ class ChatMessage(_Request):
         if isinstance(value, str):
             return value
         if not isinstance(value, list):
-            raise ValueError("content must be a string or a list of text parts")
+            raise ValueError("content must be a string or a list of content parts")
         for part in value:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text" or not isinstance(part.get("text"), str):
+            if kind == "image_url":
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise ValueError("an image_url part needs image_url.url (a data: or http(s) URL)")
+            elif kind != "text" or not isinstance(part.get("text"), str):
                 raise ValueError(
-                    f"only text content parts {{'type': 'text', 'text': ...}} are supported "
-                    f"(got type {kind!r})"
+                    f"only text and image_url content parts are supported (got type {kind!r})"
                 )
         return value
 
@@ -89,7 +111,14 @@ class ChatMessage(_Request):
         them and as vLLM does), or None."""
         if self.content is None or isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
 
 class FunctionDefinition(_Request):

@@ -148,6 +148,7 @@ class Prompt:
     reasoning: bool = False             # parse <think> … </think> out of the output
     reasoning_started: bool = False     # the template opened <think> in the prompt
     text: str | None = None             # the prompt as the client wrote it (completions' echo)
+    multimodal: Any = None              # its images (multimodal/prompt.py), placeholders expanded in token_ids
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
@@ -267,7 +268,8 @@ def make_engine_request(llm: EngineHandle, request_id: str, prompt: Prompt, body
     check_logit_bias(llm, body)
     params = sampling_params(body, output_budget(llm.max_model_len, prompt, body), choice)
     try:
-        request = llm.make_request(request_id, prompt.token_ids, params)
+        images = {"multimodal": prompt.multimodal} if prompt.multimodal is not None else {}
+        request = llm.make_request(request_id, prompt.token_ids, params, **images)
     except ValueError as exc:  # too long for --max-model-len, or empty
         param = "prompt" if isinstance(body, CompletionRequest) else "messages"
         raise ApiError(400, f"Invalid prompt: {exc}.", param) from None

@@ -29,6 +29,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from blockspec.server.chat import chat_processor
 from blockspec.server.errors import ApiError, GenerationFailed
 from blockspec.server.generation import Choice, close_all, make_choices, merged_deltas, submit_all, total_usage
+from blockspec.server.images import check_images, with_images
 from blockspec.server.output import OutputAccumulator, OutputDelta
 from blockspec.server.protocol import ChatCompletionRequest, _Request
 from blockspec.server.request_building import (check_bounds, check_queue_room, read_body, render_chat,
@@ -150,17 +151,31 @@ class ResponsesRequest(_Request):
 
 def part_text(content: Any, where: str) -> str:
     """A message's content (a string or text parts) as one string, parts joined by newlines."""
+    content = message_content(content, where, images=False)
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+
+
+def message_content(content: Any, where: str, images: bool = True) -> str | list[dict[str, Any]]:
+    """A message's content as chat content: a string, or chat parts (text, and with images=True
+    input_image parts as image_url parts)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ValueError(f"{where}: content must be a string or a list of text parts")
-    texts = []
-    for part in content:
+        raise ValueError(f"{where}: content must be a string or a list of content parts")
+    parts = []
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}: only text content parts are supported (got type {kind!r})")
-        texts.append(part["text"])
-    return "\n".join(texts)
+        if kind in TEXT_PART_TYPES and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif images and kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif images and kind == "input_image":
+            raise ValueError(f"{where}.content[{j}]: an input_image needs image_url (file_id is not served: "
+                             "nothing is stored)")
+        else:
+            allowed = "text and input_image" if images else "text"
+            raise ValueError(f"{where}: only {allowed} content parts are supported (got type {kind!r})")
+    return parts if any(part["type"] == "image_url" for part in parts) else "\n".join(p["text"] for p in parts)
 
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
@@ -174,7 +189,7 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     for i, item in enumerate(body.input):
         where, kind = f"input[{i}]", item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item.get("role"), "content": part_text(item.get("content"), where)})
+            messages.append({"role": item.get("role"), "content": message_content(item.get("content"), where)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
@@ -370,7 +385,9 @@ async def create_response(state: ServerState, request: Request) -> Response:
     check_queue_room(engine)
     response_id = new_id("resp_")
     try:
+        check_images(llm, state.settings, chat)
         prompt = await asyncio.to_thread(render_chat, llm.tokenizer, chat)
+        prompt = await asyncio.to_thread(with_images, llm, state.settings, chat, prompt)
         grammar = await asyncio.to_thread(request_grammar, llm, chat)   # tool_choice required / named
         choices = make_choices(state, llm, engine, response_id, [prompt], chat, arrival,
                                lambda p: chat_processor(llm.tokenizer, p, chat), grammar=grammar)

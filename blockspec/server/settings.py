@@ -26,6 +26,15 @@ class ServerSettings(EngineOptions):
     access_log: bool = option(True, "log one line per HTTP request (uvicorn's access log)", (SERVE,))
     ui: bool = option(True, "serve the playground, a chat page showing each verify cycle, at / "
                       "(--no-ui: the API only)", (SERVE,))
+    limit_images_per_prompt: int = option(8, "images one request may send (vLLM's --limit-mm-per-prompt; "
+                                          "more: 400; 0: none)", (SERVE,), metavar="N")
+    remote_images: bool = option(True, "fetch http(s) image URLs (--no-remote-images: data: URLs only)", (SERVE,))
+    allowed_media_domains: str | None = option(None, "comma-separated hosts http(s) images may come from, "
+                                               "with their subdomains (none: any)", (SERVE,))
+    allowed_local_media_path: str | None = option(None, "directory whose files file:// image URLs may name "
+                                                  "(none: file:// refused)", (SERVE,), metavar="DIR")
+    media_fetch_timeout: float = option(10.0, "seconds to fetch one http(s) image", (SERVE,))
+    max_image_bytes: int = option(20 * 1024 * 1024, "largest encoded image (more: 400)", (SERVE,))
     log_stats_interval: float = option(10.0, "seconds between stats lines: throughput, running / waiting, "
                                        "KV usage, acceptance (0: none)", (SERVE,))
 
@@ -41,6 +50,11 @@ class ServerSettings(EngineOptions):
             raise ValueError(f"--log-stats-interval must be a number of seconds >= 0 (got {self.log_stats_interval})")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
+        if self.limit_images_per_prompt < 0 or self.max_image_bytes < 1 or not self.media_fetch_timeout > 0:
+            raise ValueError("--limit-images-per-prompt must be >= 0, --max-image-bytes and "
+                             "--media-fetch-timeout positive")
+        if self.allowed_local_media_path is not None and not os.path.isdir(self.allowed_local_media_path):
+            raise ValueError(f"--allowed-local-media-path {self.allowed_local_media_path!r} is not a directory")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
 

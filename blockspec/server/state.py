@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -53,7 +53,17 @@ class EngineHandle(Protocol):
     @property
     def speculative(self) -> bool: ...
 
-    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> EngineRequest: ...
+    def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                     multimodal: Any = None) -> EngineRequest: ...
+
+    # Images (server/images.py): a checkpoint with a vision tower takes them.
+    @property
+    def takes_images(self) -> bool: ...
+
+    @property
+    def image_processor(self) -> Any: ...
+
+    def image_prompt(self, prompt_ids: list[int], images: list[Any]) -> tuple[list[int], Any]: ...
 
 
 # After the drain (--shutdown-timeout) has ended every request, the streams get this long to

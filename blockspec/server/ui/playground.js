@@ -8,7 +8,8 @@ const $ = (id) => document.getElementById(id);
 const KEY_STORAGE = "blockspec-api-key";
 
 const state = {
-  history: [],            // [{role, content}] of finished turns
+  history: [],            // [{role, content}] of finished turns (content: text, or parts with images)
+  images: [],             // data: URLs attached to the next message
   controller: null,       // the AbortController of the answer streaming now
   blockSize: null,        // from /health: drafts per cycle = blockSize - 1
   speculative: false,
@@ -245,7 +246,7 @@ function drawHistogram(verify) {
 
 // ---- the conversation --------------------------------------------------------------------------
 
-function appendMessage(role, text) {
+function appendMessage(role, text, images = []) {
   $("empty-hint").hidden = true;
   const message = document.createElement("div");
   message.className = `message ${role}`;
@@ -259,7 +260,19 @@ function appendMessage(role, text) {
   const body = document.createElement("div");
   body.className = "body";
   body.textContent = text;
-  message.append(who, body);
+  message.append(who);
+  if (images.length) {
+    const strip = document.createElement("div");
+    strip.className = "images";
+    for (const url of images) {
+      const image = document.createElement("img");
+      image.src = url;
+      image.alt = "attached image";
+      strip.append(image);
+    }
+    message.append(strip);
+  }
+  message.append(body);
   $("transcript").append(message);
   scrollToEnd();
   return message;
@@ -303,13 +316,54 @@ async function errorMessage(response) {
   }
 }
 
+// ---- images: attached from a file or pasted, sent as image_url parts (data: URLs) ------------
+
+function readAsDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attachFiles(files) {
+  for (const file of files) {
+    if (file.type.startsWith("image/")) state.images.push(await readAsDataURL(file));
+  }
+  showAttachments();
+}
+
+function showAttachments() {
+  const box = $("attachments");
+  box.replaceChildren();
+  state.images.forEach((url, index) => {
+    const image = document.createElement("img");
+    image.src = url;
+    image.alt = "attached image";
+    image.title = "click to remove";
+    image.addEventListener("click", () => { state.images.splice(index, 1); showAttachments(); });
+    box.append(image);
+  });
+  box.hidden = state.images.length === 0;
+}
+
+function userContent(text, images) {
+  if (!images.length) return text;
+  return [...images.map((url) => ({ type: "image_url", image_url: { url } })), { type: "text", text }];
+}
+
 async function send(text) {
   showError("");
+  const images = state.images;
+  state.images = [];
+  showAttachments();
+  const content = userContent(text, images);
   const messages = [];
   const system = $("system-prompt").value.trim();
   if (system) messages.push({ role: "system", content: system });
-  messages.push(...state.history, { role: "user", content: text });
-  appendMessage("user", text);
+  messages.push(...state.history, { role: "user", content });
+  appendMessage("user", text, images);
   const answer = new Answer();
   state.controller = new AbortController();
   setStreaming(true);
@@ -337,7 +391,7 @@ async function send(text) {
     setStreaming(false);
     state.controller = null;
   }
-  if (how !== "error") state.history.push({ role: "user", content: text }, { role: "assistant", content: answer.text });
+  if (how !== "error") state.history.push({ role: "user", content }, { role: "assistant", content: answer.text });
 }
 
 async function readEvents(response, answer) {
@@ -377,6 +431,8 @@ function stop() {
 function clear() {
   stop();
   state.history = [];
+  state.images = [];
+  showAttachments();
   for (const message of document.querySelectorAll("#transcript .message")) message.remove();
   $("empty-hint").hidden = false;
   $("answer-stats").hidden = true;
@@ -402,7 +458,7 @@ function init() {
   $("composer").addEventListener("submit", (event) => {
     event.preventDefault();
     const text = $("prompt").value;
-    if (!text.trim() || state.controller) return;
+    if ((!text.trim() && !state.images.length) || state.controller) return;
     $("prompt").value = "";
     send(text);
   });
@@ -411,6 +467,16 @@ function init() {
       event.preventDefault();
       $("composer").requestSubmit();
     }
+  });
+  $("attach").addEventListener("click", () => $("image-file").click());
+  $("image-file").addEventListener("change", async (event) => {
+    await attachFiles(event.target.files);
+    event.target.value = "";
+  });
+  $("prompt").addEventListener("paste", (event) => {
+    const items = Array.from(event.clipboardData ? event.clipboardData.items : []);
+    const files = items.filter((item) => item.kind === "file").map((item) => item.getAsFile()).filter(Boolean);
+    if (files.length) attachFiles(files);
   });
   $("stop").addEventListener("click", stop);
   document.addEventListener("keydown", (event) => { if (event.key === "Escape") stop(); });
