@@ -204,10 +204,8 @@ class Engine:
         for b, seq in enumerate(batch.decode):
             self._isolated(seq, lambda: self._commit(seq, result.decode, b, emitted))
         if result.decode is not None and not batch.prefill:      # a decode-only step: its time is the cycle's
-            self.runner.speculation.record_cycle(time.perf_counter() - started, len(batch.decode),
+            self.runner.speculation.record_cycle(time.perf_counter() - started, batch.num_drafts,
                                                  sum(a + 1 for a in result.decode.num_accepted))
-        else:
-            self.runner.speculation.predicted_ms = None
 
     def _first_token(self, seq: Sequence, first_token: FirstToken | None, emitted: list[Emitted]) -> None:
         item = self.scheduler.postprocess_prefill(seq, first_token)

@@ -1,63 +1,71 @@
-"""The cost table adaptive speculation allocates with (policy.py): target-forward milliseconds
-by rows and draft-forward milliseconds by batch, measured on the device the engine runs on.
+"""The cost table adaptive speculation allocates with (policy.py): milliseconds of the target
+forward of a decode step by tokens, and of the draft forward by sequences, measured at startup
+on the device the engine runs on, through the forwards the steps will actually run.
 
-Measured once per (models, device, block, seats) in a process, at the first decode step that
-needs it, through the runner's own eager ragged path (the one narrowed steps run; a step at the
-full block runs its graphs, a little faster at small batches). The rows are padding rows (page
-0, state slot 0: nobody's memory) with a short context, so the table prices the weights and the
-per-row work; attention over long contexts is not in it (at a few thousand tokens of context
-the per-row GEMMs still dominate a dense 8B forward), nor the host's work per step, which the
-policy learns online (Speculation.record_cycle).
-
-Points: B sequences of the full block (B · T rows) and of 1 token (B rows), B over the graph
-capture sizes up to the most sequences a step decodes, interpolated between them. A few seconds on an H200; on
-CPU, where the test models take milliseconds per forward, a fraction of a second.
+What measures them is a ForwardTimer: the graph dispatcher, replaying the graph of each bucket
+(issue 30), or, where there are no graphs (CPU), EagerTimer, the runner's eager ragged path at
+sample sizes. Either way the rows are padding rows (page 0, state slot 0: nobody's memory) with
+a short context, so the table prices the weights and the per-row work; attention over long
+contexts is not in it (at a few thousand tokens of context the per-row GEMMs still dominate a
+dense 8B forward), nor the host's work per step, which the policy learns online
+(Speculation.record_cycle). Times are made monotone (more rows never cost less: noise must not
+make the allocation chase it) and logged. A few seconds on an H200; on CPU, where the test
+models take milliseconds per forward, a fraction of a second.
 """
 from __future__ import annotations
 
 import logging
 import time
 from types import SimpleNamespace
+from typing import Protocol
 
 import torch
 
-from blockspec.engine.cuda_graphs import capture_sizes
 from blockspec.engine.spec.policy import CostTable
 
 logger = logging.getLogger("blockspec.engine")
-_CACHE: dict[tuple, tuple[object, object, CostTable]] = {}
+_CACHE: dict[tuple, tuple[tuple, CostTable]] = {}
 REPEAT = 3
 
 
-def measure_costs(runner, log: bool = True) -> CostTable:
-    """The table for this runner's models and sizes (cached per process: the models are kept in
-    the cache entry, so an id is never reused while it is there)."""
-    key = (id(runner.target), id(runner.draft), runner.width, runner.config.max_num_seqs, str(runner.device),
-           runner.graphs is not None)
-    cached = _CACHE.get(key)
-    if cached is not None and cached[0] is runner.target and cached[1] is runner.draft:
-        return cached[2]
+class ForwardTimer(Protocol):
+    """The measurement hook (NOTES.md, issue 30's dispatcher implements it)."""
+
+    padded: bool            # forwards run padded up to the buckets (graphs), or at their own size
+
+    def verify_buckets(self) -> list[int]:
+        """Token counts of a decode step's target forward to measure (ascending)."""
+
+    def draft_buckets(self) -> list[int]:
+        """Sequence counts of the draft forward to measure (ascending)."""
+
+    def time_forward(self, kind: str, size: int, repeat: int) -> float:
+        """Median ms of `repeat` runs of one forward ("verify": `size` tokens, logits of every
+        row; "propose": `size` blocks) on padding rows, the device synchronized, the engine's
+        state and counters untouched."""
+
+
+def measure_costs(timer: ForwardTimer, key: tuple | None = None, owners: tuple = (), log: bool = True) -> CostTable:
+    """The table through `timer`; with a key, cached per process (owners — the models — are kept
+    in the entry and compared by identity, so a table is never served to other models)."""
+    full_key = None if key is None else (key, tuple(id(owner) for owner in owners))
+    cached = _CACHE.get(full_key) if full_key is not None else None
+    if cached is not None and all(a is b for a, b in zip(cached[0], owners)):
+        return cached[1]
     started = time.perf_counter()
-    sizes = capture_sizes(runner.max_decode_seqs)
-    target: dict[int, float] = {}
-    draft: dict[int, float] = {}
-    for batch in sizes:
-        for width in sorted({1, runner.width}):
-            target[batch * width] = min(target.get(batch * width, float("inf")),
-                                        forward_ms(runner, batch, width, "verify"))
-        draft[batch] = forward_ms(runner, batch, runner.width, "propose")
-    rows = sorted(target)
-    table = CostTable(tuple(rows), tuple(monotone([target[r] for r in rows])),
-                      tuple(sorted(draft)), tuple(monotone([draft[b] for b in sorted(draft)])))
-    _CACHE[key] = (runner.target, runner.draft, table)
+    tokens, seqs = timer.verify_buckets(), timer.draft_buckets()
+    target = monotone([timer.time_forward("verify", n, REPEAT) for n in tokens])
+    draft = monotone([timer.time_forward("propose", n, REPEAT) for n in seqs])
+    table = CostTable(tuple(tokens), tuple(target), tuple(seqs), tuple(draft), padded=timer.padded)
+    if full_key is not None:
+        _CACHE[full_key] = (owners, table)
     if log:
-        logger.info(f"blockspec: speculation cost table ({runner.device}, {time.perf_counter() - started:.1f} s): "
+        logger.info(f"blockspec: speculation cost table ({time.perf_counter() - started:.1f} s): "
                     f"{table.describe()}")            # the startup lines' logger (never stdout: generate --json)
     return table
 
 
 def monotone(values: list[float]) -> list[float]:
-    """More rows never cost less: measurement noise must not make the allocation chase it."""
     out, best = [], 0.0
     for value in values:
         best = max(best, value)
@@ -65,35 +73,61 @@ def monotone(values: list[float]) -> list[float]:
     return out
 
 
-@torch.inference_mode()
-def forward_ms(runner, batch: int, width: int, kind: str) -> float:
-    """Median milliseconds of one target forward (kind "verify": `batch` rows of `width` tokens,
-    logits of every row, as a step's verify) or one draft propose ("propose": `batch` blocks),
-    eager, on rows with no pages (every row at page 0, the padding page: nobody's memory)."""
-    from blockspec.engine.model_runner import Entry
-    pages = -(-runner.width // runner.page_size)
-    idle = SimpleNamespace(block_table=[0] * pages, state_slot=0)      # page 0 only: the padding page
-    forwards = runner.num_forwards
-    if kind == "verify":
-        meta = runner.prepare([Entry(idle, 0, [0] * width) for _ in range(batch)])
+def sample_sizes(largest: int) -> list[int]:
+    """1, 2, 4 … and the largest: where nothing is padded, the points to interpolate between."""
+    sizes = {largest}
+    size = 1
+    while size < largest:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes)
 
-        def once() -> None:
-            runner.target_logits(meta)
-    else:
-        meta = runner.prepare([Entry(idle, 0, [0] * runner.width) for _ in range(batch)])
 
-        def once() -> None:
-            runner.draft_proposal(meta)
-    once()                                                               # warm-up
-    times = []
-    for _ in range(REPEAT):
-        sync(runner.device)
-        start = time.perf_counter()
-        once()
-        sync(runner.device)
-        times.append((time.perf_counter() - start) * 1e3)
-    runner.num_forwards = forwards                                      # not the engine's work
-    return sorted(times)[len(times) // 2]
+class EagerTimer:
+    """The runner's eager ragged path (no graphs: a step runs at its own size, so the table
+    interpolates between these points). A verify of n tokens is spread over
+    min(n, max_num_seqs) sequences (at least n / T), as a decode step of n tokens is."""
+
+    padded = False
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def verify_buckets(self) -> list[int]:
+        return sample_sizes(self.runner.max_decode_seqs * self.runner.width)
+
+    def draft_buckets(self) -> list[int]:
+        return sample_sizes(self.runner.max_decode_seqs)
+
+    @torch.inference_mode()
+    def time_forward(self, kind: str, size: int, repeat: int) -> float:
+        from blockspec.engine.model_runner import Entry
+        runner = self.runner
+        pages = -(-runner.width // runner.page_size)
+        idle = SimpleNamespace(block_table=[0] * pages, state_slot=0)      # page 0 only: the padding page
+        if kind == "verify":
+            num_seqs = max(-(-size // runner.width), min(size, runner.config.max_num_seqs))
+            lens = [size // num_seqs + (b < size % num_seqs) for b in range(num_seqs)]
+            meta = runner.prepare([Entry(idle, 0, [0] * n) for n in lens])
+
+            def once() -> None:
+                runner.target_logits(meta)
+        else:
+            meta = runner.prepare([Entry(idle, 0, [0] * runner.width) for _ in range(size)])
+
+            def once() -> None:
+                runner.draft_proposal(meta)
+        forwards = runner.num_forwards
+        once()                                                           # warm-up
+        times = []
+        for _ in range(repeat):
+            sync(runner.device)
+            start = time.perf_counter()
+            once()
+            sync(runner.device)
+            times.append((time.perf_counter() - start) * 1e3)
+        runner.num_forwards = forwards                                  # not the engine's work
+        return sorted(times)[len(times) // 2]
 
 
 def sync(device: torch.device) -> None:
