@@ -28,7 +28,7 @@ from helpers import ForwardCounter, OracleDraft, make_engine, make_request, run_
 ROOFLINE = CostTable.analytic(flat_rows=256, ms_flat=6.0, ms_per_row=0.02, draft_ms=1.0)
 
 
-def rate(alloc_widths, probs, costs: CostTable, runs_draft=None) -> float:
+def rate(alloc_widths, probs, costs: CostTable) -> float:
     """Expected tokens per ms of given widths (the check's own arithmetic): the draft runs over
     the sequences with k > 0 only."""
     tokens = sum(expected_committed(p.tolist(), k) for p, k in zip(probs, alloc_widths))
