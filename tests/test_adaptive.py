@@ -429,6 +429,20 @@ def test_speculation_metrics_are_exact_histograms(dense, reference):
         committed += good + 1
     assert value("blockspec_spec_accepted_tokens_per_cycle_sum") == sum(judged) >= run.stats.accepted_tokens
     assert value("blockspec_spec_accepted_tokens_per_cycle_count") == cycles
+    # The realised acceptance, one observation per sequence-cycle.
+    assert value("blockspec_spec_accepted_per_sequence_count") == cycles
+    assert value("blockspec_spec_accepted_per_sequence_sum") == sum(judged)
+    assert value('blockspec_spec_accepted_per_sequence_bucket{le="2"}') == sum(a <= 2 for a in judged) < cycles
+    # Per request (meta_info): cycles by the width verified (cut to what max_tokens allowed) and
+    # by the drafts accepted.
+    from blockspec.server.generation import meta_info
+    choice = SimpleNamespace(generation=SimpleNamespace(stats=run.stats, processor=SimpleNamespace(
+        completion_tokens=len(run.output_ids))))
+    meta = meta_info([choice])
+    cut = [min(3, 30 - 2 - sum(run.stats.acceptance_lengths[:i])) for i in range(cycles)]   # 1 + Σ out so far
+    assert run.stats.verify_widths == cut and cut[-1] < 3
+    assert meta.spec_verify_width_histogram == [cut.count(k) for k in range(4)]
+    assert meta.spec_accept_histogram == [[n - 1 for n in run.stats.acceptance_lengths].count(a) for a in range(4)]
 
 
 def test_adaptive_mode_measures_its_costs_and_is_lossless(dense, reference):

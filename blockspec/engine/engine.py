@@ -46,10 +46,11 @@ class EngineCounters:
     spec_accepted_tokens: int = 0
     decode_batch_sizes: Counter = field(default_factory=Counter)    # sequences per cycle → cycles
     # Speculation per cycle (issue 21): drafts verified and accepted by the whole batch (total →
-    # cycles), and each sequence's chosen width k (→ sequence-cycles).
+    # cycles), each sequence's chosen width k and what it accepted of it (→ sequence-cycles).
     spec_verified_per_cycle: Counter = field(default_factory=Counter)
     spec_accepted_per_cycle: Counter = field(default_factory=Counter)
     spec_widths: Counter = field(default_factory=Counter)
+    spec_accepted: Counter = field(default_factory=Counter)
 
 
 EventCallback = Callable[[TokenEvent], None]
@@ -225,6 +226,7 @@ class Engine:
         self.counters.spec_verified_per_cycle[sum(widths)] += 1
         self.counters.spec_accepted_per_cycle[sum(result.num_accepted)] += 1
         self.counters.spec_widths.update(widths)
+        self.counters.spec_accepted.update(result.num_accepted)
 
     def _isolated(self, seq: Sequence, work: Callable[[], None]) -> None:
         """One sequence's own work: if it fails, that sequence ends with an error and the rest

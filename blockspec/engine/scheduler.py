@@ -235,5 +235,6 @@ def record_cycle(seq: Sequence, num_drafts: int, num_accepted: int, committed: i
     stats.draft_tokens += num_drafts
     stats.accepted_tokens += num_accepted
     stats.acceptance_lengths.append(committed)
+    stats.verify_widths.append(num_drafts)
     if seq.first_token_at is not None:
         stats.decode_s = time.perf_counter() - seq.first_token_at
