@@ -432,7 +432,7 @@ def test_constrained_demo_pair_keeps_its_acceptance():
 
 
 def test_bench_forced_acceptance_wraps_the_new_accept(dense):
-    """bench.py replaces accept() to force an acceptance length; it must take the processed rows."""
+    """The bench replaces accept() to force an acceptance length; it must take the processed rows."""
     from blockspec import bench
     target, draft, _ = dense
     result = bench.throughput(target, draft, 4, 2, 16, 12, 2.5)

@@ -1,0 +1,213 @@
+"""`bench --compare-speculation` (issue 21): plain / fixed block / adaptive, side by side, with the
+acceptance forced or following a latent profile (`--accept-profile`)."""
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from typing import Any, Callable
+from unittest import mock
+
+import torch
+
+from blockspec.bench.common import ENGINE_OPTIONS, SHAPES, build_models, forced_accept, run_batch
+from blockspec.config import EngineConfig
+from blockspec.engine import model_runner
+from blockspec.engine.engine import Engine
+
+
+LATENT_CHUNK = 1024
+
+
+class LatentProfile:
+    """`--accept-profile latent:MEAN[:CONCENTRATION]`: an acceptance model for random weights in
+    which the draft's reported confidence is informative, seeded and the same for every mode.
+
+    Each output position j of request r has a latent acceptance probability π_{r,j} ~
+    Beta(m·κ, (1 − m)·κ) and a uniform u_{r,j} (both drawn from a generator seeded by
+    (seed, r)). The draft reports confidence π for the token it drafts at position j, and that
+    draft is accepted iff u < π (so P(accept | confidence c) = c exactly; the engine still
+    calibrates it online). A verify of d_1 … d_k at positions j+1 … j+k accepts the prefix up
+    to the first failure, capped at k. m is solved so that verifying the whole block of T gives
+    mean acceptance length MEAN: 1 + Σ_{i<T} m^i = MEAN (the positions are independent). κ
+    (default 1) sets how spread the difficulties are: small κ, most positions near-certain
+    and a few near-hopeless (what confidence can find); large κ, every position ≈ m (nothing
+    to find: adaptive can then only choose between the whole block and none).
+    The same position has the same π and u whichever cycle drafts it, so plain, fixed and
+    adaptive runs see the same text difficulty."""
+
+    def __init__(self, mean_length: float, block_size: int, concentration: float = 1.0, seed: int = 0) -> None:
+        if not 1.0 <= mean_length <= block_size:
+            raise ValueError(f"the latent profile's mean acceptance length must be in [1, {block_size}]")
+        if concentration <= 0:
+            raise ValueError("the latent profile's concentration must be positive")
+        self.mean_length, self.block_size, self.concentration, self.seed = mean_length, block_size, concentration, seed
+        self.m = solve_mean_probability(mean_length, block_size)
+        self._latents: dict[str, tuple[list[float], list[float]]] = {}
+
+    def latents(self, request, length: int) -> tuple[list[float], list[float]]:
+        """(π, u) of the request's output positions 0 … length − 1 (at least), drawn in chunks of
+        LATENT_CHUNK positions, each from its own seeded generator: any length gives the same
+        values at the same positions."""
+        key = request.request_id
+        pi, u = self._latents.setdefault(key, ([], []))
+        a, b = max(self.m * self.concentration, 1e-3), max((1 - self.m) * self.concentration, 1e-3)
+        while len(pi) < length:
+            chunk = len(pi) // LATENT_CHUNK
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{key}:{chunk}".encode()))   # stable
+            gamma_a = torch._standard_gamma(torch.full((LATENT_CHUNK,), a, dtype=torch.float64), generator=gen)
+            gamma_b = torch._standard_gamma(torch.full((LATENT_CHUNK,), b, dtype=torch.float64), generator=gen)
+            pi += (gamma_a / (gamma_a + gamma_b).clamp_min(1e-300)).tolist()
+            u += torch.rand(LATENT_CHUNK, generator=gen, dtype=torch.float64).tolist()
+        return pi, u
+
+    def positions(self, seq, num_slots: int) -> list[int]:
+        """Output positions of draft slots 1 … L of this cycle (the anchor is output position
+        num_cached − prompt_len; drafts follow it)."""
+        start = seq.num_cached - len(seq.request.prompt_ids) + 1
+        return list(range(start, start + num_slots))
+
+    def propose(self, real: Callable):
+        def propose(out, seqs, confidence: bool = False):
+            proposal = real(out, seqs, confidence)
+            num_slots = proposal.drafts.shape[1]
+            rows = []
+            for seq in seqs:
+                pi, _ = self.latents(seq.request, seq.request.max_model_len + self.block_size + 1)
+                rows.append([pi[j] for j in self.positions(seq, num_slots)])
+            proposal.confidence = torch.tensor(rows, dtype=torch.float64)
+            return proposal
+        return propose
+
+    def accept(self, real: Callable):
+        def accept(seqs, proposal, logits, processed=None, widths=None):
+            num_accepted, new_tokens = real(seqs, proposal, logits, processed, widths)   # the same host work
+            if proposal is None:
+                return num_accepted, new_tokens
+            target_ids = logits.argmax(-1).tolist()
+            num_slots = proposal.drafts.shape[1]
+            for b, seq in enumerate(seqs):
+                k = num_slots if widths is None else widths[b]
+                pi, u = self.latents(seq.request, seq.request.max_model_len + self.block_size + 1)
+                a = 0
+                for j in self.positions(seq, k):
+                    if u[j] >= pi[j]:
+                        break
+                    a += 1
+                num_accepted[b], new_tokens[b] = a, target_ids[b][: a + 1]
+            return num_accepted, new_tokens
+        return accept
+
+
+def solve_mean_probability(mean_length: float, block_size: int) -> float:
+    """m with 1 + Σ_{i=1}^{T−1} m^i = mean_length (bisection; the sum grows with m)."""
+    low, high = 0.0, 1.0
+    for _ in range(100):
+        mid = (low + high) / 2
+        if 1 + sum(mid ** i for i in range(1, block_size)) < mean_length:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def parse_accept_profile(text: str | None, block_size: int) -> LatentProfile | None:
+    """`latent:MEAN[:CONCENTRATION]` → a LatentProfile; None → none."""
+    if text is None:
+        return None
+    parts = text.split(":")
+    if parts[0] != "latent" or len(parts) not in (2, 3):
+        raise ValueError(f"--accept-profile must be latent:MEAN[:CONCENTRATION], not {text!r}")
+    try:
+        values = [float(p) for p in parts[1:]]
+    except ValueError:
+        raise ValueError(f"--accept-profile must be latent:MEAN[:CONCENTRATION], not {text!r}") from None
+    return LatentProfile(values[0], block_size, *values[1:])
+
+
+def speculation_throughput(target, draft, block_size: int, concurrency: int, prompt_len: int, max_tokens: int,
+                           speculation: str, accept_len: float | None = None,
+                           profile: LatentProfile | None = None) -> dict[str, Any]:
+    """throughput() for one speculation mode (fixed | adaptive; plain is draft=None), the
+    acceptance forced (--accept-len) or following the latent profile; plus the mean width chosen."""
+    config = EngineConfig(**{"max_model_len": prompt_len + max_tokens + 8, **ENGINE_OPTIONS},
+                          block_size=block_size if draft else 1, max_num_seqs=concurrency, max_queue=concurrency,
+                          max_prefill_tokens=prompt_len, speculation=speculation)
+    engine = Engine(target, draft, config)
+    patches = []
+    if draft is not None and profile is not None:
+        patches = [mock.patch.object(model_runner, "propose", profile.propose(model_runner.propose)),
+                   mock.patch.object(model_runner, "accept", profile.accept(model_runner.accept))]
+    elif draft is not None and accept_len is not None:
+        patches = [mock.patch.object(model_runner, "accept", forced_accept(accept_len))]
+    for patch in patches:
+        patch.start()
+    try:
+        run_batch(engine, concurrency, prompt_len, 8)                                   # warm-up (+ cost table)
+        engine.counters.spec_widths.clear()
+        result = run_batch(engine, concurrency, prompt_len, max_tokens)
+    finally:
+        for patch in reversed(patches):
+            patch.stop()
+    widths = engine.counters.spec_widths
+    cycles = sum(widths.values())
+    result["mean_width"] = sum(k * n for k, n in widths.items()) / cycles if cycles else 0.0
+    return result
+
+
+def compare_speculation(shape_name: str, device: torch.device, concurrency: list[int], block_size: int,
+                        prompt_len: int, max_tokens: int, accept_len: float | None,
+                        profile: LatentProfile | None) -> dict[str, Any]:
+    """`bench --compare-speculation`: plain, fixed block and adaptive tok/s at each concurrency,
+    one process, one set of random weights (DFlash 1 draft)."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    _, _, target, draft = build_models(SHAPES[shape_name], device, dtype, block_size)
+    r: dict[str, Any] = {"shape": shape_name, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+                         else "cpu", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                         "block_size": block_size, "prompt_len": prompt_len, "max_tokens": max_tokens,
+                         "acceptance": f"latent m={profile.m:.4f} mean={profile.mean_length} "
+                                       f"kappa={profile.concentration}" if profile else f"forced {accept_len}"}
+    for c in concurrency:
+        row = {"plain": speculation_throughput(target, None, 1, c, prompt_len, max_tokens, "fixed"),
+               "fixed": speculation_throughput(target, draft, block_size, c, prompt_len, max_tokens, "fixed",
+                                               accept_len, profile),
+               "adaptive": speculation_throughput(target, draft, block_size, c, prompt_len, max_tokens, "adaptive",
+                                                  accept_len, profile)}
+        r[f"c{c}"] = speculation_row(row)
+    return r
+
+
+def speculation_row(row: dict[str, dict[str, Any]]) -> dict[str, float]:
+    plain, fixed, adaptive = (row[k]["tok_s"] for k in ("plain", "fixed", "adaptive"))
+    return {"plain_tok_s": round(plain, 1), "fixed_tok_s": round(fixed, 1), "adaptive_tok_s": round(adaptive, 1),
+            "fixed_acceptance_length": round(row["fixed"]["mean_acceptance_length"], 3),
+            "adaptive_acceptance_length": round(row["adaptive"]["mean_acceptance_length"], 3),
+            "adaptive_mean_width": round(row["adaptive"].get("mean_width", 0.0), 2),
+            "adaptive_over_plain": round(adaptive / plain, 3), "adaptive_over_fixed": round(adaptive / fixed, 3),
+            "adaptive_over_best": round(adaptive / max(plain, fixed), 3)}
+
+
+def print_speculation_table(r: dict[str, Any]) -> None:
+    print(f"{r['shape']} on {r['device']}, block {r['block_size']}, acceptance {r['acceptance']}, "
+          f"{r['max_tokens']} new tokens")
+    print(f"{'conc':>5} {'plain':>9} {'fixed':>9} {'adaptive':>9} {'a/plain':>8} {'a/fixed':>8} {'a/best':>7} "
+          f"{'width':>6}")
+    for key, row in r.items():
+        if key.startswith("c") and isinstance(row, dict):
+            print(f"{key[1:]:>5} {row['plain_tok_s']:>9} {row['fixed_tok_s']:>9} {row['adaptive_tok_s']:>9} "
+                  f"{row['adaptive_over_plain']:>8} {row['adaptive_over_fixed']:>8} {row['adaptive_over_best']:>7} "
+                  f"{row['adaptive_mean_width']:>6}")
+
+
+def main_compare_speculation(args, device: torch.device, concurrency: list[int], block_size: int) -> int:
+    profile = parse_accept_profile(getattr(args, "accept_profile", None), block_size)
+    if profile is None and args.accept_len is None:
+        raise ValueError("--compare-speculation on random weights needs --accept-profile or --accept-len")
+    result = compare_speculation(args.shape, device, concurrency, block_size, args.prompt_len, args.max_tokens,
+                                 args.accept_len, profile)
+    print_speculation_table(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
