@@ -99,9 +99,9 @@ class ModelRunner:
     def measure_costs(self):
         """The table, once per process for these models and sizes (the cache keeps the models, so
         their ids are not reused while it holds them)."""
-        from blockspec.engine.spec.costs import EagerTimer, measure_costs
+        from blockspec.engine.spec.costs import EagerCosts, measure_costs
         key = (self.width, self.max_decode_seqs, str(self.device), self.graphs is not None)
-        return measure_costs(EagerTimer(self), key, owners=(self.target, self.draft))
+        return measure_costs(EagerCosts(self), padded=False, key=key, owners=(self.target, self.draft))
 
     def make_pools(self, num_pages: int) -> tuple[KVPool, KVPool | None]:
         num_slots = num_pages * self.page_size

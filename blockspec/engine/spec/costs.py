@@ -2,9 +2,9 @@
 forward of a decode step by tokens, and of the draft forward by sequences, measured at startup
 on the device the engine runs on, through the forwards the steps will actually run.
 
-What measures them is a ForwardTimer: the graph dispatcher, replaying the graph of each bucket
-(issue 30), or, where there are no graphs (CPU), EagerTimer, the runner's eager ragged path at
-sample sizes. Either way the rows are padding rows (page 0, state slot 0: nobody's memory) with
+What measures them is a CostSource: the graph dispatcher, replaying the graph of each bucket
+(issue 30), or, where there are no graphs, EagerCosts, the runner's eager ragged path at sample
+sizes. Either way the rows are padding rows (page 0, state slot 0: nobody's memory) with
 a short context, so the table prices the weights and the per-row work; attention over long
 contexts is not in it (at a few thousand tokens of context the per-row GEMMs still dominate a
 dense 8B forward), nor the host's work per step, which the policy learns online
@@ -28,41 +28,39 @@ _CACHE: dict[tuple, tuple[tuple, CostTable]] = {}
 REPEAT = 3
 
 
-class ForwardTimer(Protocol):
-    """The measurement hook (NOTES.md, issue 30's dispatcher implements it)."""
+class CostSource(Protocol):
+    """The measurement hook (issue 30's GraphDispatcher.measure_costs, NOTES.md)."""
 
-    padded: bool            # forwards run padded up to the buckets (graphs), or at their own size
-
-    def verify_buckets(self) -> list[int]:
-        """Token counts of a decode step's target forward to measure (ascending)."""
-
-    def draft_buckets(self) -> list[int]:
-        """Sequence counts of the draft forward to measure (ascending)."""
-
-    def time_forward(self, kind: str, size: int, repeat: int) -> float:
-        """Median ms of `repeat` runs of one forward ("verify": `size` tokens, logits of every
-        row; "propose": `size` blocks) on padding rows, the device synchronized, the engine's
-        state and counters untouched."""
+    def measure_costs(self, repeat: int = REPEAT) -> dict[str, dict[int, float]]:
+        """{"verify": {tokens: ms}, "draft": {sequences: ms}}: median ms of one target forward of
+        a decode step's rows (logits of every row) per token bucket and of one draft propose
+        per sequence bucket, through the path a step of that size takes, on padding rows (page
+        0, state slot 0), the engine's state and counters untouched."""
 
 
-def measure_costs(timer: ForwardTimer, key: tuple | None = None, owners: tuple = (), log: bool = True) -> CostTable:
-    """The table through `timer`; with a key, cached per process (owners — the models — are kept
-    in the entry and compared by identity, so a table is never served to other models)."""
+def measure_costs(source: CostSource, padded: bool, key: tuple | None = None, owners: tuple = (),
+                  log: bool = True) -> CostTable:
+    """The table through `source` (padded: the steps run padded up to its buckets, i.e. graphs);
+    with a key, cached per process (owners — the models — are kept in the entry and compared by
+    identity, so a table is never served to other models)."""
     full_key = None if key is None else (key, tuple(id(owner) for owner in owners))
     cached = _CACHE.get(full_key) if full_key is not None else None
     if cached is not None and all(a is b for a, b in zip(cached[0], owners)):
         return cached[1]
     started = time.perf_counter()
-    tokens, seqs = timer.verify_buckets(), timer.draft_buckets()
-    target = monotone([timer.time_forward("verify", n, REPEAT) for n in tokens])
-    draft = monotone([timer.time_forward("propose", n, REPEAT) for n in seqs])
-    table = CostTable(tuple(tokens), tuple(target), tuple(seqs), tuple(draft), padded=timer.padded)
+    table = cost_table(source.measure_costs(REPEAT), padded)
     if full_key is not None:
         _CACHE[full_key] = (owners, table)
     if log:
         logger.info(f"blockspec: speculation cost table ({time.perf_counter() - started:.1f} s): "
                     f"{table.describe()}")            # the startup lines' logger (never stdout: generate --json)
     return table
+
+
+def cost_table(measured: dict[str, dict[int, float]], padded: bool) -> CostTable:
+    tokens, seqs = sorted(measured["verify"]), sorted(measured["draft"])
+    return CostTable(tuple(tokens), tuple(monotone([measured["verify"][n] for n in tokens])),
+                     tuple(seqs), tuple(monotone([measured["draft"][n] for n in seqs])), padded=padded)
 
 
 def monotone(values: list[float]) -> list[float]:
@@ -83,21 +81,19 @@ def sample_sizes(largest: int) -> list[int]:
     return sorted(sizes)
 
 
-class EagerTimer:
-    """The runner's eager ragged path (no graphs: a step runs at its own size, so the table
-    interpolates between these points). A verify of n tokens is spread over
+class EagerCosts:
+    """The runner's eager ragged path at sample sizes (no graphs: a step runs at its own size, so
+    the table interpolates between these points). A verify of n tokens is spread over
     min(n, max_num_seqs) sequences (at least n / T), as a decode step of n tokens is."""
-
-    padded = False
 
     def __init__(self, runner) -> None:
         self.runner = runner
 
-    def verify_buckets(self) -> list[int]:
-        return sample_sizes(self.runner.max_decode_seqs * self.runner.width)
-
-    def draft_buckets(self) -> list[int]:
-        return sample_sizes(self.runner.max_decode_seqs)
+    def measure_costs(self, repeat: int = REPEAT) -> dict[str, dict[int, float]]:
+        runner = self.runner
+        return {"verify": {n: self.time_forward("verify", n, repeat)
+                           for n in sample_sizes(runner.max_decode_seqs * runner.width)},
+                "draft": {n: self.time_forward("propose", n, repeat) for n in sample_sizes(runner.max_decode_seqs)}}
 
     @torch.inference_mode()
     def time_forward(self, kind: str, size: int, repeat: int) -> float:

@@ -14,9 +14,9 @@ prefix of each sequence's block. The allocation (allocate, vLLM's DSpark rule): 
 N sequences, each one plain row plus its chosen slots. A sequence left at k = 0 does not draft:
 the draft forward covers only the others, so a draft that is not paying for a sequence costs it
 nothing (its committed positions still reach the draft's context: every verified row's features
-are appended by the target forward). The table (CostTable, measured at startup through a
-ForwardTimer, costs.py) prices each forward at the size it runs as: a graph's bucket when the
-forwards are padded to captured shapes, else interpolated between measured points.
+are appended by the target forward). The table (CostTable, measured at startup through the
+graph dispatcher's hook, costs.py) prices each forward at the size it runs as: a graph's
+bucket when the forwards are padded to captured shapes, else interpolated between points.
 
 The widths are decided on the host before the step (Scheduler.verify_widths asks), from what
 the previous steps observed: no device→host read between the draft and the verify, so the
