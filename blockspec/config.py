@@ -201,7 +201,8 @@ class EngineOptions:
     device: str = option("auto", "auto | cpu | cuda[:N]")
     max_model_len: int | None = option(None, "context limit, prompt + output tokens (none: the model's "
                                        "max_position_embeddings; bench: what its requests need)", (SERVE, GENERATE, BENCH))
-    max_num_seqs: int = option(32, "sequences decoded together in one batch", (SERVE,))
+    max_num_seqs: int | None = option(None, "sequences decoded together in one batch (none: 256 on CUDA, as "
+                                      "vLLM; 32 on CPU)", (SERVE,))
     max_queue: int = option(64, "requests waiting beyond the running batch (more: 503)", (SERVE,))
     threads: int | None = option(1, "torch's CPU threads, when running on CPU. 1 measured fastest for the demo "
                                  "pair on a shared 2-core machine (BENCHMARKS.md); raise it for a larger model on an "
@@ -230,7 +231,7 @@ class EngineOptions:
     def __post_init__(self) -> None:
         checks = [(self.max_model_len is None or self.max_model_len >= 2, "--max-model-len must be at least 2"),
                   (self.block_size is None or self.block_size >= 1, "--block-size must be at least 1"),
-                  (self.max_num_seqs >= 1, "--max-num-seqs must be at least 1"),
+                  (self.max_num_seqs is None or self.max_num_seqs >= 1, "--max-num-seqs must be at least 1"),
                   (self.max_queue >= 1, "--max-queue must be at least 1"),
                   (self.threads is None or self.threads >= 1, "--threads must be at least 1"),
                   (self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}"),
@@ -252,7 +253,7 @@ class EngineOptions:
 
 @dataclass(frozen=True)
 class EngineConfig(EngineOptions):
-    """The options as the engine runs them: the two chosen at load time filled in (resolve_engine_config).
+    """The options as the engine runs them: the three chosen at load time filled in (resolve_engine_config).
 
     block_size 1 is plain decoding (no draft forward). The KV pool's size: num_gpu_blocks (or
     num_pages, its older name) pages when given; else from memory (engine/memory.py): on CUDA what
@@ -261,6 +262,7 @@ class EngineConfig(EngineOptions):
     sequences of max_model_len tokens (plus one block of verify slack each) can use."""
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     block_size: int = 1
+    max_num_seqs: int = 32
 
     @property
     def max_positions_per_seq(self) -> int:
@@ -296,9 +298,14 @@ def context_overflow(max_tokens: int, prompt_tokens: int, max_model_len: int) ->
             f"tokens; ask for at most {room}")
 
 
-def resolve_engine_config(options: EngineOptions, max_positions: int, draft_block_size: int | None) -> EngineConfig:
+DEFAULT_MAX_NUM_SEQS = {"cuda": 256, "cpu": 32}     # an unset --max-num-seqs, by the device the target is on
+
+
+def resolve_engine_config(options: EngineOptions, max_positions: int, draft_block_size: int | None,
+                          device_type: str = "cpu") -> EngineConfig:
     """The engine config for the loaded models (the one place that checks options against them):
-    block size within the draft's (default: the draft's), the context within the model's positions."""
+    block size within the draft's (default: the draft's), the context within the model's positions,
+    the batch by the device (default: 256 sequences on CUDA, vLLM's, the KV pool from memory)."""
     if draft_block_size is None and options.block_size is not None and options.block_size > 1:
         raise ConfigError("--block-size needs a draft (--draft); plain decoding has no blocks")
     block_size = options.block_size if options.block_size is not None else (draft_block_size or 1)
@@ -309,5 +316,9 @@ def resolve_engine_config(options: EngineOptions, max_positions: int, draft_bloc
         raise ConfigError(f"--max-model-len {max_model_len} exceeds the model's {max_positions} positions")
     if max_model_len is None:              # the model's own context (the pool refuses it only if one cannot fit)
         max_model_len = max_positions
+    max_num_seqs = options.max_num_seqs
+    if max_num_seqs is None:
+        max_num_seqs = DEFAULT_MAX_NUM_SEQS.get(device_type, DEFAULT_MAX_NUM_SEQS["cpu"])
     values = {f.name: getattr(options, f.name) for f in dataclasses.fields(EngineOptions)}
-    return EngineConfig(**{**values, "block_size": block_size, "max_model_len": max_model_len})
+    return EngineConfig(**{**values, "block_size": block_size, "max_model_len": max_model_len,
+                           "max_num_seqs": max_num_seqs})

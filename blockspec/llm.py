@@ -57,7 +57,8 @@ class LLM:
         self.tokenizer = load_tokenizer(loaded.path)
         draft_model = load_draft(opts.draft, target, show_progress) if opts.draft else None
         self.config = resolve_engine_config(opts, target.config.max_position_embeddings,
-                                            draft_model.block_size if draft_model is not None else None)
+                                            draft_model.block_size if draft_model is not None else None,
+                                            target.lm_head.weight.device.type)
         self.engine = Engine(target, draft_model, self.config)
         self.stop_ids = self.tokenizer.stop_token_ids | frozenset(target.config.eos_token_ids)
         self._events: dict[str, deque[TokenEvent]] = {}
@@ -110,11 +111,11 @@ class LLM:
 
     @property
     def graphs_summary(self) -> str:
-        """"off", or the batch sizes graphs are captured for (on first use of each shape)."""
+        """"off", or the buckets each graph mode serves (engine/graphs.py)."""
         graphs = self.engine.runner.graphs
-        if graphs is None:
+        if not graphs.capture:
             return "off"
-        return "batch sizes " + ",".join(str(size) for size in graphs.sizes) + " (captured on first use)"
+        return graphs.describe()
 
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
         return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len)

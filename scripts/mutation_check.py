@@ -1,8 +1,9 @@
 """Mutation check (issue 16): plant each named mutant, one at a time, in a scratch copy of the
 repository and run the CPU tests that should catch it; every mutant must be killed.
 
-    OMP_NUM_THREADS=1 python scripts/mutation_check.py            # all mutants
-    OMP_NUM_THREADS=1 python scripts/mutation_check.py bonus-p-n-1 # some, by name
+    OMP_NUM_THREADS=1 python scripts/mutation_check.py                 # all mutants
+    OMP_NUM_THREADS=1 python scripts/mutation_check.py bonus-p-n-1      # some, by name
+    OMP_NUM_THREADS=1 python scripts/mutation_check.py --group issue36  # one issue's mutants
 
 A mutant's tests are pytest arguments: files or node ids (file::test), so each runs only the
 tests meant to catch it.
@@ -33,6 +34,12 @@ class Mutant:
     old: str
     new: str
     tests: tuple[str, ...]
+    group: str = ""                              # the issue whose invariants it plants a bug in
+
+
+PREFIX = "blockspec/cache/prefix.py"
+SCHEDULER = "blockspec/engine/scheduler.py"
+POLICY = "blockspec/engine/spec/policy.py"
 
 
 MUTANTS = [
@@ -195,6 +202,81 @@ MUTANTS = [
            "return TokenEvent(then.request_id, first.token_ids + then.token_ids,",
            "return TokenEvent(then.request_id, then.token_ids,",
            ("tests/test_reliability.py::test_a_reader_that_stops_reading_stalls_nobody",)),
+    # issue 36: the invariants of the token-level engine, the prefix cache and the policy that
+    # an audit found no test holding, each with its own test
+    Mutant("hit-covers-the-last-position", PREFIX,
+           "hit = self.prefix.match(seq.tokens, seq.prefill_len - 1)",
+           "hit = self.prefix.match(seq.tokens, seq.prefill_len)",
+           ("tests/test_prefix_engine.py::test_a_fully_cached_prompt_of_whole_pages_still_recomputes_its_last_position",),
+           "issue36"),
+    Mutant("preempted-lookup-counted-again", PREFIX,
+           "        if seq.num_preemptions == 0:\n            seq.request.stats.cached_tokens = seq.num_cached\n",
+           "        if True:\n            seq.request.stats.cached_tokens = seq.num_cached\n",
+           ("tests/test_prefix_cache.py::test_a_preempted_sequence_is_looked_up_once",), "issue36"),
+    Mutant("grow-evicts-past-the-free-list", PREFIX,
+           "self.prefix.evict(self.pages_needed(seq, num_positions) - self.pages.num_free)",
+           "self.prefix.evict(self.pages_needed(seq, num_positions))",
+           ("tests/test_prefix_cache.py::test_growing_evicts_only_the_pages_the_free_list_cannot_cover",), "issue36"),
+    Mutant("snapshot-evicts-the-newest", PREFIX,
+           "self._release_snapshot(min(held, key=lambda n: n.last_used))",
+           "self._release_snapshot(max(held, key=lambda n: n.last_used))",
+           ("tests/test_prefix_cache.py::test_the_least_recently_used_of_several_snapshots_is_evicted",), "issue36"),
+    Mutant("usage-counts-the-padding-page", "blockspec/cache/manager.py",
+           "return 1.0 - self.num_free / (self.num_pages - 1)",
+           "return 1.0 - self.num_free / self.num_pages",
+           ("tests/test_prefix_cache.py::test_kv_cache_usage_is_exactly_0_empty_and_1_full",), "issue36"),
+    Mutant("prefix-usage-counts-the-padding-page", PREFIX,
+           "return 1.0 - self.num_free_pages / self.num_usable_pages",
+           "return 1.0 - self.num_free_pages / self.pages.num_pages",
+           ("tests/test_prefix_cache.py::test_kv_cache_usage_is_exactly_0_empty_and_1_full",), "issue36"),
+    Mutant("cached-tokens-per-choice", "blockspec/server/generation.py",
+           "cached_tokens = sum(c.generation.stats.cached_tokens for c in choices if c.counts_prompt)",
+           "cached_tokens = sum(c.generation.stats.cached_tokens for c in choices)",
+           ("tests/test_prefix_server.py::test_n_choices_after_a_hit_count_the_cached_tokens_once",), "issue36"),
+    Mutant("budget-verify-off-by-one", SCHEDULER,
+           "            if num_drafts + 1 > budget:",
+           "            if num_drafts > budget:",
+           ("tests/test_scheduler.py::test_no_step_exceeds_the_token_budget_and_no_chunk_is_empty",), "issue36"),
+    Mutant("chunks-ignore-the-budget", SCHEDULER,
+           "                chunks.append((seq, length))\n                budget -= length\n",
+           "                chunks.append((seq, length))\n",
+           ("tests/test_scheduler.py::test_no_step_exceeds_the_token_budget_and_no_chunk_is_empty",), "issue36"),
+    Mutant("preempted-to-the-back", SCHEDULER,
+           "        self.waiting.appendleft(seq)",
+           "        self.waiting.append(seq)",
+           ("tests/test_scheduler.py::test_a_preempted_sequence_goes_back_to_the_head_of_the_waiting_queue",),
+           "issue36"),
+    Mutant("seeded-floor-on-the-unseeded", POLICY,
+           "seq.request.params.seed is not None) else 0",
+           "seq.request.params.seed is None) else 0",
+           ("tests/test_adaptive.py::test_seeded_sampling_keeps_the_whole_block_under_adaptive_and_the_others_keep_theirs",),
+           "issue36"),
+    Mutant("widths-drop-the-floors", POLICY,
+           "self.buckets, self.floors(seqs),",
+           "self.buckets, None,",
+           ("tests/test_adaptive.py::test_seeded_sampling_keeps_the_whole_block_under_adaptive_and_the_others_keep_theirs",),
+           "issue36"),
+    Mutant("calibration-row-inherited", POLICY,
+           "                self.calibration.grow(row + 1)\n                self.calibration.reset(row)\n",
+           "                self.calibration.grow(row + 1)\n",
+           ("tests/test_adaptive.py::test_a_reused_calibration_row_starts_fresh",), "issue36"),
+    Mutant("smollm-split-without-gpt2-regex", "blockspec/gguf.py",
+           "pre_tokenizers.ByteLevel(add_prefix_space=False)])",
+           "byte_level])",
+           ("tests/test_gguf.py::test_smollm2_whitespace_runs_encode_as_transformers",), "issue36"),
+    Mutant("gguf-eot-not-a-stop-id", "blockspec/gguf.py",
+           'keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")',
+           'keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eom_token_id")',
+           ("tests/test_gguf.py::test_a_gguf_whose_end_of_turn_is_not_its_end_of_sequence_stops_on_both",), "issue36"),
+    Mutant("graph-sizes-miss-max-num-seqs", "blockspec/engine/graphs.py",
+           "list(range(16, max_num_seqs + 16, 16))",
+           "list(range(16, max_num_seqs, 16))",
+           ("tests/test_batching.py::test_graph_sizes_include_max_num_seqs_and_cover_every_batch_up_to_it",), "issue36"),
+    Mutant("bench-graph-at-the-concurrency", "blockspec/bench/forward.py",
+           "seqs = min(concurrency, graphs.max_draft_seqs)",
+           "seqs = concurrency",
+           ("tests/test_batching.py::test_the_runners_graphs_serve_every_decode_batch_and_the_bench_reads_them_at_any_concurrency",),
+           "issue36"),
 ]
 
 
@@ -215,11 +297,19 @@ def run_tests(copy: Path, tests: tuple[str, ...]) -> tuple[bool, float]:
     return proc.returncode == 0, time.perf_counter() - start
 
 
-def main(names: list[str]) -> int:
-    chosen = [m for m in MUTANTS if not names or m.name in names]
+def main(args: list[str]) -> int:
+    group = None
+    if "--group" in args:
+        at = args.index("--group")
+        if at + 1 == len(args):
+            print("--group needs a name (e.g. issue36)", file=sys.stderr)
+            return 2
+        group, args = args[at + 1], args[:at] + args[at + 2:]
+    names = args
+    chosen = [m for m in MUTANTS if (not names or m.name in names) and (group is None or m.group == group)]
     unknown = set(names) - {m.name for m in MUTANTS}
-    if unknown:
-        print(f"unknown mutants: {sorted(unknown)}", file=sys.stderr)
+    if unknown or not chosen:
+        print(f"unknown mutants: {sorted(unknown)}" if unknown else f"no mutant in group {group!r}", file=sys.stderr)
         return 2
     start, rows, ok = time.perf_counter(), [], True
     with tempfile.TemporaryDirectory(prefix="mutation-") as scratch:

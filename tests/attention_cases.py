@@ -61,10 +61,22 @@ def make_case(context_lens: list[int], width: int, num_heads: int, num_kv_heads:
 
 
 def reference(case: Case, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The torch reference on the case's inputs, computed in `dtype` → [B·T, H·D]."""
-    block_kv = None if case.block_kv is None else tuple(x.to(dtype) for x in case.block_kv)
-    return reference_paged_attention(case.q.to(dtype), case.k_pool.to(dtype), case.v_pool.to(dtype), case.meta,
-                                     case.meta.context_lens, case.scale, case.is_causal, None, block_kv)
+    """The torch reference on the case's inputs, computed in `dtype` → [B·T, H·D], one sequence at
+    a time: the reference pads the batch to [B, T, L] scores, which for a ragged step (a 2048-row
+    chunk beside 7000-key sequences) asks for tens of GiB in fp64."""
+    m = case.meta
+    k_pool, v_pool = case.k_pool.to(dtype), case.v_pool.to(dtype)
+    starts = m.starts.tolist()
+    outs = []
+    for b, n in enumerate(m.lens):
+        rows = slice(starts[b], starts[b] + n)
+        one = AttentionMetadata(num_seqs=1, width=n, input_ids=None, positions=m.positions[rows], slot_mapping=None,
+                                block_tables=m.block_tables[b:b + 1], context_lens=m.context_lens[b:b + 1],
+                                max_context_len=max(int(m.context_lens[b]), 1), page_size=m.page_size, kv=[])
+        block_kv = None if case.block_kv is None else tuple(x[rows].to(dtype) for x in case.block_kv)
+        outs.append(reference_paged_attention(case.q[rows].to(dtype), k_pool, v_pool, one, one.context_lens,
+                                              case.scale, case.is_causal, None, block_kv))
+    return torch.cat(outs)
 
 
 def kernel(case: Case, max_context_len: int | None = None) -> torch.Tensor:

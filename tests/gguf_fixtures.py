@@ -92,3 +92,84 @@ def add_tokenizer(writer, directory: Path, vocab_size: int) -> None:
     writer.add_add_bos_token(False)
     writer.add_chat_template(tokenizer_config.get("chat_template")
                              or (directory / "chat_template.jinja").read_text())
+
+
+# ---- a Llama-3-style file: end of turn and end of sequence are two ids -------------------------
+
+LLAMA3_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                   "{{ m['content'] }}<|eot_id|>{% endfor %}"
+                   "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+LLAMA3_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16)
+
+
+def byte_tokens() -> list[str]:
+    """GPT-2's byte-to-unicode alphabet, by byte: a byte-level BPE vocabulary without merges."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return [chars[byte] for byte in range(256)]
+
+
+def write_llama3_style_gguf(out: Path, chains: list[list[int]]) -> tuple[Path, dict[str, int]]:
+    """A one-layer Llama GGUF laid out as Meta's Llama 3 files are: byte-level vocabulary
+    (pre-split llama-bpe), <|end_of_text|> the end-of-sequence id and <|eot_id|> the
+    end-of-turn id, a Llama-3 chat template. Its greedy output is scripted (as
+    fixtures.write_chain_checkpoint's): after chains[c][k] it says chains[c][k + 1]; attention and
+    MLP outputs are zero, so a position's hidden state is its token's embedding. Returns the path
+    and the special tokens' ids."""
+    import gguf
+    tokens = byte_tokens() + list(LLAMA3_SPECIALS)
+    special = {name: 256 + i for i, name in enumerate(LLAMA3_SPECIALS)}
+    shape, vocab = LLAMA3_SHAPE, len(tokens)
+    hidden, q_rows = shape["hidden_size"], shape["num_attention_heads"] * shape["head_dim"]
+    kv_rows = shape["num_key_value_heads"] * shape["head_dim"]
+    weights = {"token_embd.weight": np.zeros((vocab, hidden), np.float32),
+               "output.weight": np.zeros((vocab, hidden), np.float32),
+               "output_norm.weight": np.ones(hidden, np.float32)}
+    sizes = {"attn_norm": (hidden,), "ffn_norm": (hidden,), "attn_q": (q_rows, hidden), "attn_k": (kv_rows, hidden),
+             "attn_v": (kv_rows, hidden), "attn_output": (hidden, q_rows),
+             "ffn_gate": (shape["intermediate_size"], hidden), "ffn_up": (shape["intermediate_size"], hidden),
+             "ffn_down": (hidden, shape["intermediate_size"])}
+    for name, size in sizes.items():
+        weights[f"blk.0.{name}.weight"] = (np.ones if name.endswith("norm") else np.zeros)(size, np.float32)
+    links = [(token, successor) for chain in chains for token, successor in zip(chain, chain[1:])]
+    if len({token for token, _ in links}) != len(links) or len(links) > hidden:
+        raise ValueError("each chain token needs one successor, at most hidden_size links")
+    for k, (token, successor) in enumerate(links):
+        weights["token_embd.weight"][token, k] = 1.0
+        weights["output.weight"][successor, k] = 4.0
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_block_count(shape["num_hidden_layers"])
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(shape["intermediate_size"])
+    writer.add_head_count(shape["num_attention_heads"])
+    writer.add_head_count_kv(shape["num_key_value_heads"])
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3] * len(LLAMA3_SPECIALS))      # NORMAL, CONTROL
+    writer.add_token_merges([])
+    writer.add_bos_token_id(special["<|begin_of_text|>"])
+    writer.add_eos_token_id(special["<|end_of_text|>"])
+    writer.add_eot_token_id(special["<|eot_id|>"])
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(LLAMA3_TEMPLATE)
+    for name, array in weights.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out, special

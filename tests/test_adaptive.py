@@ -201,6 +201,57 @@ def test_speculation_skips_the_draft_when_nothing_pays_and_probes_now_and_then()
     assert spec.calibration.engine_seen.sum() >= WARMUP_OBSERVATIONS                # it learnt first
 
 
+def request_of(**params) -> SimpleNamespace:
+    return SimpleNamespace(request=SimpleNamespace(num_allowed=100, params=SamplingParams(**params)))
+
+
+def learnt_worthless(spec: Speculation, cycles: int = 100) -> None:
+    """Four greedy sequences whose drafts are never accepted, past the warm-up: the policy has
+    learnt that no draft pays (and is not due a learning cycle for a while)."""
+    seqs = [request_of() for _ in range(4)]
+    conf = torch.full((4, spec.num_slots), 0.9, dtype=torch.float64)
+    for _ in range(cycles):
+        spec.observe(seqs, conf, spec.planned_widths(seqs), [0] * 4)
+    assert not any(spec.planned_widths(seqs))
+
+
+def test_seeded_sampling_keeps_the_whole_block_under_adaptive_and_the_others_keep_theirs():
+    """Rows dear, drafts learnt worthless: greedy and unseeded sampling requests verify nothing,
+    a seeded one still verifies its whole block, alone or with others (which then do not draft
+    at all), so its random draws, and its output, do not depend on what else runs."""
+    dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.5)
+    spec = Speculation("adaptive", 7, costs=dear)
+    learnt_worthless(spec)
+    greedy, seeded, unseeded = request_of(), request_of(temperature=0.8, seed=5), request_of(temperature=0.8)
+    for batch, expected in (([seeded], [7]), ([greedy, seeded, unseeded], [0, 7, 0]), ([unseeded, seeded], [0, 7])):
+        widths = spec.planned_widths(batch)
+        assert widths == expected, (widths, expected)
+    assert spec.planned_widths([greedy, unseeded]) == [0, 0]       # without it: no draft at all
+
+
+def test_a_reused_calibration_row_starts_fresh():
+    """A sequence that ended leaves its row to the next one: no counts, no recent average of the
+    old sequence, so the new one is calibrated as any newcomer is (the engine-wide estimate)."""
+    spec = Speculation("adaptive", 7, costs=ROOFLINE)
+    old, other = request_of(), request_of()
+    conf = torch.full((2, 7), 0.95, dtype=torch.float64)
+    rows = spec.rows([old, other])
+    for _ in range(20):
+        calibrated = spec.calibration.calibrate(conf, rows)
+        spec.calibration.observe(conf, calibrated, [7, 7], [0, 7], rows)
+    old_row = int(rows[0])
+    assert spec.calibration.seen[old_row].sum() > 0
+    spec.forget(old)
+    new = request_of()
+    newcomer = request_of()
+    assert int(spec.rows([new])[0]) == old_row
+    cal = spec.calibration
+    assert cal.seen[old_row].sum() == 0 and cal.accepted[old_row].sum() == 0 and cal.recent[old_row].isnan().all()
+    fresh_row = spec.rows([newcomer])
+    assert torch.equal(cal.calibrate(conf[:1], torch.tensor([old_row])), cal.calibrate(conf[:1], fresh_row))
+    assert torch.equal(cal.predicted(torch.tensor([old_row])), cal.predicted(fresh_row))
+
+
 # ---- losslessness at any width: greedy ------------------------------------------------------
 
 PROMPT = [int(t) for t in torch.randint(0, 151643, (30,), generator=torch.Generator().manual_seed(21))]
@@ -244,12 +295,24 @@ def reference(dense):
     return run_alone(lambda: make_engine(target), make_request("r", PROMPT, max_tokens=30)).output_ids
 
 
-def oracle_engine(dense, reference, policy, **config):
-    """An engine whose draft proposes the reference with the WRONG positions corrupted; policy:
-    the speculation policy to use instead of the engine's own (None: its own)."""
+class HonestOracle(OracleDraft):
+    """The oracle, unsure exactly where it is wrong: a flat logit there (confidence ≈ 1 / V)."""
+
+    def read_logits(self, hidden, lm_head):
+        logits = super().read_logits(hidden, lm_head)
+        for b, (_, anchor) in enumerate(self._rows):
+            for i in range(logits.shape[1]):
+                if anchor + 1 + i - len(PROMPT) in WRONG:
+                    logits[b, i] = 0.0
+        return logits
+
+
+def oracle_engine(dense, reference, policy, honest=False, **config):
+    """An engine whose draft proposes the reference with the WRONG positions corrupted (honest:
+    unsure there); policy: the speculation policy to use instead of the engine's own (None: its own)."""
     target, draft = dense
     corrupted = [(t + 1) % 151643 if i in WRONG else t for i, t in enumerate(reference)]
-    oracle = OracleDraft(draft, PROMPT + corrupted)
+    oracle = (HonestOracle if honest else OracleDraft)(draft, PROMPT + corrupted)
     engine = make_engine(target, oracle, block_size=BLOCK, **config)
     oracle.bind(engine)
     if policy is not None:
@@ -293,8 +356,8 @@ def test_greedy_random_widths_equals_plain_alone_batched_and_padded(dense, refer
     expected = [run_alone(lambda: make_engine(target), make_request("o", p, max_tokens=20)).output_ids
                 for p in others]
 
-    # A batch of four, each with its own width in one ragged step (eager), then through the
-    # padded graph-shaped path (whole-block steps there).
+    # A batch of four, each with its own width in one ragged step, eagerly and through the padded
+    # graph-shaped path (FULL graphs of ragged widths).
     for graph_shaped in (False, True):
         forced = ForcedWidths(BLOCK - 1, seed=4)
 
@@ -306,7 +369,7 @@ def test_greedy_random_widths_equals_plain_alone_batched_and_padded(dense, refer
         _, runs = run_batch(factory, [make_request("r", PROMPT, max_tokens=30)]
                             + [make_request(f"o{i}", p, max_tokens=20) for i, p in enumerate(others)])
         assert [r.output_ids for r in runs] == [reference] + expected, graph_shaped
-        assert graph_shaped or len(set(forced.chosen)) >= 4      # graph steps verify whole blocks
+        assert len(set(forced.chosen)) >= 4
 
 
 class Hopeless(OracleDraft):
@@ -445,13 +508,37 @@ def test_speculation_metrics_are_exact_histograms(dense, reference):
     assert meta.spec_accept_histogram == [[n - 1 for n in run.stats.acceptance_lengths].count(a) for a in range(4)]
 
 
+def test_a_seeded_request_under_adaptive_speculation_is_the_same_alone_and_batched(dense, reference):
+    """Adaptive speculation, rows dear: a seeded sampling request's output alone equals its
+    output beside greedy and unseeded requests (whose widths the policy narrows); the greedy
+    one still equals plain decoding."""
+    dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.1)
+
+    def engine():
+        made, _ = oracle_engine(dense, reference, Speculation("adaptive", BLOCK - 1, costs=dear),
+                                honest=True, speculation="adaptive", max_num_seqs=4)
+        return made
+
+    def seeded():
+        return make_request("seeded", PROMPT, max_tokens=12, temperature=0.9, seed=7)
+    alone = run_alone(engine, seeded())
+    made, runs = run_batch(engine, [make_request("greedy", PROMPT, max_tokens=30), seeded(),
+                                    make_request("unseeded", PROMPT, max_tokens=4, temperature=0.9)])
+    assert runs[1].output_ids == alone.output_ids
+    assert runs[1].stats.acceptance_lengths == alone.stats.acceptance_lengths
+    assert runs[0].output_ids == reference
+    assert sum(k * n for k, n in made.counters.spec_widths.items()) < (BLOCK - 1) * sum(made.counters.spec_widths.values())
+
+
 def test_adaptive_mode_measures_its_costs_and_is_lossless(dense, reference):
-    """Adaptive mode: the cost table measured at startup on this CPU (the eager path: points
-    to interpolate between, up to the largest decode step; monotone), then allocation."""
+    """Adaptive mode: the cost table measured at startup on this CPU through the dispatcher (its
+    token and sequence buckets, run at their own size: interpolated between; monotone), then
+    allocation."""
     engine, _ = oracle_engine(dense, reference, None, speculation="adaptive", max_num_seqs=4)
-    table = engine.runner.speculation.costs
-    assert table is not None and not table.padded
-    assert table.target_rows == (1, 2, 4, 8, 16, 32) and table.draft_batch == (1, 2, 4)
+    table, graphs = engine.runner.speculation.costs, engine.runner.graphs
+    assert table is not None and not table.padded and not graphs.padded
+    assert table.target_rows == tuple(graphs.full_tokens) and table.target_rows[-1] == 4 * BLOCK
+    assert table.draft_batch == tuple(graphs.draft_sizes) == (1, 2, 4)
     assert list(table.target_ms) == sorted(table.target_ms) and list(table.draft_ms) == sorted(table.draft_ms)
     run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
     assert run.output_ids == reference

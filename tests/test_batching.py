@@ -292,8 +292,9 @@ def test_chunked_prefill_equals_unchunked(request, kind, name):
 @pytest.mark.parametrize("kind,name", [("dense", "oracle"), ("hybrid", "plain"), ("hybrid", "real"),
                                        ("hybrid", "oracle")])
 def test_padded_graph_path_batch_equals_alone(request, kind, name):
-    """Three sequences padded to a captured batch of 4 (padding rows on page 0 / state slot 0:
-    plain hybrid decoding writes the recurrent state in place, padding rows included),
+    """Three sequences' rows padded to a FULL graph's token bucket (padding sequences without rows
+    and padding tokens on page 0 / state slot 0: plain hybrid decoding writes the recurrent state
+    in place, padding sequences included),
     keys gathered to a fixed bucket, greedy and seeded sampling mixed in one batch: each
     request's output and acceptances are those it gets alone on the eager path."""
     models = request.getfixturevalue(kind)
@@ -312,7 +313,9 @@ def test_padded_graph_path_batch_equals_alone(request, kind, name):
     engine, runs = run_batch(lambda: padded(build()), requests())
     for run in runs:
         assert_same_as_alone(run, alone[run.request.request_id])
-    assert {rows for rows, _ in engine.runner.graphs.batches} == {4, 2, 1}    # 3 live rows → 4, 2 → 2, 1 → 1
+    verify = [desc for kind, desc, _ in engine.runner.graphs.full if kind == "verify"]
+    assert max(desc.num_seqs for desc in verify) > 3                      # padded past the 3 live sequences
+    assert all(desc.num_tokens in engine.runner.graphs.full_tokens for desc in verify)
     assert max(engine.counters.decode_batch_sizes) == 3
 
 
@@ -346,3 +349,38 @@ def decode(target, draft, prompts, params, **config) -> list[list[int]]:
 def padding_models(qwen3_dir, qwen3_draft_dir):
     target = load_model(str(qwen3_dir)).model
     return target, load_draft(str(qwen3_draft_dir), target), [[5, 6, 7], list(range(100, 130)), [9, 9]]
+
+
+# -- issue 36: the graphs' batch sizes ----------------------------------------------------------
+
+def test_graph_sizes_include_max_num_seqs_and_cover_every_batch_up_to_it():
+    """For every max_num_seqs 1 … 512 the captured sizes end at max_num_seqs itself, and every
+    decode batch of 1 … max_num_seqs sequences pads to a captured size (StopIteration at 128
+    sequences on the H200 was a batch above the largest size)."""
+    from blockspec.engine.graphs import bucket, capture_sizes
+    for max_num_seqs in range(1, 513):
+        sizes = capture_sizes(max_num_seqs)
+        assert sizes[0] == 1 and sizes[-1] == max_num_seqs and sizes == sorted(set(sizes)), max_num_seqs
+        for num_seqs in range(1, max_num_seqs + 1):
+            assert num_seqs <= bucket(num_seqs, sizes) in sizes, (max_num_seqs, num_seqs)
+
+
+@pytest.mark.parametrize("max_num_seqs, budget", [(8, 2048), (8, 16), (5, 22), (3, 7)])
+def test_the_runners_graphs_serve_every_decode_batch_and_the_bench_reads_them_at_any_concurrency(
+        dense, max_num_seqs, budget):
+    """The runner's draft graph sizes end at the most sequences one step decodes at the full block
+    (seats and token budget); the bench's graph timing asks for that step's graphs, not the
+    concurrency's."""
+    from types import SimpleNamespace
+    from blockspec.bench.forward import graph_replay_ms
+    target, draft, _ = dense
+    engine = make_engine(target, draft, block_size=4, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    graphs = engine.runner.graphs = engine.runner.make_graphs(capture=False, bucket_keys=False)   # as the kernels
+    most = min(max_num_seqs, budget // 4)
+    assert engine.runner.max_decode_seqs == most == graphs.max_draft_seqs == graphs.draft_sizes[-1]
+    assert graphs.plan_draft(most, 0, 1).desc.num_seqs == most
+    engine.runner.warm_up(kinds=("verify", "propose"))         # the static buffers, as captured on CUDA
+    graphs.capture = True
+    for static in graphs.full.values():
+        static.graph = SimpleNamespace(replay=lambda: None)     # stands in for the device's graph
+    assert set(graph_replay_ms(engine, 4 * max_num_seqs)) == {"propose_graph_ms", "verify_graph_ms"}

@@ -462,14 +462,14 @@ def test_padded_graph_path_decodes_like_eager(pairs):
     reference = plain(target, LONG, max_tokens=30).output_ids
     engine = padded(make_engine(target))
     assert run_alone(lambda: engine, make_request(LONG, max_tokens=30)).output_ids == reference
-    assert engine.runner.graphs.batches                       # the padded path really ran
+    assert engine.runner.graphs.full                          # the padded path really ran
     for block_size in (2, 8):
         oracle = OracleDraft(draft, LONG + reference)
         engine = padded(dflash_engine(target, oracle, block_size))
         request = run_alone(lambda: engine, make_request(LONG, max_tokens=30)).request
         assert request.output_ids == reference
         assert set(request.stats.acceptance_lengths[:-1]) == {block_size}
-        assert [key[1] for key in engine.runner.graphs.batches] == [512]      # 270 + 30 keys → bucket 512
+        assert {keys for _, _, keys in engine.runner.graphs.full} == {512}    # 270 + 30 keys → bucket 512
         real = run_alone(lambda: padded(dflash_engine(target, draft, block_size)), make_request(LONG, max_tokens=30))
         assert real.output_ids == reference
 

@@ -14,7 +14,7 @@ import torch
 
 from blockspec import gguf, named
 from blockspec.loader import LoadError, load_draft, load_model, load_tokenizer
-from gguf_fixtures import gguf_name, write_gguf
+from gguf_fixtures import gguf_name, write_gguf, write_llama3_style_gguf
 from helpers import make_engine, make_request, run_batch
 
 # Ten chat prompts: questions, instructions, code. No multi-digit numbers: SmolLM2's tokenizer
@@ -56,14 +56,21 @@ def smollm2(smollm2_path):
 
 
 @pytest.fixture(scope="session")
-def reference(smollm2_path):
+def reference_tokenizer(smollm2_path):
+    """transformers' tokenizer from the same GGUF."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def reference(smollm2_path, reference_tokenizer):
     """transformers' model and tokenizer from the same GGUF, dequantized, fp32, CPU; its greedy
     outputs for PROMPTS."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    kwargs = dict(gguf_file=smollm2_path.name)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, **kwargs)
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, dtype=torch.float32, **kwargs)
+    tokenizer = reference_tokenizer
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, dtype=torch.float32,
+                                                              gguf_file=smollm2_path.name)
     model.eval()
     outputs = []
     for prompt in PROMPTS:
@@ -108,6 +115,30 @@ def test_smollm2_digits_split_one_by_one(smollm2):
     pieces = [ours.decode([i]) for i in ids]
     assert [p for p in pieces if p.strip().isdigit()] == list("2024365")
     assert ours.decode(ids) == "In 2024 there were 365 days"
+
+
+# Code and text with runs of spaces, tabs and indentation (no digit runs: see PROMPTS).
+WHITESPACE_TEXTS = [
+    "def area(width, height):\n    if width < 0:\n        raise ValueError(\"negative\")\n    return width * height\n",
+    "class Stack:\n\tdef __init__(self):\n\t\tself.items = []\n\n\tdef push(self, item):\n\t\tself.items.append(item)\n",
+    "two  spaces,   three,    four,\t\ttwo tabs, \t mixed, trailing   \n   leading and  \n\n\n  blank lines",
+    "SELECT name,\n       email\n  FROM users\n WHERE active   =   true ;\r\n\r\n    -- done  ",
+    "<ul>\n  <li>one</li>\n    <li>  two  </li>\n</ul>\n\t \t\n        ",
+]
+
+
+@pytest.mark.smollm2
+def test_smollm2_whitespace_runs_encode_as_transformers(smollm2, reference_tokenizer):
+    """Runs of spaces, tabs and newlines (indented code) split and merge exactly as the model's
+    own tokenizer (transformers on the same file) does, alone and inside a chat."""
+    _, ours = smollm2
+    for text in WHITESPACE_TEXTS:
+        expected = reference_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ours.encode(text) == expected, repr(text)
+        assert ours.decode(expected) == text
+        chat = messages("Tidy this up:\n" + text)
+        assert ours.encode_chat(chat) == list(reference_tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True, return_dict=False)), repr(text)
 
 
 @pytest.mark.smollm2
@@ -238,3 +269,25 @@ def test_unsupported_architecture_refused_by_name(tmp_path):
         load_model(str(path))
     with pytest.raises(LoadError, match="GGUF architecture 'gemma2' is not supported"):
         load_model(str(tmp_path))                               # a directory holding one .gguf
+
+
+def test_a_gguf_whose_end_of_turn_is_not_its_end_of_sequence_stops_on_both(tmp_path):
+    """Llama 3's layout: <|end_of_text|> is the file's eos, <|eot_id|> its eot. Both are stop ids
+    of the tokenizer and of the model's config, and a scripted answer ends at either."""
+    from blockspec.llm import LLM
+    from blockspec.sampling import SamplingParams
+    ids = {"a": ord("a"), "b": ord("b"), "c": ord("c"), "x": ord("x"), "y": ord("y")}
+    eos, eot = 257, 260
+    path, special = write_llama3_style_gguf(tmp_path / "llama3-style.gguf",
+                                            [[ids["a"], ids["b"], ids["c"], eot], [ids["x"], ids["y"], eos]])
+    assert (special["<|end_of_text|>"], special["<|eot_id|>"]) == (eos, eot)
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.eos_token_id == eos and tokenizer.generation_eos_ids == (eos, eot)
+    assert {eos, eot} <= tokenizer.stop_token_ids
+    llm = LLM(str(path), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=2, show_progress=False)
+    assert llm.target.config.eos_token_ids == (eos, eot)
+    turn, sequence = llm.generate([[ids["a"]], [ids["x"]]], SamplingParams(max_tokens=10))
+    assert (turn.token_ids, turn.finish_reason) == ([ids["b"], ids["c"], eot], "stop")
+    assert (sequence.token_ids, sequence.finish_reason) == ([ids["y"], eos], "stop")
+    assert tokenizer.encode_chat([{"role": "user", "content": "hi"}]) == \
+        [256, 258, *b"user", 259, *b"\n\nhi", eot, 258, *b"assistant", 259, *b"\n\n"]

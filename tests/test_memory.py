@@ -63,8 +63,8 @@ def test_the_default_context_is_the_models(qwen3_dir):
 
 
 def test_graphs_prepared_at_startup_serve_every_decode_step(pair):
-    """capture_graphs before any request (the padded path eagerly: CPU's stand-in for capture),
-    then a batch with arrivals: no step adds a graph shape, and every output is alone's."""
+    """warm_up before any request (the padded path eagerly: CPU's stand-in for capture), then a
+    batch with arrivals: no step adds a FULL graph shape, and every output is alone's."""
     target, draft = pair
     config = EngineConfig(max_model_len=256, block_size=4, max_num_seqs=4)
     prompts = [list(range(100 + i, 110 + 3 * i)) for i in range(4)]
@@ -76,20 +76,22 @@ def test_graphs_prepared_at_startup_serve_every_decode_step(pair):
 
     def build():
         engine = Engine(target, draft, config)
-        engine.runner.graphs = engine.runner.make_graphs(capture=False, bucket_keys=False)
-        engine.runner.capture_graphs()
-        build.shapes = set(engine.runner.graphs.batches)
-        real = engine.runner.graphed_decode
+        graphs = engine.runner.graphs = engine.runner.make_graphs(capture=False, bucket_keys=False)
+        engine.runner.warm_up(kinds=("verify", "propose"))
+        build.shapes = set(graphs.full)
+        real = graphs.run_full
 
-        def counted(decode):
-            build.graphed += 1
-            return real(decode)
-        engine.runner.graphed_decode = counted
+        def counted(kind, *args):
+            build.graphed += kind == "verify"
+            return real(kind, *args)
+        graphs.run_full = counted
         return engine
     build.graphed = 0
     engine, runs = run_batch(build, requests()[:2], arrivals={3: requests()[2:]})
-    assert {rows for rows, _ in build.shapes} == {1, 2, 4}
-    assert set(engine.runner.graphs.batches) == build.shapes          # nothing captured while serving
+    graphs = engine.runner.graphs
+    assert {desc.num_seqs for kind, desc, _ in build.shapes if kind == "propose"} == {1, 2, 4}
+    assert {desc.num_tokens for kind, desc, _ in build.shapes if kind == "verify"} == set(graphs.full_tokens)
+    assert set(graphs.full) == build.shapes                            # nothing new while serving
     assert build.graphed > 5                                           # decode-only steps took the graphs
     for run in runs:
         assert run.output_ids == alone[run.request.request_id].output_ids

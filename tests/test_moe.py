@@ -121,10 +121,8 @@ def our_logits(path: Path, ids: list[int]) -> torch.Tensor:
     cache = CacheManager(EngineConfig(max_model_len=256, max_num_seqs=1).total_pages, 16, 1 if runner.is_hybrid else 0)
     cache.grow(seq, len(ids))
     cache.claim_state_slot(seq)
-    meta = runner.prepare([Entry(seq, 0, ids)])
-    meta.keep_steps = False
     with torch.inference_mode():
-        return target.compute_logits(target(meta.input_ids, meta.positions, meta).hidden)
+        return target.compute_logits(runner.forward([Entry(seq, 0, ids)], num_prefill_seqs=1))
 
 
 @pytest.fixture(scope="module")

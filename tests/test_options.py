@@ -32,7 +32,7 @@ def test_every_option_is_a_flag_of_its_commands_with_its_default(command, cls):
             assert action.option_strings == [flag, "--no-" + flag[2:]]
     text = parser.format_help()
     if command == "serve":
-        assert "(default: 32)" in text and "(default: 127.0.0.1)" in text and "(default: 8000)" in text
+        assert "(default: 64)" in text and "(default: 127.0.0.1)" in text and "(none: 256 on" in text and "(default: 8000)" in text
 
 
 def test_a_new_field_is_a_flag_a_keyword_and_validated_in_one_place():

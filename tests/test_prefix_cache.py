@@ -5,9 +5,14 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from blockspec.cache import PageAllocator
+from blockspec.cache import CacheManager, PageAllocator, PrefixCacheManager
 from blockspec.cache.prefix import PrefixCache
+from blockspec.config import EngineConfig
+from blockspec.engine.request import Request
+from blockspec.engine.sequence import Sequence
+from blockspec.sampling import SamplingParams
 
 PAGE = 4
 
@@ -184,20 +189,13 @@ def test_token_range_is_a_slice_of_prompt_and_output():
 
 # -- the scheduler with PrefixCacheManager, no model -------------------------------------------
 
-def test_scheduler_with_the_prefix_cache_accounts_every_page_exactly():
+def simulate_prefix_scheduler(check_pages: bool = False):
     """Sequences sharing prefixes, in a pool small enough that cached pages are evicted and
-    running sequences preempted, stepped by hand as the engine would: after every step each
-    page's reference count is the number of block tables holding it plus one if the tree caches
-    it, the free list holds exactly the pages nobody references, and at the end every page is
-    back exactly once."""
-    import torch
+    running sequences preempted, stepped by hand as the engine would. check_pages: after every
+    step each page's reference count is the number of block tables holding it plus one if the
+    tree caches it, and the free list holds exactly the pages nobody references."""
     from collections import Counter
-    from blockspec.cache import PrefixCacheManager
-    from blockspec.config import EngineConfig
-    from blockspec.engine.request import Request
     from blockspec.engine.scheduler import FirstToken, Scheduler
-    from blockspec.engine.sequence import Sequence
-    from blockspec.sampling import SamplingParams
 
     num_pages, page = 24, 4
     cache = PrefixCacheManager(num_pages, page)
@@ -212,7 +210,7 @@ def test_scheduler_with_the_prefix_cache_accounts_every_page_exactly():
         seqs.append(Sequence(Request(f"s{i}", prompt, SamplingParams(max_tokens=rng.randrange(4, 20)), frozenset(),
                                      256), torch.device("cpu")))
 
-    def check_pages() -> None:
+    def check() -> None:
         cache.prefix.check()
         held = Counter(p for s in scheduler.running for p in s.block_table)
         tree = {n.page for n in cache.prefix._nodes()}
@@ -235,11 +233,100 @@ def test_scheduler_with_the_prefix_cache_accounts_every_page_exactly():
         for seq in list(scheduler.running) + scheduler.unservable:
             if seq.request.is_finished or seq in scheduler.unservable:
                 scheduler.finish(seq)
-        check_pages()
+        if check_pages:
+            check()
         if not pending and not scheduler.has_work:
             break
+    return scheduler, cache, seqs
+
+
+def test_scheduler_with_the_prefix_cache_accounts_every_page_exactly():
+    """The simulation above, every page accounted after every step; at the end every page is
+    back exactly once."""
+    scheduler, cache, seqs = simulate_prefix_scheduler(check_pages=True)
+    num_pages = cache.pages.num_pages
     assert all(s.request.is_finished for s in seqs)
     assert sum(s.num_preemptions for s in seqs) > 0 and cache.prefix.num_evicted > 0
     assert cache.prefix.hits > 0
     cache.prefix.clear()
     assert cache.pages.num_free == num_pages - 1 and not any(cache.pages._refs)
+
+
+# -- issue 36: what the prefix cache and the pool promise -----------------------------------------
+
+def sequence(name: str, tokens: list[int]) -> Sequence:
+    return Sequence(Request(name, tokens, SamplingParams(max_tokens=8), frozenset(), 256), torch.device("cpu"))
+
+
+def cached_and_released(cache: PrefixCacheManager, name: str, tokens: list[int]) -> Sequence:
+    """A sequence whose whole prompt was computed, published to the tree, then ended."""
+    seq = sequence(name, tokens)
+    cache.admit(seq, cache.take_hit(seq))
+    cache.grow(seq, len(tokens))
+    seq.num_cached = len(tokens)
+    cache.publish(seq, after_prefill=True)
+    cache.release(seq)
+    return seq
+
+
+def test_growing_evicts_only_the_pages_the_free_list_cannot_cover():
+    cache = PrefixCacheManager(num_pages=13, page_size=4)        # 12 usable pages
+    cached_and_released(cache, "old", list(range(1, 25)))      # 6 pages in the tree, nobody's
+    assert cache.prefix.num_evictable == 6 and cache.pages.num_free == 6
+    seq = sequence("new", list(range(100, 132)))
+    cache.grow(seq, 20)                                          # 5 pages: the free list covers them
+    assert cache.prefix.num_evicted == 0 and cache.pages.num_free == 1
+    cache.grow(seq, 32)                                          # 3 more, 1 free: exactly 2 evicted
+    assert cache.prefix.num_evicted == 2 and cache.prefix.num_nodes == 4
+    assert len(seq.block_table) == 8 and cache.pages.num_free == 0
+    cache.prefix.check()
+
+
+def test_the_least_recently_used_of_several_snapshots_is_evicted():
+    cache, pages = make(snapshots=(7, 8, 9), hybrid=True)
+    seqs = [Seq(cache, pages, [token] * 5) for token in (1, 2, 3)]
+    for seq in seqs:
+        seq.publish()
+        cache.attach_snapshot(seq.path[0], cache.take_snapshot_slot())
+    slots = [seq.path[0].snapshot for seq in seqs]
+    assert sorted(slots) == [7, 8, 9]
+    cache.match([1] * 5, 4)                          # touched: 2's is now the oldest, then 3's
+    assert cache.take_snapshot_slot() == slots[1] and seqs[1].path[0].snapshot is None
+    assert seqs[0].path[0].snapshot == slots[0] and seqs[2].path[0].snapshot == slots[2]
+    assert cache.take_snapshot_slot() == slots[2] and seqs[0].path[0].snapshot == slots[0]
+    cache.check()
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_kv_cache_usage_is_exactly_0_empty_and_1_full(prefix_cache):
+    """Usage counts the usable pages only (page 0, the padding page, is never handed out); with
+    the prefix cache, cached pages nobody uses count as free."""
+    cache = PrefixCacheManager(5, 4) if prefix_cache else CacheManager(5, 4)
+    assert cache.usage == 0.0
+    seq = sequence("a", list(range(1, 17)))
+    cache.grow(seq, 8)
+    assert cache.usage == 0.5
+    cache.grow(seq, 16)
+    assert cache.usage == 1.0 and cache.num_free_pages == 0
+    if prefix_cache:
+        seq.num_cached = 16
+        cache.publish(seq, after_prefill=True)
+    cache.release(seq)
+    assert cache.usage == 0.0 and cache.num_free_pages == 4
+    if prefix_cache:                                  # the same prompt again: 3 pages pinned, 1 grown
+        again = sequence("b", list(range(1, 17)))
+        cache.admit(again, cache.take_hit(again))
+        assert again.num_cached == 12 and cache.usage == 0.75
+        cache.grow(again, 16)
+        assert cache.usage == 1.0 and cache.prefix.num_evicted == 1
+
+
+def test_a_preempted_sequence_is_looked_up_once():
+    """Re-admitted after a preemption, a sequence's prefix lookup is not counted again and its
+    usage keeps the first admission's hit: queries = the prompts' lengths, hits = the sum of
+    cached_tokens, each below its prompt's length."""
+    scheduler, cache, seqs = simulate_prefix_scheduler()
+    assert sum(s.num_preemptions for s in seqs) > 0 and not scheduler.unservable
+    assert cache.prefix.queries == sum(len(s.request.prompt_ids) for s in seqs)
+    assert cache.prefix.hits == sum(s.request.stats.cached_tokens for s in seqs) > 0
+    assert all(s.request.stats.cached_tokens < len(s.request.prompt_ids) for s in seqs)

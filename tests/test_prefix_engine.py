@@ -216,6 +216,26 @@ def test_a_prefix_ending_mid_page_reuses_the_full_pages_before_it(dense):
     assert [n for _, n in outs] == [0, 32]
 
 
+def test_a_fully_cached_prompt_of_whole_pages_still_recomputes_its_last_position(dense):
+    """A 48-token prompt (3 pages) run twice: the second time every page is cached, yet the hit
+    stops one page short (the last position is recomputed for its logits and the draft's
+    features) and the output equals the cache-off run."""
+    target, drafts, vocab = dense
+    prompt = tokens(vocab, 3 * PAGE, 12)
+    for mode in ("plain", "dflash"):
+        engine = factory(target, drafts[mode], True)()
+        runs = []
+        for i in range(2):
+            runs.append(submit(engine, make_request(f"w{i}", prompt, max_tokens=8)))
+            run_until_done(engine, runs[-1:])
+        fresh = factory(target, drafts[mode], False)()
+        reference = submit(fresh, make_request("r", prompt, max_tokens=8))
+        run_until_done(fresh, [reference])
+        assert [r.stats.cached_tokens for r in runs] == [0, 2 * PAGE], mode
+        assert runs[0].output_ids == runs[1].output_ids == reference.output_ids, mode
+        runs[1].check_events()
+
+
 def test_a_hybrid_hit_stops_at_the_deepest_snapshot_then_snapshots_the_branch(hybrid):
     """Turn 1 (45 prompt tokens + 20 answer) leaves snapshots at 32 (its prompt's last full page)
     and 64 (its last page boundary). A prompt that follows it for 56 tokens matches 3 pages but

@@ -48,3 +48,17 @@ def test_second_turn_reports_cached_tokens_and_the_same_answer(servers):
     hits = float(samples["blockspec_prefix_cache_hits_total"])
     assert queries == first.prompt_tokens + second.prompt_tokens
     assert hits == second.prompt_tokens_details.cached_tokens
+
+
+def test_n_choices_after_a_hit_count_the_cached_tokens_once(servers):
+    """n = 3 on a prompt already in the cache: each choice is served from the cache, and usage
+    counts the prompt and its cached tokens once, as it counts prompt_tokens."""
+    on, _ = servers
+    client = openai.OpenAI(base_url=on.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count the choices."}]
+    first = client.chat.completions.create(model="qwen3", messages=messages, temperature=0, max_tokens=2)
+    prompt_tokens = first.usage.prompt_tokens
+    three = client.chat.completions.create(model="qwen3", messages=messages, temperature=0.8, seed=3, n=3,
+                                           max_tokens=2)
+    assert len(three.choices) == 3 and three.usage.prompt_tokens == prompt_tokens
+    assert three.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16

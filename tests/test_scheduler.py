@@ -28,10 +28,11 @@ def make_scheduler(num_pages: int = 64, page_size: int = 4, width: int = 4, num_
 
 def run_step(scheduler: Scheduler, batch: Batch) -> None:
     """What the engine does after the forward: prefill chunks advance; a finished prompt gets
-    its first token; each decode sequence accepts all its drafts."""
+    its first token (a preempted sequence's recompute does not: its anchor is committed already);
+    each decode sequence accepts all its drafts."""
     for seq, length in batch.prefill:
         seq.num_cached += length
-        if not seq.is_prefilling:
+        if not seq.is_prefilling and not seq.request.output_ids:
             seq.request.commit([7])
     for seq, num_drafts in zip(batch.decode, batch.num_drafts):
         scheduler.postprocess_decode(seq, num_drafts, [7] * (num_drafts + 1), None, num_drafts)
@@ -204,3 +205,62 @@ def test_decoding_sequences_beyond_the_budget_take_turns():
             last_seen[seq.request_id] = step
         assert all(step - seen <= 1 for seen in last_seen.values()), (step, last_seen)
         run_step(scheduler, batch)
+
+
+# -- issue 36: the token budget and the queue, under load ----------------------------------------
+
+def test_no_step_exceeds_the_token_budget_and_no_chunk_is_empty():
+    """Budgets that are and are not multiples of the 4-token verify block, prompts arriving while
+    others decode, several prefilling at once: every step carries at most the budget's rows, every
+    prefill chunk is at least one token and every k is 0 … 3."""
+    import random
+    rng = random.Random(36)
+    multi_prefill = remainder_taken = 0
+    for budget in range(5, 24):
+        scheduler = make_scheduler(num_pages=512, max_num_seqs=8, max_prefill_tokens=1000,
+                                   max_num_batched_tokens=budget)
+        pending = [make_seq(f"b{budget}-{i}", rng.randrange(1, 30), max_tokens=rng.randrange(4, 24))
+                   for i in range(12)]
+        for step in range(500):
+            for _ in range(rng.randrange(0, 3)):
+                if pending:
+                    scheduler.add(pending.pop(0))
+            batch = scheduler.schedule()
+            assert batch.num_tokens <= budget, (budget, step, batch)
+            assert all(length >= 1 for _, length in batch.prefill), (budget, step, batch.prefill)
+            assert all(0 <= k <= 3 for k in batch.num_drafts)
+            multi_prefill += len(batch.prefill) >= 2
+            remainder_taken += budget % 4 != 0 and bool(batch.decode) and bool(batch.prefill)
+            run_step(scheduler, batch)
+            finish_done(scheduler)
+            if not pending and not scheduler.has_work:
+                break
+        assert not pending and not scheduler.has_work, budget
+    assert multi_prefill > 0 and remainder_taken > 0          # both shapes of step were met
+
+
+def test_a_preempted_sequence_goes_back_to_the_head_of_the_waiting_queue():
+    """a and b decode in a pool of 8 pages; c arrives later and waits for room; when the pool runs
+    dry b (the newest running) is preempted and waits in front of c, and is admitted again first."""
+    scheduler = make_scheduler(num_pages=9, page_size=4, width=4)
+    a, b, c = make_seq("a", 8, max_tokens=16), make_seq("b", 8, max_tokens=16), make_seq("c", 14, max_tokens=4)
+    scheduler.add(a)
+    scheduler.add(b)
+    run_step(scheduler, scheduler.schedule())
+    assert scheduler.running == [a, b]
+    scheduler.add(c)
+    admissions: list[str] = []
+    queue_at_preemption = None
+    for _ in range(100):
+        before = set(map(id, scheduler.running))
+        batch = scheduler.schedule()
+        if b.num_preemptions == 1 and queue_at_preemption is None:
+            queue_at_preemption = [s.request_id for s in scheduler.waiting]
+        admissions += [s.request_id for s in scheduler.running if id(s) not in before]
+        if batch.is_empty and not scheduler.has_work:
+            break
+        run_step(scheduler, batch)
+        finish_done(scheduler)
+    assert b.num_preemptions == 1 and queue_at_preemption == ["b", "c"]
+    assert admissions == ["b", "c"]                # after the preemption: b again, then c
+    assert all(s.request.is_finished for s in (a, b, c))

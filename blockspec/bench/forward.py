@@ -124,15 +124,17 @@ def experts_kernel(layers: list[SparseMoE], kernel: Callable):
 
 
 def graph_replay_ms(engine: Engine, concurrency: int) -> dict[str, float]:
-    """Milliseconds of one replay of each captured forward (propose, verify) of the batch's size,
-    at the longest key bucket the run used: the forwards alone, without the engine's host work.
-    Replays rewrite the finished batch's pages and state slots, which nobody reads any more."""
-    graphs = engine.runner.graphs
-    if graphs is None or not graphs.capture:
+    """Milliseconds of one replay of each FULL graph (propose, verify) a decode step of the batch's
+    size takes: the forwards alone, without the engine's host work. A batch larger than one step
+    decodes (seats, token budget) ran in the graphs of the largest step. Replays rewrite page 0 and
+    state slot 0, which nobody reads."""
+    graphs, width = engine.runner.graphs, engine.runner.width
+    if not graphs.capture:
         return {}
-    rows = graphs.shape(concurrency, 0)[0]
-    batches = [b for b in graphs.batches.values() if b.meta.num_seqs == rows]
-    if not batches:
-        return {}
-    static = max(batches, key=lambda b: b.meta.max_context_len)
-    return {f"{kind}_graph_ms": timed(graph.replay, repeat=10) for kind, graph in static.graphs.items()}
+    seqs = min(concurrency, graphs.max_draft_seqs)
+    plans = {"propose": graphs.plan_draft(seqs, 0, 1), "verify": graphs.plan(seqs * width, seqs, False, 0, 1)}
+    statics = {kind: graphs.full.get((kind, plan.desc, plan.keys)) for kind, plan in plans.items()}
+    return {f"{kind}_graph_ms": timed(static.graph.replay, repeat=10)
+            for kind, static in statics.items() if static is not None and static.graph is not None}
+
+

@@ -31,6 +31,33 @@ class StatePool:
                     for s in shapes]
         # After a verify: per layer (states after each position [B, T, Hv, Dk, Dv], conv inputs [B, C, K−1+T]).
         self.stashed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(shapes)
+        # Per layer, preallocated (steps [S, T, Hv, Dk, Dv], conv inputs [S, C, K−1+T]) that every
+        # CUDA graph's verify stashes into (engine/graphs.py): a graph's own would stay allocated
+        # for as long as the graph, one per graph.
+        self.space: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def reserve_space(self, num_seqs: int, num_rows: int) -> None:
+        """Stash space for verifies of up to num_seqs sequences of num_rows rows (before any capture)."""
+        self.space = [(torch.empty(num_seqs, num_rows, *ssm.shape[1:], dtype=ssm.dtype, device=ssm.device),
+                       torch.empty(num_seqs, conv.shape[1], conv.shape[2] + num_rows, dtype=conv.dtype,
+                                   device=conv.device))
+                      for conv, ssm in zip(self.conv, self.ssm)]
+
+    def space_for(self, layer: int, num_seqs: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Views of the layer's stash space for num_seqs × num_rows, if it is reserved and that large."""
+        if not self.space:
+            return None
+        steps, conv_inputs = self.space[layer]
+        if num_seqs > steps.shape[0] or num_rows != steps.shape[1]:
+            return None
+        return steps[:num_seqs], conv_inputs[:num_seqs]
+
+    @staticmethod
+    def space_bytes(shapes: list[RecurrentShape], num_seqs: int, num_rows: int, dtype: torch.dtype) -> int:
+        """Bytes reserve_space(num_seqs, num_rows) takes."""
+        state_size = torch.promote_types(dtype, torch.float32).itemsize
+        return sum(num_seqs * (num_rows * s.num_v_heads * s.k_dim * s.v_dim * state_size
+                               + s.conv_dim * (s.conv_kernel - 1 + num_rows) * dtype.itemsize) for s in shapes)
 
     def copy(self, src: int, dst: int) -> None:
         """Slot dst := slot src (every layer's conv window and SSM state): a prefix snapshot
@@ -55,14 +82,16 @@ class StatePool:
         return self.conv[layer][slots], self.ssm[layer][slots]
 
     def write(self, layer: int, slots: torch.Tensor, conv_inputs: torch.Tensor, state: torch.Tensor,
-              lengths: list[int] | None = None) -> None:
+              lengths: list[int] | torch.Tensor | None = None) -> None:
         """After a forward that needs no rollback: the K−1 conv inputs ending at each sequence's
-        last row (lengths: its rows, when the group was padded past them) and the final state."""
+        last row (lengths: its rows, on the host or the device, when the group was padded past
+        them) and the final state."""
         window = self.conv[layer].shape[-1]
         if lengths is None:
             self.conv[layer][slots] = conv_inputs[..., conv_inputs.shape[-1] - window:]
         else:
-            columns = torch.tensor(lengths, device=slots.device)[:, None] + torch.arange(window, device=slots.device)
+            lengths = torch.as_tensor(lengths, device=slots.device)
+            columns = lengths[:, None] + torch.arange(window, device=slots.device)
             self.conv[layer][slots] = conv_inputs.gather(2, columns[:, None, :].expand(-1, conv_inputs.shape[1], -1))
         self.ssm[layer][slots] = state.to(self.ssm[layer].dtype)
 

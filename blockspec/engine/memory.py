@@ -5,7 +5,8 @@ On CUDA, after the weights (target and draft) are loaded, one forward at the ful
 of every verify row) runs on a throwaway pool; its peak is what activations need. The pages then
 fill what gpu_memory_utilization of the device leaves after weights, that peak, other
 processes' memory and a reserve for the CUDA graphs (the activations of their largest batch,
-which live in the graphs' own memory pool). Elsewhere the pool is kv_cache_memory bytes. Either
+the whole token budget, which live in the graphs' own memory pool, and a hybrid target's shared
+verify stash). Elsewhere the pool is kv_cache_memory bytes. Either
 way it is never larger than max_num_seqs sequences of max_model_len can use, and an explicit
 num_gpu_blocks (num_pages) overrides the measurement.
 
@@ -50,16 +51,17 @@ def page_bytes(target, draft, page_size: int, dtype: torch.dtype) -> int:
 
 
 def size_pool(config: EngineConfig, target, draft, device: torch.device, dtype: torch.dtype,
-              profile: Callable[[int], None] | None) -> PoolSize:
+              profile: Callable[[int], None] | None, graph_bytes: int = 0) -> PoolSize:
     """The pool's pages. profile(num_pages) runs the full-budget forward on a throwaway pool of
-    that many pages (CUDA only)."""
+    that many pages (CUDA only); graph_bytes: what the graphs hold beyond their activations
+    (a hybrid target's shared verify stash)."""
     per_page = page_bytes(target, draft, config.page_size, dtype)
     if config.page_override is not None:
         return PoolSize(config.page_override, per_page, "override")
     if per_page == 0:                       # no attention layer anywhere: pages cost nothing
         return PoolSize(config.worst_case_pages, per_page, "worst-case")
     if device.type == "cuda" and profile is not None:
-        size = measured_pages(config, device, per_page, profile)
+        size = measured_pages(config, device, per_page, profile, graph_bytes)
     else:
         budget = config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
         size = PoolSize(1 + budget // per_page, per_page, "kv-cache-memory")
@@ -71,7 +73,7 @@ def size_pool(config: EngineConfig, target, draft, device: torch.device, dtype: 
 
 
 def measured_pages(config: EngineConfig, device: torch.device, per_page: int,
-                   profile: Callable[[int], None]) -> PoolSize:
+                   profile: Callable[[int], None], graph_bytes: int = 0) -> PoolSize:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -83,8 +85,8 @@ def measured_pages(config: EngineConfig, device: torch.device, per_page: int,
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     others = max(0, total - free - torch.cuda.memory_reserved(device))       # other processes, CUDA context
-    graph_tokens = min(config.max_num_seqs * config.block_size, config.max_num_batched_tokens) if config.cuda_graphs else 0
-    graph_reserve = int(activation * min(1.0, graph_tokens / config.max_num_batched_tokens))
+    # Piecewise graphs reach the whole token budget: their activations, as the profile's.
+    graph_reserve = activation + graph_bytes if config.cuda_graphs else 0
     budget = int(total * config.gpu_memory_utilization) - others - before - activation - graph_reserve
     if budget < 2 * per_page:
         raise ConfigError(f"no memory left for the KV cache: {total / GiB:.1f} GiB × {config.gpu_memory_utilization} "

@@ -8,8 +8,9 @@ decode row), preceded by one draft forward over the decoding sequences' blocks
 [x, MASK × (T − 1)] (spec/dflash.py: propose). The prefill rows' features go into the draft's
 context K/V with the verify rows'; a prompt that ends in this step samples its first token from
 its last row; each decoding sequence accepts at most its k_i drafts, and a hybrid target's
-recurrent state is set to its own accepted position. A decode-only step at the full block
-width runs through the CUDA graphs (engine/cuda_graphs.py) when they are on.
+recurrent state is set to its own accepted position. Both forwards go through the graph
+dispatcher (engine/graphs.py), which picks their graph (FULL, PIECEWISE) or runs them eagerly;
+the runner builds their metadata in the shape it plans.
 """
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
-from blockspec.engine.cuda_graphs import GraphedForwards
+from blockspec.engine.graphs import EAGER, FULL, PIECEWISE, GraphDispatcher, Plan
 from blockspec.engine.logits import LogitsProcessor
 from blockspec.engine.memory import dummy_sequence, size_pool, startup_line
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
@@ -79,15 +81,22 @@ class ModelRunner:
         self.states = (StatePool(config.max_num_seqs + 1 + num_snapshots, shapes, self.dtype, self.device)
                        if shapes else None)
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
-        self.graphs = None
+        graphed = config.cuda_graphs and self.device.type == "cuda"
+        self.graphs = self.make_graphs(capture=False, padded=False)     # the profile runs eagerly
         # The pool: measured after the weights and one full-budget forward (engine/memory.py).
+        stash_bytes = 0
+        if graphed and self.is_hybrid and self.draft is not None:
+            stash = self.make_graphs(capture=False)
+            stash_bytes = StatePool.space_bytes(shapes, stash.seq_slots(stash.full_tokens[-1]), self.width, self.dtype)
         self.pool_size = size_pool(config, target, self.draft, self.device, self.dtype,
-                                   self.profile if self.device.type == "cuda" else None)
+                                   self.profile if self.device.type == "cuda" else None, stash_bytes)
         self.target_kv, self.draft_kv = self.make_pools(self.pool_size.num_pages)
         logger.info(startup_line(config, self.pool_size))
-        if config.cuda_graphs and self.device.type == "cuda":
+        if graphed:
             self.graphs = self.make_graphs(capture=True)
-            self.capture_graphs()
+            if stash_bytes:
+                self.states.reserve_space(self.graphs.seq_slots(self.graphs.full_tokens[-1]), self.width)
+            self.warm_up()
         # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
         # step (verify_widths); adaptive's cost table is measured now, on the forwards the steps
         # will run (engine/spec/costs.py), and logged.
@@ -99,9 +108,9 @@ class ModelRunner:
     def measure_costs(self):
         """The table, once per process for these models and sizes (the cache keeps the models, so
         their ids are not reused while it holds them)."""
-        from blockspec.engine.spec.costs import EagerCosts, measure_costs
-        key = (self.width, self.max_decode_seqs, str(self.device), self.graphs is not None)
-        return measure_costs(EagerCosts(self), padded=False, key=key, owners=(self.target, self.draft))
+        from blockspec.engine.spec.costs import measure_costs
+        key = (self.width, self.max_decode_seqs, str(self.device), self.graphs.capture, self.graphs.padded)
+        return measure_costs(self.graphs, padded=self.graphs.padded, key=key, owners=(self.target, self.draft))
 
     def make_pools(self, num_pages: int) -> tuple[KVPool, KVPool | None]:
         num_slots = num_pages * self.page_size
@@ -124,50 +133,91 @@ class ModelRunner:
         self.target_kv, self.draft_kv = self.make_pools(num_pages)
         num_tokens = self.config.max_num_batched_tokens
         seq = dummy_sequence(num_pages)
-        meta = self.prepare([Entry(seq, 0, [0] * num_tokens)], num_prefill_seqs=1)
-        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
+        hidden = self.forward([Entry(seq, 0, [0] * num_tokens)], num_prefill_seqs=1)
         if self.draft is not None:
-            self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
-            blocks = [Entry(seq, 0, [0] * self.width) for _ in range(self.max_decode_seqs)]
-            self.draft_proposal(self.prepare(blocks))
-        self.target.compute_logits(out.hidden[: self.max_decode_seqs * self.width])
-        del out, meta
+            self.propose_blocks([Entry(seq, 0, [0] * self.width) for _ in range(self.max_decode_seqs)])
+        self.target.compute_logits(hidden[: self.max_decode_seqs * self.width])
+        del hidden
         self.target_kv = self.draft_kv = None
 
     @torch.inference_mode()
-    def capture_graphs(self) -> None:
-        """Every decode batch the scheduler can produce, captured now so no request pays for a
-        capture (largest first: the graphs' shared pool grows once). The torch reference path
-        (a sliding-window draft layer, BLOCKSPEC_ATTENTION=reference) buckets keys by the live
-        length, so its graphs are still captured on first use."""
-        if self.graphs.bucket_keys:
-            return
+    def warm_up(self, kinds: tuple[str, ...] = ("piecewise", "verify", "propose")) -> None:
+        """Every graph the dispatcher serves, captured before the first request (largest first:
+        the graphs' shared pool grows once), each after two eager runs that compile and autotune
+        its kernels (ours, flash-linear-attention's chunk and step kernels, the MoE kernels,
+        cuBLAS's choices); then the logits stage at every verify bucket. The torch reference
+        attention (BLOCKSPEC_ATTENTION=reference, a sliding-window draft layer) buckets keys by
+        the live length, so its FULL graphs are captured on first use. Without capture (CPU
+        tests) the same forwards make the static buffers."""
         from tqdm import tqdm
-        is_cuda = self.device.type == "cuda"
+        graphs, is_cuda = self.graphs, self.device.type == "cuda"
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
-        sizes = sorted(self.graphs.sizes, reverse=True)
-        idle = dummy_sequence(1)                      # no pages: every row is a padding row (page 0)
-        for size in tqdm(sizes, desc="capturing CUDA graphs", unit="graph", disable=not sys.stderr.isatty()):
-            meta = self.graphs.bind(self.prepare([Entry(idle, 0, [0] * self.width)] * size, padded=True))
+        work = [("piecewise", n) for n in graphs.piecewise_tokens] if "piecewise" in kinds else []
+        if not graphs.bucket_keys:
+            work += [("verify", n) for n in graphs.full_tokens if "verify" in kinds]
             if self.draft is not None:
-                self.run_forward("propose", self.draft_proposal, meta)
-            self.run_forward("verify", self.target_logits, meta)
+                work += [("propose", n) for n in graphs.draft_sizes if "propose" in kinds]
+        work.sort(key=lambda item: -item[1])
+        for kind, size in tqdm(work, desc="capturing CUDA graphs", unit="graph", disable=not sys.stderr.isatty()):
+            self.idle_forward(kind, size)
+            if kind != "propose":
+                self.target.compute_logits(torch.zeros(size, self.target.hidden_size, device=self.device,
+                                                       dtype=self.dtype))
+        if self.is_hybrid:
+            self.states.clear([0])                # the captures ran on padding rows (state slot 0)
         self.num_forwards = 0
+        used = 0
         if is_cuda:
             torch.cuda.synchronize(self.device)
-        used = free_before - torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
-        logger.info(f"blockspec: captured CUDA graphs for {len(sizes)} decode batch sizes "
-                    f"({', '.join(str(size * self.width) for size in sorted(sizes))} tokens) in "
-                    f"{time.perf_counter() - start:.1f} s, {used / (1 << 20):.0f} MiB")
+            used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(f"blockspec: warmed and captured {graphs.num_graphs} CUDA graphs in "
+                    f"{time.perf_counter() - start:.1f} s, {used / (1 << 20):.0f} MiB: {graphs.describe()}")
 
-    def make_graphs(self, capture: bool, bucket_keys: bool | None = None) -> GraphedForwards:
-        """The decode cycle through fixed-shape buffers: CUDA graphs, or (capture=False) the
-        same padded path run eagerly, which CPU tests hold to the eager one. bucket_keys: key
-        buckets by live length (the default where the torch reference attention runs)."""
+    def idle_forward(self, kind: str, size: int) -> Any:
+        """One forward of a bucket on padding rows only (page 0, state slot 0: nobody's memory),
+        through the path a step of that shape takes: "verify" (size tokens of decode rows),
+        "propose" (size blocks), "piecewise" (a prefill of size tokens, captured here)."""
+        pages = -(-max(size, self.width) // self.page_size)
+        idle = dummy_sequence(0)
+        idle.block_table = [0] * min(pages, self.config.pages_per_seq)
+        if kind == "propose":
+            return self.propose_blocks([Entry(idle, 0, [0] * self.width) for _ in range(size)])
+        if kind == "verify":
+            rows = [Entry(idle, 0, [0] * self.width) for _ in range(size // self.width)]
+            rows += [Entry(idle, 0, [0] * (size % self.width))] if size % self.width else []
+            return self.forward(rows)
+        # A prefill of `size` tokens in sequences no longer than the pool's table holds.
+        span = self.config.pages_per_seq * self.page_size
+        chunks = [Entry(idle, 0, [0] * min(span, size - at)) for at in range(0, size, span)]
+        plan = self.graphs.plan(size, len(chunks), True, min(span, size), len(idle.block_table))
+        meta = self.prepare(chunks, len(chunks), plan)
+        if self.graphs.capture and plan.mode == PIECEWISE:
+            derive_positions(meta, self.page_size)
+            self.graphs.capture_piecewise(size, self.target_forward, meta)
+            return None
+        return self.forward(chunks, num_prefill_seqs=len(chunks))
+
+    def make_graphs(self, capture: bool, bucket_keys: bool | None = None, padded: bool = True) -> GraphDispatcher:
+        """The dispatcher of this runner's forwards: CUDA graphs, or (capture=False) the same
+        padded shapes run eagerly, which CPU tests hold to the eager path; padded=False: exact
+        shapes, every forward eager. bucket_keys: key buckets by live length (the default where
+        the torch reference attention runs)."""
         if bucket_keys is None:
             bucket_keys = not self.attention_reads_live_length
-        return GraphedForwards(self.width, self.max_decode_seqs, self.config.pages_per_seq,
-                               self.page_size, self.device, capture, bucket_keys=bucket_keys)
+        graphs = GraphDispatcher(self.width, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                 self.config.pages_per_seq, self.page_size, self.device, capture, padded=padded,
+                                 bucket_keys=bucket_keys, stashing=self.is_hybrid and self.draft is not None)
+        graphs.probe, graphs.has_draft = self.probe, self.draft is not None
+        return graphs
+
+    def probe(self, kind: str, size: int) -> None:
+        """A bucket's forward on padding rows as a step runs it, for the dispatcher's cost table;
+        not counted among the engine's forwards."""
+        forwards = self.num_forwards
+        out = self.idle_forward(kind, size)
+        if kind == "verify":
+            self.target.compute_logits(out[:size])
+        self.num_forwards = forwards
 
     @property
     def attention_reads_live_length(self) -> bool:
@@ -187,39 +237,45 @@ class ModelRunner:
 
     # -- batches ----------------------------------------------------------------------------
 
-    def prepare(self, entries: list[Entry], num_prefill_seqs: int = 0, padded: bool = False) -> AttentionMetadata:
-        """The target's metadata for a flat ragged batch, packed on the host and moved to the
-        device in one copy; positions and slot_mapping are derived on the device from the query
-        starts, context lengths and block tables (the host's work grows with sequences and
-        pages, not with tokens). padded (a uniform decode batch): rows and keys rounded up to a
-        captured graph's shape (the real sequences first); positions are then derived inside
-        the graph (run_forward)."""
+    def plan(self, entries: list[Entry], num_prefill_seqs: int = 0) -> Plan:
+        """The dispatcher's plan for a target forward over these rows."""
+        return self.graphs.plan(sum(len(entry.tokens) for entry in entries), len(entries), num_prefill_seqs > 0,
+                                live_keys(entries), max(len(entry.seq.block_table) for entry in entries))
+
+    def prepare(self, entries: list[Entry], num_prefill_seqs: int, plan: Plan, uniform: bool = False
+                ) -> AttentionMetadata:
+        """The metadata of a flat ragged batch in the plan's shape, packed on the host and moved to
+        the device in one copy; positions and slot_mapping are derived on the device from the
+        query starts, context lengths and block tables (`derive_positions`, inside a FULL graph),
+        so the host's work grows with sequences and pages, not with tokens. uniform: blocks of
+        one width (the draft's), padding sequences of that width too; else padding sequences
+        have no rows and padding tokens belong to none."""
         lens = [len(entry.tokens) for entry in entries]
-        live_keys = max(entry.start + n for entry, n in zip(entries, lens))
-        width = lens[0] if all(n == lens[0] for n in lens) else 0
-        if padded:
-            assert width == self.width, "graphs serve decode batches of the full block width"
-            rows, cols, keys = self.graphs.shape(len(entries), live_keys)
-        else:
-            rows, cols, keys = len(entries), max(len(entry.seq.block_table) for entry in entries), live_keys
-        host = self.pack(entries, rows, cols, width)
-        num_tokens = sum(lens) + (rows - len(entries)) * width
+        rows, num_tokens, cols = plan.desc.num_seqs, plan.desc.num_tokens, plan.cols
+        pad_width = lens[0] if uniform else 0
+        host = self.pack(entries, rows, cols, num_tokens, pad_width)
         is_cuda = self.device.type == "cuda"
         packed = torch.tensor(host, dtype=torch.long, pin_memory=is_cuda).to(self.device, non_blocking=is_cuda)
         views = unpack(packed, rows, num_tokens, cols)
         if not self.is_hybrid:
             views["state_slots"] = None
-        meta = AttentionMetadata(num_seqs=rows, width=width, **views, max_context_len=keys, page_size=self.page_size,
-                                 kv=self.target_kv.layers, states=self.states, packed=packed,
-                                 query_lens=None if width else lens, num_prefill_seqs=num_prefill_seqs,
-                                 keep_steps=self.is_hybrid and self.draft is not None)
-        if not padded:
-            derive_positions(meta, self.page_size)
-        return meta
+        if uniform:
+            width, query_lens = pad_width, None
+        elif plan.bounded:
+            width, query_lens = 0, None
+        else:
+            same = all(n == lens[0] for n in lens) and num_tokens == sum(lens) and rows == len(entries)
+            width = lens[0] if same else 0
+            query_lens = None if same else lens + [0] * (rows - len(entries))
+        return AttentionMetadata(num_seqs=rows, width=width, **views, max_context_len=plan.keys,
+                                 page_size=self.page_size, kv=self.target_kv.layers, states=self.states,
+                                 packed=packed, query_lens=query_lens, num_prefill_seqs=num_prefill_seqs,
+                                 keep_steps=self.is_hybrid and self.draft is not None,
+                                 max_rows=self.width if plan.bounded and not uniform else 0)
 
-    def pack(self, entries: list[Entry], rows: int, cols: int, width: int) -> list[int]:
-        """Host ints in `unpack`'s layout; padding rows (of a uniform batch) use page 0 and state
-        slot 0. Positions and slot_mapping are left 0 (`derive_positions`)."""
+    def pack(self, entries: list[Entry], rows: int, cols: int, num_tokens: int, pad_width: int) -> list[int]:
+        """Host ints in `unpack`'s layout: padding sequences (pad_width rows each) use page 0 and
+        state slot 0, padding tokens id 0. Positions and slot_mapping are left 0 (`derive_positions`)."""
         ids, starts, tables, context_lens, state_slots = [], [0], [], [], []
         for entry in entries:
             ids += entry.tokens
@@ -228,12 +284,37 @@ class ModelRunner:
             context_lens.append(entry.start + len(entry.tokens))
             state_slots.append(entry.seq.state_slot or 0)
         num_padding = rows - len(entries)
-        ids += [0] * (num_padding * width)
-        starts += [starts[-1] + width * (i + 1) for i in range(num_padding)]
+        starts += [starts[-1] + pad_width * (i + 1) for i in range(num_padding)]
+        ids += [0] * (num_tokens - len(ids))
         tables += [0] * (num_padding * cols)
-        context_lens += [width] * num_padding                   # positions 0 … T − 1, inside page 0
+        context_lens += [pad_width] * num_padding               # positions 0 … width − 1, inside page 0
         state_slots += [0] * num_padding
         return ids + [0] * (2 * len(ids)) + starts + tables + context_lens + state_slots
+
+    def forward(self, entries: list[Entry], num_prefill_seqs: int = 0,
+                drafts: tuple[Proposal, list[int]] | None = None) -> torch.Tensor:
+        """The target over a flat batch (the first num_prefill_seqs entries prefill chunks; drafts:
+        the proposal and each decoding entry's k_b, written into its verify rows) → hidden
+        [≥ rows, hidden], its rows in the entries' order (a graph's static output: read it
+        before the next forward)."""
+        plan = self.plan(entries, num_prefill_seqs)
+        meta = self.prepare(entries, num_prefill_seqs, plan)
+        if drafts is not None:
+            proposal, num_drafts = drafts
+            self.place_drafts(meta, proposal, num_drafts, sum(len(e.tokens) for e in entries[:num_prefill_seqs]))
+        self.num_forwards += 1
+        return self.graphs.run("verify", plan, self.target_forward, meta, self.derive)
+
+    def propose_blocks(self, blocks: list[Entry]):
+        """The draft over blocks of the full width → what `propose` reads (rows past the blocks'
+        are padding)."""
+        plan = self.graphs.plan_draft(len(blocks), live_keys(blocks), max(len(b.seq.block_table) for b in blocks))
+        meta = self.prepare(blocks, 0, plan, uniform=True)
+        self.num_forwards += 1
+        return self.graphs.run("propose", plan, self.draft_proposal, meta, self.derive)
+
+    def derive(self, meta: AttentionMetadata) -> None:
+        derive_positions(meta, self.page_size)
 
     def processor_of(self, seq: Sequence) -> LogitsProcessor | None:
         """The sequence's logits processor, made here (the engine thread) when first needed;
@@ -289,19 +370,13 @@ class ModelRunner:
     def step(self, batch: Batch) -> StepResult:
         """One forward of the target over the whole step (after one of the draft over the
         decoding sequences' blocks)."""
-        decode, num_drafts = batch.decode, batch.num_drafts
+        decode = batch.decode
         for seq in [s for s, _ in batch.prefill] + decode:
             self.processor_of(seq)
         self.clear_states([seq for seq, _ in batch.prefill])
         self.restore_snapshots([seq for seq, _ in batch.prefill])
-        use_graphs = (self.graphs is not None and not batch.prefill and bool(decode)
-                      and all(k == self.width - 1 for k in num_drafts))
-        if use_graphs:
-            logits, proposal = self.graphed_decode(decode)
-            first_tokens: list[FirstToken | None] = []
-        else:
-            logits, proposal, first_tokens = self.ragged_forward(batch)
-            self.take_snapshots([seq for seq, _ in batch.prefill])
+        logits, proposal, first_tokens = self.forward_step(batch)
+        self.take_snapshots([seq for seq, _ in batch.prefill])
         result = self.finish_decode(decode, batch.num_drafts, logits, proposal) if decode else None
         return StepResult(first_tokens, result)
 
@@ -310,37 +385,18 @@ class ModelRunner:
         mask = self.draft.mask_token_id if self.draft is not None else 0
         return [Entry(seq, seq.num_cached, [seq.anchor] + [mask] * (self.width - 1)) for seq in decode]
 
-    def graphed_decode(self, decode: list[Sequence]) -> tuple[torch.Tensor, Proposal | None]:
-        """A decode-only step at the full block width through the graphs' fixed shapes →
-        verify logits [B, T, V] and the proposal."""
-        num_seqs, width = len(decode), self.width
-        meta = self.graphs.bind(self.prepare(self.blocks(decode), padded=True))
-        proposal = None
-        if self.draft is not None:
-            proposal = propose(self.run_forward("propose", self.draft_proposal, meta), decode,
-                               confidence=self.speculation.adaptive)
-            meta.input_ids.view(meta.num_seqs, width)[:num_seqs, 1:] = proposal.drafts   # [x, d1 … dT−1]
-        logits = self.run_forward("verify", self.target_logits, meta)[: num_seqs * width]
-        return logits.view(num_seqs, width, -1), proposal
-
-    def ragged_forward(self, batch: Batch) -> tuple[torch.Tensor | None, Proposal | None, list[FirstToken | None]]:
-        """The eager step: the draft over the decoding sequences, then one flat target forward
-        over prefill chunks and verify rows → (verify logits [B, max k + 1, V], proposal,
-        first tokens)."""
+    def forward_step(self, batch: Batch) -> tuple[torch.Tensor | None, Proposal | None, list[FirstToken | None]]:
+        """The draft over the decoding sequences, then one flat target forward over prefill chunks
+        and verify rows → (verify logits [B, max k + 1, V], proposal, first tokens)."""
         decode, num_drafts = batch.decode, batch.num_drafts
         proposal = self.propose_for(decode, num_drafts)
         entries = [Entry(seq, seq.num_cached, seq.tokens[seq.num_cached: seq.num_cached + n])
                    for seq, n in batch.prefill]
         entries += [Entry(seq, seq.num_cached, [seq.anchor] + [0] * k) for seq, k in zip(decode, num_drafts)]
-        meta = self.prepare(entries, num_prefill_seqs=len(batch.prefill))
-        if proposal is not None and any(num_drafts):
-            self.place_drafts(meta, proposal, num_drafts, sum(n for _, n in batch.prefill))
+        drafts = (proposal, num_drafts) if proposal is not None and any(num_drafts) else None
+        hidden = self.forward(entries, len(batch.prefill), drafts)
         rows = self.logit_rows(batch)
-        self.num_forwards += 1
-        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
-        if self.draft is not None:
-            self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
-        logits = self.target.compute_logits(out.hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        logits = self.target.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
         first_tokens = self.first_tokens(batch, logits)
         if not decode:
             return None, proposal, first_tokens
@@ -359,9 +415,8 @@ class ModelRunner:
         drafting = [b for b, k in enumerate(num_drafts) if k > 0]
         if self.draft is None or not drafting:
             return None
-        self.num_forwards += 1
         seqs = [decode[b] for b in drafting]
-        part = propose(self.draft_proposal(self.prepare(self.blocks(seqs))), seqs, confidence=self.speculation.adaptive)
+        part = propose(self.propose_blocks(self.blocks(seqs)), seqs, confidence=self.speculation.adaptive)
         if len(drafting) == len(decode):
             return part
         index = torch.tensor(drafting, device=self.device)
@@ -448,20 +503,6 @@ class ModelRunner:
     def scored(seq: Sequence, rows: torch.Tensor | None, tokens: list[int]) -> list[TokenLogprob] | None:
         return None if rows is None else token_logprobs(rows, tokens, seq.request.num_logprobs)
 
-    def run_forward(self, kind: str, fn, meta: AttentionMetadata) -> torch.Tensor:
-        self.num_forwards += 1
-        if self.graphs is None:
-            return fn(meta)
-
-        def graphed(m: AttentionMetadata) -> torch.Tensor:
-            # Everything a graph reads is made inside it: a tensor cached in m.shared by an
-            # earlier warm-up or graph would be freed by the next forward's clear() while this
-            # graph still reads it (the draft's graph replayed freed token rows).
-            m.shared.clear()
-            derive_positions(m, self.page_size)
-            return fn(m)
-        return self.graphs.run(kind, graphed, meta)
-
     def draft_proposal(self, meta: AttentionMetadata):
         """The draft's B blocks [x, MASK × (T − 1)] at the verify's positions, seeing the
         committed context (num_cached positions) of the draft pool → what the draft proposes
@@ -474,14 +515,14 @@ class ModelRunner:
         anchors = meta.input_ids.view(meta.num_seqs, width)[:, 0]
         return self.draft.propose(hidden.view(meta.num_seqs, width, -1), anchors, self.target.lm_head)
 
-    def target_logits(self, meta: AttentionMetadata) -> torch.Tensor:
-        """Target forward → logits [B·T, V]; the features of all T positions join the draft's
+    def target_forward(self, meta: AttentionMetadata) -> torch.Tensor:
+        """Target forward → hidden [N, hidden]; the features of every row join the draft's
         context (those past the accepted prefix lie past the sequence's length: masked, then
-        overwritten)."""
+        overwritten; a bucket's padding tokens go to page 0)."""
         out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers)
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
-        return self.target.compute_logits(out.hidden)
+        return out.hidden
 
 
 def samples_first_token(seq: Sequence, num_tokens: int) -> bool:
@@ -489,13 +530,24 @@ def samples_first_token(seq: Sequence, num_tokens: int) -> bool:
     return seq.num_cached + num_tokens >= seq.prefill_len and not seq.request.output_ids
 
 
+def live_keys(entries: list[Entry]) -> int:
+    return max(entry.start + len(entry.tokens) for entry in entries)
+
+
 def derive_positions(meta: AttentionMetadata, page_size: int) -> None:
     """Fill positions and slot_mapping [N] in place: sequence b's rows feed positions
-    context_lens[b] − n_b … context_lens[b] − 1, stored at its block table's slot of each
+    context_lens[b] − n_b … context_lens[b] − 1, stored at its block table's slot of each;
+    a bucket's padding tokens (past query_start[B]) take position 0 and slot 0, in page 0
     (graph-safe: no host sync)."""
     seq, row = token_rows(meta)
     starts = meta.starts
     lengths = starts[1:] - starts[:-1]
     torch.add((meta.context_lens - lengths)[seq], row, out=meta.positions)
+    padded = meta.bounded or meta.positions.shape[0] > meta.num_tokens
+    if padded:
+        real = torch.arange(meta.positions.shape[0], device=starts.device) < starts[-1]
+        meta.positions.masked_fill_(~real, 0)
     pages = meta.block_tables[seq, meta.positions // page_size]
     torch.add(pages * page_size, meta.positions % page_size, out=meta.slot_mapping)
+    if padded:
+        meta.slot_mapping.masked_fill_(~real, 0)

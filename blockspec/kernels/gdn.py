@@ -161,14 +161,16 @@ def block_v(num_seqs: int, num_v_heads: int, v_dim: int) -> int:
 def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
              a_log: torch.Tensor, dt_bias: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
              slots: torch.Tensor, cu_seqlens: torch.Tensor, max_rows: int, num_k_heads: int, k_dim: int,
-             keep_steps: bool, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None
+             keep_steps: bool, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+             space: tuple[torch.Tensor, torch.Tensor] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """mixed [R, conv_dim] (q | k | v before the conv), a, b [R, Hv] (rows may be strided views
     of the projection), conv_weight [conv_dim, K], pools [slots, conv_dim, K−1] and
     [slots, Hv, Dk, Dv] → out [R, Hv, Dv]; with keep_steps also steps [B, max_rows, Hv, Dk, Dv] and the
     conv inputs [B, conv_dim, K−1+max_rows], the pools untouched; else the pools advanced.
     norm = (weight [Dv], z [R, Hv, Dv], eps): out is the gated RMSNorm of the rows,
-    weight · rmsnorm(o) · silu(z), computed in the recurrent kernel (one program per head row)."""
+    weight · rmsnorm(o) · silu(z), computed in the recurrent kernel (one program per head row).
+    space: preallocated (steps, conv inputs) of that shape to stash into (a graph's, shared by all)."""
     num_rows, conv_dim = mixed.shape
     num_seqs = slots.shape[0]
     num_v_heads, v_dim = ssm_pool.shape[1], ssm_pool.shape[3]
@@ -177,8 +179,10 @@ def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
     assert mixed.stride(1) == 1 and a.stride(1) == 1 and b.stride(1) == 1
     assert conv_pool.is_contiguous() and ssm_pool.is_contiguous() and ssm_pool.shape[2] == k_dim
     conv_out = torch.empty(num_rows, conv_dim, dtype=mixed.dtype, device=mixed.device)
-    stash = (torch.empty(num_seqs, conv_dim, kernel - 1 + max_rows, dtype=conv_pool.dtype, device=mixed.device)
-             if keep_steps else None)
+    stash = None
+    if keep_steps:
+        stash = (space[1] if space is not None else
+                 torch.empty(num_seqs, conv_dim, kernel - 1 + max_rows, dtype=conv_pool.dtype, device=mixed.device))
     block_c = 256
     _conv1d_update_kernel[(num_seqs, triton.cdiv(conv_dim, block_c))](
         mixed, conv_weight, conv_pool, slots, cu_seqlens, conv_out, stash if keep_steps else conv_out,
@@ -186,8 +190,10 @@ def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
         stash.stride(0) if keep_steps else 0, stash.stride(1) if keep_steps else 0,
         KERNEL=kernel, K_POW2=triton.next_power_of_2(kernel), KEEP=keep_steps, BLOCK_C=block_c, num_warps=4)
     out = torch.empty(num_rows, num_v_heads, v_dim, dtype=mixed.dtype, device=mixed.device)
-    steps = (torch.empty(num_seqs, max_rows, num_v_heads, k_dim, v_dim, dtype=ssm_pool.dtype, device=mixed.device)
-             if keep_steps else None)
+    steps = None
+    if keep_steps:
+        steps = (space[0] if space is not None else
+                 torch.empty(num_seqs, max_rows, num_v_heads, k_dim, v_dim, dtype=ssm_pool.dtype, device=mixed.device))
     bv = v_dim if norm is not None else block_v(num_seqs, num_v_heads, v_dim)
     norm_weight, z, eps = norm if norm is not None else (out, out, 0.0)
     if norm is not None:

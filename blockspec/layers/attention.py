@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,12 @@ class AttentionMetadata:
     Recurrent layers: the first num_prefill_seqs sequences are prefill chunks (chunked form, final
     state written); the others are decode / verify rows (keep_steps: the state after every row
     is stashed for StatePool.select, else written).
+
+    A graph's batch (engine/graphs.py) is padded to a bucket of N tokens and B sequences: padding
+    sequences have no rows, padding tokens (past query_start[B]) belong to no sequence. Under a
+    FULL graph the host knows no lengths (width 0, query_lens None): max_rows bounds them.
+    Under a PIECEWISE graph `pieces` runs the calls that read the host's lengths (`mixer`)
+    eagerly between the captured pieces.
     """
     num_seqs: int
     width: int
@@ -62,6 +68,8 @@ class AttentionMetadata:
     query_start: torch.Tensor | None = None               # [B + 1]; None: uniform, from width
     query_lens: list[int] | None = None                   # host copy (ragged batches)
     num_prefill_seqs: int = 0
+    max_rows: int = 0                                     # bound on each sequence's rows (lengths on the device only)
+    pieces: Any = None                                    # engine/graphs.py's Pieces under a piecewise graph
 
     @property
     def num_tokens(self) -> int:
@@ -69,11 +77,20 @@ class AttentionMetadata:
 
     @property
     def max_query_len(self) -> int:
+        if self.bounded:
+            return self.max_rows
         return self.width or max(self.query_lens, default=0)
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the host knows only a bound on the lengths (a FULL graph's decode / verify rows)."""
+        return not self.width and self.query_lens is None
 
     @property
     def lens(self) -> list[int]:
         """Query rows per sequence (host)."""
+        if self.bounded:
+            raise RuntimeError("a bounded batch's lengths live on the device only")
         return [self.width] * self.num_seqs if self.width else self.query_lens
 
     @property
@@ -119,7 +136,8 @@ def padded_rows(meta: AttentionMetadata, first: int = 0, last: int | None = None
     """Sequences first … last − 1 as a rectangle [b, rows]: (flat token index, valid). Rows past a
     sequence's length repeat its first token (a visible key exists for every padded query)."""
     last = meta.num_seqs if last is None else last
-    rows = max(meta.lens[first:last], default=0) if rows is None else rows
+    if rows is None:
+        rows = meta.max_rows if meta.bounded else max(meta.lens[first:last], default=0)
 
     def make():
         starts = meta.starts
@@ -145,6 +163,10 @@ def from_padded(y: torch.Tensor, meta: AttentionMetadata, first: int = 0, last: 
     last = meta.num_seqs if last is None else last
     if meta.width and first == 0 and last == meta.num_seqs:
         return y.reshape(-1, *y.shape[2:])
+    if meta.bounded:
+        # Every token, padding ones included (they take some row of the last sequence: unread).
+        seq, row = token_rows(meta)
+        return y[seq, row.clamp(0, y.shape[1] - 1)]
     lens = meta.lens
     begin, end = sum(lens[:first]), sum(lens[:last])
     seq, row = token_rows(meta)
@@ -186,7 +208,7 @@ def _triton_available() -> bool:
 def uses_kernels(device: torch.device) -> bool:
     """Whether paged attention on this device runs the Triton kernels: on CUDA when Triton
     imports, unless BLOCKSPEC_ATTENTION=reference. They read each sequence's live length only,
-    so graphs need no key bucket (engine/cuda_graphs.py)."""
+    so graphs need no key bucket (engine/graphs.py)."""
     return (device.type == "cuda" and os.environ.get("BLOCKSPEC_ATTENTION", "") != "reference"
             and _triton_available())
 
@@ -226,6 +248,30 @@ def reference_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
                                          scale=scale, enable_gqa=q.shape[1] != keys.shape[2])
     return from_padded(out.transpose(1, 2).reshape(num_seqs, q.shape[2], -1), meta)
+
+
+def mixer(meta: AttentionMetadata, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+    """fn(meta, *inputs) → [N, …]: a token mixer's core over the ragged sequences (attention,
+    Gated DeltaNet), the part of a layer that reads the batch's lengths on the host. Under a
+    piecewise graph it runs eagerly between the captured pieces (engine/graphs.py)."""
+    if meta.pieces is not None:
+        return meta.pieces.call(fn, meta, inputs)
+    return padding_zeroed(fn(meta, *inputs), meta, inputs[0].shape[0])
+
+
+def padding_zeroed(x: torch.Tensor, meta: AttentionMetadata, num_rows: int) -> torch.Tensor:
+    """x [≤ num_rows, …] → [num_rows, …] with the rows past the sequences' own (a bucket's padding
+    tokens, which no kernel program writes) zero: whatever memory they held never reaches the
+    pages they store K/V in (page 0, which the reference gathers masked: 0 · NaN is NaN)."""
+    if meta.bounded:
+        valid = shared(meta, "real_tokens", lambda: torch.arange(num_rows, device=x.device) < meta.starts[-1])
+        return x.masked_fill(~valid.view(-1, *[1] * (x.dim() - 1)), 0)
+    real = meta.num_tokens
+    if x.shape[0] < num_rows:
+        return torch.cat((x[:real], x.new_zeros(num_rows - real, *x.shape[1:])))
+    if real < num_rows:
+        x[real:] = 0
+    return x
 
 
 def shared(meta: AttentionMetadata, key: Any, make) -> torch.Tensor:
@@ -325,5 +371,9 @@ class Attention(nn.Module):
         """Causal self-attention of a target layer: write the new K/V, attend over the pool."""
         k_pool, v_pool = meta.kv[self.cache_index]
         q, _, _, gate = self.project(x, rope, (k_pool, v_pool, meta.slot_mapping))
-        attn = paged_attention(q, k_pool, v_pool, meta, meta.context_lens, self.scale, is_causal=True)
-        return self.output(attn, gate)
+        return self.output(mixer(meta, self.attend, q), gate)
+
+    def attend(self, meta: AttentionMetadata, q: torch.Tensor) -> torch.Tensor:
+        """q [N, H, D] → [N, H·D] over this layer's pool (the new K/V already stored)."""
+        k_pool, v_pool = meta.kv[self.cache_index]
+        return paged_attention(q, k_pool, v_pool, meta, meta.context_lens, self.scale, is_causal=True)

@@ -241,10 +241,11 @@ def gdn_rows_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, 
     from blockspec.kernels import gdn
     index = layer.state_index
     fuse_norm = FUSE_NORM and mixed.shape[0] <= FUSE_NORM_MAX_ROWS
+    space = states.space_for(index, slots.shape[0], max_rows) if keep_steps else None
     out, steps, conv_inputs = gdn.gdn_step(
         mixed, a, b, layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index], states.ssm[index],
         slots, cu_seqlens, max_rows, layer.num_k_heads, layer.k_dim, keep_steps,
-        (layer.norm.weight, z, layer.norm.eps) if fuse_norm else None)
+        (layer.norm.weight, z, layer.norm.eps) if fuse_norm else None, space)
     if keep_steps:
         states.stash(index, steps, conv_inputs)
     return out if fuse_norm else layer.norm(out, z)

@@ -26,7 +26,7 @@ from torch import nn
 from blockspec.cache.state_pool import RecurrentShape
 from blockspec.config import ConfigError, ModelConfig, eos_ids
 from blockspec.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding
-from blockspec.layers.attention import from_padded, padded_rows, to_padded
+from blockspec.layers.attention import from_padded, mixer, padded_rows, to_padded
 from blockspec.layers.common import FusedLinear, join_fused_parts
 from blockspec.layers.moe import make_mlp
 from blockspec.models.base import CausalLM, PreNormLayer
@@ -176,36 +176,45 @@ class GatedDeltaNet(nn.Module):
         return F.silu(out).transpose(1, 2), conv_inputs
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """x [N, hidden]: the flat ragged batch, each sequence continuing the state in its slot.
-        Prefill chunks (the first meta.num_prefill_seqs sequences) and decode / verify rows (the
-        rest) run as two groups, each padded to its longest sequence: padding rows come after a
-        sequence's real ones and are made inert (β = 0 writes nothing, g = 0 decays nothing), so
-        every state is exactly the one after the sequence's own last row."""
+        """x [N, hidden]: the flat ragged batch, each sequence continuing the state in its slot."""
         mixed, z, b, a = self.project(x[None])
-        mixed, z, b, a = mixed[0], z[0], b[0], a[0]                            # [N, ·]
+        out = mixer(meta, self.mix_rows, mixed[0], z[0], b[0], a[0])          # [N, Hv, Dv], normed
+        return self.out_proj(out.flatten(1))
+
+    def mix_rows(self, meta: AttentionMetadata, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor,
+                 a: torch.Tensor) -> torch.Tensor:
+        """Conv + delta rule + gated norm of the projected rows [N, ·] → [rows, Hv, Dv]. Prefill
+        chunks (the first meta.num_prefill_seqs sequences) and decode / verify rows (the rest)
+        run as two groups, each padded to its longest sequence: padding rows come after a
+        sequence's real ones and are made inert (β = 0 writes nothing, g = 0 decays nothing), so
+        every state is exactly the one after the sequence's own last row. A bounded batch (a
+        FULL graph's) is one decode / verify group over every row, max_rows long at most."""
         parts = []
         split = meta.num_prefill_seqs
-        lens = meta.lens
         for first, last, stash in ((0, split, False), (split, meta.num_seqs, meta.keep_steps)):
-            if last > first:
-                rows = slice(sum(lens[:first]), sum(lens[:last]))
-                if first < split or not step_kernel_fits(x, max(lens[first:last])):
-                    out = self.run_group(meta, first, last, stash, mixed, b, a)
-                    parts.append(self.norm(out, z[rows]))
-                    continue
-                # CUDA decode / verify rows: kernels/gdn.py, conv + delta rule + gated norm in place
-                starts = meta.starts[first:last + 1]
-                parts.append(gdn_rows_step(self, mixed[rows], b[rows], a[rows], z[rows], meta.states,
-                                           meta.state_slots[first:last], (starts - starts[0]).to(torch.int32),
-                                           max(lens[first:last]), stash))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)               # [N, Hv, Dv], normed
-        return self.out_proj(out.flatten(1))
+            if last <= first:
+                continue
+            if meta.bounded:
+                rows, max_rows = slice(0, mixed.shape[0]), meta.max_rows
+            else:
+                lens = meta.lens
+                rows, max_rows = slice(sum(lens[:first]), sum(lens[:last])), max(lens[first:last])
+            if first < split or not step_kernel_fits(mixed, max_rows):
+                out = self.run_group(meta, first, last, stash, mixed, b, a)
+                parts.append(self.norm(out, z[rows]))
+                continue
+            # CUDA decode / verify rows: kernels/gdn.py, conv + delta rule + gated norm in place
+            starts = meta.starts[first:last + 1]
+            parts.append(gdn_rows_step(self, mixed[rows], b[rows], a[rows], z[rows], meta.states,
+                                       meta.state_slots[first:last], (starts - starts[0]).to(torch.int32),
+                                       max_rows, stash))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def run_group(self, meta: AttentionMetadata, first: int, last: int, stash: bool, mixed: torch.Tensor,
                   b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """Sequences first … last − 1 → their output rows [n, Hv, Dv] in token order."""
-        lens = meta.lens[first:last]
-        num_tokens = max(lens)
+        lens = None if meta.bounded else meta.lens[first:last]
+        num_tokens = meta.max_rows if lens is None else max(lens)
         slots = meta.state_slots[first:last]
         mixed, b, a = (to_padded(t, meta, first, last) for t in (mixed, b, a))  # [B, T, ·]
         batch = mixed.shape[0]
@@ -218,7 +227,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         dtype = state_dtype(a.dtype)
         g = -self.A_log.to(dtype).exp() * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))  # log decay ≤ 0
-        uniform = all(n == num_tokens for n in lens)
+        uniform = lens is not None and all(n == num_tokens for n in lens)
         if not uniform:
             valid = padded_rows(meta, first, last)[1][..., None]                           # [B, T, 1]
             beta, g = beta * valid, g * valid
@@ -231,7 +240,13 @@ class GatedDeltaNet(nn.Module):
                 out, state, _ = kernels.recurrent(q, k, v, g, beta, initial, False)
             else:
                 out, state = kernels.chunk(q, k, v, g, beta, initial)
-            meta.states.write(self.state_index, slots, conv_inputs, state, None if uniform else lens)
+            if uniform:
+                lengths = None
+            elif lens is None:
+                lengths = meta.starts[first + 1:last + 1] - meta.starts[first:last]
+            else:
+                lengths = lens
+            meta.states.write(self.state_index, slots, conv_inputs, state, lengths)
         return from_padded(out, meta, first, last)
 
 

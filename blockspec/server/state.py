@@ -160,6 +160,7 @@ class ServerState:
             if self.on_load_error is not None:
                 self.on_load_error(exc)
             return
+        warm_grammars(llm)
         self.llm = llm
         if self.on_loaded is not None:
             self.on_loaded(llm)
@@ -230,3 +231,18 @@ def memory_info() -> dict[str, int]:
         info["cuda_allocated_bytes"] = int(torch.cuda.memory_allocated())
         info["cuda_reserved_bytes"] = int(torch.cuda.memory_reserved())
     return info
+
+
+def warm_grammars(llm: EngineHandle) -> None:
+    """The grammar compiler (the tokenizer's whole vocabulary for xgrammar) and the json_object
+    grammar built before the server is ready, so the first structured request is as fast as the
+    tenth; a handle without a tokenizer (a scripted engine) or without xgrammar has none to warm."""
+    tokenizer, vocab_size = getattr(llm, "tokenizer", None), getattr(llm, "vocab_size", None)
+    if tokenizer is None or vocab_size is None or getattr(tokenizer, "backend", None) is None:
+        return
+    from blockspec import structured
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return
+    structured.compile_grammar(structured.grammar_compiler(tokenizer, vocab_size), structured.GrammarSpec("json_object"))

@@ -45,13 +45,14 @@ def test_cuda_graphs_equal_eager_for_batches(qwen3_dir, qwen3_draft_dir):
     alone = [run(eager, [p])[0] for p in PROMPTS]
     assert run(eager, PROMPTS) == alone
     graphed = LLM(str(qwen3_dir), device="cuda", dtype="float32", show_progress=False)
-    assert graphed.engine.runner.graphs is not None
+    assert graphed.engine.runner.graphs.capture
     assert run(graphed, PROMPTS) == alone
     for block_size in (2, 4, 16):
         spec = LLM(str(qwen3_dir), draft=str(qwen3_draft_dir), block_size=block_size, device="cuda",
                    dtype="float32", show_progress=False)
         assert run(spec, PROMPTS) == alone, block_size
-        assert any(len(batch.graphs) == 2 for batch in spec.engine.runner.graphs.batches.values())
+        assert any(kind == "propose" and static.graph is not None
+                   for (kind, _, _), static in spec.engine.runner.graphs.full.items())
 
 
 def test_hybrid_graphs_equal_eager(tmp_path):
@@ -88,6 +89,7 @@ def test_dflash2_graphs_equal_eager(qwen3_dir, tmp_path):
         spec = LLM(str(qwen3_dir), draft=str(draft_dir), block_size=block_size, device="cuda", dtype="float32",
                    show_progress=False)
         assert run(spec, PROMPTS) == alone, block_size
-        assert any(len(batch.graphs) == 2 for batch in spec.engine.runner.graphs.batches.values())
+        assert any(kind == "propose" and static.graph is not None
+                   for (kind, _, _), static in spec.engine.runner.graphs.full.items())
     sampled = spec.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.8, seed=3))
     assert all(r.token_ids for r in sampled)

@@ -28,8 +28,9 @@ def requests():
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_graphs_captured_at_startup_equal_the_eager_ragged_step(pair, block_size):
-    """Two requests decode, three arrive (mixed steps: eager), then decode-only steps replay the
-    graphs captured at startup: every output and acceptance length equals the eager engine's."""
+    """Two requests decode, three arrive (mixed steps: PIECEWISE graphs), then decode-only steps
+    replay the FULL graphs captured at startup: every output and acceptance length equals the
+    eager engine's."""
     target, draft = pair
     drafter = draft if block_size > 1 else None
 
@@ -41,19 +42,21 @@ def test_graphs_captured_at_startup_equal_the_eager_ragged_step(pair, block_size
 
     def build() -> Engine:
         engine = Engine(target, drafter, config(True))
-        assert engine.runner.graphs is not None and engine.runner.graphs.batches      # captured at startup
-        shapes.update(engine.runner.graphs.batches)
-        real = engine.runner.graphed_decode
+        graphs = engine.runner.graphs
+        assert graphs.capture and graphs.full and graphs.piecewise          # captured at startup
+        shapes.update(graphs.full)
+        real = graphs.run_full
 
-        def counted(decode):
-            graphed_steps[0] += 1
-            return real(decode)
-        engine.runner.graphed_decode = counted
+        def counted(kind, *args):
+            graphed_steps[0] += kind == "verify"
+            return real(kind, *args)
+        graphs.run_full = counted
         return engine
     engine, graphed = run_batch(build, requests()[:2], arrivals={2: requests()[2:]})
-    assert {rows for rows, _ in shapes} == {1, 2, 4, 8}
-    assert set(engine.runner.graphs.batches) == shapes                 # nothing captured while serving
-    assert all(len(batch.graphs) == (2 if drafter else 1) for batch in engine.runner.graphs.batches.values())
+    graphs = engine.runner.graphs
+    assert {desc.num_tokens for kind, desc, _ in shapes if kind == "verify"} == set(graphs.full_tokens)
+    assert set(graphs.full) == shapes                                  # nothing captured while serving
+    assert all(static.graph is not None for static in graphs.full.values())
     assert graphed_steps[0] > 5
     by_id = {run.request.request_id: run for run in eager}
     for run in graphed:

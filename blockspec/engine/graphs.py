@@ -1,0 +1,370 @@
+"""The graph dispatcher: which graph serves a step, chosen from its batch descriptor.
+
+The host launches kernels far slower than an H200 runs them (an eager Qwen3-8B forward is ~400
+launches, tens of milliseconds of Python), so every forward a step can make replays a CUDA graph
+captured at startup. A step is described by its padded shape (`BatchDescriptor`: tokens,
+sequences, whether it carries prefill chunks) and served by one of three modes:
+
+- FULL: a step of decode and verify rows only, of any ragged mix of widths 1 … block. One graph
+  per token bucket, with min(tokens, max_num_seqs) sequence slots. The attention and Gated
+  DeltaNet step kernels read query_start on the device, so their grids are sized for the bucket
+  (max_rows = the block) and programs past a sequence's rows exit; padding sequences have no
+  rows, padding tokens belong to no sequence, store their K/V in page 0 (nobody's) and come out
+  of every token mixer zero (layers/attention.py: padding_zeroed). The host knows no lengths
+  under it (AttentionMetadata.bounded). The draft's propose over the drafting sequences' blocks
+  is FULL too, one graph per sequence bucket.
+- PIECEWISE: a step with prefill chunks, up to max_num_batched_tokens tokens. Everything between
+  the token mixers' cores (attention, Gated DeltaNet: `layers.attention.mixer`) is captured per
+  token bucket; those cores run eagerly between the pieces, on the step's own metadata (host
+  lengths, chunked kernels), from and into the pieces' static tensors.
+- EAGER: beyond the buckets (or graphs off): exact shapes, no padding.
+
+Graphs read static buffers: a FULL graph one packed metadata tensor (one host→device copy per
+forward fills it), a PIECEWISE graph the step's token rows (ids, positions, slots). With
+capture=False the same padded shapes run eagerly: CPU tests hold that path to the eager one,
+and a replay adds nothing to it but the replay. padded=False: every step eager, exact shapes.
+
+The torch reference attention (CPU, BLOCKSPEC_ATTENTION=reference, a sliding-window draft layer)
+gathers a fixed number of keys per sequence, so with it FULL graphs are also keyed by a key
+bucket (the live length rounded up to a power of two, at least MIN_KEYS) and captured on first
+use; the Triton kernels read each live length on the device, and one graph serves every length.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from blockspec.layers import AttentionMetadata
+from blockspec.layers.attention import padding_zeroed, unpack
+
+MIN_KEYS = 256
+FULL, PIECEWISE, EAGER = "full", "piecewise", "eager"
+# A hybrid target's verify stashes the recurrent state after every row (2 MiB a row and layer at
+# Qwen3.5's shapes) into one space all its FULL graphs share: its FULL graphs stop at this many
+# tokens, with ⌈tokens / block⌉ sequence slots; larger decode steps take the PIECEWISE graphs.
+STASHING_FULL_TOKENS = 256
+
+
+def bucket(num: int, sizes: list[int]) -> int | None:
+    """The smallest size ≥ num; None above the largest (the step runs eagerly)."""
+    return next((size for size in sizes if size >= num), None)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Sequence buckets: 1, 2, 4, 8, multiples of 16, and max_num_seqs itself (the largest)."""
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
+    return sorted({min(size, max_num_seqs) for size in sizes})
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Token buckets: 1, 2, 4, 8, multiples of 16 to 256 (where a forward's cost is flat), of 64
+    to 1024, of 128 beyond, and max_tokens itself: past 256 tokens a padded step computes at most
+    a quarter more rows than its own."""
+    sizes = ([1, 2, 4, 8] + list(range(16, 256, 16)) + list(range(256, 1024, 64))
+             + list(range(1024, max_tokens + 128, 128)))
+    return sorted({min(size, max_tokens) for size in sizes})
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """A step's forward as a graph sees it: padded tokens and sequences, and whether it carries
+    prefill chunks."""
+    num_tokens: int
+    num_seqs: int
+    has_prefill: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one forward runs: its mode, its padded shape, and the shape of its metadata (block-table
+    columns, the keys the reference gathers; bounded: lengths on the device only)."""
+    mode: str
+    desc: BatchDescriptor
+    cols: int
+    keys: int
+
+    @property
+    def bounded(self) -> bool:
+        return self.mode == FULL
+
+
+@dataclass
+class FullGraph:
+    """One FULL graph's static metadata (its packed buffer, filled by one copy per forward), the
+    graph and its output. Every tensor a graph touches stays referenced here: a freed buffer
+    would hand its memory to someone else while the graph still uses it."""
+    meta: AttentionMetadata
+    padding: torch.Tensor                    # the packed buffer of a batch with padding rows only
+    graph: torch.cuda.CUDAGraph | None = None
+    output: Any = None
+    stashed: list | None = None              # recurrent per-step states the graph writes (verify)
+
+
+class Pieces:
+    """A PIECEWISE graph: graphs[i] runs the forward up to its i-th mixer call, calls[i] is that
+    call (fn, its input tensors, its static output), the last graph runs the rest. A call's
+    output is read by the next piece alone, so every call of every piecewise graph writes the
+    same scratch rows (one buffer per row shape): 36 layers × 40 buckets of their own would
+    hold gigabytes."""
+
+    def __init__(self, pool, scratch: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.pool, self.scratch = pool, scratch
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.calls: list[tuple[Callable, tuple[torch.Tensor, ...], torch.Tensor]] = []
+        self.output: Any = None
+
+    def begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        self.graphs.append(graph)
+
+    def call(self, fn: Callable, meta: AttentionMetadata, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """While capturing: the piece so far ends, fn runs eagerly (on inputs nothing has computed
+        yet: its output only fixes a static tensor) and the next piece begins."""
+        self.graphs[-1].capture_end()
+        result = padding_zeroed(fn(dataclasses.replace(meta, pieces=None), *inputs), meta, inputs[0].shape[0])
+        out = self.scratch(result)
+        out.copy_(result)
+        self.calls.append((fn, inputs, out))
+        self.begin()
+        return out
+
+    def replay(self, meta: AttentionMetadata) -> Any:
+        for i, graph in enumerate(self.graphs):
+            graph.replay()
+            if i < len(self.calls):
+                fn, inputs, out = self.calls[i]
+                out.copy_(padding_zeroed(fn(meta, *inputs), meta, inputs[0].shape[0]))
+        return self.output
+
+
+@dataclass
+class PiecewiseGraph:
+    tokens: torch.Tensor                     # [3 · N] static input ids | positions | slot mapping
+    pieces: Pieces | None = None
+
+
+class GraphDispatcher:
+    """Owns the buckets, the static buffers and the graphs of a runner's forwards; the runner
+    builds metadata in the shape a Plan says and hands its forwards (fn(meta) → output) here."""
+
+    def __init__(self, width: int, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int,
+                 page_size: int, device: torch.device, capture: bool, padded: bool = True,
+                 bucket_keys: bool = True, stashing: bool = False) -> None:
+        self.width, self.page_size, self.device = width, page_size, device
+        self.pages_per_seq = pages_per_seq
+        self.capture, self.padded, self.bucket_keys = capture, padded, bucket_keys
+        self.max_num_seqs, self.stashing = max_num_seqs, stashing
+        self.max_draft_seqs = max(1, min(max_num_seqs, max_num_batched_tokens // width))
+        self.draft_sizes = capture_sizes(self.max_draft_seqs)
+        max_full = min(max_num_seqs * width, max_num_batched_tokens)
+        self.full_tokens = token_buckets(min(max_full, STASHING_FULL_TOKENS) if stashing else max_full)
+        self.piecewise_tokens = token_buckets(max_num_batched_tokens)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.full: dict[tuple[str, BatchDescriptor, int], FullGraph] = {}
+        self.piecewise: dict[int, PiecewiseGraph] = {}
+        self.scratch: dict[tuple, torch.Tensor] = {}          # a mixer call's output rows, by row shape
+        self.costs: dict[str, dict[int, float]] | None = None
+        # The runner's forward of one bucket on padding rows: probe(kind, size), kind "verify"
+        # (size tokens, logits of every row) or "propose" (size blocks); None without a draft.
+        self.probe: Callable[[str, int], Any] | None = None
+        self.has_draft = False
+
+    # -- plans ------------------------------------------------------------------------------
+
+    def plan(self, num_tokens: int, num_seqs: int, has_prefill: bool, live_keys: int, cols: int) -> Plan:
+        """The target forward of a step: FULL for decode / verify rows within the token buckets,
+        PIECEWISE for prefill within the token budget, else EAGER (exact shapes)."""
+        if self.padded and not has_prefill:
+            for tokens in self.full_tokens:
+                if tokens >= num_tokens and self.seq_slots(tokens) >= num_seqs:
+                    desc = BatchDescriptor(tokens, self.seq_slots(tokens), False)
+                    return Plan(FULL, desc, self.pages_per_seq, self.keys(live_keys))
+        if self.padded and has_prefill:
+            tokens = bucket(num_tokens, self.piecewise_tokens)
+            if tokens is not None:
+                return Plan(PIECEWISE, BatchDescriptor(tokens, num_seqs, True), cols, live_keys)
+        return Plan(EAGER, BatchDescriptor(num_tokens, num_seqs, has_prefill), cols, live_keys)
+
+    def seq_slots(self, num_tokens: int) -> int:
+        """Sequence slots of a FULL graph of num_tokens: one per token (any ragged mix of widths),
+        or for a stashing target one per block (its stash space is slots × block rows)."""
+        slots = -(-num_tokens // self.width) if self.stashing else num_tokens
+        return min(slots, self.max_num_seqs)
+
+    def plan_draft(self, num_seqs: int, live_keys: int, cols: int) -> Plan:
+        """The draft's propose over num_seqs blocks of the full width: FULL per sequence bucket."""
+        seqs = bucket(num_seqs, self.draft_sizes) if self.padded else None
+        if seqs is None:
+            return Plan(EAGER, BatchDescriptor(num_seqs * self.width, num_seqs, False), cols, live_keys)
+        return Plan(FULL, BatchDescriptor(seqs * self.width, seqs, False), self.pages_per_seq, self.keys(live_keys))
+
+    def keys(self, live_keys: int) -> int:
+        """Keys per sequence the reference gathers under a graph: a power-of-two bucket of the live
+        length, or the pool's capacity where the kernels read the live length themselves."""
+        max_keys = self.pages_per_seq * self.page_size
+        if not self.bucket_keys:
+            return max_keys
+        keys = MIN_KEYS
+        while keys < live_keys:
+            keys *= 2
+        return min(keys, max_keys)
+
+    # -- running ----------------------------------------------------------------------------
+
+    def run(self, kind: str, plan: Plan, fn: Callable[[AttentionMetadata], Any], meta: AttentionMetadata,
+            prepare: Callable[[AttentionMetadata], None]) -> Any:
+        """fn(meta) as the plan says. kind names the forward ("verify", "propose"); prepare(m)
+        fills what a graph derives on the device (positions, slots) from the copied metadata."""
+        if plan.mode == FULL:
+            return self.run_full(kind, plan, fn, meta, prepare)
+        prepare(meta)
+        if plan.mode == PIECEWISE:
+            return self.run_piecewise(plan, fn, meta)
+        return fn(meta)
+
+    def run_full(self, kind: str, plan: Plan, fn: Callable, meta: AttentionMetadata,
+                 prepare: Callable[[AttentionMetadata], None]) -> Any:
+        key = (kind, plan.desc, plan.keys)
+        static = self.full.get(key)
+        if static is None:
+            static = self.full[key] = self.make_full(meta)
+        static.meta.packed.copy_(meta.packed)
+
+        def graphed(m: AttentionMetadata) -> Any:
+            # Everything a graph reads is made inside it: a tensor cached in m.shared by an
+            # earlier warm-up or graph would be freed by the next forward while this graph
+            # still reads it.
+            m.shared.clear()
+            prepare(m)
+            return fn(m)
+        if not self.capture:
+            return graphed(static.meta)
+        if static.graph is None:
+            self.record_full(static, graphed)
+        static.graph.replay()
+        if static.stashed is not None:
+            meta.states.stashed = list(static.stashed)
+        return static.output
+
+    def make_full(self, meta: AttentionMetadata) -> FullGraph:
+        packed = torch.zeros_like(meta.packed)
+        num_tokens = meta.input_ids.shape[0]
+        views = unpack(packed, meta.num_seqs, num_tokens, meta.block_tables.shape[1])
+        if meta.state_slots is None:
+            views["state_slots"] = None
+        static_meta = dataclasses.replace(meta, **views, packed=packed, shared={})
+        # Padding only: every sequence without rows, every token at page 0, state slot 0.
+        return FullGraph(static_meta, torch.zeros_like(packed))
+
+    def record_full(self, static: FullGraph, fn: Callable) -> None:
+        """Warm up and capture on padding-only inputs (touching nobody's pages or state), then put
+        the batch back."""
+        batch = static.meta.packed.clone()
+        static.meta.packed.copy_(static.padding)
+        self.warm(lambda: fn(static.meta))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static.output = fn(static.meta)
+        static.graph = graph
+        if static.meta.states is not None and any(s is not None for s in static.meta.states.stashed):
+            static.stashed = list(static.meta.states.stashed)
+        static.meta.packed.copy_(batch)
+
+    def run_piecewise(self, plan: Plan, fn: Callable, meta: AttentionMetadata) -> Any:
+        num_tokens = plan.desc.num_tokens
+        static = self.piecewise.get(num_tokens)
+        if static is None or not self.capture:
+            return fn(meta)                   # captured at startup only (capture_piecewise)
+        static.tokens.copy_(meta.packed[: 3 * num_tokens])
+        meta.shared.clear()
+        return static.pieces.replay(meta)
+
+    def capture_piecewise(self, num_tokens: int, fn: Callable, meta: AttentionMetadata) -> None:
+        """Capture the pieces of fn on meta, a batch of num_tokens padding tokens of this bucket
+        (its token rows become the graph's static inputs)."""
+        static = PiecewiseGraph(meta.packed[: 3 * num_tokens])
+        self.warm(lambda: fn(meta))
+        pieces = Pieces(self.pool, self.scratch_rows)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.stream(stream):
+            pieces.begin()
+            pieces.output = fn(dataclasses.replace(meta, pieces=pieces, shared={}))
+            pieces.graphs[-1].capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        static.pieces = pieces
+        self.piecewise[num_tokens] = static
+
+    def scratch_rows(self, like: torch.Tensor) -> torch.Tensor:
+        """The shared rows a mixer call of a piecewise graph writes, shaped like `like`."""
+        key = (tuple(like.shape[1:]), like.dtype)
+        if key not in self.scratch:
+            self.scratch[key] = torch.empty(self.piecewise_tokens[-1], *like.shape[1:], dtype=like.dtype,
+                                            device=like.device)
+        return self.scratch[key][: like.shape[0]]
+
+    def warm(self, once: Callable[[], Any]) -> None:
+        """Two eager runs on a side stream (Triton compiles and autotunes, cuBLAS picks its
+        kernels) before a capture."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                once()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    @torch.inference_mode()
+    def measure_costs(self, repeat: int = 3) -> dict[str, dict[int, float]]:
+        """Milliseconds of one verify forward per FULL token bucket and of one draft propose per
+        draft sequence bucket, {"verify": {tokens: ms}, "draft": {seqs: ms}}, each the median of
+        `repeat` runs after a warm one, through the path a step of that shape takes (its graph's
+        replay), on padding rows; monotone in the bucket. Measured once (cached in .costs)."""
+        if self.costs is not None:
+            return self.costs
+        def median_ms(kind: str, size: int) -> float:
+            self.probe(kind, size)
+            times = []
+            for _ in range(repeat):
+                sync(self.device)
+                start = time.perf_counter()
+                self.probe(kind, size)
+                sync(self.device)
+                times.append((time.perf_counter() - start) * 1e3)
+            return sorted(times)[len(times) // 2]
+        verify = [median_ms("verify", size) for size in self.full_tokens]
+        draft = [median_ms("propose", size) for size in self.draft_sizes] if self.has_draft else []
+        self.costs = {"verify": dict(zip(self.full_tokens, monotone(verify))),
+                      "draft": dict(zip(self.draft_sizes, monotone(draft)))}
+        return self.costs
+
+    @property
+    def num_graphs(self) -> int:
+        return (sum(static.graph is not None for static in self.full.values())
+                + sum(len(static.pieces.graphs) for static in self.piecewise.values() if static.pieces))
+
+    def describe(self) -> str:
+        """The startup log's line: which buckets each mode serves."""
+        return (f"FULL {len(self.full_tokens)} token buckets ≤ {self.full_tokens[-1]} "
+                f"({self.seq_slots(self.full_tokens[-1])} sequences), drafts {len(self.draft_sizes)} "
+                f"sequence buckets ≤ {self.draft_sizes[-1]}, PIECEWISE {len(self.piecewise_tokens)} token buckets "
+                f"≤ {self.piecewise_tokens[-1]}, EAGER beyond")
+
+
+def monotone(values: list[float]) -> list[float]:
+    """More rows never cost less: measurement noise must not make a policy chase it."""
+    out, best = [], 0.0
+    for value in values:
+        best = max(best, value)
+        out.append(best)
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
