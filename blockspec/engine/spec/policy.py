@@ -31,10 +31,12 @@ Everything here is host arithmetic on small tensors: no model, no device.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
+import numpy as np
 import torch
 
 NUM_BINS = 10                       # confidence bins on [0, 1]
@@ -82,15 +84,41 @@ class CostTable:
             if len(xs) != len(ys) or not xs or list(xs) != sorted(set(xs)):
                 raise ValueError("a cost table needs strictly increasing points, one time each")
 
-    def target(self, rows: torch.Tensor | int) -> torch.Tensor:
-        return self.lookup(torch.as_tensor(rows, dtype=torch.float64), self.target_rows, self.target_ms)
+    def target(self, rows: np.ndarray | int) -> np.ndarray:
+        return self.lookup("target", np.asarray(rows, dtype=np.float64))
 
-    def draft(self, batch: torch.Tensor | int) -> torch.Tensor:
-        batch = torch.as_tensor(batch, dtype=torch.float64)
-        return torch.where(batch > 0, self.lookup(batch, self.draft_batch, self.draft_ms), 0.0)
+    def draft(self, batch: np.ndarray | int) -> np.ndarray:
+        batch = np.asarray(batch, dtype=np.float64)
+        return np.where(batch > 0, self.lookup("draft", batch), 0.0)
 
-    def lookup(self, x: torch.Tensor, xs: Seq[int], ys: Seq[float]) -> torch.Tensor:
-        return interpolate(pad_to(x, xs) if self.padded else x, xs, ys)
+    def target_ms_of(self, rows: int) -> float:
+        return self.scalar("target", rows)
+
+    def draft_ms_of(self, batch: int) -> float:
+        return self.scalar("draft", batch) if batch > 0 else 0.0
+
+    @functools.cached_property
+    def dense(self) -> dict[str, tuple[np.ndarray, list[float], float]]:
+        """Every integer size up to the last point priced once (the policy asks every step, and a
+        lookup is then one gather; numpy, whose per-call cost on these small arrays is a fraction
+        of torch's): values, the same as floats, and the slope beyond."""
+        out = {}
+        for name, xs, ys in (("target", self.target_rows, self.target_ms), ("draft", self.draft_batch, self.draft_ms)):
+            sizes = torch.arange(xs[-1] + 1, dtype=torch.float64)
+            values = interpolate(pad_to(sizes, xs) if self.padded else sizes, xs, ys)
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+            out[name] = (values.numpy(), values.tolist(), slope)
+        return out
+
+    def lookup(self, name: str, x: np.ndarray) -> np.ndarray:
+        values, _, slope = self.dense[name]
+        last = len(values) - 1
+        return np.where(x > last, values[last] + slope * (x - last), values[np.clip(x.astype(np.int64), 0, last)])
+
+    def scalar(self, name: str, x: int) -> float:
+        _, values, slope = self.dense[name]
+        last = len(values) - 1
+        return values[last] + slope * (x - last) if x > last else values[max(0, x)]
 
     @staticmethod
     def analytic(flat_rows: int, ms_flat: float, ms_per_row: float, draft_ms: float,
@@ -155,36 +183,36 @@ def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, floors: Seq[
     num_seqs, num_slots = probs.shape
     if num_seqs == 0:
         return Allocation([], 0.0, 0.0)
-    caps_t = torch.tensor(list(caps), dtype=torch.long).clamp(0, num_slots)
-    floors_t = torch.zeros(num_seqs, dtype=torch.long) if floors is None else \
-        torch.minimum(torch.tensor(list(floors), dtype=torch.long), caps_t)
-    slot = torch.arange(num_slots)
-    survival = probs.double().clamp(0.0, 1.0).cumprod(1).masked_fill(slot[None] >= caps_t[:, None], -1.0)
+    # numpy: this runs every step on the host, on arrays of at most a few thousand entries.
+    p = probs.double().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs, dtype=np.float64)
+    caps_a = np.clip(np.asarray(caps, dtype=np.int64), 0, num_slots)
+    floors_a = np.zeros(num_seqs, dtype=np.int64) if floors is None else \
+        np.minimum(np.asarray(floors, dtype=np.int64), caps_a)
+    slot = np.arange(num_slots)
+    survival = np.where(slot[None] >= caps_a[:, None], -1.0, np.cumprod(np.clip(p, 0.0, 1.0), axis=1))
     # Forced slots first (+inf keeps their per-sequence order), then by survival; a stable sort
     # keeps k ascending within a sequence among equal scores.
-    forced = slot[None] < floors_t[:, None]
-    keys = survival.masked_fill(forced, math.inf).flatten()
-    order = torch.sort(keys, descending=True, stable=True).indices
+    forced = slot[None] < floors_a[:, None]
+    keys = np.where(forced, math.inf, survival).ravel()
+    order = np.argsort(-keys, kind="stable")
     order = order[keys[order] >= 0]                                       # past a cap: never
     num_forced = int(forced.sum())
-    taken = survival.flatten()[order]
-    tokens = num_seqs + torch.cat((torch.zeros(1, dtype=torch.float64), taken.cumsum(0)))
-    rows = num_seqs + torch.arange(len(order) + 1, dtype=torch.float64)
-    starts = (order % num_slots == 0).double()                            # a sequence's first slot: it drafts
-    drafting = torch.cat((torch.zeros(1, dtype=torch.float64), starts.cumsum(0)))
+    taken = survival.ravel()[order]
+    tokens = num_seqs + np.concatenate(([0.0], np.cumsum(taken)))
+    rows = num_seqs + np.arange(len(order) + 1, dtype=np.float64)
+    drafting = np.concatenate(([0.0], np.cumsum(order % num_slots == 0)))  # a sequence's first slot: it drafts
     ms = costs.target(rows) + costs.draft(drafting) + fixed_ms + per_token_ms * tokens
     rate = tokens / ms
     rate[:num_forced] = -math.inf                                         # the floors are not optional
-    best = int(torch.argmax(rate))
-    widths = torch.bincount(order[:best] // num_slots, minlength=num_seqs)
+    best = int(np.argmax(rate))
+    widths = np.bincount(order[:best] // num_slots, minlength=num_seqs)
     return Allocation(widths.tolist(), float(tokens[best]), float(ms[best]))
 
 
 def forwards_ms(costs: CostTable, widths: Seq[int]) -> float:
     """What the table says a decode step of these widths costs: the target over Σ (1 + k_b)
     tokens, the draft over the sequences with k_b > 0."""
-    rows = len(widths) + sum(widths)
-    return float(costs.target(rows)) + float(costs.draft(sum(1 for k in widths if k > 0)))
+    return costs.target_ms_of(len(widths) + sum(widths)) + costs.draft_ms_of(sum(1 for k in widths if k > 0))
 
 
 # ---- calibration ---------------------------------------------------------------------------
@@ -308,8 +336,8 @@ class Speculation:
         self.overhead_ms_per_seq = 0.0
         self.overhead_ms_per_token = 0.0
         self.forward_scale = 1.0            # measured step time ÷ the table's (fitted with the above)
-        self._xtx = torch.zeros(3, 3, dtype=torch.float64)
-        self._xty = torch.zeros(3, dtype=torch.float64)
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
 
     @property
     def adaptive(self) -> bool:
@@ -391,14 +419,14 @@ class Speculation:
         table's units (divided by the scale): maximising tokens per ms does not see the scale."""
         if not self.adaptive or not widths:
             return
-        x = torch.tensor([forwards_ms(self.costs, widths), float(len(widths)), float(num_tokens)], dtype=torch.float64)
-        self._xtx = HOST_WORK_MEMORY * self._xtx + torch.outer(x, x)
+        # numpy: a 3 × 3 solve every step, where torch's per-op overhead would cost more than the math.
+        x = np.array([forwards_ms(self.costs, widths), float(len(widths)), float(num_tokens)])
+        self._xtx = HOST_WORK_MEMORY * self._xtx + np.outer(x, x)
         self._xty = HOST_WORK_MEMORY * self._xty + x * (seconds * 1e3)
-        ridge = 1e-3 * float(self._xtx.trace()) / 3 + 1e-12
+        ridge = 1e-3 * float(np.trace(self._xtx)) / 3 + 1e-12
         # The prior: scale 1 (the table is right) until the steps say otherwise.
-        prior = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
-        theta = torch.linalg.solve(self._xtx + ridge * torch.eye(3, dtype=torch.float64),
-                                   self._xty + ridge * prior)
+        prior = np.array([1.0, 0.0, 0.0])
+        theta = np.linalg.solve(self._xtx + ridge * np.eye(3), self._xty + ridge * prior)
         scale = max(0.1, float(theta[0]))
         self.forward_scale = scale
         self.overhead_ms_per_seq = max(0.0, float(theta[1])) / scale
