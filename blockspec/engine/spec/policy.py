@@ -169,7 +169,7 @@ class Allocation:
         return any(self.widths)
 
 
-def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, floors: Seq[int] | None = None,
+def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable, floors: Seq[int] | None = None,
              fixed_ms: float = 0.0, per_token_ms: float = 0.0) -> Allocation:
     """probs [B, L] (predicted p of each draft slot), caps[b] ≤ L (the most drafts b may verify:
     its block, or fewer when max_tokens is near), floors[b] (drafts b must verify: a seeded
@@ -184,7 +184,7 @@ def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, floors: Seq[
     if num_seqs == 0:
         return Allocation([], 0.0, 0.0)
     # numpy: this runs every step on the host, on arrays of at most a few thousand entries.
-    p = probs.double().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs, dtype=np.float64)
+    p = probs.double().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs, dtype=np.float64)  # [B, L]
     caps_a = np.clip(np.asarray(caps, dtype=np.int64), 0, num_slots)
     floors_a = np.zeros(num_seqs, dtype=np.int64) if floors is None else \
         np.minimum(np.asarray(floors, dtype=np.int64), caps_a)
@@ -218,28 +218,28 @@ def forwards_ms(costs: CostTable, widths: Seq[int]) -> float:
 # ---- calibration ---------------------------------------------------------------------------
 
 NUM_GROUPS = 4
-BIN_CENTRES = (torch.arange(NUM_BINS, dtype=torch.float64) + 0.5) / NUM_BINS
+BIN_CENTRES = (np.arange(NUM_BINS, dtype=np.float64) + 0.5) / NUM_BINS
 
 
 class Calibration:
-    """P(accept | slot group, confidence bin), vectorised over the batch.
+    """P(accept | slot group, confidence bin), vectorised over the batch (numpy: it runs every
+    step on the host, on arrays of a few hundred entries).
 
     Engine-wide counts with a prior at the bin's centre (an uncalibrated draft is taken at its
     word until observed); each sequence (a row of the per-sequence tables, `rows` from
     Speculation) has its own decaying counts, shrunk toward the engine-wide estimate with
     PRIOR_STRENGTH pseudo-observations. `recent[row]` is the sequence's exponential average of
     its calibrated prefix products Π_{i ≤ j} p_i (an average of products, not a product of
-    averages: what the next cycle's expected tokens are), from which the draft decision is made
-    before the draft runs."""
+    averages: what the next cycle's expected tokens are), from which the next plan is made."""
 
     def __init__(self, num_slots: int, prior_strength: float = PRIOR_STRENGTH, capacity: int = 64) -> None:
         self.strength, self.num_slots = prior_strength, num_slots
-        self.engine_accepted = torch.zeros(NUM_GROUPS, NUM_BINS, dtype=torch.float64)
-        self.engine_seen = torch.zeros(NUM_GROUPS, NUM_BINS, dtype=torch.float64)
-        self.groups = torch.tensor([slot_group(i) for i in range(num_slots)])
-        self.accepted = torch.zeros(0, NUM_GROUPS, NUM_BINS, dtype=torch.float64)    # [rows, G, bins]
-        self.seen = torch.zeros_like(self.accepted)
-        self.recent = torch.zeros(0, num_slots, dtype=torch.float64)                 # [rows, L]
+        self.engine_accepted = np.zeros((NUM_GROUPS, NUM_BINS))
+        self.engine_seen = np.zeros((NUM_GROUPS, NUM_BINS))
+        self.groups = np.array([slot_group(i) for i in range(num_slots)], dtype=np.int64)
+        self.accepted = np.zeros((0, NUM_GROUPS, NUM_BINS))                          # [rows, G, bins]
+        self.seen = np.zeros_like(self.accepted)
+        self.recent = np.zeros((0, num_slots))                                         # [rows, L]
         self.grow(capacity)
 
     def grow(self, capacity: int) -> None:
@@ -248,62 +248,63 @@ class Calibration:
         if capacity <= have:
             return
         more = max(capacity, 2 * have) - have
-        self.accepted = torch.cat((self.accepted, self.accepted.new_zeros(more, NUM_GROUPS, NUM_BINS)))
-        self.seen = torch.cat((self.seen, self.seen.new_zeros(more, NUM_GROUPS, NUM_BINS)))
-        self.recent = torch.cat((self.recent, self.recent.new_full((more, self.num_slots), math.nan)))
+        self.accepted = np.concatenate((self.accepted, np.zeros((more, NUM_GROUPS, NUM_BINS))))
+        self.seen = np.concatenate((self.seen, np.zeros((more, NUM_GROUPS, NUM_BINS))))
+        self.recent = np.concatenate((self.recent, np.full((more, self.num_slots), math.nan)))
 
     def reset(self, row: int) -> None:
         self.accepted[row] = 0.0
         self.seen[row] = 0.0
         self.recent[row] = math.nan
 
-    def engine_estimate(self) -> torch.Tensor:
+    def engine_estimate(self) -> np.ndarray:
         return (self.engine_accepted + self.strength * BIN_CENTRES) / (self.engine_seen + self.strength)
 
-    def bins(self, confidence: torch.Tensor) -> torch.Tensor:
-        return (confidence.double() * NUM_BINS).long().clamp(0, NUM_BINS - 1)
+    @staticmethod
+    def bins(confidence: np.ndarray) -> np.ndarray:
+        return np.clip((confidence * NUM_BINS).astype(np.int64), 0, NUM_BINS - 1)
 
-    def calibrate(self, confidence: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def calibrate(self, confidence, rows) -> np.ndarray:
         """confidence [B, L] (the draft's own probabilities), rows [B] → calibrated p [B, L]."""
-        bins = self.bins(confidence)
-        groups = self.groups[None].expand_as(bins)
+        bins = self.bins(np.asarray(confidence, dtype=np.float64))
+        groups = self.groups[None]
+        mine = np.asarray(rows, dtype=np.int64)[:, None]
         engine = self.engine_estimate()[groups, bins]
-        mine = rows[:, None].expand_as(bins)
         return (self.accepted[mine, groups, bins] + self.strength * engine) / (self.seen[mine, groups, bins]
                                                                                + self.strength)
 
-    def observe(self, confidence: torch.Tensor, calibrated: torch.Tensor, widths: Seq[int],
-                accepted: Seq[int], rows: torch.Tensor) -> None:
+    def observe(self, confidence, calibrated, widths: Seq[int], accepted: Seq[int], rows) -> None:
         """After a verify: slots 1 … a of b were accepted, slot a + 1 (if ≤ k_b) rejected; later
         slots were not judged (acceptance is conditional on the prefix)."""
-        bins = self.bins(confidence)
-        slot = torch.arange(self.num_slots)[None]
-        k = torch.tensor(list(widths), dtype=torch.long)[:, None]
-        a = torch.tensor(list(accepted), dtype=torch.long)[:, None]
-        judged = slot < torch.minimum(k, a + 1)
-        outcome = (slot < a).double()
-        mine = rows[:, None].expand_as(bins)
-        groups = self.groups[None].expand_as(bins)
+        bins = self.bins(np.asarray(confidence, dtype=np.float64))
+        rows = np.asarray(rows, dtype=np.int64)
+        slot = np.arange(self.num_slots)[None]
+        k = np.asarray(widths, dtype=np.int64)[:, None]
+        a = np.asarray(accepted, dtype=np.int64)[:, None]
+        judged = np.broadcast_to(slot < np.minimum(k, a + 1), bins.shape)
+        outcome = np.broadcast_to(slot < a, bins.shape)[judged].astype(np.float64)
+        mine = np.broadcast_to(rows[:, None], bins.shape)[judged]
+        groups = np.broadcast_to(self.groups[None], bins.shape)[judged]
+        judged_bins = bins[judged]
         self.accepted[rows] *= SEQUENCE_DECAY
         self.seen[rows] *= SEQUENCE_DECAY
-        index = (mine[judged], groups[judged], bins[judged])
-        self.accepted.index_put_(index, outcome[judged], accumulate=True)
-        self.seen.index_put_(index, torch.ones_like(outcome[judged]), accumulate=True)
-        self.engine_accepted.index_put_(index[1:], outcome[judged], accumulate=True)
-        self.engine_seen.index_put_(index[1:], torch.ones_like(outcome[judged]), accumulate=True)
-        products = calibrated.double().cumprod(1)
+        np.add.at(self.accepted, (mine, groups, judged_bins), outcome)
+        np.add.at(self.seen, (mine, groups, judged_bins), 1.0)
+        np.add.at(self.engine_accepted, (groups, judged_bins), outcome)
+        np.add.at(self.engine_seen, (groups, judged_bins), 1.0)
+        products = np.cumprod(np.asarray(calibrated, dtype=np.float64), axis=1)
         old = self.recent[rows]
-        self.recent[rows] = torch.where(torch.isnan(old), products, (1 - SLOT_EMA) * old + SLOT_EMA * products)
+        self.recent[rows] = np.where(np.isnan(old), products, (1 - SLOT_EMA) * old + SLOT_EMA * products)
 
-    def predicted(self, rows: torch.Tensor) -> torch.Tensor:
+    def predicted(self, rows) -> np.ndarray:
         """[B, L] per-slot p whose prefix products are each sequence's recent average ones; a
         sequence never drafted yet gets the engine-wide estimate of the top confidence bin
         (a fresh draft is tried)."""
-        default = self.engine_estimate()[self.groups, NUM_BINS - 1].cumprod(0)
-        products = self.recent[rows]
-        products = torch.where(torch.isnan(products), default[None].expand_as(products), products)
-        previous = torch.cat((torch.ones_like(products[:, :1]), products[:, :-1]), dim=1)
-        return (products / previous.clamp_min(1e-12)).clamp(0.0, 1.0)
+        default = np.cumprod(self.engine_estimate()[self.groups, NUM_BINS - 1])
+        products = self.recent[np.asarray(rows, dtype=np.int64)]
+        products = np.where(np.isnan(products), default[None], products)
+        previous = np.concatenate((np.ones_like(products[:, :1]), products[:, :-1]), axis=1)
+        return np.clip(products / np.maximum(previous, 1e-12), 0.0, 1.0)
 
 
 # ---- the engine's speculation state ----------------------------------------------------------
@@ -349,7 +350,7 @@ class Speculation:
             self.costs = self.measure()
         return self.costs is not None
 
-    def rows(self, seqs: Seq) -> torch.Tensor:
+    def rows(self, seqs: Seq) -> np.ndarray:
         """Each sequence's row in the calibration tables (given on first sight, kept until forget)."""
         out = []
         for seq in seqs:
@@ -360,7 +361,7 @@ class Speculation:
                 self.calibration.reset(row)
                 entry = self._rows[id(seq)] = (seq, row)
             out.append(entry[1])
-        return torch.tensor(out, dtype=torch.long)
+        return np.array(out, dtype=np.int64)
 
     def forget(self, seq) -> None:
         """The sequence ended: its row is free."""
@@ -438,8 +439,7 @@ class Speculation:
         drafted = [b for b, k in enumerate(widths) if k > 0]
         if confidence is None or not self.adaptive or not drafted:
             return
-        index = torch.tensor(drafted)
-        confidence = confidence.double().cpu()[index]
+        confidence = confidence.double().cpu().numpy()[drafted]
         rows = self.rows([seqs[b] for b in drafted])
         calibrated = self.calibration.calibrate(confidence, rows)
         self.calibration.observe(confidence, calibrated, [widths[b] for b in drafted],
