@@ -233,10 +233,10 @@ class EngineOptions:
     kv_cache_memory: int | None = option(None, "bytes of KV cache off CUDA (none: 4 GiB, at most what "
                                          "max_num_seqs full-length sequences use)", metavar="BYTES")
     cuda_graphs: bool = option(True, "capture CUDA graphs for decoding", ())
-    speculation: str = option("fixed", "with a draft: fixed (every draft of the block), adaptive (each cycle "
-                              "each sequence verifies the drafts that pay off at this load; experimental: its "
-                              "narrowed steps run without CUDA graphs, slower than fixed on the H200), off "
-                              "(plain decoding)", (SERVE, GENERATE), choices=SPECULATION_MODES)
+    speculation: str = option("fixed", "with a draft: fixed (every draft of the block), adaptive (each step "
+                              "each sequence verifies the drafts that pay off at this load, none: then it "
+                              "does not draft), off (plain decoding)", (SERVE, GENERATE),
+                              choices=SPECULATION_MODES)
     prefix_cache: bool = option(True, "reuse the K/V (and a hybrid target's recurrent state) of prompt "
                                 "prefixes computed before (--no-prefix-cache: every prompt computed whole)")
     prefix_state_slots: int = option(64, "hybrid targets: recurrent-state snapshots the prefix cache keeps "

@@ -43,7 +43,8 @@ HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 def servers(qwen3_dir, qwen3_draft_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("server-logs")
     dflash = ServerProcess(logs / "dflash.log", "--model", str(qwen3_dir), "--draft", str(qwen3_draft_dir),
-                           "--served-model-name", DFLASH_NAME, "--log-stats-interval", "0.2")
+                           "--served-model-name", DFLASH_NAME, "--log-stats-interval", "0.2",
+                           "--speculation", "fixed")      # its counts are whole blocks' whatever the default
     plain = ServerProcess(logs / "plain.log", "--model", str(qwen3_dir), "--api-key", API_KEY,
                           "--cors", ALLOWED_ORIGIN)
     try:

@@ -11,6 +11,7 @@ from unittest import mock
 import torch
 
 from blockspec.bench.common import ENGINE_OPTIONS, SHAPES, build_models, forced_accept, run_batch
+from blockspec.bench.forward import graph_replay_ms
 from blockspec.config import EngineConfig
 from blockspec.engine import model_runner
 from blockspec.engine.engine import Engine
@@ -129,7 +130,8 @@ def speculation_throughput(target, draft, block_size: int, concurrency: int, pro
                            speculation: str, accept_len: float | None = None,
                            profile: LatentProfile | None = None) -> dict[str, Any]:
     """throughput() for one speculation mode (fixed | adaptive; plain is draft=None), the
-    acceptance forced (--accept-len) or following the latent profile; plus the mean width chosen."""
+    acceptance forced (--accept-len) or following the latent profile; plus the mean width chosen
+    and, where graphs were captured, one replay of each forward of the batch's size."""
     config = EngineConfig(**{"max_model_len": prompt_len + max_tokens + 8, **ENGINE_OPTIONS},
                           block_size=block_size if draft else 1, max_num_seqs=concurrency, max_queue=concurrency,
                           max_prefill_tokens=prompt_len, speculation=speculation)
@@ -143,7 +145,7 @@ def speculation_throughput(target, draft, block_size: int, concurrency: int, pro
     for patch in patches:
         patch.start()
     try:
-        run_batch(engine, concurrency, prompt_len, 8)                                   # warm-up (+ cost table)
+        run_batch(engine, concurrency, prompt_len, 8)                                   # warm-up
         engine.counters.spec_widths.clear()
         result = run_batch(engine, concurrency, prompt_len, max_tokens)
     finally:
@@ -152,7 +154,7 @@ def speculation_throughput(target, draft, block_size: int, concurrency: int, pro
     widths = engine.counters.spec_widths
     cycles = sum(widths.values())
     result["mean_width"] = sum(k * n for k, n in widths.items()) / cycles if cycles else 0.0
-    return result
+    return {**result, **graph_replay_ms(engine, concurrency)}
 
 
 def compare_speculation(shape_name: str, device: torch.device, concurrency: list[int], block_size: int,
@@ -180,12 +182,27 @@ def compare_speculation(shape_name: str, device: torch.device, concurrency: list
 
 def speculation_row(row: dict[str, dict[str, Any]]) -> dict[str, float]:
     plain, fixed, adaptive = (row[k]["tok_s"] for k in ("plain", "fixed", "adaptive"))
-    return {"plain_tok_s": round(plain, 1), "fixed_tok_s": round(fixed, 1), "adaptive_tok_s": round(adaptive, 1),
+    return {**cycle_parts(row), "plain_tok_s": round(plain, 1), "fixed_tok_s": round(fixed, 1), "adaptive_tok_s": round(adaptive, 1),
             "fixed_acceptance_length": round(row["fixed"]["mean_acceptance_length"], 3),
             "adaptive_acceptance_length": round(row["adaptive"]["mean_acceptance_length"], 3),
             "adaptive_mean_width": round(row["adaptive"].get("mean_width", 0.0), 2),
             "adaptive_over_plain": round(adaptive / plain, 3), "adaptive_over_fixed": round(adaptive / fixed, 3),
             "adaptive_over_best": round(adaptive / max(plain, fixed), 3)}
+
+
+def cycle_parts(row: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Where a step's time goes (ms): each mode's wall time per step, and for plain and the fixed
+    block its graphed forwards replayed alone; what is left of the fixed cycle is the host's
+    work and the launches between the two forwards."""
+    parts = {f"{mode}_ms_per_step": round(row[mode]["ms_per_cycle"], 3) for mode in ("plain", "fixed", "adaptive")}
+    if "verify_graph_ms" in row["plain"]:
+        parts["plain_forward_ms"] = round(row["plain"]["verify_graph_ms"], 3)
+    fixed = row["fixed"]
+    if "verify_graph_ms" in fixed and "propose_graph_ms" in fixed:
+        parts.update(fixed_verify_ms=round(fixed["verify_graph_ms"], 3), fixed_draft_ms=round(fixed["propose_graph_ms"], 3),
+                     fixed_outside_forwards_ms=round(fixed["ms_per_cycle"] - fixed["verify_graph_ms"]
+                                                     - fixed["propose_graph_ms"], 3))
+    return parts
 
 
 def print_speculation_table(r: dict[str, Any]) -> None:
@@ -198,6 +215,10 @@ def print_speculation_table(r: dict[str, Any]) -> None:
             print(f"{key[1:]:>5} {row['plain_tok_s']:>9} {row['fixed_tok_s']:>9} {row['adaptive_tok_s']:>9} "
                   f"{row['adaptive_over_plain']:>8} {row['adaptive_over_fixed']:>8} {row['adaptive_over_best']:>7} "
                   f"{row['adaptive_mean_width']:>6}")
+            if "fixed_verify_ms" in row:
+                print(f"{'':>5} fixed cycle {row['fixed_ms_per_step']} ms = verify {row['fixed_verify_ms']} + draft "
+                      f"{row['fixed_draft_ms']} + outside the forwards {row['fixed_outside_forwards_ms']}; "
+                      f"plain step {row['plain_ms_per_step']} ms (forward {row.get('plain_forward_ms')})")
 
 
 def main_compare_speculation(args, device: torch.device, concurrency: list[int], block_size: int) -> int:

@@ -50,10 +50,11 @@ class EngineCounters:
     spec_accepted_tokens: int = 0
     decode_batch_sizes: Counter = field(default_factory=Counter)    # sequences per cycle → cycles
     # Speculation per cycle (issue 21): drafts verified and accepted by the whole batch (total →
-    # cycles), and each sequence's chosen width k (→ sequence-cycles).
+    # cycles), each sequence's chosen width k and what it accepted of it (→ sequence-cycles).
     spec_verified_per_cycle: Counter = field(default_factory=Counter)
     spec_accepted_per_cycle: Counter = field(default_factory=Counter)
     spec_widths: Counter = field(default_factory=Counter)
+    spec_accepted: Counter = field(default_factory=Counter)
 
 
 EventCallback = Callable[[TokenEvent], None]
@@ -224,10 +225,8 @@ class Engine:
         for b, seq in enumerate(batch.decode):
             self._isolated(seq, lambda: self._commit(seq, result.decode, b, emitted))
         if result.decode is not None and not batch.prefill:      # a decode-only step: its time is the cycle's
-            self.runner.speculation.record_cycle(time.perf_counter() - started, len(batch.decode),
+            self.runner.speculation.record_cycle(time.perf_counter() - started, batch.num_drafts,
                                                  sum(a + 1 for a in result.decode.num_accepted))
-        else:
-            self.runner.speculation.predicted_ms = None
 
     def _first_token(self, seq: Sequence, first_token: FirstToken | None, emitted: list[Emitted]) -> None:
         item = self.scheduler.postprocess_prefill(seq, first_token)
@@ -247,6 +246,7 @@ class Engine:
         self.counters.spec_verified_per_cycle[sum(widths)] += 1
         self.counters.spec_accepted_per_cycle[sum(result.num_accepted)] += 1
         self.counters.spec_widths.update(widths)
+        self.counters.spec_accepted.update(result.num_accepted)
 
     def _isolated(self, seq: Sequence, work: Callable[[], None]) -> None:
         """One sequence's own work: if it fails, that sequence ends with an error and the rest

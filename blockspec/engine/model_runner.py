@@ -104,11 +104,12 @@ class ModelRunner:
                 self.states.reserve_space(self.graphs.seq_slots(self.graphs.full_tokens[-1]), self.width)
             self.warm_up()
         # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
-        # draft (verify_widths), the step narrows after it; the cost table is measured on the
-        # first adaptive step (engine/spec/costs.py), or set by the caller.
+        # step (verify_widths); adaptive's cost table is measured now, on the forwards the steps
+        # will run (engine/spec/costs.py), and logged.
         self.speculation = Speculation(config.speculation if self.draft is not None else "fixed", self.width - 1,
-                                       layout="ragged", measure=self.measure_costs)
-        self._calibrated: torch.Tensor | None = None
+                                       measure=self.measure_costs)
+        if self.speculation.mode == "adaptive":
+            self.speculation.costs = self.measure_costs()
 
     def size_pool(self, graphed: bool) -> PoolSize:
         """The pool's size (engine/memory.py), with the graphs' verify stash of a hybrid target."""
@@ -121,8 +122,11 @@ class ModelRunner:
                          self.profile if self.device.type == "cuda" else None, stash_bytes)
 
     def measure_costs(self):
+        """The table, once per process for these models and sizes (the cache keeps the models, so
+        their ids are not reused while it holds them)."""
         from blockspec.engine.spec.costs import measure_costs
-        return measure_costs(self)
+        key = (self.width, self.max_decode_seqs, str(self.device), self.graphs.capture, self.graphs.padded)
+        return measure_costs(self.graphs, padded=self.graphs.padded, key=key, owners=(self.target, self.draft))
 
     def make_pools(self, num_pages: int) -> tuple[KVPool, KVPool | None]:
         num_slots = num_pages * self.page_size
@@ -402,7 +406,6 @@ class ModelRunner:
     def launch(self, batch: Batch) -> Launched:
         """The step's forwards, up to the target's logits, reading none of their results back
         (on CUDA they may still be running when this returns: the engine works meanwhile)."""
-        self._calibrated = None
         for seq in [s for s, _ in batch.prefill] + batch.decode:
             self.processor_of(seq)
         self.clear_states([seq for seq, _ in batch.prefill])
@@ -435,14 +438,6 @@ class ModelRunner:
         prefill chunks that end their prompt)."""
         decode, num_drafts = batch.decode, batch.num_drafts
         proposal = self.propose_for(decode, num_drafts)
-        if proposal is not None:
-            # After the draft its confidences narrow each k_i (never widen: the pages and the
-            # token budget were reserved for the scheduler's k_i); rows past k_i are not computed.
-            widths, self._calibrated = self.speculation.widths(decode, proposal.confidence, reserved=num_drafts)
-            num_drafts = batch.num_drafts = [min(k, w) for k, w in zip(num_drafts, widths)]
-            if not any(num_drafts):
-                self.speculation.observe(decode, proposal.confidence, self._calibrated, num_drafts, num_drafts)
-                proposal = None
         entries = [Entry(seq, seq.num_cached, seq.tokens[seq.num_cached: seq.num_cached + n])
                    for seq, n in batch.prefill]
         entries += [Entry(seq, seq.num_cached, [seq.anchor] + [0] * k) for seq, k in zip(decode, num_drafts)]
@@ -546,7 +541,7 @@ class ModelRunner:
         processed = process_verify(decode, proposal, logits, num_drafts)
         num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts)
         if proposal is not None:
-            self.speculation.observe(decode, proposal.confidence, self._calibrated, num_drafts, num_accepted)
+            self.speculation.observe(decode, proposal.confidence, num_drafts, num_accepted)
         if self.is_hybrid:
             self.snapshot_page_boundaries(decode, num_accepted, from_stash=self.draft is not None)
         if self.is_hybrid and self.draft is not None:

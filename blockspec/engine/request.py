@@ -21,6 +21,7 @@ class GenerationStats:
     output_tokens: int = 0
     cycles: int = 0                       # verify passes (DFlash) or decode steps (plain)
     acceptance_lengths: list[int] = field(default_factory=list)
+    verify_widths: list[int] = field(default_factory=list)    # per cycle: the drafts k it verified
     draft_tokens: int = 0                 # proposed by the draft and verified
     accepted_tokens: int = 0              # drafts the target agreed with (and that were kept)
     prefill_s: float = 0.0
@@ -34,6 +35,7 @@ class GenerationStats:
 
     def as_dict(self) -> dict:
         return {"cycles": self.cycles, "acceptance_lengths": list(self.acceptance_lengths),
+                "verify_widths": list(self.verify_widths),
                 "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
                 "mean_acceptance_length": round(self.mean_acceptance_length, 4),
                 "prefill_s": round(self.prefill_s, 6), "decode_s": round(self.decode_s, 6),

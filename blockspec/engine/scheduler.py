@@ -82,9 +82,8 @@ class Scheduler:
 
     def verify_widths(self, decoding: list[Sequence]) -> list[int]:
         """k_i: how many drafts each decoding sequence may verify this step (0 … width − 1; 0 is
-        a plain decode row), before the draft runs: the speculation policy's (engine/spec/policy.py;
-        adaptive: 0 for all when no draft would pay, else each one's cap — the runner narrows them
-        after the draft from its confidences), else the full block."""
+        a plain decode row, and that sequence does not draft), final before anything runs: the
+        speculation policy's (engine/spec/policy.py), else the full block."""
         if self.speculation is not None:
             return self.speculation.planned_widths(decoding)
         return [self.width - 1] * len(decoding)
@@ -102,7 +101,7 @@ class Scheduler:
             if num_drafts + 1 > budget:
                 break                        # the rest decode next step (oldest first keeps order)
             # A sequence that drafts at all feeds the draft its whole block [x, MASK × (T − 1)]:
-            # pages for T positions, whatever k it verifies (adaptive narrows k after the draft).
+            # pages for T positions, whatever k it verifies.
             positions = self.width if num_drafts > 0 else 1
             if seq in self.running and self._make_room(seq, seq.num_cached + positions):
                 decode.append((seq, num_drafts))
@@ -236,5 +235,6 @@ def record_cycle(seq: Sequence, num_drafts: int, num_accepted: int, committed: i
     stats.draft_tokens += num_drafts
     stats.accepted_tokens += num_accepted
     stats.acceptance_lengths.append(committed)
+    stats.verify_widths.append(num_drafts)
     if seq.first_token_at is not None:
         stats.decode_s = time.perf_counter() - seq.first_token_at

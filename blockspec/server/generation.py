@@ -114,7 +114,8 @@ class Generation:
                 if not delta.is_empty:
                     yield delta
             stats = self.request.stats
-            self._final_stats = dataclasses.replace(stats, acceptance_lengths=list(stats.acceptance_lengths))
+            self._final_stats = dataclasses.replace(stats, acceptance_lengths=list(stats.acceptance_lengths),
+                                                    verify_widths=list(stats.verify_widths))
             self._end(self.processor.finish_reason or "stop")
         finally:
             self.close()
@@ -224,19 +225,28 @@ def meta_info(choices: list[Choice]) -> MetaInfo:
     """SGLang's spec stats, computed as SGLang does: spec_accept_length = completion tokens ÷
     verify passes (the prefill's first token included, so it is the mean acceptance length plus
     1/verify passes); spec_accept_histogram[i] = verify passes that accepted i drafts (each
-    committed i + 1 tokens). A plain server reports zeros, having no verify passes. Several
-    choices (n > 1) add up."""
+    committed i + 1 tokens); spec_verify_width_histogram[k] = verify passes that verified k
+    drafts (the width adaptive speculation chose, cut to what max_tokens allowed). A plain
+    server reports zeros, having no verify passes. Several choices (n > 1) add up."""
     stats = [c.generation.stats for c in choices if c.generation.stats.speculative]
     lengths = [length for s in stats for length in s.acceptance_lengths]
-    histogram = [0] * max(lengths) if lengths else []
-    for length in lengths:
-        histogram[length - 1] += 1
+    histogram = counts([length - 1 for length in lengths])
+    width_histogram = counts([k for s in stats for k in s.verify_widths])
     completion_tokens = sum(c.generation.processor.completion_tokens for c in choices)
     accepted, drafts, num_verify = sum(h * i for i, h in enumerate(histogram)), sum(s.draft_tokens for s in stats), len(lengths)
     return MetaInfo(spec_verify_ct=num_verify,
                     spec_accept_length=completion_tokens / num_verify if num_verify else 0.0,
-                    spec_accept_histogram=histogram, spec_accept_rate=accepted / drafts if drafts else 0.0,
+                    spec_accept_histogram=histogram, spec_verify_width_histogram=width_histogram,
+                    spec_accept_rate=accepted / drafts if drafts else 0.0,
                     spec_accept_token_num=accepted, spec_draft_token_num=drafts)
+
+
+def counts(values: list[int]) -> list[int]:
+    """[i] = how many of the values (≥ 0) are i, up to the largest."""
+    out = [0] * (max(values) + 1) if values else []
+    for value in values:
+        out[value] += 1
+    return out
 
 
 @dataclass

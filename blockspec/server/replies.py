@@ -46,6 +46,7 @@ class MetaInfo(BaseModel):
     spec_verify_ct: int = 0
     spec_accept_length: float = 0.0
     spec_accept_histogram: list[int] = Field(default_factory=list)
+    spec_verify_width_histogram: list[int] = Field(default_factory=list)   # [k]: verify passes of k drafts
 
 
 class ChatCompletionMessage(BaseModel):

@@ -1,9 +1,9 @@
 """Prometheus histograms of speculation per cycle (issue 21), from the engine's exact counts
 (EngineCounters: value → cycles): drafts verified and drafts accepted by the whole batch in one
 cycle (as the verify judged them, before a stop id or max_tokens cuts a block: the requests'
-stats count after the cut), and the width k (drafts verified) chosen for each sequence in each
-cycle. With
---speculation fixed the width is always the block's; with adaptive its spread is the policy's."""
+stats count after the cut), the width k (drafts verified) chosen for each sequence in each cycle
+and the drafts it accepted of them (the realised acceptance). With --speculation fixed the
+width is always the block's; with adaptive its spread is the policy's."""
 from __future__ import annotations
 
 from prometheus_client.core import HistogramMetricFamily
@@ -20,7 +20,7 @@ def histogram(name: str, doc: str, counts: dict[int, int], bounds: tuple[int, ..
 
 
 def speculation_histograms(counters):
-    """The three families (empty when the engine is not up yet)."""
+    """The four families (empty when the engine is not up yet)."""
     empty: dict[int, int] = {}
     yield histogram("blockspec_spec_verified_tokens_per_cycle", "Draft tokens verified by one decode cycle (all "
                     "sequences)", counters.spec_verified_per_cycle if counters else empty, PER_CYCLE_BUCKETS)
@@ -28,3 +28,5 @@ def speculation_histograms(counters):
                     "sequences)", counters.spec_accepted_per_cycle if counters else empty, PER_CYCLE_BUCKETS)
     yield histogram("blockspec_spec_verify_width", "Drafts one sequence verified in one cycle (the chosen width k)",
                     counters.spec_widths if counters else empty, WIDTH_BUCKETS)
+    yield histogram("blockspec_spec_accepted_per_sequence", "Drafts one sequence accepted in one cycle (of the k "
+                    "it verified)", counters.spec_accepted if counters else empty, WIDTH_BUCKETS)

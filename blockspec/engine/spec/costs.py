@@ -1,32 +1,69 @@
-"""The cost table adaptive speculation allocates with (policy.py): target-forward milliseconds
-by rows and draft-forward milliseconds by batch, measured on the device the engine runs on.
+"""The cost table adaptive speculation allocates with (policy.py): milliseconds of the target
+forward of a decode step by tokens, and of the draft forward by sequences, measured at startup
+on the device the engine runs on, through the forwards the steps will actually run.
 
-Measured once per runner, at the first decode step that needs it, by the graph dispatcher
-(GraphDispatcher.measure_costs): one verify forward per token bucket and one draft propose per
-sequence bucket, each through the path a step of that shape takes (its graph's replay on CUDA).
-The rows are padding rows (page 0, state slot 0: nobody's memory) with a short context, so the
-table prices the weights and the per-row work; attention over long contexts is not in it (at a
-few thousand tokens of context the per-row GEMMs still dominate a dense 8B forward), nor the
-host's work per step, which the policy learns online (Speculation.record_cycle). A few seconds on
-an H200; on CPU, where the test models take milliseconds per forward, a fraction of a second.
+What measures them is a CostSource: the graph dispatcher (GraphDispatcher.measure_costs), one
+verify forward per token bucket and one draft propose per sequence bucket, each through the path
+a step of that shape takes (its graph's replay on CUDA; where nothing is padded, as on CPU, the
+eager forward of that size, and the table interpolates between the buckets). The rows are
+padding rows (page 0, state slot 0: nobody's memory) with a short context, so the table prices
+the weights and the per-row work; attention over long contexts is not in it (at a few thousand
+tokens of context the per-row GEMMs still dominate a dense 8B forward), nor the host's work per
+step, which the policy learns online (Speculation.record_cycle). Times are made monotone (more
+rows never cost less: noise must not make the allocation chase it) and logged. A few seconds on an H200; on CPU, where the test
+models take milliseconds per forward, a fraction of a second.
 """
 from __future__ import annotations
 
 import logging
 import time
+from typing import Protocol
 
 from blockspec.engine.spec.policy import CostTable
 
 logger = logging.getLogger("blockspec.engine")
+_CACHE: dict[tuple, tuple[tuple, CostTable]] = {}
+REPEAT = 3
 
 
-def measure_costs(runner, log: bool = True) -> CostTable:
-    """The runner's dispatcher's measured costs as a CostTable."""
+class CostSource(Protocol):
+    """The measurement hook (issue 30's GraphDispatcher.measure_costs, NOTES.md)."""
+
+    def measure_costs(self, repeat: int = REPEAT) -> dict[str, dict[int, float]]:
+        """{"verify": {tokens: ms}, "draft": {sequences: ms}}: median ms of one target forward of
+        a decode step's rows (logits of every row) per token bucket and of one draft propose
+        per sequence bucket, through the path a step of that size takes, on padding rows (page
+        0, state slot 0), the engine's state and counters untouched."""
+
+
+def measure_costs(source: CostSource, padded: bool, key: tuple | None = None, owners: tuple = (),
+                  log: bool = True) -> CostTable:
+    """The table through `source` (padded: the steps run padded up to its buckets, i.e. graphs);
+    with a key, cached per process (owners — the models — are kept in the entry and compared by
+    identity, so a table is never served to other models)."""
+    full_key = None if key is None else (key, tuple(id(owner) for owner in owners))
+    cached = _CACHE.get(full_key) if full_key is not None else None
+    if cached is not None and all(a is b for a, b in zip(cached[0], owners)):
+        return cached[1]
     started = time.perf_counter()
-    costs = runner.graphs.measure_costs()
-    verify, draft = costs["verify"], costs["draft"] or {1: 0.0}
-    table = CostTable(tuple(verify), tuple(verify.values()), tuple(draft), tuple(draft.values()))
+    table = cost_table(source.measure_costs(REPEAT), padded)
+    if full_key is not None:
+        _CACHE[full_key] = (owners, table)
     if log:
-        logger.info(f"blockspec: speculation cost table ({runner.device}, {time.perf_counter() - started:.1f} s): "
+        logger.info(f"blockspec: speculation cost table ({time.perf_counter() - started:.1f} s): "
                     f"{table.describe()}")            # the startup lines' logger (never stdout: generate --json)
     return table
+
+
+def cost_table(measured: dict[str, dict[int, float]], padded: bool) -> CostTable:
+    tokens, seqs = sorted(measured["verify"]), sorted(measured["draft"])
+    return CostTable(tuple(tokens), tuple(monotone([measured["verify"][n] for n in tokens])),
+                     tuple(seqs), tuple(monotone([measured["draft"][n] for n in seqs])), padded=padded)
+
+
+def monotone(values: list[float]) -> list[float]:
+    out, best = [], 0.0
+    for value in values:
+        best = max(best, value)
+        out.append(best)
+    return out

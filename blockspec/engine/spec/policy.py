@@ -1,47 +1,44 @@
-"""Adaptive speculation (issue 21): how many of its drafts each sequence verifies this cycle.
+"""Adaptive speculation (issues 21, 31): how many of its drafts each sequence verifies this step.
 
-Verifying d_1 … d_k (k ∈ 0 … T − 1; k = 0 is a plain step) commits the accepted prefix plus the
-target's own token. If p_i is the chance that d_i is accepted given d_1 … d_{i−1} were, the
-expected committed tokens are
+Verifying d_1 … d_k (k ∈ 0 … T − 1; k = 0 is a plain decode row) commits the accepted prefix
+plus the target's own token. If p_i is the chance that d_i is accepted given d_1 … d_{i−1} were,
+slot k of sequence r survives with S(r, k) = Π_{i ≤ k} p_i and the expected committed tokens are
 
-    E(k) = 1 + Σ_{j ≤ k} Π_{i ≤ j} p_i                                  (expected_committed)
+    E(k) = 1 + Σ_{j ≤ k} S(r, j)                                        (expected_committed)
 
-so extending a sequence from k − 1 to k adds g_k = Π_{i ≤ k} p_i tokens, and g_k never grows
-with k. What it costs is read from a table of measured forward times (CostTable, costs.py
-measures it on the device): the target forward by rows, the draft forward by batch.
+S never grows with k, so the best B slots of the whole batch (a global top-B by S) are always a
+prefix of each sequence's block. The allocation (allocate, vLLM's DSpark rule): over every B,
 
-The allocation (allocate), per cycle, for the whole batch: start from k_b = 0 for every sequence
-(a plain step: B rows, no draft forward), take positions (b, k) in decreasing g order — within a
-sequence that is k = 1, 2, … since g falls with k — and after each one evaluate the batch's
-committed tokens per second, tokens(n) / (draft_ms(B) + target_ms(rows(n))). The widths of the
-best prefix n are chosen (n = 0: every k is 0 and the draft is not run at all). Scanning every
-prefix rather than stopping at the first drop keeps the step costs right: the draft forward is
-paid once as soon as any k > 0, and a forward padded to a graph bucket costs the bucket's time,
-so a few more positions can be free.
+    B* = argmax_B (N + Σ_{top B} S) / (draft_ms(sequences that draft) + target_ms(N + B) + host)
 
-Layouts: "ragged" (the token-level engine) computes Σ_b (1 + k_b) rows; "rectangle" (a batch of
-equal blocks) computes B · T rows whenever any k > 0, so there the choice is all-or-nothing
-(rows it computes anyway are verified: dropping them would save nothing and lose tokens).
+N sequences, each one plain row plus its chosen slots. A sequence left at k = 0 does not draft:
+the draft forward covers only the others, so a draft that is not paying for a sequence costs it
+nothing (its committed positions still reach the draft's context: every verified row's features
+are appended by the target forward). The table (CostTable, measured at startup through the
+graph dispatcher's hook, costs.py) prices each forward at the size it runs as: a graph's
+bucket when the forwards are padded to captured shapes, else interpolated between points.
 
-Confidence (p_i): the draft's own probability of each drafted token (DFlash 1: softmax of its
-logits at d_i, or q_i(d_i) when it samples; DFlash 2: the walk's softmax over the candidate
-edges), calibrated online (Calibration): a per-(slot group, confidence bin) estimate of
-P(accept | confidence), engine-wide, with a prior at the bin's centre; each sequence's own
-counts shrink toward it. Before the draft runs, each sequence's recent calibrated p (an
-exponential average per slot) predicts whether any k would be > 0; only then is the draft run.
+The widths are decided on the host before the step (Scheduler.verify_widths asks), from what
+the previous steps observed: no device→host read between the draft and the verify, so the
+verify's shape (its graph) is known when the step is scheduled. The p_i come from confidences:
+the draft's own probability of each drafted token (DFlash 1: softmax of its logits at d_i, or
+q_i(d_i) when it samples; DFlash 2: the walk's softmax over the candidate edges), calibrated
+online (Calibration: a per-(slot group, confidence bin) estimate of P(accept | confidence),
+engine-wide with a prior at the bin's centre, each sequence's own counts shrunk toward it) and
+averaged per sequence over its recent cycles (Calibration.predicted).
 
 Everything here is host arithmetic on small tensors: no model, no device.
 """
 from __future__ import annotations
 
-import bisect
+import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
+import numpy as np
 import torch
 
-LAYOUTS = ("ragged", "rectangle")
 NUM_BINS = 10                       # confidence bins on [0, 1]
 PRIOR_STRENGTH = 4.0                # pseudo-observations behind each prior
 SEQUENCE_DECAY = 0.98               # a sequence's old observations fade (its text changes)
@@ -71,24 +68,57 @@ def confidence_bin(confidence: float) -> int:
 
 @dataclass(frozen=True)
 class CostTable:
-    """Measured milliseconds: target forward by rows, draft forward by batch (sequences).
-    Between points, linear; past the last point, the last segment's slope (a compute-bound
-    forward grows linearly); before the first, the first point's time."""
+    """Measured milliseconds: the target forward of a decode step by tokens, the draft forward by
+    sequences. padded: the forwards run padded to the measured sizes (graph buckets), so a size
+    costs the next point's time; else (eager) linear between points. Past the last point, the
+    last segment's slope (a compute-bound forward grows linearly); before the first, the first
+    point's time. A draft of 0 sequences is not run: 0 ms."""
     target_rows: tuple[int, ...]
     target_ms: tuple[float, ...]
     draft_batch: tuple[int, ...]
     draft_ms: tuple[float, ...]
+    padded: bool = False
 
     def __post_init__(self) -> None:
         for xs, ys in ((self.target_rows, self.target_ms), (self.draft_batch, self.draft_ms)):
             if len(xs) != len(ys) or not xs or list(xs) != sorted(set(xs)):
                 raise ValueError("a cost table needs strictly increasing points, one time each")
 
-    def target(self, rows: torch.Tensor | int) -> torch.Tensor:
-        return interpolate(torch.as_tensor(rows, dtype=torch.float64), self.target_rows, self.target_ms)
+    def target(self, rows: np.ndarray | int) -> np.ndarray:
+        return self.lookup("target", np.asarray(rows, dtype=np.float64))
 
-    def draft(self, batch: int) -> float:
-        return float(interpolate(torch.tensor(float(batch), dtype=torch.float64), self.draft_batch, self.draft_ms))
+    def draft(self, batch: np.ndarray | int) -> np.ndarray:
+        batch = np.asarray(batch, dtype=np.float64)
+        return np.where(batch > 0, self.lookup("draft", batch), 0.0)
+
+    def target_ms_of(self, rows: int) -> float:
+        return self.scalar("target", rows)
+
+    def draft_ms_of(self, batch: int) -> float:
+        return self.scalar("draft", batch) if batch > 0 else 0.0
+
+    @functools.cached_property
+    def dense(self) -> dict[str, tuple[np.ndarray, list[float], float]]:
+        """Every integer size up to the last point priced once (the policy asks every step, and a
+        lookup is then one gather; numpy, whose per-call cost on these small arrays is a fraction
+        of torch's): values, the same as floats, and the slope beyond."""
+        out = {}
+        for name, xs, ys in (("target", self.target_rows, self.target_ms), ("draft", self.draft_batch, self.draft_ms)):
+            sizes = torch.arange(xs[-1] + 1, dtype=torch.float64)
+            values = interpolate(pad_to(sizes, xs) if self.padded else sizes, xs, ys)
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+            out[name] = (values.numpy(), values.tolist(), slope)
+        return out
+
+    def lookup(self, name: str, x: np.ndarray) -> np.ndarray:
+        values, _, slope = self.dense[name]
+        last = len(values) - 1
+        return np.where(x > last, values[last] + slope * (x - last), values[np.clip(x.astype(np.int64), 0, last)])
+
+    def scalar(self, name: str, x: int) -> float:
+        _, values, slope = self.dense[name]
+        last = len(values) - 1
+        return values[last] + slope * (x - last) if x > last else values[max(0, x)]
 
     @staticmethod
     def analytic(flat_rows: int, ms_flat: float, ms_per_row: float, draft_ms: float,
@@ -104,7 +134,8 @@ class CostTable:
     def describe(self) -> str:
         target = " ".join(f"{r}:{ms:.3g}" for r, ms in zip(self.target_rows, self.target_ms))
         draft = " ".join(f"{b}:{ms:.3g}" for b, ms in zip(self.draft_batch, self.draft_ms))
-        return f"target ms by rows {target}; draft ms by batch {draft}"
+        how = "padded to these buckets" if self.padded else "interpolated"
+        return f"verify ms by tokens {target}; draft ms by sequences {draft} ({how})"
 
 
 def interpolate(x: torch.Tensor, xs: Seq[int], ys: Seq[float]) -> torch.Tensor:
@@ -118,10 +149,8 @@ def interpolate(x: torch.Tensor, xs: Seq[int], ys: Seq[float]) -> torch.Tensor:
     return y0 + (y1 - y0) * (x.clamp_min(px[0]) - x0) / (x1 - x0)
 
 
-def pad_to(values: torch.Tensor, buckets: Seq[int] | None) -> torch.Tensor:
+def pad_to(values: torch.Tensor, buckets: Seq[int]) -> torch.Tensor:
     """Each value rounded up to the next bucket (a captured graph's size); past the last, itself."""
-    if not buckets:
-        return values
     b = torch.tensor(buckets, dtype=values.dtype)
     i = torch.searchsorted(b, values).clamp_max(len(buckets) - 1)
     return torch.where(values <= b[-1], b[i], values)
@@ -133,93 +162,84 @@ def pad_to(values: torch.Tensor, buckets: Seq[int] | None) -> torch.Tensor:
 class Allocation:
     widths: list[int]                # k_b: drafts each sequence verifies
     expected_tokens: float           # Σ_b E_b(k_b)
-    ms: float                        # predicted cycle time
+    ms: float                        # predicted step time (forwards + host work)
 
     @property
     def runs_draft(self) -> bool:
         return any(self.widths)
 
 
-def allocate(probs: torch.Tensor, caps: Seq[int], costs: CostTable, layout: str = "ragged",
-             buckets: Seq[int] | None = None, floors: Seq[int] | None = None, fixed_ms: float = 0.0,
-             per_token_ms: float = 0.0) -> Allocation:
-    """probs [B, L] (calibrated p of each draft slot), caps[b] ≤ L (the most drafts b may
-    verify: its block, or fewer when max_tokens is near), floors[b] (drafts b must verify:
-    e.g. a seeded sampling request keeps its whole block so its output stays reproducible)
-    → the widths that maximise expected committed tokens per millisecond (module docstring).
-    buckets: the sizes forwards are padded to (rows for "ragged", sequences for "rectangle").
-    fixed_ms, per_token_ms: the host work of a cycle beyond the forwards (learnt online,
-    Speculation.record_cycle): a part per cycle, which makes more tokens per cycle worth more,
-    and a part per committed token (commit, detokenising), which speculation cannot save."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}")
+def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable, floors: Seq[int] | None = None,
+             fixed_ms: float = 0.0, per_token_ms: float = 0.0) -> Allocation:
+    """probs [B, L] (predicted p of each draft slot), caps[b] ≤ L (the most drafts b may verify:
+    its block, or fewer when max_tokens is near), floors[b] (drafts b must verify: a seeded
+    sampling request keeps its whole block so its output stays reproducible) → the widths of the
+    best global top-B (module docstring). fixed_ms, per_token_ms: the host work of a step beyond
+    the forwards (learnt online, Speculation.record_cycle): a part per step, which makes more
+    tokens per step worth more, and a part per committed token, which speculation cannot save.
+    Every B is evaluated, not only up to the first drop: the draft's cost steps up with each
+    sequence that starts drafting, and a padded forward costs its bucket, so a few more slots
+    can be free."""
     num_seqs, num_slots = probs.shape
-    caps_t = torch.tensor(list(caps), dtype=torch.long).clamp(0, num_slots)
-    floors_t = torch.zeros(num_seqs, dtype=torch.long) if floors is None else \
-        torch.minimum(torch.tensor(list(floors), dtype=torch.long), caps_t)
-    slot = torch.arange(num_slots)
-    gains = probs.double().clamp(0.0, 1.0).cumprod(1).masked_fill(slot[None] >= caps_t[:, None], -1.0)
     if num_seqs == 0:
         return Allocation([], 0.0, 0.0)
-    if layout == "rectangle":
-        return rectangle(gains, caps_t, floors_t, costs, buckets, fixed_ms, per_token_ms)
-    # Forced positions first (gain +inf keeps their per-sequence order), then by gain.
-    forced = slot[None] < floors_t[:, None]
-    keys = gains.masked_fill(forced, math.inf).flatten()
-    order = torch.sort(keys, descending=True, stable=True).indices       # stable: k ascending within b
+    # numpy: this runs every step on the host, on arrays of at most a few thousand entries.
+    p = probs.double().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs, dtype=np.float64)  # [B, L]
+    caps_a = np.clip(np.asarray(caps, dtype=np.int64), 0, num_slots)
+    floors_a = np.zeros(num_seqs, dtype=np.int64) if floors is None else \
+        np.minimum(np.asarray(floors, dtype=np.int64), caps_a)
+    slot = np.arange(num_slots)
+    survival = np.where(slot[None] >= caps_a[:, None], -1.0, np.cumprod(np.clip(p, 0.0, 1.0), axis=1))
+    # Forced slots first (+inf keeps their per-sequence order), then by survival; a stable sort
+    # keeps k ascending within a sequence among equal scores.
+    forced = slot[None] < floors_a[:, None]
+    keys = np.where(forced, math.inf, survival).ravel()
+    order = np.argsort(-keys, kind="stable")
     order = order[keys[order] >= 0]                                       # past a cap: never
     num_forced = int(forced.sum())
-    taken = gains.flatten()[order]
-    tokens = num_seqs + torch.cat((torch.zeros(1, dtype=torch.float64), taken.cumsum(0)))
-    rows = num_seqs + torch.arange(len(order) + 1, dtype=torch.float64)
-    ms = costs.target(pad_to(rows, buckets)) + fixed_ms + per_token_ms * tokens
-    ms[1:] += costs.draft(num_seqs)
+    taken = survival.ravel()[order]
+    tokens = num_seqs + np.concatenate(([0.0], np.cumsum(taken)))
+    rows = num_seqs + np.arange(len(order) + 1, dtype=np.float64)
+    drafting = np.concatenate(([0.0], np.cumsum(order % num_slots == 0)))  # a sequence's first slot: it drafts
+    ms = costs.target(rows) + costs.draft(drafting) + fixed_ms + per_token_ms * tokens
     rate = tokens / ms
     rate[:num_forced] = -math.inf                                         # the floors are not optional
-    best = int(torch.argmax(rate))
-    widths = torch.bincount(order[:best] // num_slots, minlength=num_seqs)
+    best = int(np.argmax(rate))
+    widths = np.bincount(order[:best] // num_slots, minlength=num_seqs)
     return Allocation(widths.tolist(), float(tokens[best]), float(ms[best]))
 
 
-def rectangle(gains: torch.Tensor, caps: torch.Tensor, floors: torch.Tensor, costs: CostTable,
-              buckets: Seq[int] | None, fixed_ms: float = 0.0, per_token_ms: float = 0.0) -> Allocation:
-    """All-or-nothing: a plain step (B rows) or every sequence at its cap (B · T rows computed)."""
-    num_seqs, num_slots = gains.shape
-    seqs = float(pad_to(torch.tensor([float(num_seqs)], dtype=torch.float64), buckets)[0])
-    full_tokens = num_seqs + float(gains.clamp_min(0.0).sum())
-    full_ms = costs.draft(num_seqs) + float(costs.target(seqs * (num_slots + 1))) + fixed_ms \
-        + per_token_ms * full_tokens
-    off_ms = float(costs.target(seqs)) + fixed_ms + per_token_ms * num_seqs
-    if bool((floors > 0).any()) or full_tokens / full_ms > num_seqs / off_ms:
-        return Allocation(caps.tolist(), full_tokens, full_ms)
-    return Allocation([0] * num_seqs, float(num_seqs), off_ms)
+def forwards_ms(costs: CostTable, widths: Seq[int]) -> float:
+    """What the table says a decode step of these widths costs: the target over Σ (1 + k_b)
+    tokens, the draft over the sequences with k_b > 0."""
+    return costs.target_ms_of(len(widths) + sum(widths)) + costs.draft_ms_of(sum(1 for k in widths if k > 0))
 
 
 # ---- calibration ---------------------------------------------------------------------------
 
 NUM_GROUPS = 4
-BIN_CENTRES = (torch.arange(NUM_BINS, dtype=torch.float64) + 0.5) / NUM_BINS
+BIN_CENTRES = (np.arange(NUM_BINS, dtype=np.float64) + 0.5) / NUM_BINS
 
 
 class Calibration:
-    """P(accept | slot group, confidence bin), vectorised over the batch.
+    """P(accept | slot group, confidence bin), vectorised over the batch (numpy: it runs every
+    step on the host, on arrays of a few hundred entries).
 
     Engine-wide counts with a prior at the bin's centre (an uncalibrated draft is taken at its
     word until observed); each sequence (a row of the per-sequence tables, `rows` from
     Speculation) has its own decaying counts, shrunk toward the engine-wide estimate with
     PRIOR_STRENGTH pseudo-observations. `recent[row]` is the sequence's exponential average of
     its calibrated prefix products Π_{i ≤ j} p_i (an average of products, not a product of
-    averages: what the next cycle's expected tokens are), from which the draft decision is made
-    before the draft runs."""
+    averages: what the next cycle's expected tokens are), from which the next plan is made."""
 
     def __init__(self, num_slots: int, prior_strength: float = PRIOR_STRENGTH, capacity: int = 64) -> None:
         self.strength, self.num_slots = prior_strength, num_slots
-        self.engine_accepted = torch.zeros(NUM_GROUPS, NUM_BINS, dtype=torch.float64)
-        self.engine_seen = torch.zeros(NUM_GROUPS, NUM_BINS, dtype=torch.float64)
-        self.groups = torch.tensor([slot_group(i) for i in range(num_slots)])
-        self.accepted = torch.zeros(0, NUM_GROUPS, NUM_BINS, dtype=torch.float64)    # [rows, G, bins]
-        self.seen = torch.zeros_like(self.accepted)
-        self.recent = torch.zeros(0, num_slots, dtype=torch.float64)                 # [rows, L]
+        self.engine_accepted = np.zeros((NUM_GROUPS, NUM_BINS))
+        self.engine_seen = np.zeros((NUM_GROUPS, NUM_BINS))
+        self.groups = np.array([slot_group(i) for i in range(num_slots)], dtype=np.int64)
+        self.accepted = np.zeros((0, NUM_GROUPS, NUM_BINS))                          # [rows, G, bins]
+        self.seen = np.zeros_like(self.accepted)
+        self.recent = np.zeros((0, num_slots))                                         # [rows, L]
         self.grow(capacity)
 
     def grow(self, capacity: int) -> None:
@@ -228,62 +248,63 @@ class Calibration:
         if capacity <= have:
             return
         more = max(capacity, 2 * have) - have
-        self.accepted = torch.cat((self.accepted, self.accepted.new_zeros(more, NUM_GROUPS, NUM_BINS)))
-        self.seen = torch.cat((self.seen, self.seen.new_zeros(more, NUM_GROUPS, NUM_BINS)))
-        self.recent = torch.cat((self.recent, self.recent.new_full((more, self.num_slots), math.nan)))
+        self.accepted = np.concatenate((self.accepted, np.zeros((more, NUM_GROUPS, NUM_BINS))))
+        self.seen = np.concatenate((self.seen, np.zeros((more, NUM_GROUPS, NUM_BINS))))
+        self.recent = np.concatenate((self.recent, np.full((more, self.num_slots), math.nan)))
 
     def reset(self, row: int) -> None:
         self.accepted[row] = 0.0
         self.seen[row] = 0.0
         self.recent[row] = math.nan
 
-    def engine_estimate(self) -> torch.Tensor:
+    def engine_estimate(self) -> np.ndarray:
         return (self.engine_accepted + self.strength * BIN_CENTRES) / (self.engine_seen + self.strength)
 
-    def bins(self, confidence: torch.Tensor) -> torch.Tensor:
-        return (confidence.double() * NUM_BINS).long().clamp(0, NUM_BINS - 1)
+    @staticmethod
+    def bins(confidence: np.ndarray) -> np.ndarray:
+        return np.clip((confidence * NUM_BINS).astype(np.int64), 0, NUM_BINS - 1)
 
-    def calibrate(self, confidence: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def calibrate(self, confidence, rows) -> np.ndarray:
         """confidence [B, L] (the draft's own probabilities), rows [B] → calibrated p [B, L]."""
-        bins = self.bins(confidence)
-        groups = self.groups[None].expand_as(bins)
+        bins = self.bins(np.asarray(confidence, dtype=np.float64))
+        groups = self.groups[None]
+        mine = np.asarray(rows, dtype=np.int64)[:, None]
         engine = self.engine_estimate()[groups, bins]
-        mine = rows[:, None].expand_as(bins)
         return (self.accepted[mine, groups, bins] + self.strength * engine) / (self.seen[mine, groups, bins]
                                                                                + self.strength)
 
-    def observe(self, confidence: torch.Tensor, calibrated: torch.Tensor, widths: Seq[int],
-                accepted: Seq[int], rows: torch.Tensor) -> None:
+    def observe(self, confidence, calibrated, widths: Seq[int], accepted: Seq[int], rows) -> None:
         """After a verify: slots 1 … a of b were accepted, slot a + 1 (if ≤ k_b) rejected; later
         slots were not judged (acceptance is conditional on the prefix)."""
-        bins = self.bins(confidence)
-        slot = torch.arange(self.num_slots)[None]
-        k = torch.tensor(list(widths), dtype=torch.long)[:, None]
-        a = torch.tensor(list(accepted), dtype=torch.long)[:, None]
-        judged = slot < torch.minimum(k, a + 1)
-        outcome = (slot < a).double()
-        mine = rows[:, None].expand_as(bins)
-        groups = self.groups[None].expand_as(bins)
+        bins = self.bins(np.asarray(confidence, dtype=np.float64))
+        rows = np.asarray(rows, dtype=np.int64)
+        slot = np.arange(self.num_slots)[None]
+        k = np.asarray(widths, dtype=np.int64)[:, None]
+        a = np.asarray(accepted, dtype=np.int64)[:, None]
+        judged = np.broadcast_to(slot < np.minimum(k, a + 1), bins.shape)
+        outcome = np.broadcast_to(slot < a, bins.shape)[judged].astype(np.float64)
+        mine = np.broadcast_to(rows[:, None], bins.shape)[judged]
+        groups = np.broadcast_to(self.groups[None], bins.shape)[judged]
+        judged_bins = bins[judged]
         self.accepted[rows] *= SEQUENCE_DECAY
         self.seen[rows] *= SEQUENCE_DECAY
-        index = (mine[judged], groups[judged], bins[judged])
-        self.accepted.index_put_(index, outcome[judged], accumulate=True)
-        self.seen.index_put_(index, torch.ones_like(outcome[judged]), accumulate=True)
-        self.engine_accepted.index_put_(index[1:], outcome[judged], accumulate=True)
-        self.engine_seen.index_put_(index[1:], torch.ones_like(outcome[judged]), accumulate=True)
-        products = calibrated.double().cumprod(1)
+        np.add.at(self.accepted, (mine, groups, judged_bins), outcome)
+        np.add.at(self.seen, (mine, groups, judged_bins), 1.0)
+        np.add.at(self.engine_accepted, (groups, judged_bins), outcome)
+        np.add.at(self.engine_seen, (groups, judged_bins), 1.0)
+        products = np.cumprod(np.asarray(calibrated, dtype=np.float64), axis=1)
         old = self.recent[rows]
-        self.recent[rows] = torch.where(torch.isnan(old), products, (1 - SLOT_EMA) * old + SLOT_EMA * products)
+        self.recent[rows] = np.where(np.isnan(old), products, (1 - SLOT_EMA) * old + SLOT_EMA * products)
 
-    def predicted(self, rows: torch.Tensor) -> torch.Tensor:
+    def predicted(self, rows) -> np.ndarray:
         """[B, L] per-slot p whose prefix products are each sequence's recent average ones; a
         sequence never drafted yet gets the engine-wide estimate of the top confidence bin
         (a fresh draft is tried)."""
-        default = self.engine_estimate()[self.groups, NUM_BINS - 1].cumprod(0)
-        products = self.recent[rows]
-        products = torch.where(torch.isnan(products), default[None].expand_as(products), products)
-        previous = torch.cat((torch.ones_like(products[:, :1]), products[:, :-1]), dim=1)
-        return (products / previous.clamp_min(1e-12)).clamp(0.0, 1.0)
+        default = np.cumprod(self.engine_estimate()[self.groups, NUM_BINS - 1])
+        products = self.recent[np.asarray(rows, dtype=np.int64)]
+        products = np.where(np.isnan(products), default[None], products)
+        previous = np.concatenate((np.ones_like(products[:, :1]), products[:, :-1]), axis=1)
+        return np.clip(products / np.maximum(previous, 1e-12), 0.0, 1.0)
 
 
 # ---- the engine's speculation state ----------------------------------------------------------
@@ -296,42 +317,40 @@ HOST_WORK_MEMORY = 0.98             # forgetting factor of the host-work fit (pe
 
 
 class Speculation:
-    """What the runner asks each cycle (engine thread only): run the draft? which widths? and,
-    after the verify, what was accepted. `fixed` verifies every draft (today's DFlash); `off` never
-    gets here (no draft is loaded into the runner); `adaptive` allocates as above."""
+    """What the engine asks each step (engine thread only): the scheduler, which widths (before
+    anything runs); the runner, whether to report confidences; after the verify, what was
+    accepted. `fixed` verifies every draft; `off` never gets here (no draft is loaded into the
+    runner); `adaptive` allocates as above."""
 
-    def __init__(self, mode: str, num_slots: int, costs: CostTable | None = None, layout: str = "rectangle",
-                 buckets: Seq[int] | None = None, measure: Callable[[], CostTable] | None = None) -> None:
+    def __init__(self, mode: str, num_slots: int, costs: CostTable | None = None,
+                 measure: Callable[[], CostTable] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"speculation must be one of {', '.join(MODES)}")
-        self.mode, self.num_slots, self.costs, self.layout = mode, num_slots, costs, layout
+        self.mode, self.num_slots, self.costs = mode, num_slots, costs
         self.measure = measure
-        self.buckets = list(buckets) if buckets else None
         self.calibration = Calibration(max(1, num_slots))
         self._rows: dict[int, tuple[object, int]] = {}                   # id(seq) → (seq, table row)
         self._free_rows: list[int] = []
         self._cycles_since_learning = 0
-        self._learning = False
-        self._plan: list[int] | None = None   # the pre-draft allocation of the step being scheduled
-        # A cycle's time beyond the table's forwards ≈ per_seq · B + per_token · committed tokens,
-        # fitted online (least squares with forgetting) from the engine's wall time per cycle.
+        # A step's time beyond the table's forwards ≈ per_seq · B + per_token · committed tokens,
+        # fitted online (least squares with forgetting) from the engine's wall time per step.
         self.overhead_ms_per_seq = 0.0
         self.overhead_ms_per_token = 0.0
         self.forward_scale = 1.0            # measured step time ÷ the table's (fitted with the above)
-        self._xtx = torch.zeros(3, 3, dtype=torch.float64)
-        self._xty = torch.zeros(3, dtype=torch.float64)
-        self.predicted_ms: float | None = None   # the forwards of the cycle now running, by the table
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
 
     @property
     def adaptive(self) -> bool:
-        """Whether widths are allocated (the first time: the cost table is measured now)."""
+        """Whether widths are allocated (the first time: the cost table is measured now, unless
+        the engine measured it at startup)."""
         if self.mode != "adaptive" or self.num_slots == 0:
             return False
         if self.costs is None and self.measure is not None:
             self.costs = self.measure()
         return self.costs is not None
 
-    def rows(self, seqs: Seq) -> torch.Tensor:
+    def rows(self, seqs: Seq) -> np.ndarray:
         """Each sequence's row in the calibration tables (given on first sight, kept until forget)."""
         out = []
         for seq in seqs:
@@ -342,7 +361,7 @@ class Speculation:
                 self.calibration.reset(row)
                 entry = self._rows[id(seq)] = (seq, row)
             out.append(entry[1])
-        return torch.tensor(out, dtype=torch.long)
+        return np.array(out, dtype=np.int64)
 
     def forget(self, seq) -> None:
         """The sequence ended: its row is free."""
@@ -361,107 +380,67 @@ class Speculation:
         return [self.num_slots if (not seq.request.params.is_greedy and seq.request.params.seed is not None) else 0
                 for seq in seqs]
 
-    def runs_draft(self, seqs: Seq) -> bool:
-        """Before the draft: would any sequence verify anything, by its recent calibrated p? Now
-        and then (and until the calibration has seen WARMUP_OBSERVATIONS judged drafts) a learning
-        cycle instead: the draft runs and every sequence verifies its whole block, so what the
-        confidences are worth is observed even where the policy would verify nothing (without it,
-        an underconfident draft would never be tried again). A learning cycle costs what a fixed
-        block's cycle costs; they are spaced so that their extra time stays within LEARNING_BUDGET
-        of the plain steps' (every 100 cycles where a whole block costs 2 plain steps, every
-        1 500 where it costs 16)."""
-        self._learning, self._plan = False, None
-        if not self.adaptive or not seqs:
-            return True
+    def planned_widths(self, seqs: Seq) -> list[int]:
+        """k_b for each decoding sequence this step, final (the scheduler reserves pages and
+        token budget for them; the runner drafts for the sequences with k_b > 0 and verifies
+        exactly these). fixed: the whole block for everyone. adaptive: the allocation over each
+        sequence's predicted p, or a learning cycle — every sequence its cap — now and then (and
+        until the calibration has seen WARMUP_OBSERVATIONS judged drafts): what the confidences
+        are worth is then observed even where the policy would verify nothing (without it, an
+        underconfident draft would never be tried again). A learning cycle costs what a fixed
+        block's costs; they are spaced so that their extra time stays within LEARNING_BUDGET of
+        the plain steps' (every 100 cycles where a whole block costs 2 plain steps, every 1 500
+        where it costs 16)."""
+        if not self.adaptive:
+            return [self.num_slots] * len(seqs)
+        if not seqs:
+            return []
         self._cycles_since_learning += 1
         if (float(self.calibration.engine_seen.sum()) < WARMUP_OBSERVATIONS
                 or self._cycles_since_learning >= self.learning_interval(len(seqs))):
-            self._learning, self._cycles_since_learning = True, 0
-            return True
-        if any(self.floors(seqs)):
-            return True
-        plan = allocate(self.calibration.predicted(self.rows(seqs)), self.caps(seqs), self.costs, self.layout,
-                        self.buckets, fixed_ms=self.overhead_ms_per_seq * len(seqs),
-                        per_token_ms=self.overhead_ms_per_token)
-        if not plan.runs_draft:
-            self.predicted_ms = float(self.costs.target(pad_to(torch.tensor([float(len(seqs))],
-                                                                            dtype=torch.float64), self.buckets))[0])
-        self._plan = plan.widths
-        return plan.runs_draft
-
-    def planned_widths(self, seqs: Seq) -> list[int]:
-        """Before the draft (the scheduler's reservation of pages and token budget; the step
-        only narrows them after the draft): every k = 0 when no draft would pay (runs_draft),
-        else the allocation over each sequence's predicted p (its cap in a learning cycle or for
-        a seeded request). The fixed mode: the whole block for everyone."""
-        if not self.runs_draft(seqs):
-            return [0] * len(seqs)
-        if not self.adaptive:
-            return [self.num_slots] * len(seqs)
-        if self._plan is not None:
-            return [max(k, f) for k, f in zip(self._plan, self.floors(seqs))]
-        return self.caps(seqs)
+            self._cycles_since_learning = 0
+            return self.caps(seqs)
+        return allocate(self.calibration.predicted(self.rows(seqs)), self.caps(seqs), self.costs, self.floors(seqs),
+                        fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token).widths
 
     def learning_interval(self, num_seqs: int) -> float:
         """Cycles between learning cycles: (whole-block cycle − plain step) / (budget × plain step)."""
-        rows = pad_to(torch.tensor([float(num_seqs)], dtype=torch.float64), self.buckets)
         fixed = self.overhead_ms_per_seq * num_seqs + self.overhead_ms_per_token * num_seqs
-        plain = float(self.costs.target(rows)[0]) + fixed
-        whole = float(self.costs.target(rows * (self.num_slots + 1))[0]) + self.costs.draft(num_seqs) + fixed
+        plain = forwards_ms(self.costs, [0] * num_seqs) + fixed
+        whole = forwards_ms(self.costs, [self.num_slots] * num_seqs) + fixed
         return (whole - plain) / (LEARNING_BUDGET * plain)
 
-    def widths(self, seqs: Seq, confidence: torch.Tensor | None,
-               reserved: Seq[int] | None = None) -> tuple[list[int], torch.Tensor | None]:
-        """After the draft: k_b for each sequence (within `reserved`, the scheduler's k_b), and
-        the calibrated p it was chosen from."""
-        if not self.adaptive or confidence is None:
-            return [self.num_slots] * len(seqs), None
-        calibrated = self.calibration.calibrate(confidence.double().cpu(), self.rows(seqs))
-        caps = self.caps(seqs) if reserved is None else [min(c, r) for c, r in zip(self.caps(seqs), reserved)]
-        if self._learning:
-            self.predicted_ms = None                      # not a typical cycle: not timed
-            return caps, calibrated
-        fixed = self.overhead_ms_per_seq * len(seqs)
-        plan = allocate(calibrated, caps, self.costs, self.layout, self.buckets, self.floors(seqs),
-                        fixed_ms=fixed, per_token_ms=self.overhead_ms_per_token)
-        # The forwards alone (the draft already ran: a cycle that keeps no draft still paid for it).
-        self.predicted_ms = plan.ms - fixed - self.overhead_ms_per_token * plan.expected_tokens \
-            + (0.0 if plan.runs_draft else self.costs.draft(len(seqs)))
-        return plan.widths, calibrated
-
-    def record_cycle(self, seconds: float, num_seqs: int, num_tokens: int) -> None:
-        """The engine's wall time of a whole decode step (forwards, accept, commits) that
-        committed num_tokens, against the table's forwards for it: fitted as
+    def record_cycle(self, seconds: float, widths: Seq[int], num_tokens: int) -> None:
+        """The engine's wall time of a whole decode-only step (forwards, accept, commits) of
+        these widths that committed num_tokens, against the table's forwards for it: fitted as
         scale · forwards + per_seq · B + per_token · tokens (ridge least squares, forgetting
         HOST_WORK_MEMORY per step; each ≥ 0), so the allocation weighs tokens against the step's
         real time — the table may have been measured under another load (scale), and the host's
         work per sequence and per committed token is not in it. The host terms are kept in the
         table's units (divided by the scale): maximising tokens per ms does not see the scale."""
-        if self.predicted_ms is None or num_seqs == 0:
+        if not self.adaptive or not widths:
             return
-        x = torch.tensor([self.predicted_ms, float(num_seqs), float(num_tokens)], dtype=torch.float64)
-        self._xtx = HOST_WORK_MEMORY * self._xtx + torch.outer(x, x)
+        # numpy: a 3 × 3 solve every step, where torch's per-op overhead would cost more than the math.
+        x = np.array([forwards_ms(self.costs, widths), float(len(widths)), float(num_tokens)])
+        self._xtx = HOST_WORK_MEMORY * self._xtx + np.outer(x, x)
         self._xty = HOST_WORK_MEMORY * self._xty + x * (seconds * 1e3)
-        self.predicted_ms = None
-        ridge = 1e-3 * float(self._xtx.trace()) / 3 + 1e-12
+        ridge = 1e-3 * float(np.trace(self._xtx)) / 3 + 1e-12
         # The prior: scale 1 (the table is right) until the steps say otherwise.
-        prior = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
-        theta = torch.linalg.solve(self._xtx + ridge * torch.eye(3, dtype=torch.float64),
-                                   self._xty + ridge * prior)
+        prior = np.array([1.0, 0.0, 0.0])
+        theta = np.linalg.solve(self._xtx + ridge * np.eye(3), self._xty + ridge * prior)
         scale = max(0.1, float(theta[0]))
         self.forward_scale = scale
         self.overhead_ms_per_seq = max(0.0, float(theta[1])) / scale
         self.overhead_ms_per_token = max(0.0, float(theta[2])) / scale
 
-    def calibrated(self, seqs: Seq, confidence: torch.Tensor | None) -> torch.Tensor | None:
-        """The calibrated p of drafts that are all verified anyway (a graphed whole-block step)."""
-        if not self.adaptive or confidence is None:
-            return None
-        self.predicted_ms = None                          # not allocated: not timed
-        return self.calibration.calibrate(confidence.double().cpu(), self.rows(seqs))
-
-    def observe(self, seqs: Seq, confidence: torch.Tensor | None, calibrated: torch.Tensor | None,
-                widths: Seq[int], accepted: Seq[int]) -> None:
-        if calibrated is None or confidence is None:
+    def observe(self, seqs: Seq, confidence: torch.Tensor | None, widths: Seq[int], accepted: Seq[int]) -> None:
+        """After a verify (its host read done): confidence [B, L] of the drafting sequences'
+        drafts (rows of sequences with k_b = 0 are not judged), calibrated and learnt from."""
+        drafted = [b for b, k in enumerate(widths) if k > 0]
+        if confidence is None or not self.adaptive or not drafted:
             return
-        self.calibration.observe(confidence.double().cpu(), calibrated, widths, accepted, self.rows(seqs))
+        confidence = confidence.double().cpu().numpy()[drafted]
+        rows = self.rows([seqs[b] for b in drafted])
+        calibrated = self.calibration.calibrate(confidence, rows)
+        self.calibration.observe(confidence, calibrated, [widths[b] for b in drafted],
+                                 [accepted[b] for b in drafted], rows)
