@@ -190,7 +190,9 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto",
     FP8 checkpoints as they are, `quantization="fp8"` quantizes a bf16 one on load."""
     gguf_file = gguf_path(model)
     if gguf_file is not None:
-        return load_gguf_model(gguf_file, device, dtype, quantization)
+        if quantization is not None:
+            raise LoadError("--quantization fp8 takes a safetensors checkpoint, not a GGUF file")
+        return load_gguf_model(gguf_file, device, dtype)
     path = resolve_model_path(model)
     config = read_json(path / "config.json")
     arch = architecture_of(config, path)
@@ -255,28 +257,17 @@ def gguf_path(model: str) -> Path | None:
         raise LoadError(str(exc)) from None
 
 
-def load_gguf_model(path: Path, device: str, dtype: str, quantization: str | None = None) -> LoadedModel:
-    """Build the model from the file's metadata and fill it with its dequantized tensors
-    (`quantization="fp8"`: those dequantized tensors quantized to FP8 as they are read)."""
+def load_gguf_model(path: Path, device: str, dtype: str) -> LoadedModel:
+    """Build the model from the file's metadata and fill it with its dequantized tensors."""
     from blockspec import gguf
-    from blockspec.layers import fp8
     try:
         file = gguf.open_gguf(path)
         config = gguf.hf_config(file)
         arch = config["architectures"][0]
         torch_device = resolve_device(device)
         spec = ARCHITECTURES[arch]()
-        plan = fp8_plan(config, path, [path], spec.rename, quantization, torch_device)
-
-        def build() -> nn.Module:
-            return spec.build(config, arch) if plan is None else fp8.convert(spec.build(config, arch), plan)
-        module = build_empty(build, torch_device, resolve_dtype(dtype, torch_device))
-        tensors = gguf.iter_tensors(file, config)
-        if plan is None:
-            load_weights(module, [path], spec.rename, tensors=tensors)
-        else:
-            load_weights(module, [path], fp8.fp8_rename(spec.rename, plan),
-                         tensors=fp8.fp8_stream(tensors, spec.rename, plan))
+        module = build_empty(lambda: spec.build(config, arch), torch_device, resolve_dtype(dtype, torch_device))
+        load_weights(module, [path], spec.rename, tensors=gguf.iter_tensors(file, config))
     except gguf.GGUFError as exc:
         raise LoadError(str(exc)) from None
     return LoadedModel(module, path, config, arch)
