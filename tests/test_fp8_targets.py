@@ -389,3 +389,10 @@ def test_an_fp8_lm_head_is_refused(fp8_models, tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(LoadError, match="an FP8 lm_head is not supported"):
         load_model(str(path))
+
+
+def test_a_gguf_file_with_quantization_is_refused_in_one_line(qwen3_dir, tmp_path):
+    from gguf_fixtures import write_gguf
+    path = write_gguf(qwen3_dir, tmp_path / "tiny.gguf", with_tokenizer=False)
+    with pytest.raises(LoadError, match="--quantization fp8 takes a safetensors checkpoint, not a GGUF file"):
+        load_model(str(path), quantization="fp8")

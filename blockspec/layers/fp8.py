@@ -17,7 +17,7 @@ formats (GDN in_proj: qkv and z in FP8, b and a in bf16) becomes a `SegmentedLin
 per run of parts of one format.
 
 `--quantization fp8` quantizes a bf16 checkpoint on load into the same format (128 × 128 blocks,
-the parts quantized one by one as an FP8 checkpoint holds them): `quantized_stream` turns the
+the parts quantized one by one as an FP8 checkpoint holds them): `fp8_stream` turns the
 tensor stream into what an FP8 checkpoint would have given, so one load path serves both.
 
 The forward is `kernels.fp8.linear`: Triton kernels on CUDA, and a dequantizing reference
