@@ -101,7 +101,7 @@ class EngineCollector:
                                   value=queries)
         yield CounterMetricFamily("blockspec_prefix_cache_hits", "Prompt tokens served by the prefix cache",
                                   value=hits)
-        yield from weight_metrics(self._state.llm)
+        yield from weight_metrics(getattr(self._state, "llm", None))   # a stand-in state may hold no handle
 
 
 def weight_metrics(llm: EngineHandle | None):
