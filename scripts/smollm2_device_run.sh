@@ -23,7 +23,7 @@ else
   DEV="--device cuda"; TRAIN_DEV="--device cuda"
   PROMPTS="--magpie 16000 --magpie-tokens 96 --seeds 3000 --budget-s 30 --max-num-seqs 768"
   RESPONSES="--seq-len 384 --max-response 320 --temperatures 0.7 --budget-s 115 --max-num-seqs 768"
-  TRAIN="--steps 1200 --batch-size 64 --seq-len 384 --max-seconds 95 --save-every 400"
+  TRAIN="--steps 900 --batch-size 64 --seq-len 384 --max-seconds 95 --save-every 400"
   MEASURE="--limit 32 --max-tokens 128 --concurrency 1,16,64"
   T_PROMPTS=65; T_RESPONSES=150; T_TRAIN=130; T_END=430
 fi
