@@ -197,6 +197,40 @@ def dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(shape))
 
 
+# Bytes per block of 32 weights: fp16 scale, [fp16 minimum,] codes.
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def blocks_of(tensor: Any):
+    """A Q4_0 / Q4_1 / Q8_0 tensor as layers.quant.Blocks (its own numbers, undequantized), rows
+    in PyTorch order; None for other types."""
+    from blockspec.layers import quant
+    kind = tensor.tensor_type.name
+    if kind not in BLOCK_BYTES:
+        return None
+    rows = np.asarray(tensor.data)
+    blocks = rows.reshape(rows.shape[0], -1, BLOCK_BYTES[kind])                 # [N, K / 32, bytes]
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if kind == "Q8_0":
+        values = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(rows.shape[0], -1))
+        return quant.q8_planes(values, d)
+    m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)) if kind == "Q4_1" else None
+    packed = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]                # [N, K / 32, 16]
+    # Byte j of a block holds weight j (low nibble) and weight j + 16 (high nibble).
+    codes = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).reshape(rows.shape[0], -1)
+    return quant.q4_planes(torch.from_numpy(codes.astype(np.uint8)), d, m)
+
+
+def q8_table(tensor: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A Q8_0 tensor's int8 values [N, K] and fp32 scales [N, K / 32]; None for other types."""
+    if tensor.tensor_type.name != "Q8_0":
+        return None
+    rows = np.asarray(tensor.data)
+    blocks = rows.reshape(rows.shape[0], -1, BLOCK_BYTES["Q8_0"])
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    return torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(rows.shape[0], -1)), d
+
+
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's reordering of Llama's q/k rows. Its converter interleaves each head's two
     rotary halves (row r of half h goes to 2r + h) so that its kernel can rotate adjacent pairs;
@@ -207,18 +241,78 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
             .transpose(1, 2).reshape(weight.shape))
 
 
-def iter_tensors(file: GGUFFile, config: dict[str, Any]) -> Iterator[tuple[str, Path, torch.Tensor]]:
-    """Every tensor as (Hugging Face name, file, float32 tensor), one at a time."""
-    permute = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+def rope_rows(tensor_name: str, config: dict[str, Any]) -> int | None:
+    """The head count whose rows llama.cpp interleaved in this tensor (Llama's q/k), else None."""
+    match = LAYER_NAME.fullmatch(tensor_name)
+    if config["model_type"] != "llama" or match is None:
+        return None
+    return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(match["name"])
+
+
+def iter_tensors(file: GGUFFile, config: dict[str, Any], skip: frozenset[str] = frozenset()
+                 ) -> Iterator[tuple[str, Path, torch.Tensor]]:
+    """Every tensor (but those named in `skip`) as (Hugging Face name, file, float32 tensor), one at a time."""
     for tensor in file.reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             raise GGUFError(f"{file.path.name}: tensor {tensor.name!r} has no place in {config['architectures'][0]}")
+        if name in skip:
+            continue
         value = dequantize(tensor)
-        match = LAYER_NAME.fullmatch(tensor.name)
-        if config["model_type"] == "llama" and match is not None and match["name"] in permute:
-            value = unpermute_rope_rows(value, permute[match["name"]])
+        heads = rope_rows(tensor.name, config)
+        if heads is not None:
+            value = unpermute_rope_rows(value, heads)
         yield name, file.path, value
+
+
+def keep_quantized(model: torch.nn.Module, file: GGUFFile, config: dict[str, Any]) -> frozenset[str]:
+    """Swap the model's projections, head and embedding for modules that keep the file's Q4_0 /
+    Q4_1 / Q8_0 blocks (layers/quant.py; CPU). A fused projection (q/k/v, gate/up) is swapped
+    when all its parts are such blocks; anything else stays a dequantized parameter. Returns the
+    Hugging Face names of the tensors the new modules hold (iter_tensors skips them)."""
+    from blockspec.layers.common import FusedLinear
+    from blockspec.layers.quant import Blocks, QuantEmbedding, QuantLinear
+    by_name = {hf_name(t.name): t for t in file.reader.tensors}
+    taken: set[str] = set()
+
+    def blocks(name: str) -> Blocks | None:
+        tensor = by_name.get(name)
+        found = blocks_of(tensor) if tensor is not None else None
+        heads = rope_rows(tensor.name, config) if tensor is not None else None
+        if found is not None and heads is not None:
+            found = found.rows(unpermute_rope_rows(torch.arange(found.shape[0])[:, None], heads)[:, 0])
+        return found
+
+    def bias(name: str) -> torch.Tensor | None:
+        tensor = by_name.get(name)
+        return None if tensor is None else dequantize(tensor)
+
+    for module_name, module in list(model.named_modules()):
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        prefix = parent_name + "." if parent_name else ""
+        if isinstance(module, FusedLinear):
+            names = [f"{prefix}{part}" for part in module.part_rows]
+            parts = [blocks(f"{n}.weight") for n in names]
+            if any(p is None for p in parts) or len({len(p.planes) for p in parts}) > 1:
+                continue
+            biases = [bias(f"{n}.bias") for n in names] if module.bias is not None else None
+            setattr(parent, child, QuantLinear(Blocks.cat(parts), None if biases is None else torch.cat(biases),
+                                               module.part_sizes))
+            taken |= {f"{n}.{kind}" for n in names for kind in ("weight", "bias")}
+        elif isinstance(module, torch.nn.Linear):
+            found = blocks(f"{module_name}.weight")
+            if found is None and module_name == "lm_head" and config.get("tie_word_embeddings"):
+                found = blocks("model.embed_tokens.weight")            # the head is the embedding
+            if found is not None:
+                setattr(parent, child, QuantLinear(found, bias(f"{module_name}.bias") if module.bias is not None else None))
+                taken |= {f"{module_name}.weight", f"{module_name}.bias"}
+        elif isinstance(module, torch.nn.Embedding) and f"{module_name}.weight" in by_name:
+            table = q8_table(by_name[f"{module_name}.weight"])
+            if table is not None:
+                setattr(parent, child, QuantEmbedding(*table))
+                taken.add(f"{module_name}.weight")
+    return frozenset(taken)
 
 
 # ---- tokenizer ----

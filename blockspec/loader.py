@@ -258,7 +258,9 @@ def gguf_path(model: str) -> Path | None:
 
 
 def load_gguf_model(path: Path, device: str, dtype: str) -> LoadedModel:
-    """Build the model from the file's metadata and fill it with its dequantized tensors."""
+    """Build the model from the file's metadata and fill it with its tensors: on CPU with dtype
+    auto its Q4_0 / Q4_1 / Q8_0 blocks stay quantized (gguf.keep_quantized, layers/quant.py),
+    otherwise every tensor is dequantized into the dtype (float32: what transformers computes)."""
     from blockspec import gguf
     try:
         file = gguf.open_gguf(path)
@@ -266,8 +268,11 @@ def load_gguf_model(path: Path, device: str, dtype: str) -> LoadedModel:
         arch = config["architectures"][0]
         torch_device = resolve_device(device)
         spec = ARCHITECTURES[arch]()
+        # Allocated but never written where a quantized module replaces it: untouched pages cost no memory.
         module = build_empty(lambda: spec.build(config, arch), torch_device, resolve_dtype(dtype, torch_device))
-        load_weights(module, [path], spec.rename, tensors=gguf.iter_tensors(file, config))
+        kept = (gguf.keep_quantized(module, file, config) if torch_device.type == "cpu" and dtype == "auto"
+                else frozenset())
+        load_weights(module, [path], spec.rename, tensors=gguf.iter_tensors(file, config, kept))
     except gguf.GGUFError as exc:
         raise LoadError(str(exc)) from None
     return LoadedModel(module, path, config, arch)

@@ -173,6 +173,32 @@ def test_smollm2_dflash_equals_plain_with_shipped_draft(smollm2, plain_outputs):
 
 
 @pytest.mark.smollm2
+def test_smollm2_stays_quantized_on_cpu_and_dflash_equals_plain_there(smollm2, smollm2_path):
+    """dtype auto on CPU keeps the Q4_1 / Q8_0 blocks (layers/quant.py): its projections agree
+    with the dequantized model's (Llama's q/k rows un-permuted alike), and DFlash with the shipped
+    draft equals plain decoding on it."""
+    from blockspec.layers.quant import QuantEmbedding, QuantLinear
+    dequantized, tokenizer = smollm2
+    target = load_model(str(smollm2_path), device="cpu").model
+    assert isinstance(target.lm_head, QuantLinear) and isinstance(target.model.embed_tokens, QuantEmbedding)
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.29.mlp.down_proj", "lm_head"):
+        ours, reference = target.get_submodule(name), dequantized.get_submodule(name)
+        x = torch.randn(3, reference.in_features, generator=torch.Generator().manual_seed(0))
+        expected = reference(x)
+        assert (ours(x) - expected).abs().max() < 0.02 * expected.abs().max(), name
+    prompts = [tokenizer.encode_chat(messages(p)) for p in PROMPTS[:4]]
+
+    def outputs(draft=None, block_size=1):
+        requests = [make_request(f"q{i}", ids, stops=tokenizer.stop_token_ids, max_tokens=32)
+                    for i, ids in enumerate(prompts)]
+        engine = lambda: make_engine(target, draft, block_size=block_size, max_num_seqs=len(prompts))  # noqa: E731
+        return [run.output_ids for run in run_batch(engine, requests)[1]]
+    plain = outputs()
+    assert "Paris" in tokenizer.decode(plain[0], skip_special_tokens=True)
+    assert outputs(load_draft(str(named.default_draft("smollm2")), target), block_size=8) == plain
+
+
+@pytest.mark.smollm2
 def test_generate_cli_with_smollm2(smollm2_path, capsys):
     from blockspec.cli import main
     code = main(["generate", "--model", "smollm2", "--prompt", "What is the capital of France?",

@@ -143,6 +143,19 @@ def test_resume_continues_bit_for_bit(tiny_target, tiny_data, tmp_path):
         train(config(tiny_target, tiny_data[0], resumed, resume=True, lr=1e-3))
 
 
+def test_a_run_stopped_by_max_seconds_saves_and_resumes_to_the_full_run(tiny_target, tiny_data, tmp_path):
+    train(config(tiny_target, tiny_data[0], tmp_path / "full", steps=4, save_every=2))
+    cut = tmp_path / "cut"
+    summary = train(config(tiny_target, tiny_data[0], cut, steps=4, save_every=2, max_seconds=1e-9))
+    assert summary["step"] == 1 and summary["stopped_by_max_seconds"]
+    assert (cut / "checkpoints" / "step-00000001").is_dir() and (cut / "model.safetensors").exists()
+    assert train(config(tiny_target, tiny_data[0], cut, steps=4, save_every=2, resume=True))["step"] == 4
+    full, again = load_file(str(tmp_path / "full" / "model.safetensors")), load_file(str(cut / "model.safetensors"))
+    assert all(torch.equal(full[k], again[k]) for k in full)
+    with pytest.raises(ValueError, match="--max-seconds"):
+        config(tiny_target, tiny_data[0], cut, max_seconds=0)
+
+
 def test_two_gloo_processes_equal_one(tiny_target, tiny_data, tmp_path):
     """torchrun with 2 CPU processes, global batch 4 = one process with batch 4."""
     one = tmp_path / "one"

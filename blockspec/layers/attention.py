@@ -245,8 +245,15 @@ def reference_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     mask = shared(meta, ("mask", is_causal, window, block_kv is not None),
                   lambda: attention_mask(meta, context_lens, is_causal, window, block_kv is not None))
     q = to_padded(q, meta).transpose(1, 2)                                            # [B, H, T, D]
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype == torch.float32:
+        # fp32 SDPA on CPU blocks its sums by the query count, so a verify row and the same row
+        # decoded alone differ in the last bits; in float64 both round to the same fp32. The
+        # quantized CPU path (layers/quant.py) rounds matmul inputs to bf16, where such last
+        # bits would flip whole bf16 steps and DFlash would drift from plain decoding.
+        q, keys, values = q.double(), keys.double(), values.double()
     out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-                                         scale=scale, enable_gqa=q.shape[1] != keys.shape[2])
+                                         scale=scale, enable_gqa=q.shape[1] != keys.shape[2]).to(dtype)
     return from_padded(out.transpose(1, 2).reshape(num_seqs, q.shape[2], -1), meta)
 
 

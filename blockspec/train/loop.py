@@ -57,6 +57,7 @@ class TrainConfig:
     save_every: int = 500
     seed: int = 0
     show_progress: bool = True
+    max_seconds: float | None = None    # stop (saving a checkpoint and the draft) after this long
 
     def __post_init__(self) -> None:
         positive = {"--num-layers": self.num_layers, "--steps": self.steps, "--batch-size": self.batch_size,
@@ -74,6 +75,8 @@ class TrainConfig:
             raise TrainError("--eval-every, --save-every and --eval-prompts must be at least 0")
         if self.num_anchors is not None and self.num_anchors < 1:
             raise TrainError(f"--num-anchors must be at least 1, got {self.num_anchors}")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise TrainError(f"--max-seconds must be positive, got {self.max_seconds}")
 
     @property
     def anchors_per_seq(self) -> int:
@@ -342,6 +345,15 @@ def log_line(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def stop_everywhere(stop: bool, ranks: Ranks) -> bool:
+    """Rank 0's decision, on every rank."""
+    if ranks.world == 1:
+        return stop
+    flag = torch.tensor([float(stop)], device=ranks.device)
+    dist.broadcast(flag, 0)
+    return bool(flag.item())
+
+
 def train(config: TrainConfig) -> dict[str, Any]:
     """Run (or resume) training; returns the last step's loss and acceptance length."""
     ranks = init_ranks(config.device)
@@ -373,6 +385,7 @@ def run(trainer: Trainer) -> dict[str, Any]:
     tokens_per_step = config.batch_size * config.seq_len
     bar = tqdm(total=config.steps, initial=trainer.step, desc="train-draft", unit="step",
                disable=not (show_bar and is_main), dynamic_ncols=True)
+    deadline = time.perf_counter() + (config.max_seconds or math.inf)
     while trainer.step < config.steps:
         started = time.perf_counter()
         loss = trainer.train_step(trainer.step)
@@ -382,7 +395,9 @@ def run(trainer: Trainer) -> dict[str, Any]:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed:,.0f}", accept=summary.get("acceptance_length"))
         record: dict[str, Any] = {"step": trainer.step, "loss": round(loss, 5), "tokens_per_s": round(speed)}
-        is_last = trainer.step == config.steps
+        # Every rank stops at the same step: rank 0's clock decides (a bounded device call).
+        out_of_time = stop_everywhere(time.perf_counter() > deadline, trainer.ranks)
+        is_last = trainer.step == config.steps or out_of_time
         if config.save_every and (trainer.step % config.save_every == 0 or is_last):
             trainer.save()
         if (config.eval_every and trainer.step % config.eval_every == 0) or is_last:
@@ -391,6 +406,9 @@ def run(trainer: Trainer) -> dict[str, Any]:
             log_line(log, record)
             if not show_bar and ("acceptance_length" in record or trainer.step % max(1, config.steps // 10) == 0):
                 print(json.dumps(record), flush=True)          # logs without a progress bar still show progress
+        if out_of_time:
+            summary["stopped_by_max_seconds"] = True
+            break
     bar.close()
     if is_main:
         checkpoint.save_draft(trainer.draft, trainer.draft_config, trainer.out, trainer.save_dtype)

@@ -1,0 +1,86 @@
+"""GGUF blocks kept quantized on CPU (layers/quant.py): the blocks read from the file equal what
+the gguf package dequantizes; the packed kernel equals its dequantizing reference within the
+bf16 rounding it does (stated below); its rows do not depend on the batch; a quantized tiny
+target decodes the tokens its float32 twin decodes, and DFlash on it equals plain."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec import gguf
+from blockspec.layers import quant
+from blockspec.loader import load_draft, load_model
+from gguf_fixtures import gguf_name, write_gguf
+from helpers import make_engine, make_request, run_batch
+
+LAYER_KINDS = {"self_attn.q_proj": "Q4_1", "self_attn.k_proj": "Q4_1", "self_attn.v_proj": "Q4_0",
+               "self_attn.o_proj": "Q8_0", "mlp.gate_proj": "Q4_1", "mlp.up_proj": "Q4_1", "mlp.down_proj": "Q4_1"}
+# The kernel rounds each plane's product to bf16 (its output dtype): 2⁻⁸ of the largest output
+# per plane covers it; a wrong block layout or scale is off by the output's own size.
+BF16_OUTPUT = 2.0 ** -8
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(qwen3_dir, tmp_path_factory):
+    kinds = {f"model.layers.{i}.{name}.weight": kind for i in range(4) for name, kind in LAYER_KINDS.items()}
+    kinds |= {"model.embed_tokens.weight": "Q8_0", "lm_head.weight": "Q8_0"}
+    path = write_gguf(qwen3_dir, tmp_path_factory.mktemp("quant") / "tiny-q.gguf", quantize=kinds, with_tokenizer=False)
+    return path, kinds
+
+
+def test_blocks_read_from_the_file_are_what_the_package_dequantizes(quantized_gguf):
+    import gguf as gguf_package
+    path, kinds = quantized_gguf
+    stored = {t.name: t for t in gguf.open_gguf(path).reader.tensors}
+    for kind in ("Q4_0", "Q4_1", "Q8_0"):
+        name = next(n for n, k in kinds.items() if k == kind)
+        tensor = stored[gguf_name(name)]
+        blocks = gguf.blocks_of(tensor)
+        exact = sum((p.codes.float() - 8) * p.scale.repeat_interleave(quant.GROUP, 1)
+                    + p.zero.repeat_interleave(quant.GROUP, 1) for p in blocks.planes)
+        expected = gguf_package.quants.dequantize(tensor.data, tensor.tensor_type).reshape(blocks.shape)
+        assert torch.equal(exact, torch.from_numpy(expected)), kind
+    values, scales = gguf.q8_table(stored["token_embd.weight"])
+    table = gguf_package.quants.dequantize(stored["token_embd.weight"].data, stored["token_embd.weight"].tensor_type)
+    ids = torch.tensor([[0, 7], [151935, 42]])
+    assert torch.equal(quant.QuantEmbedding(values, scales)(ids), torch.from_numpy(table.reshape(values.shape))[ids])
+
+
+@pytest.mark.parametrize("planes", [1, 2])
+def test_packed_matmul_equals_its_reference_and_rows_do_not_depend_on_the_batch(planes):
+    g = torch.Generator().manual_seed(planes)
+    n, k = 96, 128
+    d = torch.rand(n, k // 32, generator=g) * 0.02
+    if planes == 1:
+        blocks = quant.q4_planes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), d,
+                                 -torch.rand(n, k // 32, generator=g) * 0.1)
+    else:
+        blocks = quant.q8_planes(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), d)
+    layer = quant.QuantLinear(blocks, bias=torch.randn(n, generator=g))
+    x = torch.randn(9, k, generator=g)
+    y, ref = layer(x), quant.reference_linear(x, blocks, layer.bias)
+    per_plane = max(float(quant.reference_linear(x, quant.Blocks([p])).abs().max()) for p in blocks.planes)
+    assert (y - ref).abs().max() <= planes * BF16_OUTPUT * per_plane
+    assert not torch.equal(y, quant.reference_linear(x, quant.q4_planes(blocks.planes[0].codes, d, None)))
+    for m in (1, 3):
+        assert torch.equal(layer(x[:m]), y[:m])                # a verify's rows are the rows alone
+    assert layer.weight.shape == (n, k) and layer.weight.stride() == (0, 0)
+
+
+def test_a_quantized_target_decodes_like_its_float32_twin_and_dflash_equals_plain(quantized_gguf, qwen3_draft_dir):
+    path, _ = quantized_gguf
+    quantized = load_model(str(path), device="cpu").model                  # dtype auto on CPU: kept quantized
+    dequantized = load_model(str(path), device="cpu", dtype="float32").model
+    assert isinstance(quantized.model.layers[0].self_attn.qkv_proj, quant.QuantLinear)
+    assert isinstance(quantized.lm_head, quant.QuantLinear) and isinstance(quantized.model.embed_tokens,
+                                                                        quant.QuantEmbedding)
+    assert isinstance(dequantized.lm_head, torch.nn.Linear)
+    prompts = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 9]
+
+    def outputs(model, draft=None, block_size=1):
+        requests = [make_request(f"r{i}", ids, max_tokens=20) for i, ids in enumerate(prompts)]
+        engine = lambda: make_engine(model, draft, block_size=block_size, max_num_seqs=len(prompts))  # noqa: E731
+        return [run.output_ids for run in run_batch(engine, requests)[1]]
+    plain = outputs(quantized)
+    assert plain == outputs(dequantized)
+    assert outputs(quantized, load_draft(str(qwen3_draft_dir), quantized), block_size=4) == plain
