@@ -100,7 +100,7 @@ class ModelRunner:
         logger.info(startup_line(config, self.pool_size))
         if graphed:
             self.graphs = self.make_graphs(capture=True)
-            if stash_bytes:
+            if self.stashes_verify_states:
                 self.states.reserve_space(self.graphs.seq_slots(self.graphs.full_tokens[-1]), self.width)
             self.warm_up()
         # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
@@ -114,7 +114,7 @@ class ModelRunner:
     def size_pool(self, graphed: bool) -> PoolSize:
         """The pool's size (engine/memory.py), with the graphs' verify stash of a hybrid target."""
         stash_bytes = 0
-        if graphed and self.is_hybrid and self.draft is not None:
+        if graphed and self.stashes_verify_states:
             stash = self.make_graphs(capture=False)
             stash_bytes = StatePool.space_bytes(self.target.recurrent_shapes, stash.seq_slots(stash.full_tokens[-1]),
                                                 self.width, self.dtype)
@@ -246,6 +246,11 @@ class ModelRunner:
     def max_decode_seqs(self) -> int:
         """The most sequences one step can decode at the full block width (seats and token budget)."""
         return max(1, min(self.config.max_num_seqs, self.config.max_num_batched_tokens // self.width))
+
+    @property
+    def stashes_verify_states(self) -> bool:
+        """A hybrid target verifying drafts keeps the recurrent state after every verify row."""
+        return self.is_hybrid and self.draft is not None
 
     @property
     def is_hybrid(self) -> bool:
