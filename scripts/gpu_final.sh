@@ -9,13 +9,13 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TRITON_CACHE_DIR=/tmp/triton-empt
 mkdir -p "$OUT"
 LOG="$OUT/bench.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOG"
-T="python3 -m pytest -q -p no:cacheprovider -rf --tb=line"
+T="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
 S=${TESTS_S:-210}
 timeout $S $T tests/gpu/test_graph_dispatch.py tests/gpu/test_adaptive_graphs.py > "$OUT/tests_a.log" 2>&1 &
 timeout $S $T tests/gpu/test_ragged_graphs.py tests/gpu/test_overlap_gpu.py tests/gpu/test_gpu.py > "$OUT/tests_b.log" 2>&1 &
 timeout $S $T tests/gpu/test_fp8.py tests/gpu/test_vision_gpu.py tests/gpu/test_moe_gpu.py > "$OUT/tests_c.log" 2>&1 &
-timeout $S $T tests/gpu/test_attention_kernels.py tests/gpu/test_moe_kernel.py tests/gpu/test_fused_kernels.py \
-  tests/gpu/test_gdn_kernel.py > "$OUT/tests_d.log" 2>&1 &
+timeout $S $T tests/gpu/test_gdn_kernel.py tests/gpu/test_fused_kernels.py tests/gpu/test_moe_kernel.py \
+  tests/gpu/test_attention_kernels.py > "$OUT/tests_d.log" 2>&1 &
 wait
 for f in "$OUT"/tests_*.log; do echo "== $f"; grep -E "passed|failed|error|FAILED" "$f" | tail -8; done | tee -a "$LOG"
 stage() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; shift; "$@" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -24 | tee -a "$LOG"; }
