@@ -65,12 +65,14 @@ class RotaryEmbedding(nn.Module):
         # and it must be real after the loader builds the model on the meta device.
         self.inv_freq = rope_inv_freq(self.rope, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [N] → cos, sin [N, 1, rot_dim]; M-RoPE positions [3, N] (t, h, w) likewise
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                sections: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [N] → cos, sin [N, 1, rot_dim]; sections: M-RoPE positions [3, N] (t, h, w)
+        # likewise (said by the caller: training passes batched positions [B, T], which are not)
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[..., None].float() * self.inv_freq
-        if positions.dim() == 2:
+        if sections:
             freqs = self.interleave_sections(freqs)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]

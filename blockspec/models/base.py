@@ -94,7 +94,7 @@ class CausalLM(nn.Module):
         if multimodal is not None and multimodal.rows is not None:
             x = x.index_copy(0, multimodal.rows, multimodal.embeds.to(x.dtype))
         rope_positions = positions if multimodal is None else multimodal.rope_positions
-        rope = self.model.rotary_emb(rope_positions, x.dtype)              # cos, sin [N, 1, rot]
+        rope = self.model.rotary_emb(rope_positions, x.dtype, sections=multimodal is not None)              # cos, sin [N, 1, rot]
         # Layers pass (x, residual), the stream being their sum: each layer's entry norm adds them
         # in the same kernel (RMSNorm.add), so the sum is never a kernel of its own, except for
         # the layers whose output the draft reads.

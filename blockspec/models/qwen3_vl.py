@@ -232,9 +232,19 @@ def text_config(d: dict[str, Any], architecture: str) -> ModelConfig:
                                eos_token_ids=eos_ids(d.get("eos_token_id") if eos is None else eos), raw=d)
 
 
+# The (t, h, w) sections transformers assumes where a config names none (its rotary classes' defaults).
+DEFAULT_MROPE_SECTION = {"Qwen3VLForConditionalGeneration": (24, 20, 20)}
+QWEN3_5_MROPE_SECTION = (11, 11, 10)
+
+
 def attach_vision(model: nn.Module, d: dict[str, Any]) -> nn.Module:
     """A multimodal checkpoint's target: its text model with the tower at `model.visual`."""
-    if len(model.config.rope.mrope_section) != 3:
+    rope = model.config.rope
+    if not rope.mrope_section:
+        architecture = (d.get("architectures") or [""])[0]
+        rope = dataclasses.replace(rope, mrope_section=DEFAULT_MROPE_SECTION.get(architecture, QWEN3_5_MROPE_SECTION))
+        model.model.rotary_emb.rope = rope
+    if len(rope.mrope_section) != 3:
         raise ConfigError("a vision-language text model needs rope_parameters.mrope_section (t, h, w)")
     model.model.visual = VisionModel(VisionConfig.from_hf(d))
     return model
