@@ -379,6 +379,8 @@ def test_the_playground_sends_and_shows_images(browser, tmp_path):
     attach = ("const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));"
               "const data = new DataTransfer(); data.items.add(new File([bytes], 'a.png', {type: 'image/png'}));"
               "const input = document.getElementById(arguments[1]);")
+    driver.get("about:blank")      # the earlier test's page stops polling its (stopped) server,
+    driver.get_log("browser")      # and the shared browser's log drops that test's entries (its 401s)
     with LiveServer(llm, "vl") as live:
         driver.get(live.url + "/")
         wait_for(lambda: driver.find_element("id", "server-status").get_attribute("data-status") == "ok")
