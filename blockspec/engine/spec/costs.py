@@ -19,6 +19,7 @@ import logging
 import time
 from typing import Protocol
 
+from blockspec.engine.graphs import monotone
 from blockspec.engine.spec.policy import CostTable
 
 logger = logging.getLogger("blockspec.engine")
@@ -61,9 +62,3 @@ def cost_table(measured: dict[str, dict[int, float]], padded: bool) -> CostTable
                      tuple(seqs), tuple(monotone([measured["draft"][n] for n in seqs])), padded=padded)
 
 
-def monotone(values: list[float]) -> list[float]:
-    out, best = [], 0.0
-    for value in values:
-        best = max(best, value)
-        out.append(best)
-    return out
