@@ -3,7 +3,11 @@ KV pool, state pool and block table, metadata built here), and engines run to co
 alone or as a batch."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -303,3 +307,11 @@ class ForwardCounter:
 
     def _hook(self, *_) -> None:
         self.count += 1
+
+
+def run_interpreted(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """code in a fresh process under Triton's CPU interpreter (chosen when the kernels are defined,
+    so never in this process), with the repository importable."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)

@@ -10,16 +10,14 @@ dequantized to fp32. fp32, CPU.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import fixtures
+from helpers import run_interpreted
 import fp8_fixtures
 from blockspec.kernels import fp8 as fp8_kernels
 from blockspec.layers import fp8
@@ -305,10 +303,7 @@ print("ok")
 
 def test_fp8_kernels_equal_the_reference_in_the_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", INTERPRETED_KERNEL_CHECK], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = run_interpreted(INTERPRETED_KERNEL_CHECK)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 

@@ -8,11 +8,8 @@ same weights rewritten by the test. fp32, CPU.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import fixtures
+from helpers import run_interpreted
 from blockspec.cache import CacheManager
 from blockspec.config import ConfigError, EngineConfig, MoeConfig
 from blockspec.engine.model_runner import Entry, ModelRunner
@@ -331,10 +329,7 @@ def test_triton_kernel_equals_the_reference_in_the_interpreter():
     """The Triton MoE kernel, run by Triton's CPU interpreter (a fresh process: the interpreter is
     chosen when the kernels are defined), on tiny shapes; on the GPU: tests/gpu/test_moe_kernel.py."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", INTERPRETED_KERNEL_CHECK], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = run_interpreted(INTERPRETED_KERNEL_CHECK)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
