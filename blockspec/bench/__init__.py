@@ -18,6 +18,7 @@ builders, timing, the engine batch) serve them.
 """
 from __future__ import annotations
 
+import logging
 import sys
 
 from blockspec.bench.bursts import burst, burst_main
@@ -38,8 +39,10 @@ __all__ = ["SHAPES", "EngineFailed", "LatentProfile", "build_empty", "build_mode
 
 def main(args) -> int:
     if getattr(args, "multi_turn", None):
+        log_startup(args.device != "cpu")
         return report(multi_turn_main, args)
     device = resolve_device(args.device)
+    log_startup(device.type == "cuda")
     if args.shape not in SHAPES:
         raise ValueError(f"unknown --shape {args.shape!r} ({', '.join(SHAPES)})")
     concurrency = [int(c) for c in str(args.concurrency).split(",") if c]
@@ -71,3 +74,15 @@ def main(args) -> int:
                                    layers=getattr(args, "layers", None), breakdown=getattr(args, "breakdown", False),
                                    quantization=getattr(args, "quantization", None)),
                   args)
+
+
+def log_startup(on: bool) -> None:
+    """The engines' startup lines (pool, graphs captured and their seconds) on stderr, as `serve`
+    logs them: a bench's figures are read beside what each engine paid to start (on CUDA, where
+    engines capture graphs; CPU runs stay quiet)."""
+    named = logging.getLogger("blockspec")
+    if on and not named.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+        named.addHandler(handler)
+        named.setLevel(logging.INFO)

@@ -2,6 +2,7 @@
 device, running a batch through the engine and forcing its acceptance length, writing the results."""
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -9,6 +10,7 @@ from typing import Any, Callable
 
 import torch
 
+from blockspec.config import EngineConfig
 from blockspec.engine import model_runner
 from blockspec.engine.engine import Engine
 from blockspec.engine.request import Request
@@ -200,6 +202,25 @@ ENGINE_OPTIONS: dict[str, Any] = {}
 
 MEMORY_OPTIONS = ("max_model_len", "gpu_memory_utilization", "num_gpu_blocks", "max_num_batched_tokens",
                   "kv_cache_memory")
+
+
+def bench_engine(target, draft, block_size: int, max_seqs: int, prompt_len: int, max_tokens: int,
+                 speculation: str = "fixed") -> Engine:
+    """One engine for a sweep: seats for its largest concurrency, so every concurrency of the sweep
+    runs on the graphs captured once (a capture costs seconds per bucket; an engine per point made a
+    sweep of 256 sequences outlast its device call). speculation "fixed": the whole block
+    (--compare-speculation measures adaptive)."""
+    config = EngineConfig(**{"max_model_len": prompt_len + max_tokens + 8, **ENGINE_OPTIONS},
+                          block_size=block_size if draft else 1, max_num_seqs=max_seqs, max_queue=max_seqs,
+                          max_prefill_tokens=prompt_len, speculation=speculation)
+    return Engine(target, draft, config)
+
+
+def release() -> None:
+    """Free a finished engine's pool and graphs before the next one sizes its pool from memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def percentile(values: list[float], q: float) -> float:

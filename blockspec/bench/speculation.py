@@ -10,11 +10,9 @@ from unittest import mock
 
 import torch
 
-from blockspec.bench.common import ENGINE_OPTIONS, SHAPES, build_models, forced_accept, run_batch
+from blockspec.bench.common import SHAPES, bench_engine, build_models, forced_accept, release, run_batch
 from blockspec.bench.forward import graph_replay_ms
-from blockspec.config import EngineConfig
 from blockspec.engine import model_runner
-from blockspec.engine.engine import Engine
 
 
 LATENT_CHUNK = 1024
@@ -126,42 +124,45 @@ def parse_accept_profile(text: str | None, block_size: int) -> LatentProfile | N
     return LatentProfile(values[0], block_size, *values[1:])
 
 
-def speculation_throughput(target, draft, block_size: int, concurrency: int, prompt_len: int, max_tokens: int,
-                           speculation: str, accept_len: float | None = None,
-                           profile: LatentProfile | None = None) -> dict[str, Any]:
-    """throughput() for one speculation mode (fixed | adaptive; plain is draft=None), the
+def speculation_sweep(target, draft, block_size: int, concurrency: list[int], prompt_len: int, max_tokens: int,
+                      speculation: str, accept_len: float | None = None,
+                      profile: LatentProfile | None = None) -> dict[int, dict[str, Any]]:
+    """throughput() for one speculation mode (fixed | adaptive; plain is draft=None) at each
+    concurrency, on one engine seated for the largest (its graphs and cost table made once), the
     acceptance forced (--accept-len) or following the latent profile; plus the mean width chosen
     and, where graphs were captured, one replay of each forward of the batch's size."""
-    config = EngineConfig(**{"max_model_len": prompt_len + max_tokens + 8, **ENGINE_OPTIONS},
-                          block_size=block_size if draft else 1, max_num_seqs=concurrency, max_queue=concurrency,
-                          max_prefill_tokens=prompt_len, speculation=speculation)
-    engine = Engine(target, draft, config)
+    engine = bench_engine(target, draft, block_size, max(concurrency), prompt_len, max_tokens, speculation)
     patches = []
     if draft is not None and profile is not None:
         patches = [mock.patch.object(model_runner, "propose", profile.propose(model_runner.propose)),
                    mock.patch.object(model_runner, "accept", profile.accept(model_runner.accept))]
     elif draft is not None and accept_len is not None:
         patches = [mock.patch.object(model_runner, "accept", forced_accept(accept_len))]
+    out = {}
     for patch in patches:
         patch.start()
     try:
-        run_batch(engine, concurrency, prompt_len, 8)                                   # warm-up
-        engine.counters.spec_widths.clear()
-        result = run_batch(engine, concurrency, prompt_len, max_tokens)
+        for c in concurrency:
+            run_batch(engine, c, prompt_len, 8)                                          # warm-up
+            engine.counters.spec_widths.clear()
+            result = run_batch(engine, c, prompt_len, max_tokens)
+            widths = engine.counters.spec_widths
+            cycles = sum(widths.values())
+            result["mean_width"] = sum(k * n for k, n in widths.items()) / cycles if cycles else 0.0
+            out[c] = {**result, **graph_replay_ms(engine, c)}
     finally:
         for patch in reversed(patches):
             patch.stop()
-    widths = engine.counters.spec_widths
-    cycles = sum(widths.values())
-    result["mean_width"] = sum(k * n for k, n in widths.items()) / cycles if cycles else 0.0
-    return {**result, **graph_replay_ms(engine, concurrency)}
+        del engine
+        release()
+    return out
 
 
 def compare_speculation(shape_name: str, device: torch.device, concurrency: list[int], block_size: int,
                         prompt_len: int, max_tokens: int, accept_len: float | None,
                         profile: LatentProfile | None) -> dict[str, Any]:
     """`bench --compare-speculation`: plain, fixed block and adaptive tok/s at each concurrency,
-    one process, one set of random weights (DFlash 1 draft)."""
+    one process, one set of random weights (DFlash 1 draft), one engine per mode."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     _, _, target, draft = build_models(SHAPES[shape_name], device, dtype, block_size)
@@ -170,13 +171,13 @@ def compare_speculation(shape_name: str, device: torch.device, concurrency: list
                          "block_size": block_size, "prompt_len": prompt_len, "max_tokens": max_tokens,
                          "acceptance": f"latent m={profile.m:.4f} mean={profile.mean_length} "
                                        f"kappa={profile.concentration}" if profile else f"forced {accept_len}"}
+    modes = {"plain": speculation_sweep(target, None, 1, concurrency, prompt_len, max_tokens, "fixed"),
+             "fixed": speculation_sweep(target, draft, block_size, concurrency, prompt_len, max_tokens, "fixed",
+                                        accept_len, profile),
+             "adaptive": speculation_sweep(target, draft, block_size, concurrency, prompt_len, max_tokens, "adaptive",
+                                           accept_len, profile)}
     for c in concurrency:
-        row = {"plain": speculation_throughput(target, None, 1, c, prompt_len, max_tokens, "fixed"),
-               "fixed": speculation_throughput(target, draft, block_size, c, prompt_len, max_tokens, "fixed",
-                                               accept_len, profile),
-               "adaptive": speculation_throughput(target, draft, block_size, c, prompt_len, max_tokens, "adaptive",
-                                                  accept_len, profile)}
-        r[f"c{c}"] = speculation_row(row)
+        r[f"c{c}"] = speculation_row({mode: results[c] for mode, results in modes.items()})
     return r
 
 

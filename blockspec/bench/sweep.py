@@ -8,32 +8,42 @@ from unittest import mock
 
 import torch
 
-from blockspec.bench.common import (ENGINE_OPTIONS, SHAPES, build_dflash2, build_models, copy_bandwidth,
-                                    forced_accept, run_batch, step_weight_bytes, weight_bytes)
+from blockspec.bench.common import (SHAPES, bench_engine, build_dflash2, build_models, copy_bandwidth,
+                                    forced_accept, release, run_batch, step_weight_bytes, weight_bytes)
 from blockspec.bench.forward import (experts_kernel, forward_figures, graph_replay_ms, kernel_breakdown, kernel_name,
                                      readout_ms)
 from blockspec.bench.peers import bench_transformers, bench_zlab
-from blockspec.config import EngineConfig
 from blockspec.engine import model_runner
 from blockspec.engine.engine import Engine
 from blockspec.layers.moe import SparseMoE, grouped_experts, select_experts_kernel
-from blockspec.progress import track
 
 
-def throughput(target, draft, block_size: int, concurrency: int, prompt_len: int, max_tokens: int,
-               accept_len: float | None) -> dict[str, float]:
+def measure(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int,
+            accept_len: float | None) -> dict[str, float]:
     """Output tok/s of `concurrency` requests decoded together through the engine (a warm-up
     batch first), and the decode milliseconds per cycle of the batch."""
-    config = EngineConfig(**{"max_model_len": prompt_len + max_tokens + 8, **ENGINE_OPTIONS},
-                          block_size=block_size if draft else 1, max_num_seqs=concurrency, max_queue=concurrency,
-                          max_prefill_tokens=prompt_len,
-                          speculation="fixed")      # the whole block: --compare-speculation measures adaptive
-    engine = Engine(target, draft, config)
-    forcing = accept_len is not None and draft is not None
+    forcing = accept_len is not None and engine.runner.draft is not None
     with mock.patch.object(model_runner, "accept", forced_accept(accept_len) if forcing else model_runner.accept):
         run_batch(engine, concurrency, prompt_len, 8)                                   # warm-up
         result = run_batch(engine, concurrency, prompt_len, max_tokens)
     return {**result, **graph_replay_ms(engine, concurrency)}
+
+
+def sweep(target, draft, block_size: int, concurrency: list[int], prompt_len: int, max_tokens: int,
+          accept_len: float | None) -> dict[int, dict[str, float]]:
+    """measure() at each concurrency on one engine, released afterwards (its pool and graphs)."""
+    engine = bench_engine(target, draft, block_size, max(concurrency), prompt_len, max_tokens)
+    try:
+        return {c: measure(engine, c, prompt_len, max_tokens, accept_len) for c in concurrency}
+    finally:
+        del engine
+        release()
+
+
+def throughput(target, draft, block_size: int, concurrency: int, prompt_len: int, max_tokens: int,
+               accept_len: float | None) -> dict[str, float]:
+    """measure() at one concurrency on an engine of its own."""
+    return sweep(target, draft, block_size, [concurrency], prompt_len, max_tokens, accept_len)[concurrency]
 
 
 def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[int], accept_len: float | None,
@@ -70,9 +80,11 @@ def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[
         else:
             for width in sorted({1, *block_sizes}):
                 r[f"breakdown_w{width}"] = kernel_breakdown(target, device, width, prompt_len)
-    for c in track(concurrency, f"bench {shape_name}", len(concurrency), "concurrency"):
-        plain = throughput(target, None, 1, c, prompt_len, max_tokens, None)
-        spec = throughput(target, draft, block_size, c, prompt_len, max_tokens, accept_len)
+    plains = sweep(target, None, 1, concurrency, prompt_len, max_tokens, None)
+    specs = sweep(target, draft, block_size, concurrency, prompt_len, max_tokens, accept_len)
+    spec2s = sweep(target, draft2, block_size, concurrency, prompt_len, max_tokens, accept_len) if draft2 else {}
+    for c in concurrency:
+        plain, spec = plains[c], specs[c]
         r[f"c{c}"] = {"plain_tok_s": plain["tok_s"], "plain_ms_per_step": plain["ms_per_cycle"],
                       "dflash_tok_s": spec["tok_s"], "dflash_ms_per_cycle": spec["ms_per_cycle"],
                       "dflash_acceptance_length": spec["mean_acceptance_length"],
@@ -92,7 +104,7 @@ def run(shape_name: str, device: torch.device, vs: list[str], concurrency: list[
                 r[f"c{c}"].update({"grouped_moe_plain_ms_per_step": grouped["ms_per_cycle"],
                                    "grouped_moe_step_over_ours": grouped["ms_per_cycle"] / plain["ms_per_cycle"]})
         if draft2 is not None:
-            spec2 = throughput(target, draft2, block_size, c, prompt_len, max_tokens, accept_len)
+            spec2 = spec2s[c]
             r[f"c{c}"].update({"dflash2_tok_s": spec2["tok_s"], "dflash2_ms_per_cycle": spec2["ms_per_cycle"],
                                "dflash2_cycle_over_dflash1": spec2["ms_per_cycle"] / spec["ms_per_cycle"]})
         readers = {"dflash1": draft, **({"dflash2": draft2} if draft2 is not None else {})}
@@ -136,10 +148,10 @@ def fp8_side_by_side(r: dict[str, Any], target, draft, block_size: int, concurre
                            "step_weight_GB": fp8.step_weight_bytes(target) / 1e9}
     if "copy_bandwidth_TBps" in r:
         out["floor_ms_per_token"] = out["step_weight_GB"] / r["copy_bandwidth_TBps"]
+    plains = sweep(target, None, 1, concurrency, prompt_len, max_tokens, None)
+    specs = sweep(target, draft, block_size, concurrency, prompt_len, max_tokens, accept_len)
     for c in concurrency:
-        plain = throughput(target, None, 1, c, prompt_len, max_tokens, None)
-        spec = throughput(target, draft, block_size, c, prompt_len, max_tokens, accept_len)
-        bf16 = r[f"c{c}"]
+        plain, spec, bf16 = plains[c], specs[c], r[f"c{c}"]
         out[f"c{c}"] = {"bf16_plain_ms_per_step": bf16["plain_ms_per_step"], "fp8_plain_ms_per_step": plain["ms_per_cycle"],
                         "bf16_dflash_ms_per_cycle": bf16["dflash_ms_per_cycle"],
                         "fp8_dflash_ms_per_cycle": spec["ms_per_cycle"],

@@ -159,7 +159,7 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up(self, kinds: tuple[str, ...] = ("piecewise", "verify", "propose")) -> None:
         """Every graph the dispatcher serves, captured before the first request (largest first:
-        the graphs' shared pool grows once), each after two eager runs that compile and autotune
+        the graphs' shared pool grows once), each after one eager run that compiles and autotunes
         its kernels (ours, flash-linear-attention's chunk and step kernels, the MoE kernels,
         cuBLAS's choices); then the logits stage at every verify bucket. The torch reference
         attention (BLOCKSPEC_ATTENTION=reference, a sliding-window draft layer) buckets keys by
