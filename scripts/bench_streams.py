@@ -9,6 +9,7 @@ must be equal (a batch changes nothing). Prints seconds for each and the ratio.
     python scripts/bench_streams.py --serve-args "--speculation off"
     python scripts/bench_streams.py --fixture              # the suite's tiny Qwen3 (152k vocabulary), random draft
     python scripts/bench_streams.py --serve-args "--device cuda" --requests 64 --overlap off   # and --overlap on
+    python scripts/bench_streams.py --serve-args "--device cuda" --requests 64 --max-tokens 256 --bursts 3
     py-spy record --subprocesses -o streams.svg -- python scripts/bench_streams.py   # where the time goes
 """
 from __future__ import annotations
@@ -60,15 +61,50 @@ CLIENT = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64, max_k
 
 def stream(url: str, prompt: list[int], max_tokens: int) -> str:
     """One streamed completion → its text (SSE chunks joined)."""
+    return timed_stream(url, prompt, max_tokens)[0]
+
+
+def timed_stream(url: str, prompt: list[int], max_tokens: int) -> tuple[str, float]:
+    """One streamed completion → its text and the seconds from sending to its first token's chunk."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     parts: list[str] = []
+    started, first = time.perf_counter(), None
     with CLIENT.stream("POST", url + "/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 choices = json.loads(line[len("data: "):]).get("choices") or []
                 parts += [c.get("text", "") for c in choices]
-    return "".join(parts)
+                if first is None and any(c.get("text") for c in choices):
+                    first = time.perf_counter() - started
+    return "".join(parts), first if first is not None else float("nan")
+
+
+def bursts(url: str, prompts: list[list[int]], max_tokens: int, count: int) -> list[dict[str, float]]:
+    """`count` bursts of len(prompts) streams sent at once, the first straight after startup (no
+    warm-up request): each burst's first-token p50 / p99 (ms) and its wall time. A server that
+    compiled and captured everything before its port opened serves the first burst as fast as
+    the later ones."""
+    out = []
+    for _ in range(count):
+        ttfts: list[float] = [0.0] * len(prompts)
+
+        def one(i: int) -> None:
+            ttfts[i] = timed_stream(url, prompts[i], max_tokens)[1]
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        ordered = sorted(ttfts)
+        out.append({"ttft_p50_ms": round(ordered[len(ordered) // 2] * 1e3, 1),
+                    "ttft_p99_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3, 1),
+                    "wall_s": round(time.perf_counter() - started, 3)})
+        print(f"burst {len(out)}: {len(prompts)} streams, first token p50 {out[-1]['ttft_p50_ms']} ms, "
+              f"p99 {out[-1]['ttft_p99_ms']} ms, all done in {out[-1]['wall_s']} s", flush=True)
+    return out
 
 
 def cpu_seconds(path: str) -> float:
@@ -141,6 +177,8 @@ def main() -> int:
     parser.add_argument("--overlap", choices=("on", "off"), default="on",
                         help="the engine's overlap on CUDA (off: BLOCKSPEC_OVERLAP=0 for the server)")
     parser.add_argument("--json", action="store_true", help="print one JSON line too")
+    parser.add_argument("--bursts", type=int, default=0, metavar="K",
+                        help="instead: K bursts of --requests streams at once, first tokens' p50 / p99 per burst")
     args = parser.parse_args()
     port = free_port()
     if args.fixture:
@@ -150,6 +188,12 @@ def main() -> int:
     server = start_server(port, serve_args, args.overlap == "on")
     url = f"http://127.0.0.1:{port}"
     try:
+        if args.bursts:
+            prompts = demo_prompts(args.requests, args.model)
+            result = bursts(url, prompts, args.max_tokens, args.bursts)
+            print(json.dumps({"requests": args.requests, "max_tokens": args.max_tokens, "bursts": result,
+                              "first_over_last_p50": round(result[0]["ttft_p50_ms"] / result[-1]["ttft_p50_ms"], 3)}))
+            return 0
         prompts = demo_prompts(args.requests + 1, args.model)
         stream(url, prompts[0], args.max_tokens)                                  # warm-up
         prompts = prompts[1:]

@@ -3,6 +3,7 @@ acceptance forced or following a latent profile (`--accept-profile`)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 import zlib
 from typing import Any, Callable
@@ -150,6 +151,8 @@ def speculation_sweep(target, draft, block_size: int, concurrency: list[int], pr
             cycles = sum(widths.values())
             result["mean_width"] = sum(k * n for k, n in widths.items()) / cycles if cycles else 0.0
             out[c] = {**result, **graph_replay_ms(engine, c)}
+            print(f"bench: {speculation if draft is not None else 'plain'} at {c}: {result['tok_s']:.1f} tok/s, "
+                  f"{result['ms_per_cycle']:.2f} ms a step, width {result['mean_width']:.2f}", file=sys.stderr, flush=True)
     finally:
         for patch in reversed(patches):
             patch.stop()

@@ -2,6 +2,7 @@
 the bandwidth floor, other block sizes, and the peers on the same weights."""
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 from unittest import mock
@@ -34,7 +35,12 @@ def sweep(target, draft, block_size: int, concurrency: list[int], prompt_len: in
     """measure() at each concurrency on one engine, released afterwards (its pool and graphs)."""
     engine = bench_engine(target, draft, block_size, max(concurrency), prompt_len, max_tokens)
     try:
-        return {c: measure(engine, c, prompt_len, max_tokens, accept_len) for c in concurrency}
+        out = {}
+        for c in concurrency:
+            out[c] = measure(engine, c, prompt_len, max_tokens, accept_len)
+            print(f"bench: {'DFlash' if draft is not None else 'plain'} at {c}: {out[c]['tok_s']:.1f} tok/s, "
+                  f"{out[c]['ms_per_cycle']:.2f} ms a step", file=sys.stderr, flush=True)
+        return out
     finally:
         del engine
         release()
