@@ -191,6 +191,21 @@ def test_prefix_cache_keys_pages_by_image(kind, checkpoints, plain):
     assert other.output_ids == run(fresh, turn, ["tall"], "f3").output_ids
 
 
+def test_the_startup_capture_forwards_run_on_a_vision_model(checkpoints, plain):
+    """CUDA startup captures every bucket on padding rows of a request-less sequence (the runner's
+    idle forwards: verify rows, a prefill chunk, the draft's blocks), which carry no images; on a
+    vision-language target they run, and change no later output."""
+    llm = plain["qwen3_5"]
+    request = our_request(llm, *PROMPTS["one"], "before")
+    llm.generate_requests([request])
+    runner = llm.engine.runner
+    runner.idle_forward("verify", 4)
+    runner.idle_forward("piecewise", 8)
+    again = our_request(llm, *PROMPTS["one"], "after")
+    llm.generate_requests([again])
+    assert again.output_ids == request.output_ids
+
+
 def test_make_request_refuses_images_for_a_text_model():
     from types import SimpleNamespace
     text_only = SimpleNamespace(target=SimpleNamespace(visual=None))

@@ -105,9 +105,11 @@ def check_one_sequence_fits(config: EngineConfig, size: PoolSize) -> None:
 
 
 def dummy_sequence(num_pages: int, state_slot: int = 0) -> SimpleNamespace:
-    """What `ModelRunner.prepare` reads of a sequence, for a profiling or capture forward:
-    pages 1 … num_pages − 1 of a throwaway pool, the padding state slot."""
-    return SimpleNamespace(block_table=list(range(1, num_pages)), state_slot=state_slot)
+    """What `ModelRunner.prepare` and `forward` read of a sequence, for a profiling or capture
+    forward: pages 1 … num_pages − 1 of a throwaway pool, the padding state slot, a request
+    without images."""
+    return SimpleNamespace(block_table=list(range(1, num_pages)), state_slot=state_slot,
+                           request=SimpleNamespace(multimodal=None))
 
 
 def startup_line(config: EngineConfig, size: PoolSize) -> str:
