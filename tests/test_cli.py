@@ -248,6 +248,32 @@ def test_a_failing_bench_request_stops_the_run(qwen3_dir):
 
 
 
+def test_the_closed_loop_bench_keeps_its_load_and_ends_unmeasured(qwen3_dir):
+    """run_batch(rounds=3): every request that ends is replaced until 3 × concurrency were sent,
+    never more than `concurrency` run at once, and all of them finish (the unmeasured drain)."""
+    from blockspec.bench import run_batch
+    from blockspec.loader import load_model
+    from helpers import make_engine
+
+    engine = make_engine(load_model(str(qwen3_dir), device="cpu", dtype="float32").model,
+                         max_model_len=64, max_num_seqs=4, max_queue=8)
+    running, submitted = [], []
+    submit, step = engine.submit, engine.step
+
+    def counted_submit(request, on_event):
+        submitted.append(request)
+        submit(request, on_event)
+
+    def counted_step():
+        step()
+        running.append(sum(1 for r in submitted if not r.is_finished))
+    engine.submit, engine.step = counted_submit, counted_step
+    result = run_batch(engine, 2, 8, 5, rounds=3)
+    assert len(submitted) == 6 and all(r.is_finished for r in submitted)
+    assert max(running) <= 2 and result["tok_s"] > 0
+    assert [len(r.output_ids) for r in submitted] == [5] * 6
+
+
 def test_bench_multi_turn_on_cpu(tmp_path):
     """--multi-turn: every reusable prompt token of the later turns comes from the prefix cache,
     none with --no-prefix-cache, in one run; a hybrid shape reports its snapshot copy."""

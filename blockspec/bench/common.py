@@ -232,11 +232,19 @@ class EngineFailed(RuntimeError):
     """A bench request ended with an error: the figures would be of a broken run."""
 
 
-def run_batch(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int) -> dict[str, float]:
+def run_batch(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int, rounds: int = 1) -> dict[str, float]:
+    """Output tok/s and ms per step of `concurrency` requests decoded together, measured after
+    every one has its first token (decode alone). rounds > 1: closed loop, as a serving load of
+    `concurrency` clients: each request that ends is replaced by a new one until rounds ×
+    concurrency were sent, and the window closes at the first end that nobody replaces, so no
+    drain is measured: a batch's tail (its slowest requests finishing alone) says nothing of the
+    throughput at that load, and it is where a policy that narrows the slow requests' blocks
+    would be judged on the wrong thing. The replacements' prefills run inside the window."""
     gen = torch.Generator().manual_seed(0)
+    total = concurrency * max(1, rounds)
     requests = [Request(f"bench-{i}", torch.randint(1000, 100000, (prompt_len,), generator=gen).tolist(),
                         SamplingParams(max_tokens=max_tokens), frozenset(), engine.config.max_model_len)
-                for i in range(concurrency)]
+                for i in range(total)]
     errors: list[str] = []
 
     def on_event(event) -> None:
@@ -248,21 +256,30 @@ def run_batch(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int
         if errors:               # a failed request never gets its tokens: stop, do not spin
             raise EngineFailed(f"a bench request failed in the engine: {errors[0]}")
 
-    for request in requests:
+    sent = requests[:concurrency]
+    for request in sent:
         engine.submit(request, on_event)
-    while not all(r.output_ids or r.is_finished for r in requests):
+    while not all(r.output_ids or r.is_finished for r in sent):
         step()                                          # prefill everyone first: decode is measured alone
     synchronize()
     started = time.perf_counter()
-    tokens_before = sum(len(r.output_ids) for r in requests)
-    batch_cycles = 0
-    while not all(r.is_finished for r in requests):
+    tokens_before = sum(len(r.output_ids) for r in sent)
+    batch_cycles, closes = 0, (total - concurrency if rounds > 1 else total - 1)
+    while True:
         step()
         batch_cycles += 1
+        finished = sum(r.is_finished for r in sent)
+        if finished > closes:
+            break
+        for request in requests[len(sent): len(sent) + finished - (len(sent) - concurrency)]:
+            engine.submit(request, on_event)
+            sent.append(request)
     synchronize()
     seconds = time.perf_counter() - started
-    tokens = sum(len(r.output_ids) for r in requests) - tokens_before
-    per_seq = [r.stats for r in requests]
+    tokens = sum(len(r.output_ids) for r in sent) - tokens_before
+    while not all(r.is_finished for r in sent):
+        step()                                          # the rest drains, unmeasured
+    per_seq = [r.stats for r in sent]
     return {"tok_s": tokens / seconds, "ms_per_cycle": seconds * 1e3 / max(1, batch_cycles),
             "mean_acceptance_length": sum(s.mean_acceptance_length for s in per_seq) / len(per_seq)}
 

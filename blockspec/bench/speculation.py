@@ -125,6 +125,12 @@ def parse_accept_profile(text: str | None, block_size: int) -> LatentProfile | N
     return LatentProfile(values[0], block_size, *values[1:])
 
 
+# Each point is a closed loop of this many times its concurrency in requests (run_batch): the
+# latent profile gives every request its own acceptance, and a batch's slowest requests would
+# otherwise set its time.
+ROUNDS = 3
+
+
 def speculation_sweep(target, draft, block_size: int, concurrency: list[int], prompt_len: int, max_tokens: int,
                       speculation: str, accept_len: float | None = None,
                       profile: LatentProfile | None = None) -> dict[int, dict[str, Any]]:
@@ -146,7 +152,7 @@ def speculation_sweep(target, draft, block_size: int, concurrency: list[int], pr
         for c in concurrency:
             run_batch(engine, c, prompt_len, 8)                                          # warm-up
             engine.counters.spec_widths.clear()
-            result = run_batch(engine, c, prompt_len, max_tokens)
+            result = run_batch(engine, c, prompt_len, max_tokens, rounds=ROUNDS)
             widths = engine.counters.spec_widths
             cycles = sum(widths.values())
             result["mean_width"] = sum(k * n for k, n in widths.items()) / cycles if cycles else 0.0
