@@ -391,9 +391,10 @@ class Hopeless(OracleDraft):
 
 def test_adaptive_policy_drops_the_draft_of_a_sequence_it_does_not_pay_for(dense, reference, monkeypatch):
     """The real policy, the draft's cost 0.5 ms per drafting sequence: two requests with the
-    same prompt, one drafted perfectly, one hopelessly. After its first cycle the hopeless one
-    verifies nothing and is left out of the draft forward (one row per draft forward), the good
-    one keeps whole blocks; both outputs equal plain decoding's."""
+    same prompt, one drafted perfectly, one hopelessly. After its first two cycles (the second
+    is planned before the first one's verdict is learnt: the policy learns while the device runs
+    the next step) the hopeless one verifies nothing and is left out of the draft forward (one
+    row per draft forward), the good one keeps whole blocks; both outputs equal plain decoding's."""
     from blockspec.engine.spec import policy
     monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)              # no learning cycles in 30 tokens
     target, draft = dense
@@ -408,9 +409,9 @@ def test_adaptive_policy_drops_the_draft_of_a_sequence_it_does_not_pay_for(dense
                                                 make_request("bad", PROMPT, max_tokens=30)])
     assert good.output_ids == bad.output_ids == reference
     assert good.stats.acceptance_lengths == [8, 8, 8, 5]
-    assert bad.stats.draft_tokens == BLOCK - 1 and bad.stats.accepted_tokens == 0    # its first cycle only
-    assert oracle.batches == [2] + [1] * 3
-    assert engine.counters.spec_widths[0] == bad.stats.cycles - 1
+    assert bad.stats.draft_tokens == 2 * (BLOCK - 1) and bad.stats.accepted_tokens == 0    # two cycles only
+    assert oracle.batches == [2, 2, 1, 1]
+    assert engine.counters.spec_widths[0] == bad.stats.cycles - 2
 
 
 class Pattern(Speculation):

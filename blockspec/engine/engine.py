@@ -215,6 +215,7 @@ class Engine:
             self.counters.decode_batch_sizes[len(batch.decode)] += 1
         started = time.perf_counter()
         launched = self.runner.launch(batch)
+        self.runner.learn()                                  # while the device runs this step
         if self.overlap:
             self._send_events()
         result = self.runner.collect(launched)
@@ -225,8 +226,9 @@ class Engine:
         for b, seq in enumerate(batch.decode):
             self._isolated(seq, lambda: self._commit(seq, result.decode, b, emitted))
         if result.decode is not None and not batch.prefill:      # a decode-only step: its time is the cycle's
-            self.runner.speculation.record_cycle(time.perf_counter() - started, batch.num_drafts,
-                                                 sum(a + 1 for a in result.decode.num_accepted))
+            seconds, widths = time.perf_counter() - started, batch.num_drafts
+            tokens = sum(a + 1 for a in result.decode.num_accepted)
+            self.runner.defer(lambda: self.runner.speculation.record_cycle(seconds, widths, tokens))
 
     def _first_token(self, seq: Sequence, first_token: FirstToken | None, emitted: list[Emitted]) -> None:
         item = self.scheduler.postprocess_prefill(seq, first_token)
@@ -348,7 +350,7 @@ class Engine:
         request = seq.request
         request.finish_reason = reason
         self.scheduler.finish(seq)
-        self.runner.speculation.forget(seq)
+        self.runner.defer(lambda: self.runner.speculation.forget(seq))      # after its last observation
         if self.runner.draft is not None:
             self.counters.spec_verify += request.stats.cycles
             self.counters.spec_draft_tokens += request.stats.draft_tokens

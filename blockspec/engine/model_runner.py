@@ -19,7 +19,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -92,6 +92,7 @@ class ModelRunner:
         self.states = (StatePool(config.max_num_seqs + 1 + num_snapshots, shapes, self.dtype, self.device)
                        if shapes else None)
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
+        self.deferred: list[Callable[[], None]] = []     # see defer
         graphed = config.cuda_graphs and self.device.type == "cuda"
         self.graphs = self.make_graphs(capture=False, padded=False)     # the profile runs eagerly
         # The pool: measured after the weights and one full-budget forward (engine/memory.py).
@@ -408,6 +409,19 @@ class ModelRunner:
         return self.collect(self.launch(batch))
 
     @torch.inference_mode()
+    def defer(self, work: Callable[[], None]) -> None:
+        """Host work that no step waits for (what the adaptive policy learns from a verify, a
+        cycle's time, forgetting an ended sequence): done by `learn`, after the next launch,
+        while the device runs that step, not between a step's end and the next one's launch.
+        The widths of step N + 1 are then planned from what steps up to N − 1 taught."""
+        self.deferred.append(work)
+
+    def learn(self) -> None:
+        """The deferred work, in the order it was deferred."""
+        work, self.deferred = self.deferred, []
+        for item in work:
+            item()
+
     def launch(self, batch: Batch) -> Launched:
         """The step's forwards, up to the target's logits, reading none of their results back
         (on CUDA they may still be running when this returns: the engine works meanwhile)."""
@@ -480,15 +494,20 @@ class ModelRunner:
         for i, b in enumerate(drafting):
             probs[b] = part.probs[i]
         confidence = None
-        if part.confidence is not None:
-            confidence = torch.zeros(len(decode), self.width - 1, dtype=part.confidence.dtype,
-                                     device=part.confidence.device)
-            confidence[index.to(confidence.device)] = part.confidence
+        if part.confidence is not None:                # on the host (proposal_of): a host index
+            confidence = torch.zeros(len(decode), self.width - 1, dtype=part.confidence.dtype)
+            confidence[torch.tensor(drafting)] = part.confidence
         return Proposal(drafts, probs, confidence)
 
     def proposal_of(self, drafted, seqs: list[Sequence]) -> Proposal:
-        """The drafts the draft's output proposes for seqs, drawn with each one's parameters."""
-        return propose(drafted, seqs, confidence=self.speculation.adaptive)
+        """The drafts the draft's output proposes for seqs, drawn with each one's parameters; the
+        confidences (adaptive) start on their way to the host at once, so reading them later
+        waits for nothing: the verify's one readback (accept) comes after them on the stream."""
+        proposal = propose(drafted, seqs, confidence=self.speculation.adaptive)
+        if proposal.confidence is not None and proposal.confidence.is_cuda:
+            host = torch.empty(proposal.confidence.shape, dtype=proposal.confidence.dtype, pin_memory=True)
+            proposal.confidence = host.copy_(proposal.confidence, non_blocking=True)
+        return proposal
 
     def place_drafts(self, meta: AttentionMetadata, proposal: Proposal, num_drafts: list[int], at: int) -> None:
         """The drafts go into their verify rows: sequence b's row 1 + j takes d_{j+1}, j < k_b."""
@@ -545,8 +564,8 @@ class ModelRunner:
         raw = self.raw_logprobs(decode, logits)                                 # before any processing
         processed = process_verify(decode, proposal, logits, num_drafts)
         num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts)
-        if proposal is not None:
-            self.speculation.observe(decode, proposal.confidence, num_drafts, num_accepted)
+        if proposal is not None and proposal.confidence is not None:
+            self.defer(lambda: self.speculation.observe(decode, proposal.confidence, num_drafts, num_accepted))
         if self.is_hybrid:
             self.snapshot_page_boundaries(decode, num_accepted, from_stash=self.draft is not None)
         if self.is_hybrid and self.draft is not None:

@@ -190,17 +190,20 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
         np.minimum(np.asarray(floors, dtype=np.int64), caps_a)
     slot = np.arange(num_slots)
     survival = np.where(slot[None] >= caps_a[:, None], -1.0, np.cumprod(np.clip(p, 0.0, 1.0), axis=1))
-    # Forced slots first (+inf keeps their per-sequence order), then by survival; a stable sort
-    # keeps k ascending within a sequence among equal scores.
+    # Forced slots first, then by survival. Equal scores may come in any order (a stable sort
+    # costs 8× as much on the host every step): what is taken of a sequence is counted, not
+    # named, and a sequence drafts from the first of its slots taken, wherever that lands.
     forced = slot[None] < floors_a[:, None]
     keys = np.where(forced, math.inf, survival).ravel()
-    order = np.argsort(-keys, kind="stable")
+    order = np.argsort(-keys)
     order = order[keys[order] >= 0]                                       # past a cap: never
     num_forced = int(forced.sum())
     taken = survival.ravel()[order]
     tokens = num_seqs + np.concatenate(([0.0], np.cumsum(taken)))
     rows = num_seqs + np.arange(len(order) + 1, dtype=np.float64)
-    drafting = np.concatenate(([0.0], np.cumsum(order % num_slots == 0)))  # a sequence's first slot: it drafts
+    first = np.zeros(len(order), dtype=np.float64)
+    first[np.unique(order // num_slots, return_index=True)[1]] = 1.0    # where each sequence starts drafting
+    drafting = np.concatenate(([0.0], np.cumsum(first)))
     ms = costs.target(rows) + costs.draft(drafting) + fixed_ms + per_token_ms * tokens
     rate = tokens / ms
     rate[:num_forced] = -math.inf                                         # the floors are not optional
@@ -331,6 +334,7 @@ class Speculation:
         self.calibration = Calibration(max(1, num_slots))
         self._rows: dict[int, tuple[object, int]] = {}                   # id(seq) → (seq, table row)
         self._free_rows: list[int] = []
+        self._floor = np.zeros(64, dtype=np.int64)                        # by row: see floors
         self._cycles_since_learning = 0
         # A step's time beyond the table's forwards ≈ per_seq · B + per_token · committed tokens,
         # fitted online (least squares with forgetting) from the engine's wall time per step.
@@ -352,16 +356,22 @@ class Speculation:
 
     def rows(self, seqs: Seq) -> np.ndarray:
         """Each sequence's row in the calibration tables (given on first sight, kept until forget)."""
-        out = []
-        for seq in seqs:
-            entry = self._rows.get(id(seq))
-            if entry is None or entry[0] is not seq:
-                row = self._free_rows.pop() if self._free_rows else len(self._rows)
-                self.calibration.grow(row + 1)
-                self.calibration.reset(row)
-                entry = self._rows[id(seq)] = (seq, row)
-            out.append(entry[1])
+        get = self._rows.get
+        out = [entry[1] if (entry := get(id(seq))) is not None and entry[0] is seq else self.new_row(seq)
+               for seq in seqs]
         return np.array(out, dtype=np.int64)
+
+    def new_row(self, seq) -> int:
+        row = self._free_rows.pop() if self._free_rows else len(self._rows)
+        self.calibration.grow(row + 1)
+        self.calibration.reset(row)
+        if row >= len(self._floor):
+            self._floor = np.concatenate((self._floor, np.zeros(max(row + 1, 2 * len(self._floor)) - len(self._floor),
+                                                                dtype=np.int64)))
+        params = seq.request.params
+        self._floor[row] = self.num_slots if (not params.is_greedy and params.seed is not None) else 0
+        self._rows[id(seq)] = (seq, row)
+        return row
 
     def forget(self, seq) -> None:
         """The sequence ended: its row is free."""
@@ -369,16 +379,16 @@ class Speculation:
         if entry is not None:
             self._free_rows.append(entry[1])
 
-    def caps(self, seqs: Seq) -> list[int]:
+    def caps(self, seqs: Seq) -> np.ndarray:
         """Drafts worth verifying: the block's, fewer when fewer tokens are allowed."""
-        return [max(0, min(self.num_slots, seq.request.num_allowed - 1)) for seq in seqs]
+        allowed = np.fromiter((seq.request.num_allowed for seq in seqs), dtype=np.int64, count=len(seqs))
+        return np.clip(allowed - 1, 0, self.num_slots)
 
-    def floors(self, seqs: Seq) -> list[int]:
+    def floors(self, rows: np.ndarray) -> np.ndarray:
         """A sampling request with an explicit seed verifies its whole block: its random draws
         (and so its output) then do not depend on the load (invariant 1: a fixed seed, a fixed
-        output)."""
-        return [self.num_slots if (not seq.request.params.is_greedy and seq.request.params.seed is not None) else 0
-                for seq in seqs]
+        output). Kept per row, from the request's parameters when the row was given."""
+        return self._floor[rows]
 
     def planned_widths(self, seqs: Seq) -> list[int]:
         """k_b for each decoding sequence this step, final (the scheduler reserves pages and
@@ -399,8 +409,9 @@ class Speculation:
         if (float(self.calibration.engine_seen.sum()) < WARMUP_OBSERVATIONS
                 or self._cycles_since_learning >= self.learning_interval(len(seqs))):
             self._cycles_since_learning = 0
-            return self.caps(seqs)
-        return allocate(self.calibration.predicted(self.rows(seqs)), self.caps(seqs), self.costs, self.floors(seqs),
+            return self.caps(seqs).tolist()
+        rows = self.rows(seqs)
+        return allocate(self.calibration.predicted(rows), self.caps(seqs), self.costs, self.floors(rows),
                         fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token).widths
 
     def learning_interval(self, num_seqs: int) -> float:
