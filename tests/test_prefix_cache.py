@@ -91,6 +91,39 @@ def test_every_page_freed_exactly_once():
     assert sorted(pages._free) == list(range(1, 40)) and not any(pages._refs)
 
 
+def test_every_eviction_takes_a_least_recently_used_leaf():
+    """Over random admissions, publications, releases and lookups, each page evicted is an
+    unpinned leaf of the oldest last use among them (the eviction heap persists across calls:
+    its stale entries must never decide)."""
+    cache, pages = make(num_pages=40)
+    rng = random.Random(1)
+    live: list[Seq] = []
+    prefixes = [[rng.randrange(50) for _ in range(12)] for _ in range(3)]
+    evicted = 0
+    for step in range(300):
+        if live and (rng.random() < 0.45 or pages.num_free + cache.num_evictable < 8):
+            seq = live.pop(rng.randrange(len(live)))
+            seq.publish()
+            seq.release()
+            continue
+        tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 14))]
+        if rng.random() < 0.3:
+            cache.match(tokens, len(tokens) - 1)       # a lookup touches a path, pins nothing
+        for _ in range(max(0, -(-len(tokens) // PAGE) - pages.num_free + PAGE)):
+            leaves = [n for n in cache._nodes() if n.refs == 0 and not n.children]
+            if not leaves:
+                break
+            assert cache.evict(1) == 1
+            remaining = {id(n) for n in cache._nodes()}
+            gone = [n for n in leaves if id(n) not in remaining]
+            assert len(gone) == 1 and gone[0].last_used == min(n.last_used for n in leaves)
+            evicted += 1
+        if -(-len(tokens) // PAGE) <= pages.num_free:
+            live.append(Seq(cache, pages, tokens))
+        cache.check()
+    assert evicted > 50
+
+
 def test_pinned_pages_are_never_evicted():
     cache, pages = make()
     a = Seq(cache, pages, list(range(13)))
