@@ -408,7 +408,6 @@ class ModelRunner:
         decoding sequences' blocks), and its results on the host."""
         return self.collect(self.launch(batch))
 
-    @torch.inference_mode()
     def defer(self, work: Callable[[], None]) -> None:
         """Host work that no step waits for (what the adaptive policy learns from a verify, a
         cycle's time, forgetting an ended sequence): done by `learn`, after the next launch,
@@ -422,6 +421,7 @@ class ModelRunner:
         for item in work:
             item()
 
+    @torch.inference_mode()
     def launch(self, batch: Batch) -> Launched:
         """The step's forwards, up to the target's logits, reading none of their results back
         (on CUDA they may still be running when this returns: the engine works meanwhile)."""
