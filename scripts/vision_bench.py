@@ -21,6 +21,7 @@ from unittest import mock
 import torch
 
 from blockspec import bench
+from blockspec.bench.common import forced_accept, synchronize
 from blockspec.config import EngineConfig
 from blockspec.engine import model_runner
 from blockspec.engine.engine import Engine
@@ -77,21 +78,21 @@ def run_engine(target, draft, args) -> dict[str, float]:
                           speculation="fixed", prefix_cache=False)
     engine = Engine(target, draft, config)
     forcing = draft is not None
-    with mock.patch.object(model_runner, "accept", bench.forced_accept(args.accept_len) if forcing
+    with mock.patch.object(model_runner, "accept", forced_accept(args.accept_len) if forcing
                            else model_runner.accept):
         for seed, tokens in ((1, 8), (2, args.max_tokens)):
             request = image_request(f"image-{seed}", seed, tokens, config.max_model_len)
-            bench.synchronize()
+            synchronize()
             submitted = time.perf_counter()
             engine.submit(request, lambda event: None)
             while not request.output_ids:
                 engine.step()
-            bench.synchronize()
+            synchronize()
             ttft = time.perf_counter() - submitted
             started, before = time.perf_counter(), len(request.output_ids)
             while not request.is_finished:
                 engine.step()
-            bench.synchronize()
+            synchronize()
             seconds = time.perf_counter() - started
     result = {"ttft_ms": ttft * 1e3, "tok_s": (len(request.output_ids) - before) / seconds,
               "mean_acceptance_length": request.stats.mean_acceptance_length, "prompt_tokens": len(request.prompt_ids)}
