@@ -106,6 +106,20 @@ def test_caps_floors_and_padded_buckets():
     assert graphed.draft(0).item() == 0.0                             # nobody drafts: no draft forward
 
 
+def test_a_ragged_allocation_must_beat_the_whole_block_by_the_margin():
+    """With margin m the policy narrows only where its predicted rate beats verifying every slot
+    up to its cap by more than m; a gain below it keeps the whole, uniform block."""
+    rows = CostTable.analytic(flat_rows=1, ms_flat=10.0, ms_per_row=0.05, draft_ms=0.0)
+    probs = torch.full((4, 7), 0.5, dtype=torch.float64)          # deep slots: little survival
+    free = allocate(probs, [7] * 4, rows)
+    whole = allocate(probs, [7] * 4, rows, margin=1.0)
+    assert sum(free.widths) < 28 and whole.widths == [7] * 4
+    gain = (free.expected_tokens / free.ms) / (whole.expected_tokens / whole.ms) - 1
+    assert 0 < gain < 1.0
+    assert allocate(probs, [7] * 4, rows, margin=gain * 0.9).widths == free.widths
+    assert allocate(probs, [7] * 4, rows, margin=gain * 1.1).widths == [7] * 4
+
+
 def test_a_sequence_whose_draft_does_not_pay_gets_no_draft_forward():
     """The draft costs 1 ms per drafting sequence: a sequence whose drafts are hopeless is left
     at k = 0 (and out of the draft forward) while the confident ones keep their blocks; the
