@@ -5,7 +5,7 @@
 #
 #   scripts/smollm2_device_run.sh GGUF WORK OUT [full|toy]
 #
-# full: the H200 call (≤ 500 s). toy: the same commands at a few prompts on CPU (a check before
+# full: the H200 call (≤ 480 s). toy: the same commands at a few prompts on CPU (a check before
 # the device call). OUT receives log.txt, results.json, the drafts and a sample of the data.
 # A stage whose output exists is skipped and a draft's training resumes from its checkpoint, so a
 # run cut short continues where it stopped when called again on the same WORK.
@@ -24,12 +24,12 @@ if [ "$SCALE" = toy ]; then
   T_PROMPTS=150; T_RESPONSES=150; T_TRAIN=200; T_END=900
 else
   DEV="--device cuda"; TRAIN_DEV="--device cuda"
-  PROMPTS="--magpie 30000 --magpie-tokens 128 --seeds 6000 --budget-s 40 --max-num-seqs 256 --workers 8"
-  RESPONSES="--seq-len 384 --max-response 320 --temperatures 0.7,0.7 --budget-s 150 --max-num-seqs 256 --workers 8"
-  TRAIN="--batch-size 64 --seq-len 384 --max-seconds 110 --save-every 400"
-  STEPS1=1000; STEPS2=800
+  PROMPTS="--magpie 30000 --magpie-tokens 128 --seeds 6000 --budget-s 35 --max-num-seqs 256 --workers 8"
+  RESPONSES="--seq-len 384 --max-response 320 --temperatures 0.7,0.7 --budget-s 140 --max-num-seqs 256 --workers 8"
+  TRAIN="--batch-size 64 --seq-len 384 --max-seconds 100 --save-every 400"
+  STEPS1=900; STEPS2=700
   MEASURE="--limit 32 --max-tokens 128 --concurrency 1,16,64 --sets chat"
-  T_PROMPTS=70; T_RESPONSES=185; T_TRAIN=150; T_END=510
+  T_PROMPTS=60; T_RESPONSES=170; T_TRAIN=140; T_END=465
 fi
 
 stage() {   # stage NAME SECONDS command...
