@@ -24,8 +24,8 @@ if [ "$SCALE" = toy ]; then
   T_PROMPTS=150; T_RESPONSES=150; T_TRAIN=200; T_END=900
 else
   DEV="--device cuda"; TRAIN_DEV="--device cuda"
-  PROMPTS="--magpie 30000 --magpie-tokens 128 --seeds 6000 --budget-s 35 --max-num-seqs 256 --workers 8"
-  RESPONSES="--seq-len 384 --max-response 320 --temperatures 0.7,0.7 --budget-s 140 --max-num-seqs 256 --workers 8"
+  PROMPTS="--magpie 30000 --magpie-tokens 128 --seeds 6000 --budget-s 25 --max-num-seqs 256 --workers 8"
+  RESPONSES="--seq-len 384 --max-response 320 --temperatures 0.7,0.7 --budget-s 115 --max-num-seqs 256 --workers 8"
   TRAIN="--batch-size 64 --seq-len 384 --max-seconds 100 --save-every 400"
   STEPS1=900; STEPS2=700
   MEASURE="--limit 32 --max-tokens 128 --concurrency 1,16,64 --sets chat"
