@@ -3,14 +3,19 @@
 # acceptance and tok/s (scripts/smollm2_recipe.py has the stages). Every stage runs under its own
 # `timeout`; the seconds each took go to WORK/stages.jsonl.
 #
-#   scripts/smollm2_device_run.sh GGUF WORK OUT [full|toy]
+#   [UNTIL=responses|train] [SWEEP="d1b8 ..."] [RESPONSE_S=S] [TRAIN_S=S] \
+#     scripts/smollm2_device_run.sh GGUF WORK OUT [full|toy]
 #
 # full: the H200 call (≤ 480 s). toy: the same commands at a few prompts on CPU (a check before
-# the device call). OUT receives log.txt, results.json, the drafts and a sample of the data.
-# A stage whose output exists is skipped and a draft's training resumes from its checkpoint, so a
-# run cut short continues where it stopped when called again on the same WORK.
+# the device call). OUT receives log.txt, results.json, the drafts and the data (gzipped, in
+# 15 MB pieces). A stage whose output exists is skipped and a draft's training resumes from its
+# checkpoint, so a run cut short continues where it stopped when called again on the same WORK;
+# on one warm machine, calls of one stage each (UNTIL; SWEEP names the drafts to train, of d1b8
+# d1b16 d2b16; RESPONSE_S and TRAIN_S their seconds) spread a longer recipe over several calls.
 set -o pipefail
 GGUF=$1; WORK=$2; OUT=$3; SCALE=${4:-full}
+UNTIL=${UNTIL:-measure}
+SWEEP=${SWEEP:-d1b8 d1b16 d2b16}
 mkdir -p "$WORK" "$OUT"
 START=$(date +%s)
 SEED=0
@@ -31,6 +36,8 @@ else
   MEASURE="--limit 32 --max-tokens 128 --concurrency 1,16,64 --sets chat"
   T_PROMPTS=60; T_RESPONSES=170; T_TRAIN=140; T_END=465
 fi
+if [ -n "$RESPONSE_S" ]; then RESPONSES="$RESPONSES --budget-s $RESPONSE_S"; T_RESPONSES=$((RESPONSE_S + 60)); fi
+if [ -n "$TRAIN_S" ]; then TRAIN="$TRAIN --max-seconds $TRAIN_S"; T_TRAIN=$((TRAIN_S + 40)); fi
 
 stage() {   # stage NAME SECONDS command...
   local name=$1 limit=$2 started rc
@@ -53,27 +60,50 @@ train() {   # train NAME STEPS flags...: one draft of the sweep, under the train
     --eval-prompts 0 --quiet --seed $SEED $resume $TRAIN_DEV $TRAIN "$@" >> "$WORK/$name.log" 2>&1
 }
 
+flags() {   # the sweep's drafts
+  case $1 in
+    d1b8) echo "$STEPS1 --num-layers 1 --block-size 8 --lr 2e-3" ;;
+    d1b16) echo "$STEPS1 --num-layers 1 --block-size 16 --lr 2e-3" ;;
+    d2b16) echo "$STEPS2 --num-layers 2 --block-size 16 --lr 1e-3" ;;
+  esac
+}
+
+pack() {   # pack NAME: WORK/NAME's files gzipped into OUT, in pieces of 15 MB (16 MiB a file comes back)
+  local name=$1
+  shift
+  tar -C "$WORK" -cf - "$@" | gzip -6 > "$OUT/$name.tar.gz"
+  if [ "$(stat -c %s "$OUT/$name.tar.gz")" -gt 16000000 ]; then
+    split -b 15000000 -d -a 1 "$OUT/$name.tar.gz" "$OUT/$name.tar.gz." && rm "$OUT/$name.tar.gz"
+  fi
+}
+
+for d in $SWEEP; do
+  [ -n "$(flags "$d")" ] || { echo "SWEEP: unknown draft $d (d1b8, d1b16, d2b16)" >&2; exit 1; }
+done
 [ -f "$WORK/prompts.train.jsonl" ] || stage prompts $T_PROMPTS python scripts/smollm2_recipe.py prompts --target "$GGUF" --work "$WORK" --seed $SEED $DEV $PROMPTS || exit 1
 [ -f "$WORK/responses.jsonl" ] || stage responses $T_RESPONSES python scripts/smollm2_recipe.py responses --target "$GGUF" --work "$WORK" --seed $SEED $DEV $RESPONSES || exit 1
+if [ "$UNTIL" = responses ]; then
+  pack data prompts.train.jsonl prompts.heldout.jsonl responses.jsonl responses.stats.json
+  ls -l "$OUT"; exit 0
+fi
 # The sweep: the drafts train at once on the one device (none fills it alone).
-SWEEP="d1b8 d1b16 d2b16"
 if [ ! -f "$WORK/train.done" ]; then
-  echo "=== train (limit ${T_TRAIN}s, at +$(($(date +%s) - START))s)"
+  echo "=== train $SWEEP (limit ${T_TRAIN}s, at +$(($(date +%s) - START))s)"
   TRAINED=$(date +%s)
-  train d1b8 $STEPS1 --num-layers 1 --block-size 8 --lr 2e-3 &
-  train d1b16 $STEPS1 --num-layers 1 --block-size 16 --lr 2e-3 &
-  train d2b16 $STEPS2 --num-layers 2 --block-size 16 --lr 1e-3 &
+  for d in $SWEEP; do
+    train "$d" $(flags "$d") &
+  done
   wait
-  echo "{\"stage\": \"train\", \"seconds\": $(($(date +%s) - TRAINED))}" >> "$WORK/stages.jsonl"
-  touch "$WORK/train.done"
+  echo "{\"stage\": \"train\", \"drafts\": \"$SWEEP\", \"seconds\": $(($(date +%s) - TRAINED))}" >> "$WORK/stages.jsonl"
+  [ "$UNTIL" = train ] || touch "$WORK/train.done"
 fi
 for d in $SWEEP; do tail -n 2 "$WORK/$d.log"; done
 DRAFTS=""      # the new drafts first, the shipped one last (the baseline; tok/s is measured before it)
 for d in $SWEEP; do [ -f "$WORK/$d/model.safetensors" ] && DRAFTS="$DRAFTS$WORK/$d,"; done
 DRAFTS="${DRAFTS}blockspec/demo/smollm2-draft"
 LEFT=$((T_END - ($(date +%s) - START)))
-stage measure $LEFT python scripts/smollm2_recipe.py measure --target "$GGUF" --work "$WORK" --seed $SEED $DEV \
-  --drafts "$DRAFTS" $MEASURE
+[ "$UNTIL" = train ] || stage measure $LEFT python scripts/smollm2_recipe.py measure --target "$GGUF" --work "$WORK" \
+  --seed $SEED $DEV --drafts "$DRAFTS" $MEASURE
 
 python - "$WORK" "$OUT" <<'EOF'
 import json, sys
@@ -89,15 +119,8 @@ result["train"] = {d.name: [json.loads(l) for l in (d / "train_log.jsonl").read_
 (out / "results.json").write_text(json.dumps(result, indent=1))
 EOF
 for d in $SWEEP; do
-  [ -f "$WORK/$d/model.safetensors" ] && tar -C "$WORK/$d" -cf - config.json model.safetensors train_log.jsonl | gzip -6 > "$OUT/$d.tar.gz"
-  if [ -f "$OUT/$d.tar.gz" ] && [ "$(stat -c %s "$OUT/$d.tar.gz")" -gt 16000000 ]; then   # 16 MiB a file at most
-    split -b 15000000 -d -a 1 "$OUT/$d.tar.gz" "$OUT/$d.tar.gz." && rm "$OUT/$d.tar.gz"
-  fi
+  [ -f "$WORK/$d/model.safetensors" ] && pack "$d" "$d/config.json" "$d/model.safetensors" "$d/train_log.jsonl"
 done
-tar -C "$WORK" -cf - prompts.train.jsonl prompts.heldout.jsonl responses.jsonl | gzip -6 > "$OUT/data.tar.gz"
-if [ "$(stat -c %s "$OUT/data.tar.gz")" -gt 16000000 ]; then     # the files back are 16 MiB at most: a sample
-  head -n 20000 "$WORK/responses.jsonl" > "$WORK/responses.sample.jsonl"
-  tar -C "$WORK" -cf - prompts.train.jsonl prompts.heldout.jsonl responses.sample.jsonl | gzip -6 > "$OUT/data.tar.gz"
-fi
+[ "$UNTIL" = train ] || pack data prompts.train.jsonl prompts.heldout.jsonl responses.jsonl
 ls -l "$OUT"
 echo "=== done at +$(($(date +%s) - START))s"
