@@ -98,10 +98,44 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def device_longs(values: list, device: torch.device) -> torch.Tensor:
+    """Host ints (nested lists too) → a long tensor on the device, copied without waiting for the
+    device (torch.tensor(values, device=cuda) copies from pageable memory and so waits for every
+    queued kernel: the host would never run ahead of the device)."""
+    is_cuda = device.type == "cuda"
+    return torch.tensor(values, dtype=torch.long, pin_memory=is_cuda).to(device, non_blocking=is_cuda)
+
+
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """probs [..., V] → ids [...] (one draw per row)."""
+    """probs [..., V] → ids [...] (one draw per row): the exponential race argmax(p / E), E ~ Exp(1).
+    That is torch.multinomial's own rule for one draw (the same ids from the same generator state,
+    tests/test_acceptance.py) without its check of the probabilities, which reads the device: a
+    host sync per call, per sequence per step when many sequences sample."""
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    race = torch.empty_like(flat).exponential_(1.0, generator=generator)
+    return (flat / race).argmax(-1).view(probs.shape[:-1])
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits [N, V] → ids [N], row i drawn with params[i] (none greedy) and generators[i]: the
+    same ids as sample(logits[i], params[i], generators[i]) row by row, in a few batched kernels
+    and no host sync. Rows that share their filters are shaped together; each row's race noise
+    comes from its own generator (so a row's id depends on nothing else in the batch)."""
+    groups: dict[tuple[float, int, float, float], list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.temperature, p.top_k, p.top_p, p.min_p), []).append(i)
+    if len(groups) == 1:
+        probs = probs_from_logits(logits, params[0])
+    else:
+        probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        for rows in groups.values():
+            index = device_longs(rows, logits.device)
+            probs[index] = probs_from_logits(logits[index], params[rows[0]])
+    race = torch.empty_like(probs)
+    for i, generator in enumerate(generators):
+        race[i].exponential_(1.0, generator=generator)
+    return (probs / race).argmax(-1)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

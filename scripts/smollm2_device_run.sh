@@ -1,32 +1,43 @@
 #!/usr/bin/env bash
-# The SmolLM2 draft in one bounded run: prompts, responses, a two-draft training sweep, held-out
+# The SmolLM2 draft in one bounded run: prompts, responses, a three-draft training sweep, held-out
 # acceptance and tok/s (scripts/smollm2_recipe.py has the stages). Every stage runs under its own
 # `timeout`; the seconds each took go to WORK/stages.jsonl.
 #
-#   scripts/smollm2_device_run.sh GGUF WORK OUT [full|toy]
+#   [UNTIL=responses|train] [SWEEP="d1b8 ..."] [RESPONSE_S=S] [TRAIN_S=S] \
+#     scripts/smollm2_device_run.sh GGUF WORK OUT [full|toy]
 #
-# full: the H200 call (≤ 470 s). toy: the same commands at a few prompts on CPU (a check before
-# the device call). OUT receives log.txt, results.json, the drafts and a sample of the data.
+# full: the H200 call (≤ 480 s). toy: the same commands at a few prompts on CPU (a check before
+# the device call). OUT receives log.txt, results.json, the drafts and the data (gzipped, in
+# 15 MB pieces). A stage whose output exists is skipped and a draft's training resumes from its
+# checkpoint, so a run cut short continues where it stopped when called again on the same WORK;
+# on one warm machine, calls of one stage each (UNTIL; SWEEP names the drafts to train, of d1b8
+# d1b16 d2b16; RESPONSE_S and TRAIN_S their seconds) spread a longer recipe over several calls.
 set -o pipefail
 GGUF=$1; WORK=$2; OUT=$3; SCALE=${4:-full}
+UNTIL=${UNTIL:-measure}
+SWEEP=${SWEEP:-d1b8 d1b16 d2b16}
 mkdir -p "$WORK" "$OUT"
 START=$(date +%s)
 SEED=0
 if [ "$SCALE" = toy ]; then
   DEV="--device cpu --threads 1"; TRAIN_DEV="--device cpu"
-  PROMPTS="--magpie 8 --magpie-tokens 40 --seeds 20 --held-out-per-mille 300 --budget-s 60 --max-num-seqs 8"
-  RESPONSES="--limit 24 --seq-len 160 --max-response 48 --temperatures 0.7 --budget-s 60 --max-num-seqs 24"
-  TRAIN="--steps 6 --batch-size 4 --seq-len 160 --max-seconds 60 --save-every 3"
-  MEASURE="--limit 1 --max-tokens 12 --concurrency 1,2 --block-sizes 16"
+  PROMPTS="--magpie 8 --magpie-tokens 40 --seeds 20 --held-out-per-mille 300 --budget-s 60 --max-num-seqs 8 --workers 2"
+  RESPONSES="--limit 24 --seq-len 160 --max-response 48 --temperatures 0.7 --budget-s 60 --max-num-seqs 24 --workers 2"
+  TRAIN="--batch-size 4 --seq-len 160 --max-seconds 40 --save-every 3"
+  STEPS1=6; STEPS2=4
+  MEASURE="--limit 1 --max-tokens 12 --concurrency 1,2 --block-sizes 8"
   T_PROMPTS=150; T_RESPONSES=150; T_TRAIN=200; T_END=900
 else
   DEV="--device cuda"; TRAIN_DEV="--device cuda"
-  PROMPTS="--magpie 16000 --magpie-tokens 96 --seeds 3000 --budget-s 30 --max-num-seqs 768"
-  RESPONSES="--seq-len 384 --max-response 320 --temperatures 0.7 --budget-s 115 --max-num-seqs 768"
-  TRAIN="--steps 900 --batch-size 64 --seq-len 384 --max-seconds 95 --save-every 400"
-  MEASURE="--limit 32 --max-tokens 128 --concurrency 1,16,64"
-  T_PROMPTS=65; T_RESPONSES=150; T_TRAIN=130; T_END=430
+  PROMPTS="--magpie 30000 --magpie-tokens 128 --seeds 6000 --budget-s 25 --max-num-seqs 256 --workers 8"
+  RESPONSES="--seq-len 384 --max-response 320 --temperatures 0.7,0.7 --budget-s 115 --max-num-seqs 256 --workers 8"
+  TRAIN="--batch-size 64 --seq-len 384 --max-seconds 100 --save-every 400"
+  STEPS1=900; STEPS2=700
+  MEASURE="--limit 32 --max-tokens 128 --concurrency 1,16,64 --sets chat"
+  T_PROMPTS=60; T_RESPONSES=170; T_TRAIN=140; T_END=465
 fi
+if [ -n "$RESPONSE_S" ]; then RESPONSES="$RESPONSES --budget-s $RESPONSE_S"; T_RESPONSES=$((RESPONSE_S + 60)); fi
+if [ -n "$TRAIN_S" ]; then TRAIN="$TRAIN --max-seconds $TRAIN_S"; T_TRAIN=$((TRAIN_S + 40)); fi
 
 stage() {   # stage NAME SECONDS command...
   local name=$1 limit=$2 started rc
@@ -40,33 +51,59 @@ stage() {   # stage NAME SECONDS command...
   return $rc
 }
 
-train() {   # train NAME flags...: one draft of the sweep, under the train stage's limit
-  local name=$1
-  shift
+train() {   # train NAME STEPS flags...: one draft of the sweep, under the train stage's limit
+  local name=$1 steps=$2 resume=""
+  shift 2
+  [ -d "$WORK/$name/checkpoints" ] && resume="--resume"
   timeout "$T_TRAIN" python -m blockspec train-draft --target "$GGUF" --data "$WORK/responses.jsonl" \
-    --out "$WORK/$name" --target-layer-ids 1,10,19,27 --mask-token-id 16 --lr 1e-3 --eval-every 0 \
-    --eval-prompts 0 --quiet --seed $SEED $TRAIN_DEV $TRAIN "$@" > "$WORK/$name.log" 2>&1
+    --out "$WORK/$name" --target-layer-ids 1,10,19,27 --mask-token-id 16 --eval-every 0 --steps "$steps" \
+    --eval-prompts 0 --quiet --seed $SEED $resume $TRAIN_DEV $TRAIN "$@" >> "$WORK/$name.log" 2>&1
 }
 
-# A stage whose output exists is skipped (a run cut short resumes).
+flags() {   # the sweep's drafts
+  case $1 in
+    d1b8) echo "$STEPS1 --num-layers 1 --block-size 8 --lr 2e-3" ;;
+    d1b16) echo "$STEPS1 --num-layers 1 --block-size 16 --lr 2e-3" ;;
+    d2b16) echo "$STEPS2 --num-layers 2 --block-size 16 --lr 1e-3" ;;
+  esac
+}
+
+pack() {   # pack NAME: WORK/NAME's files gzipped into OUT, in pieces of 15 MB (16 MiB a file comes back)
+  local name=$1
+  shift
+  tar -C "$WORK" -cf - "$@" | gzip -6 > "$OUT/$name.tar.gz"
+  if [ "$(stat -c %s "$OUT/$name.tar.gz")" -gt 16000000 ]; then
+    split -b 15000000 -d -a 1 "$OUT/$name.tar.gz" "$OUT/$name.tar.gz." && rm "$OUT/$name.tar.gz"
+  fi
+}
+
+for d in $SWEEP; do
+  [ -n "$(flags "$d")" ] || { echo "SWEEP: unknown draft $d (d1b8, d1b16, d2b16)" >&2; exit 1; }
+done
 [ -f "$WORK/prompts.train.jsonl" ] || stage prompts $T_PROMPTS python scripts/smollm2_recipe.py prompts --target "$GGUF" --work "$WORK" --seed $SEED $DEV $PROMPTS || exit 1
 [ -f "$WORK/responses.jsonl" ] || stage responses $T_RESPONSES python scripts/smollm2_recipe.py responses --target "$GGUF" --work "$WORK" --seed $SEED $DEV $RESPONSES || exit 1
-# The sweep: both drafts train at once on the one device (neither fills it alone).
-if [ ! -f "$WORK/d1b16/model.safetensors" ]; then
-  echo "=== train (limit ${T_TRAIN}s, at +$(($(date +%s) - START))s)"
-  TRAINED=$(date +%s)
-  train d1b16 --num-layers 1 --block-size 16 &
-  train d2b16 --num-layers 2 --block-size 16 &
-  wait
-  echo "{\"stage\": \"train\", \"seconds\": $(($(date +%s) - TRAINED))}" >> "$WORK/stages.jsonl"
+if [ "$UNTIL" = responses ]; then
+  pack data prompts.train.jsonl prompts.heldout.jsonl responses.jsonl responses.stats.json
+  ls -l "$OUT"; exit 0
 fi
-tail -n 2 "$WORK"/d1b16.log "$WORK"/d2b16.log
+# The sweep: the drafts train at once on the one device (none fills it alone).
+if [ ! -f "$WORK/train.done" ]; then
+  echo "=== train $SWEEP (limit ${T_TRAIN}s, at +$(($(date +%s) - START))s)"
+  TRAINED=$(date +%s)
+  for d in $SWEEP; do
+    train "$d" $(flags "$d") &
+  done
+  wait
+  echo "{\"stage\": \"train\", \"drafts\": \"$SWEEP\", \"seconds\": $(($(date +%s) - TRAINED))}" >> "$WORK/stages.jsonl"
+  [ "$UNTIL" = train ] || touch "$WORK/train.done"
+fi
+for d in $SWEEP; do tail -n 2 "$WORK/$d.log"; done
 DRAFTS=""      # the new drafts first, the shipped one last (the baseline; tok/s is measured before it)
-for d in d1b16 d2b16; do [ -f "$WORK/$d/model.safetensors" ] && DRAFTS="$DRAFTS$WORK/$d,"; done
+for d in $SWEEP; do [ -f "$WORK/$d/model.safetensors" ] && DRAFTS="$DRAFTS$WORK/$d,"; done
 DRAFTS="${DRAFTS}blockspec/demo/smollm2-draft"
 LEFT=$((T_END - ($(date +%s) - START)))
-stage measure $LEFT python scripts/smollm2_recipe.py measure --target "$GGUF" --work "$WORK" --seed $SEED $DEV \
-  --drafts "$DRAFTS" $MEASURE
+[ "$UNTIL" = train ] || stage measure $LEFT python scripts/smollm2_recipe.py measure --target "$GGUF" --work "$WORK" \
+  --seed $SEED $DEV --drafts "$DRAFTS" $MEASURE
 
 python - "$WORK" "$OUT" <<'EOF'
 import json, sys
@@ -81,16 +118,9 @@ result["train"] = {d.name: [json.loads(l) for l in (d / "train_log.jsonl").read_
                    for d in sorted(work.iterdir()) if (d / "train_log.jsonl").exists()}
 (out / "results.json").write_text(json.dumps(result, indent=1))
 EOF
-for d in d1b16 d2b16; do
-  [ -f "$WORK/$d/model.safetensors" ] && tar -C "$WORK/$d" -cf - config.json model.safetensors train_log.jsonl | gzip -6 > "$OUT/$d.tar.gz"
-  if [ -f "$OUT/$d.tar.gz" ] && [ "$(stat -c %s "$OUT/$d.tar.gz")" -gt 16000000 ]; then   # 16 MiB a file at most
-    split -b 15000000 -d -a 1 "$OUT/$d.tar.gz" "$OUT/$d.tar.gz." && rm "$OUT/$d.tar.gz"
-  fi
+for d in $SWEEP; do
+  [ -f "$WORK/$d/model.safetensors" ] && pack "$d" "$d/config.json" "$d/model.safetensors" "$d/train_log.jsonl"
 done
-tar -C "$WORK" -cf - prompts.train.jsonl prompts.heldout.jsonl responses.jsonl | gzip -6 > "$OUT/data.tar.gz"
-if [ "$(stat -c %s "$OUT/data.tar.gz")" -gt 16000000 ]; then     # the files back are 16 MiB at most: a sample
-  head -n 20000 "$WORK/responses.jsonl" > "$WORK/responses.sample.jsonl"
-  tar -C "$WORK" -cf - prompts.train.jsonl prompts.heldout.jsonl responses.sample.jsonl | gzip -6 > "$OUT/data.tar.gz"
-fi
+[ "$UNTIL" = train ] || pack data prompts.train.jsonl prompts.heldout.jsonl responses.jsonl
 ls -l "$OUT"
 echo "=== done at +$(($(date +%s) - START))s"

@@ -11,9 +11,14 @@ prompts    Magpie (arXiv 2406.08464): the target writes user turns itself, sampl
            the Magpie turns, and the templated prompts of smollm2_prompts.py. De-duplicated after
            normalising case, spaces and punctuation; a fixed share of the Magpie turns (by hash) is held
            out, and nothing equal to a held-out prompt (or to smollm2_prompts.HELD_OUT) is trained on.
-responses  the target answers through our engine, many sequences at once: a greedy round over every
-           prompt, then a follow-up turn (multi-turn) on a share of the greedy answers, then sampled
-           rounds at temperature 0.7 (seeded per prompt), until --budget-s; unfinished ones are dropped.
+responses  the target answers through our engine (plain decoding: no draft), many sequences at once:
+           a greedy round over every prompt, with a follow-up turn (multi-turn) on a share of the
+           greedy answers, then sampled rounds at temperature 0.7 (seeded per prompt), for
+           --budget-s seconds of decoding; unfinished ones are dropped.
+--workers  prompts and responses run as that many processes on one device, each an engine over a
+           shard of the work (prompt i goes to shard i mod N; every seed is a function of i, so
+           the data does not depend on N, only what a budget cuts does): one engine's host work
+           per sequence and step bounds its tokens/s far below what the device decodes.
 measure    held-out acceptance (greedy and at temperature 0.7) of each draft at each block size, DFlash ==
            plain on every greedy output, and plain vs DFlash output tok/s at --concurrency requests.
 Runs on CPU at toy sizes (--magpie 8 --limit 16) to check the recipe before a device call.
@@ -24,8 +29,8 @@ import argparse
 import hashlib
 import json
 import random
-import re
 import string
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -96,9 +101,40 @@ def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> int:
 # ---- the engine, stepped by us: many requests, a deadline ----
 
 def open_llm(target: str, max_model_len: int, max_num_seqs: int, **options: Any):
+    """An engine for the recipe. On CUDA its KV pool is what max_num_seqs sequences of
+    max_model_len can use, not a share of the device's free memory: several engines start on
+    one device at once (--workers) and each would see the others' memory as taken."""
     from blockspec.llm import LLM
+    if options.get("device", "auto") != "cpu" and torch_cuda():
+        pages_per_seq = -(-(max_model_len + 16) // 16)
+        options = {"num_gpu_blocks": max_num_seqs * pages_per_seq + 1, **options}
     return LLM(target, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_queue=1_000_000,
                show_progress=False, **options)
+
+
+def torch_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def run_shards(args) -> None:
+    """This stage again as args.workers processes, one per shard (--shard i), all at once."""
+    command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
+    children = [subprocess.Popen(command + ["--shard", str(i)]) for i in range(args.workers)]
+    failed = [i for i, child in enumerate(children) if child.wait() != 0]
+    if failed:
+        raise SystemExit(f"recipe: shards {failed} of {args.stage} failed")
+
+
+def shards_of(args) -> list[int]:
+    """The shards this process computes: its own (a worker), else all of them in-process (one
+    worker), else none (the parent of --workers N, which merges what they wrote)."""
+    if args.shard is not None:
+        return [args.shard]
+    if args.workers == 1:
+        return [0]
+    run_shards(args)
+    return []
 
 
 def run_requests(llm, jobs: list[tuple[list[int], Any, Any]], deadline: float, on_done=None) -> list[tuple[Any, Any]]:
@@ -145,20 +181,31 @@ def user_prefix(tokenizer) -> list[int]:
     return a[:common]
 
 
-def magpie_turns(llm, count: int, seed: int, deadline: float, max_tokens: int) -> list[str]:
-    """User turns the target writes itself (temperature 1), kept when they end with the turn's end."""
+def magpie_turns(llm, indices: list[int], seed: int, deadline: float, max_tokens: int) -> list[tuple[int, str]]:
+    """User turns the target writes itself (temperature 1; turn i seeded by i), kept when they end
+    with the turn's end → (i, text)."""
     from blockspec.sampling import SamplingParams
     prefix = user_prefix(llm.tokenizer)
     jobs = [(prefix, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed * 1_000_003 + i), i)
-            for i in range(count)]
+            for i in indices]
     texts = []
-    for _, request in run_requests(llm, jobs, deadline):
+    for i, request in run_requests(llm, jobs, deadline):
         if request.finish_reason != "stop":
             continue
         text = llm.tokenizer.decode(request.output_ids, skip_special_tokens=True).strip()
         if 3 <= len(text.split()) <= 200 and "<|" not in text:
-            texts.append(text)
+            texts.append((i, text))
     return texts
+
+
+def magpie_shard(args, shard: int) -> None:
+    started = time.perf_counter()
+    llm = open_llm(args.target, 512, args.max_num_seqs, **device_options(args))
+    # The budget is decoding time: eight engines starting on one device took 30 s (the H200 run).
+    turns = magpie_turns(llm, list(range(shard, args.magpie, args.workers)), args.seed,
+                         time.perf_counter() + args.budget_s, args.magpie_tokens)
+    write_jsonl(Path(args.work) / f"magpie.{shard}.jsonl", ({"i": i, "text": t} for i, t in turns))
+    log(f"magpie shard {shard}: {len(turns)} turns kept ({time.perf_counter() - started:.0f} s)")
 
 
 def math_prompts(rng: random.Random, count: int) -> list[str]:
@@ -191,12 +238,17 @@ def seed_prompts(rng: random.Random, magpie: list[str], scale: int) -> list[str]
     return code + math_prompts(rng, scale) + rewrites + train_prompts(rng.randint(0, 2**31))
 
 
-def build_prompts(args) -> dict[str, Any]:
+def build_prompts(args) -> dict[str, Any] | None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    llm = open_llm(args.target, 512, args.max_num_seqs, **device_options(args))
-    magpie = magpie_turns(llm, args.magpie, args.seed, started + args.budget_s, args.magpie_tokens)
+    for shard in shards_of(args):
+        magpie_shard(args, shard)
+    if args.shard is not None:
+        return None
+    turns = sorted((r["i"], r["text"]) for shard in range(args.workers)
+                   for r in read_jsonl(work / f"magpie.{shard}.jsonl"))
+    magpie = [text for _, text in turns]
     log(f"magpie: {len(magpie)} of {args.magpie} turns kept ({time.perf_counter() - started:.0f} s)")
     rng = random.Random(args.seed)
     seen = {normalised(p) for p in HELD_OUT}                     # the first draft's held-out set stays unseen
@@ -216,7 +268,7 @@ def build_prompts(args) -> dict[str, Any]:
     write_jsonl(work / "prompts.train.jsonl", ({"messages": [{"role": "user", "content": p}]} for p in train))
     write_jsonl(work / "prompts.heldout.jsonl", ({"messages": [{"role": "user", "content": p}]} for p in held))
     stats = {"magpie_asked": args.magpie, "magpie_kept": len(magpie), "train": len(train), "held_out": len(held),
-             "seconds": round(time.perf_counter() - started, 1), "seed": args.seed}
+             "seconds": round(time.perf_counter() - started, 1), "workers": args.workers, "seed": args.seed}
     (work / "prompts.stats.json").write_text(json.dumps(stats, indent=1))
     log(json.dumps(stats))
     return stats
@@ -224,35 +276,62 @@ def build_prompts(args) -> dict[str, Any]:
 
 # ---- stage 2: responses ----
 
-def build_responses(args) -> dict[str, Any]:
+def build_responses(args) -> dict[str, Any] | None:
+    work = Path(args.work)
+    started = time.perf_counter()
+    for shard in shards_of(args):
+        respond_shard(args, shard)
+    if args.shard is not None:
+        return None
+    rows = [row for shard in range(args.workers) for row in read_jsonl(work / f"responses.{shard}.jsonl")]
+    write_jsonl(work / "responses.jsonl", rows)
+    seconds = time.perf_counter() - started
+    kinds: dict[str, int] = {}
+    for row in rows:
+        kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
+    tokens = sum(len(r["token_ids"]) - r["prompt_len"] for r in rows)
+    shards = [json.loads((work / f"responses.{shard}.stats.json").read_text()) for shard in range(args.workers)]
+    stats = {"rows": len(rows), "response_tokens": tokens, "seconds": round(seconds, 1),
+             "tok_s": round(tokens / seconds), "kinds": kinds, "prompts": sum(s["prompts"] for s in shards),
+             "workers": args.workers, "decode_s": max(s["decode_s"] for s in shards),
+             "decode_tok_s": round(tokens / max(s["decode_s"] for s in shards)), "seed": args.seed}
+    (work / "responses.stats.json").write_text(json.dumps(stats, indent=1))
+    log(json.dumps(stats))
+    return stats
+
+
+def respond_shard(args, shard: int) -> None:
+    """The answers to prompts shard, shard + N, … (N = --workers): greedy first (with the
+    follow-up turns as their first turns end), then the sampled rounds, until the budget ends."""
     from blockspec.sampling import SamplingParams
     work = Path(args.work)
     started = time.perf_counter()
     llm = open_llm(args.target, args.seq_len, args.max_num_seqs, **device_options(args))
+    loaded = time.perf_counter()
     tokenizer = llm.tokenizer
     messages = [r["messages"] for r in read_jsonl(work / "prompts.train.jsonl")][: args.limit]
-    chats = [(m, tokenizer.encode_chat(m)) for m in messages]
-    chats = [(m, ids) for m, ids in chats if len(ids) < args.seq_len // 2]
     rng = random.Random(args.seed)
-    follow = set(rng.sample(range(len(chats)), int(len(chats) * args.follow_up_share)))
+    follow = set(rng.sample(range(len(messages)), int(len(messages) * args.follow_up_share)))
+    chats = {i: (messages[i], tokenizer.encode_chat(messages[i])) for i in range(shard, len(messages), args.workers)}
+    chats = {i: (m, ids) for i, (m, ids) in chats.items() if len(ids) < args.seq_len // 2}
 
     def params(prompt_len: int, temperature: float, seed: int | None) -> SamplingParams:
         return SamplingParams(max_tokens=min(args.max_response, args.seq_len - prompt_len), temperature=temperature,
                               seed=seed)
-    greedy = [(ids, params(len(ids), 0.0, None), ("greedy", i)) for i, (_, ids) in enumerate(chats)]
+    greedy = [(ids, params(len(ids), 0.0, None), ("greedy", i)) for i, (_, ids) in chats.items()]
     sampled = []
     for r, temperature in enumerate(args.temperatures):
-        order = list(range(len(chats)))
+        order = list(range(len(messages)))
         random.Random(args.seed + 1 + r).shuffle(order)
         sampled += [(chats[i][1], params(len(chats[i][1]), temperature, args.seed * 7_919 + r * 1_000_003 + i),
-                     (f"t{temperature}", i)) for i in order]
-    # A budget cuts the run short: sampled answers ride along at --sampled-share of the greedy
-    # ones from the start, so a cut run still has both kinds.
+                     (f"t{temperature}", i)) for i in order if i in chats]
+    # A budget cuts the run short: with --sampled-share > 0, sampled answers ride along at that
+    # share of the greedy ones from the start, so a cut run still has both kinds.
     every = max(1, round(1 / args.sampled_share)) if args.sampled_share > 0 else len(greedy) + 1
     jobs, riding = [], iter(sampled)
-    for i, job in enumerate(greedy):
+    for n, job in enumerate(greedy):
         jobs.append(job)
-        if i % every == every - 1:
+        if n % every == every - 1:
             jobs += [next(riding)] if sampled else []
     jobs += list(riding)
 
@@ -265,31 +344,28 @@ def build_responses(args) -> dict[str, Any]:
                               {"role": "user", "content": FOLLOW_UPS[i % len(FOLLOW_UPS)]}]
         ids = tokenizer.encode_chat(turn)
         return [(ids, params(len(ids), 0.0, None), ("follow-up", i))] if len(ids) < args.seq_len - 32 else []
-    done = run_requests(llm, jobs, started + args.budget_s, follow_up)
+    done = run_requests(llm, jobs, loaded + args.budget_s, follow_up)
     rows = [{"token_ids": r.prompt_ids + r.output_ids, "prompt_len": len(r.prompt_ids), "kind": tag[0]}
             for tag, r in done]
-    write_jsonl(work / "responses.jsonl", rows)
-    seconds = time.perf_counter() - started
-    kinds: dict[str, int] = {}
-    for row in rows:
-        kinds[row["kind"]] = kinds.get(row["kind"], 0) + 1
+    write_jsonl(work / f"responses.{shard}.jsonl", rows)
+    decode_s = time.perf_counter() - loaded
     tokens = sum(len(r["token_ids"]) - r["prompt_len"] for r in rows)
-    stats = {"rows": len(rows), "response_tokens": tokens, "seconds": round(seconds, 1),
-             "tok_s": round(tokens / seconds), "kinds": kinds, "prompts": len(chats), "seed": args.seed}
-    (work / "responses.stats.json").write_text(json.dumps(stats, indent=1))
+    stats = {"shard": shard, "rows": len(rows), "response_tokens": tokens, "prompts": len(chats),
+             "load_s": round(loaded - started, 1), "decode_s": round(decode_s, 1), "tok_s": round(tokens / decode_s)}
+    (work / f"responses.{shard}.stats.json").write_text(json.dumps(stats))
     log(json.dumps(stats))
-    return stats
 
 
 # ---- stage 4: measure ----
 
-def held_out_chats(work: Path, tokenizer, limit: int) -> dict[str, list[list[int]]]:
-    """Two held-out sets: the first draft's chat prompts, and the Magpie turns held out by hash."""
+def held_out_chats(work: Path, tokenizer, limit: int, names: list[str]) -> dict[str, list[list[int]]]:
+    """The held-out sets named: chat, the first draft's chat prompts; magpie, the Magpie turns
+    held out by hash."""
     sets = {"chat": [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in HELD_OUT]}
     path = work / "prompts.heldout.jsonl"
     if path.exists():
         sets["magpie"] = [tokenizer.encode_chat(r["messages"]) for r in read_jsonl(path)][:limit]
-    return {k: v[:limit] for k, v in sets.items() if v}
+    return {k: v[:limit] for k, v in sets.items() if v and k in names}
 
 
 def acceptance(llm, prompts: list[list[int]], temperature: float, max_tokens: int, seed: int):
@@ -323,7 +399,7 @@ def measure(args) -> dict[str, Any]:
     work = Path(args.work)
     opts = device_options(args)
     plain = open_llm(args.target, 1024, 64, **opts)
-    sets = held_out_chats(work, plain.tokenizer, args.limit)
+    sets = held_out_chats(work, plain.tokenizer, args.limit, args.sets)
     reference = {name: [r.token_ids for r in acceptance(plain, prompts, 0.0, args.max_tokens, 0)[1]]
                  for name, prompts in sets.items()}
     report: dict[str, Any] = {"max_tokens": args.max_tokens, "held_out": {k: len(v) for k, v in sets.items()},
@@ -403,21 +479,27 @@ def main() -> int:
     p.add_argument("--magpie-tokens", type=int, default=96)
     p.add_argument("--seeds", type=int, default=4_000, help="code, math and rewriting prompts each")
     p.add_argument("--held-out-per-mille", type=int, default=20)
-    p.add_argument("--budget-s", type=float, default=60)
+    p.add_argument("--budget-s", type=float, default=60, help="seconds of decoding, after the engine starts")
     p.add_argument("--max-num-seqs", type=int, default=512)
     p = stages["responses"]
     p.add_argument("--seq-len", type=int, default=384)
     p.add_argument("--max-response", type=int, default=320)
     p.add_argument("--temperatures", type=floats, default=[0.7, 0.7], help="sampled rounds after the greedy one")
     p.add_argument("--follow-up-share", type=float, default=0.25, help="greedy answers that get a second turn")
-    p.add_argument("--sampled-share", type=float, default=0.5, help="sampled answers per greedy one, while both last")
-    p.add_argument("--budget-s", type=float, default=150)
+    p.add_argument("--sampled-share", type=float, default=0.0,
+                   help="sampled answers per greedy one, while both last (0: every greedy answer first)")
+    p.add_argument("--budget-s", type=float, default=150, help="seconds of decoding, after the engine starts")
     p.add_argument("--max-num-seqs", type=int, default=512)
     p = stages["measure"]
     p.add_argument("--drafts", type=lambda t: [d for d in t.split(",") if d], required=True)
     p.add_argument("--block-sizes", type=ints, default=[8, 16])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=ints, default=[1, 16, 64])
+    p.add_argument("--sets", type=lambda t: [n for n in t.split(",") if n], default=["chat", "magpie"],
+                   help="held-out sets: chat (smollm2_prompts.HELD_OUT), magpie (the turns held out by hash)")
+    for name in ("prompts", "responses"):
+        stages[name].add_argument("--workers", type=int, default=1, help="processes (engines) on the device")
+        stages[name].add_argument("--shard", type=int, default=None, help=argparse.SUPPRESS)   # a worker's own
     args = parser.parse_args()
     {"prompts": build_prompts, "responses": build_responses, "measure": measure}[args.stage](args)
     return 0

@@ -118,15 +118,19 @@ def byte_tokens() -> list[str]:
     return [chars[byte] for byte in range(256)]
 
 
-def write_llama3_style_gguf(out: Path, chains: list[list[int]]) -> tuple[Path, dict[str, int]]:
+def write_llama3_style_gguf(out: Path, chains: list[list[int]],
+                            quantize: dict[str, str] | None = None) -> tuple[Path, dict[str, int]]:
     """A one-layer Llama GGUF laid out as Meta's Llama 3 files are: byte-level vocabulary
     (pre-split llama-bpe), <|end_of_text|> the end-of-sequence id and <|eot_id|> the
     end-of-turn id, a Llama-3 chat template. Its greedy output is scripted (as
     fixtures.write_chain_checkpoint's): after chains[c][k] it says chains[c][k + 1]; attention and
-    MLP outputs are zero, so a position's hidden state is its token's embedding. Returns the path
-    and the special tokens' ids."""
+    MLP outputs are zero, so a position's hidden state is its token's embedding. `quantize` maps a
+    GGUF tensor name to a GGML type name for tensors stored quantized. Returns the path and the
+    special tokens' ids."""
     import gguf
-    tokens = byte_tokens() + list(LLAMA3_SPECIALS)
+    # Quantized rows come in blocks of 32: a quantized file's vocabulary is padded to them.
+    padding = -(256 + len(LLAMA3_SPECIALS)) % 32 if quantize else 0
+    tokens = byte_tokens() + list(LLAMA3_SPECIALS) + [f"[PAD{i}]" for i in range(padding)]
     special = {name: 256 + i for i, name in enumerate(LLAMA3_SPECIALS)}
     shape, vocab = LLAMA3_SHAPE, len(tokens)
     hidden, q_rows = shape["hidden_size"], shape["num_attention_heads"] * shape["head_dim"]
@@ -159,7 +163,7 @@ def write_llama3_style_gguf(out: Path, chains: list[list[int]]) -> tuple[Path, d
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("llama-bpe")
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * 256 + [3] * len(LLAMA3_SPECIALS))      # NORMAL, CONTROL
+    writer.add_token_types([1] * 256 + [3] * len(LLAMA3_SPECIALS) + [5] * padding)   # NORMAL, CONTROL, UNUSED
     writer.add_token_merges([])
     writer.add_bos_token_id(special["<|begin_of_text|>"])
     writer.add_eos_token_id(special["<|end_of_text|>"])
@@ -167,7 +171,12 @@ def write_llama3_style_gguf(out: Path, chains: list[list[int]]) -> tuple[Path, d
     writer.add_add_bos_token(True)
     writer.add_chat_template(LLAMA3_TEMPLATE)
     for name, array in weights.items():
-        writer.add_tensor(name, array)
+        qtype = (quantize or {}).get(name)
+        if qtype is None:
+            writer.add_tensor(name, array)
+        else:
+            kind = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -10,9 +10,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from blockspec.engine.spec.dflash import Proposal, accept
+from blockspec.engine.spec.dflash import Proposal, accept, accept_sampled
 from blockspec.loader import load_draft, load_model
-from blockspec.sampling import SamplingParams, probs_from_logits, rejection_sample, sample
+from blockspec.sampling import SamplingParams, probs_from_logits, rejection_sample, sample, sample_from_probs
 
 from helpers import ForwardCounter, OracleDraft, make_engine, make_request, run_alone, run_until_done, submit
 
@@ -113,6 +113,51 @@ def test_greedy_accept_keeps_only_the_matching_prefix():
     num_accepted, new_tokens = accept([seq] * 3, Proposal(drafts, [None] * 3), logits)
     assert num_accepted == [2, 0, 4]
     assert new_tokens == [[5, 6, 7], [1], [4, 4, 4, 4, 4]]
+
+
+
+def test_one_draw_is_torch_multinomials_draw():
+    """sample_from_probs (the exponential race, no host read) draws what torch.multinomial draws
+    from the same generator state, and leaves the generator where multinomial leaves it."""
+    probs = torch.softmax(3 * torch.randn(4, 300, generator=torch.Generator().manual_seed(2)), dim=-1)
+    probs[1, 100:] = 0.0                                     # a filtered row: zeros are never drawn
+    probs[1] /= probs[1].sum()
+    for seed in range(20):
+        ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        for _ in range(2):
+            assert sample_from_probs(probs, ours).tolist() == torch.multinomial(probs, 1, generator=theirs).view(-1).tolist()
+        assert sample_from_probs(probs[2], ours).item() == torch.multinomial(probs[2], 1, generator=theirs).item()
+
+
+def sampling_seq(seed: int, **params) -> SimpleNamespace:
+    params = SamplingParams(**params)
+    generator = torch.Generator().manual_seed(seed) if not params.is_greedy else None
+    return SimpleNamespace(request=SimpleNamespace(params=params), generator=generator)
+
+
+def test_plain_sampled_rows_drawn_together_equal_the_per_sequence_rule():
+    """accept() draws every sampling sequence that verifies no draft at once (draw_plain); each
+    one's token and generator state equal accept_sampled's, its per-sequence reference, whatever
+    the mix: greedy rows, filters shared or not, a processed row, k_b = 0 beside drafting rows."""
+    vocab, width = 500, 4
+    logits = 4 * torch.randn(7, width, vocab, generator=torch.Generator().manual_seed(3))
+    kinds = [dict(), dict(temperature=0.7), dict(temperature=0.7), dict(temperature=1.0, top_k=20),
+             dict(temperature=0.9, top_p=0.8, min_p=0.05), dict(temperature=0.7), dict()]
+    processed = {5: torch.randn(1, vocab, generator=torch.Generator().manual_seed(4))}
+    drafts = logits[:, :-1].argmax(-1)
+    q = [None] * 2 + [torch.softmax(logits[2, :-1], dim=-1)] + [None] * 4    # row 2 samples its drafts
+    for proposal, num_drafts, rows in ((None, [0] * 7, logits[:, :1]),
+                                       (Proposal(drafts, q), [0, 0, 3, 0, 0, 0, 3], logits)):
+        seqs = [sampling_seq(10 + b, **kind) for b, kind in enumerate(kinds)]
+        twins = [sampling_seq(10 + b, **kind) for b, kind in enumerate(kinds)]
+        num_accepted, new_tokens = accept(seqs, proposal, rows, dict(processed), num_drafts)
+        for b, (seq, twin) in enumerate(zip(seqs, twins)):
+            if seq.request.params.is_greedy or num_drafts[b] > 0:
+                continue
+            assert (num_accepted[b], new_tokens[b]) == accept_sampled(twin, None, b, processed.get(b, rows[b, :1]), 0)
+            assert torch.equal(seq.generator.get_state(), twin.generator.get_state())
+        assert new_tokens[0] == [int(rows[0, 0].argmax())]
+        assert new_tokens[6][:-1] == (drafts[6].tolist() if proposal is not None else [])
 
 
 # ---- a dense target with an oracle draft that is right, then wrong, at known positions --------

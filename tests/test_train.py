@@ -194,6 +194,21 @@ def test_prompts_are_answered_by_the_target_through_the_engine(qwen3_dir, tmp_pa
     assert json.loads((out / "config.json").read_text())["dflash_config"]["mask_token_id"] == 151669
 
 
+def test_a_quantized_gguf_target_trains_on_cpu(tmp_path):
+    """A GGUF target with Q4_1 / Q8_0 blocks (kept quantized by --dtype auto on CPU, whose packed
+    kernels have no derivative) trains a draft on CPU: the loss flows back through its head."""
+    from gguf_fixtures import write_llama3_style_gguf
+    kinds = {f"blk.0.ffn_{name}.weight": "Q4_1" for name in ("gate", "up", "down")} | {"output.weight": "Q8_0"}
+    target, special = write_llama3_style_gguf(tmp_path / "q.gguf", [[72, 105, 33]], quantize=kinds)
+    data = tmp_path / "data.jsonl"
+    ids = torch.randint(0, 256, (4, 24), generator=torch.Generator().manual_seed(0)).tolist()
+    data.write_text("".join(json.dumps({"token_ids": row, "prompt_len": 4}) + "\n" for row in ids))
+    summary = train(TrainConfig(target=str(target), out=str(tmp_path / "draft"), data=str(data), num_layers=1,
+                                block_size=4, steps=2, batch_size=2, seq_len=24, device="cpu", eval_prompts=0,
+                                save_every=0, mask_token_id=special["<|eot_id|>"], show_progress=False))
+    assert summary["step"] == 2 and summary["loss"] == summary["loss"] and summary["loss"] > 0
+
+
 def test_cli_errors_are_one_line(tiny_target, tmp_path, capsys):
     from blockspec.cli import main
     bad_json = tmp_path / "bad.jsonl"

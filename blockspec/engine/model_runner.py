@@ -38,7 +38,7 @@ from blockspec.engine.spec.policy import Speculation
 from blockspec.layers import AttentionMetadata
 from blockspec.models.base import MultimodalRows
 from blockspec.layers.attention import token_rows, unpack, uses_kernels
-from blockspec.sampling import sample
+from blockspec.sampling import device_longs, sample
 
 
 # Startup lines (the KV pool, the graphs): INFO, shown where the server or CLI configures logging
@@ -347,11 +347,7 @@ class ModelRunner:
         derive_positions(meta, self.page_size)
 
     def device_ints(self, values: list) -> torch.Tensor:
-        """Host ints (nested lists too) → a long tensor on the device, copied without waiting for
-        the device (torch.tensor(values, device=cuda) copies from pageable memory and so waits for
-        every queued kernel: the host would never run ahead of the device)."""
-        is_cuda = self.device.type == "cuda"
-        return torch.tensor(values, dtype=torch.long, pin_memory=is_cuda).to(self.device, non_blocking=is_cuda)
+        return device_longs(values, self.device)
 
     def processor_of(self, seq: Sequence) -> LogitsProcessor | None:
         """The sequence's logits processor, made here (the engine thread) when first needed;

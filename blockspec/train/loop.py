@@ -188,7 +188,10 @@ class Trainer:
             raise TrainError(f"--batch-size {config.batch_size} (global) does not split over {ranks.world} processes")
         self.config, self.ranks, self.device = config, ranks, ranks.device
         self.out = Path(config.out).expanduser()
-        loaded = load_model(config.target, device=str(self.device), dtype="auto", show_progress=False)
+        # float32 on CPU: a GGUF target's head must carry the draft's gradient, and its blocks kept
+        # quantized (dtype auto on CPU, layers/quant.py) run kernels that have no derivative.
+        dtype = "float32" if self.device.type == "cpu" else "auto"
+        loaded = load_model(config.target, device=str(self.device), dtype=dtype, show_progress=False)
         self.target_path = str(loaded.path)
         self.target = loaded.model.requires_grad_(False)
         self.tokenizer = load_tokenizer(loaded.path)

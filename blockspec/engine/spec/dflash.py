@@ -18,7 +18,7 @@ import torch
 
 from blockspec.engine.sequence import Sequence
 from blockspec.models.dflash2 import CandidateWalk
-from blockspec.sampling import probs_from_logits, rejection_sample, sample_from_probs
+from blockspec.sampling import device_longs, probs_from_logits, rejection_sample, sample_from_probs, sample_rows
 
 
 @dataclass
@@ -193,7 +193,8 @@ def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor
 
     Greedy: d_i is kept while it equals the target's argmax after [x, d_1 … d_{i−1}]; the kept
     drafts then equal the target's own tokens, so the new tokens are target_ids[: a + 1].
-    One device→host read serves every greedy sequence of the batch. processed: sequence row →
+    One device→host read serves every greedy sequence of the batch and every sampling one that
+    verifies no draft (drawn together first, draw_plain). processed: sequence row →
     its processed rows [T, V] (process_verify), which replace its logits for both rules.
 
     Lossless for any k (adaptive speculation, issue 21): the prefix a verify of d_1 … d_k accepts
@@ -211,18 +212,44 @@ def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor
     else:
         agree = (proposal.drafts[:, : width - 1] == target_ids[:, :-1]).long()
         if any(k != width - 1 for k in num_drafts):         # a draft past k_b was never verified
-            verified = torch.arange(width - 1, device=logits.device)[None] < torch.tensor(
-                num_drafts, device=logits.device)[:, None]
+            verified = torch.arange(width - 1, device=logits.device)[None] < device_longs(
+                num_drafts, logits.device)[:, None]
             agree = agree * verified
         accepted = agree.cumprod(1).sum(1, keepdim=True)                        # [B, 1]
+    sampling = [b for b, seq in enumerate(seqs) if not seq.request.params.is_greedy]
+    drawn = [b for b in sampling if proposal is None or num_drafts[b] == 0]
+    if drawn:
+        draw_plain(seqs, drawn, logits, processed, target_ids)
     host = torch.cat((accepted, target_ids), dim=1).tolist()
     num_accepted = [row[0] for row in host]
     new_tokens = [row[1: row[0] + 2] for row in host]
-    for b, seq in enumerate(seqs):
-        if not seq.request.params.is_greedy:
+    for b in sampling:
+        if proposal is not None and num_drafts[b] > 0:
             k = num_drafts[b]
-            num_accepted[b], new_tokens[b] = accept_sampled(seq, proposal, b, processed.get(b, logits[b, : k + 1]), k)
+            num_accepted[b], new_tokens[b] = accept_sampled(seqs[b], proposal, b, processed.get(b, logits[b, : k + 1]),
+                                                            k)
     return num_accepted, new_tokens
+
+
+def draw_plain(seqs: list[Sequence], drawn: list[int], logits: torch.Tensor, processed: dict[int, torch.Tensor],
+               target_ids: torch.Tensor) -> None:
+    """The sampling sequences that verify no draft (plain decoding, or k_b = 0) draw their one
+    token from row 0 together (sampling.sample_rows: what accept_sampled draws for each, with
+    no host read per sequence); it goes where the one host read of the batch finds it,
+    target_ids[b, 0]."""
+    every = len(drawn) == len(seqs)
+    index = None if every else device_longs(drawn, logits.device)
+    rows = logits[:, 0] if every else logits[index, 0]
+    if any(b in processed for b in drawn):
+        rows = rows.clone()
+        for i, b in enumerate(drawn):
+            if b in processed:
+                rows[i] = processed[b][0]
+    tokens = sample_rows(rows, [seqs[b].request.params for b in drawn], [seqs[b].generator for b in drawn])
+    if every:
+        target_ids[:, 0] = tokens
+    else:
+        target_ids[index, 0] = tokens
 
 
 def accept_sampled(seq: Sequence, proposal: Proposal | None, row: int, logits: torch.Tensor,
