@@ -244,6 +244,49 @@ def test_select_refuses_keeping_nothing_of_the_block(hybrids):
             seq.states.select(torch.tensor([seq.state_slot]), [bad])
 
 
+def test_a_stacked_pools_select_copy_and_clear_equal_the_per_layer_ones():
+    """Layers of one shape share [L, slots, …] tensors, and a graphed verify stashes into the stacked
+    space: select from it (every slot and row, with and without keep_stash / rows), copy and clear
+    leave exactly the states the per-layer path leaves (a stash of its own, unstacked)."""
+    from blockspec.cache.state_pool import RecurrentShape, StatePool
+    shapes = [RecurrentShape(conv_dim=6, conv_kernel=4, num_v_heads=2, k_dim=3, v_dim=5)] * 3
+    gen = torch.Generator().manual_seed(0)
+
+    def pool_pair():
+        fast, slow = StatePool(6, shapes, torch.float32, torch.device("cpu")), \
+            StatePool(6, shapes, torch.float32, torch.device("cpu"))
+        for pool in (fast, slow):
+            pool.reserve_space(4, 5)
+        for a, b in zip(fast.conv + fast.ssm, slow.conv + slow.ssm):
+            a.copy_(torch.randn(a.shape, generator=gen))
+            b.copy_(a)
+        return fast, slow
+
+    def stash(fast, slow, count):
+        for layer in range(len(shapes)):
+            steps, conv = fast.space_for(layer, count, 5)
+            steps.copy_(torch.randn(steps.shape, generator=gen))
+            conv.copy_(torch.randn(conv.shape, generator=gen))
+            fast.stash(layer, steps, conv)
+            slow.stash(layer, steps.clone(), conv.clone())              # not the space: per layer
+        assert fast.in_space() and not slow.in_space()
+
+    fast, slow = pool_pair()
+    stash(fast, slow, 3)
+    for pool in (fast, slow):
+        pool.select(torch.tensor([4, 1]), [2, 5], keep_stash=True, rows=[2, 0])
+        pool.select(torch.tensor([1, 3, 5]), [1, 3, 5])
+    assert fast.stashed == [None] * 3 == slow.stashed
+    for a, b in zip(fast.conv + fast.ssm, slow.conv + slow.ssm):
+        assert torch.equal(a, b)
+    for pool in (fast, slow):
+        pool.copy(3, 0)
+        pool.clear([5, 2])
+    for a, b in zip(fast.conv + fast.ssm, slow.conv + slow.ssm):
+        assert torch.equal(a, b)
+    assert not fast.conv_all[:, 5].any() and torch.equal(fast.ssm_all[:, 0], fast.ssm_all[:, 3])
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_graph_shaped_metadata_equals_eager_on_hybrids(hybrids, kind):
     """Padded rows (page 0, state slot 0) and keys over the whole capacity, as a CUDA graph

@@ -26,9 +26,22 @@ class RecurrentShape:
 class StatePool:
     def __init__(self, num_slots: int, shapes: list[RecurrentShape], dtype: torch.dtype, device: torch.device) -> None:
         state_dtype = torch.promote_types(dtype, torch.float32)
-        self.conv = [torch.zeros(num_slots, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device) for s in shapes]
-        self.ssm = [torch.zeros(num_slots, s.num_v_heads, s.k_dim, s.v_dim, dtype=state_dtype, device=device)
-                    for s in shapes]
+        # Layers of one shape (every Qwen3.5) share one tensor per kind, [L, slots, …], and each
+        # layer's is a view of it: a verify's select, a snapshot's copy and a clear are then a few
+        # ops over all layers, not a few per layer (24 GDN layers: ~150 launches a cycle).
+        self.stacked = len(set(shapes)) == 1
+        if self.stacked:
+            s = shapes[0]
+            self.conv_all = torch.zeros(len(shapes), num_slots, s.conv_dim, s.conv_kernel - 1, dtype=dtype,
+                                        device=device)
+            self.ssm_all = torch.zeros(len(shapes), num_slots, s.num_v_heads, s.k_dim, s.v_dim, dtype=state_dtype,
+                                       device=device)
+            self.conv, self.ssm = list(self.conv_all.unbind(0)), list(self.ssm_all.unbind(0))
+        else:
+            self.conv = [torch.zeros(num_slots, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device)
+                         for s in shapes]
+            self.ssm = [torch.zeros(num_slots, s.num_v_heads, s.k_dim, s.v_dim, dtype=state_dtype, device=device)
+                        for s in shapes]
         # After a verify: per layer (states after each position [B, T, Hv, Dk, Dv], conv inputs [B, C, K−1+T]).
         self.stashed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(shapes)
         # Per layer, preallocated (steps [S, T, Hv, Dk, Dv], conv inputs [S, C, K−1+T]) that every
@@ -38,6 +51,14 @@ class StatePool:
 
     def reserve_space(self, num_seqs: int, num_rows: int) -> None:
         """Stash space for verifies of up to num_seqs sequences of num_rows rows (before any capture)."""
+        if self.stacked:
+            layers, _, conv_dim, window = self.conv_all.shape
+            self.space_steps = torch.empty(layers, num_seqs, num_rows, *self.ssm_all.shape[2:], dtype=self.ssm_all.dtype,
+                                           device=self.ssm_all.device)
+            self.space_conv = torch.empty(layers, num_seqs, conv_dim, window + num_rows, dtype=self.conv_all.dtype,
+                                          device=self.conv_all.device)
+            self.space = list(zip(self.space_steps.unbind(0), self.space_conv.unbind(0)))
+            return
         self.space = [(torch.empty(num_seqs, num_rows, *ssm.shape[1:], dtype=ssm.dtype, device=ssm.device),
                        torch.empty(num_seqs, conv.shape[1], conv.shape[2] + num_rows, dtype=conv.dtype,
                                    device=conv.device))
@@ -62,6 +83,10 @@ class StatePool:
     def copy(self, src: int, dst: int) -> None:
         """Slot dst := slot src (every layer's conv window and SSM state): a prefix snapshot
         taken or restored."""
+        if self.stacked:
+            self.conv_all[:, dst].copy_(self.conv_all[:, src])
+            self.ssm_all[:, dst].copy_(self.ssm_all[:, src])
+            return
         for conv, ssm in zip(self.conv, self.ssm):
             conv[dst].copy_(conv[src])
             ssm[dst].copy_(ssm[src])
@@ -74,6 +99,10 @@ class StatePool:
         """Zero these slots' state (a sequence starting from its first token). Slot ids are
         handed out by cache/manager.py (slot 0: padding rows of a batch)."""
         for slot in slots:
+            if self.stacked:
+                self.conv_all[:, slot].zero_()
+                self.ssm_all[:, slot].zero_()
+                continue
             for conv, ssm in zip(self.conv, self.ssm):
                 conv[slot].zero_()
                 ssm[slot].zero_()
@@ -115,6 +144,11 @@ class StatePool:
         rows = (torch.arange(slots.shape[0], device=slots.device) if rows is None
                 else torch.tensor(rows, device=slots.device))
         num_kept = torch.tensor(num_kept, device=slots.device)
+        if self.in_space():
+            self.select_stacked(slots, rows, num_kept)
+            if not keep_stash:
+                self.stashed = [None] * len(self.stashed)
+            return
         for layer, stashed in enumerate(self.stashed):
             if stashed is None:
                 raise RuntimeError("select() without a verify forward that kept its steps")
@@ -126,3 +160,23 @@ class StatePool:
             self.conv[layer][slots] = picked
             if not keep_stash:
                 self.stashed[layer] = None
+
+    def in_space(self) -> bool:
+        """Whether every layer's stash is the first rows of its view of the stacked space (a
+        graphed verify's), the same rows for all."""
+        if not self.stacked or not self.space or any(s is None for s in self.stashed):
+            return False
+        count = self.stashed[0][0].shape[0]
+        return all(steps.shape[0] == count and steps.data_ptr() == space[0].data_ptr()
+                   and conv.shape[0] == count and conv.data_ptr() == space[1].data_ptr()
+                   for (steps, conv), space in zip(self.stashed, self.space))
+
+    def select_stacked(self, slots: torch.Tensor, rows: torch.Tensor, num_kept: torch.Tensor) -> None:
+        """`select` over all layers at once from the stacked space: the same copies."""
+        count = self.stashed[0][0].shape[0]
+        steps, conv_inputs = self.space_steps[:, :count], self.space_conv[:, :count]   # [L, n, T, …], [L, n, C, K−1+T]
+        self.ssm_all[:, slots] = steps[:, rows, num_kept - 1].to(self.ssm_all.dtype)
+        layers, _, conv_dim, window = self.conv_all.shape
+        columns = num_kept[:, None] + torch.arange(window, device=slots.device)[None]           # [B, K−1]
+        index = columns[None, :, None, :].expand(layers, -1, conv_dim, -1)
+        self.conv_all[:, slots] = conv_inputs[:, rows].gather(3, index)
