@@ -36,7 +36,10 @@ class StatePool:
                                         device=device)
             self.ssm_all = torch.zeros(len(shapes), num_slots, s.num_v_heads, s.k_dim, s.v_dim, dtype=state_dtype,
                                        device=device)
-            self.conv, self.ssm = list(self.conv_all.unbind(0)), list(self.ssm_all.unbind(0))
+            # Views by index, not unbind: in-place writes to one of unbind's views are refused
+            # outside the mode it was made in (a pool made under no_grad, written in a test).
+            self.conv = [self.conv_all[i] for i in range(len(shapes))]
+            self.ssm = [self.ssm_all[i] for i in range(len(shapes))]
         else:
             self.conv = [torch.zeros(num_slots, s.conv_dim, s.conv_kernel - 1, dtype=dtype, device=device)
                          for s in shapes]
@@ -57,7 +60,7 @@ class StatePool:
                                            device=self.ssm_all.device)
             self.space_conv = torch.empty(layers, num_seqs, conv_dim, window + num_rows, dtype=self.conv_all.dtype,
                                           device=self.conv_all.device)
-            self.space = list(zip(self.space_steps.unbind(0), self.space_conv.unbind(0)))
+            self.space = [(self.space_steps[i], self.space_conv[i]) for i in range(layers)]
             return
         self.space = [(torch.empty(num_seqs, num_rows, *ssm.shape[1:], dtype=ssm.dtype, device=ssm.device),
                        torch.empty(num_seqs, conv.shape[1], conv.shape[2] + num_rows, dtype=conv.dtype,
