@@ -52,11 +52,12 @@ def test_blocks_read_from_the_file_are_what_the_package_dequantizes(quantized_gg
 
 
 def random_blocks(kind: str, n: int = 96, k: int = 128, seed: int = 0) -> quant.Blocks:
+    """Random blocks of a kind, their scales and minima fp16 as a file's are."""
     g = torch.Generator().manual_seed(seed)
-    d = torch.rand(n, k // 32, generator=g) * 0.02
+    d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
     if kind == "Q8_0":
         return quant.q8_blocks(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), d)
-    m = -torch.rand(n, k // 32, generator=g) * 0.1 if kind == "Q4_1" else None
+    m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float() if kind == "Q4_1" else None
     return quant.q4_blocks(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), d, m)
 
 
@@ -89,6 +90,11 @@ def test_native_matmul_is_the_dequantized_matmul_and_rows_do_not_depend_on_the_b
     for rows in (slice(0, 1), slice(3, 4), slice(1, 8), slice(8, 19)):
         assert torch.equal(layer(x[rows]), y[rows])            # a verify's rows are the rows alone
     assert layer.weight.shape == blocks.shape and layer.weight.stride() == (0, 0)
+    even = random_blocks(kind)                                  # the int4 kernel takes 16 columns at a time
+    unfit = quant.Blocks(even.values, even.scale * (1 + 2 ** -20), even.shift)          # not an fp16 scale
+    assert quant.QuantLinear(unfit).kernel == "int4pack"
+    with pytest.raises(ValueError, match="fp16"):
+        quant.QuantLinear(unfit, kernel="native")
 
 
 def test_a_quantized_target_decodes_like_its_float32_twin_and_dflash_equals_plain(quantized_gguf, qwen3_draft_dir):

@@ -9,9 +9,10 @@
 
    Weights are GGUF blocks of 32 along a row: w = scale * q + shift with q the block's 4-bit codes
    (0 .. 15; byte j of a block holds weight j in its low nibble and weight j + 16 in its high one,
-   GGUF's own layout), or its int8 values (Q8_0: shift 0). The kernel rebuilds each w exactly as
-   dequantizing the file does (scale * q is exact in fp32, then + shift rounds once), so a row is
-   the dequantized weight's dot product, summed in another order. */
+   GGUF's own layout), or its int8 values (Q8_0: shift 0), scale and shift fp16 as in the file (the
+   bytes read per token are the file's). The kernel rebuilds each w exactly as dequantizing the
+   file does (scale * q is exact in fp32, then + shift rounds once), so a row is the dequantized
+   weight's dot product, summed in another order. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +24,7 @@
 
 #define GROUP 32
 #define LANES 16
+#define MAX_BLOCKS 1024    /* blocks a row (K ≤ 32768; native.py keeps wider rows off this kernel) */
 #define TILE_M 8          /* rows of x per pass over the weights (a verify block of 8: one pass) */
 
 static inline float lane_sum(const float acc[LANES]) {
@@ -41,6 +43,33 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 /* ---- weight-only quantized linear ---------------------------------------------------------- */
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
+    if (exponent == 31) {
+        bits = sign | 0x7F800000 | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else {                                   /* subnormal: normalise */
+        exponent = 113;
+        while (!(mantissa & 1024)) { mantissa <<= 1; exponent--; }
+        bits = sign | (exponent << 23) | ((mantissa & 1023) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* n fp16 values → fp32 (exact). */
+static inline void halves_to_floats(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = half_to_float(h[i]);
+}
 
 /* One block's 32 weights as two 16-lane halves (weights 0-15, 16-31). */
 #if defined(__AVX512F__)
@@ -90,9 +119,14 @@ static inline float half_sum(half_t v) { return lane_sum(v.v); }
 /* y[m0 .. m0 + MT, n0 .. n0 + NT] (BITS 4: codes [N, K / 2]; 8: int8 values [N, K]): each block's
    weights are rebuilt once and applied to all MT rows. */
 template <int BITS, int NT, int MT>
-static void tile(const float *x, int64_t k, const void *weights, const float *scale, const float *shift,
+static void tile(const float *x, int64_t k, const void *weights, const uint16_t *scales, const uint16_t *shifts,
                  const float *bias, int64_t n0, int64_t m0, int64_t ldy, float *y) {
     const int64_t nb = k / GROUP;
+    float scale[NT][MAX_BLOCKS], shift[NT][BITS == 4 ? MAX_BLOCKS : 1];
+    for (int i = 0; i < NT; i++) {
+        halves_to_floats(scales + (n0 + i) * nb, nb, scale[i]);
+        if (BITS == 4) halves_to_floats(shifts + (n0 + i) * nb, nb, shift[i]);
+    }
     half_t acc[NT][MT];
 #pragma GCC unroll 8
     for (int i = 0; i < NT; i++)
@@ -110,10 +144,9 @@ static void tile(const float *x, int64_t k, const void *weights, const float *sc
             const int64_t row = n0 + i;
             half_t lo, hi;
             if (BITS == 4)
-                unpack_q4((const uint8_t *)weights + row * (k / 2) + b * (GROUP / 2), scale[row * nb + b],
-                          shift[row * nb + b], &lo, &hi);
+                unpack_q4((const uint8_t *)weights + row * (k / 2) + b * (GROUP / 2), scale[i][b], shift[i][b], &lo, &hi);
             else
-                unpack_q8((const int8_t *)weights + row * k + b * GROUP, scale[row * nb + b], &lo, &hi);
+                unpack_q8((const int8_t *)weights + row * k + b * GROUP, scale[i][b], &lo, &hi);
 #pragma GCC unroll 8
             for (int r = 0; r < MT; r++) {
                 acc[i][r] = fma_half(xlo[r], lo, acc[i][r]);
@@ -129,7 +162,7 @@ static void tile(const float *x, int64_t k, const void *weights, const float *sc
 /* Rows m0 .. m0 + MT of y: tiles of NT output columns (4, or 2 where 8 rows' accumulators would
    not fit the registers), then single columns. */
 template <int BITS, int MT>
-static void rows_of(const float *x, int64_t k, const void *weights, const float *scale, const float *shift,
+static void rows_of(const float *x, int64_t k, const void *weights, const uint16_t *scale, const uint16_t *shift,
                     const float *bias, int64_t n, int64_t m0, float *y) {
     constexpr int NT = MT > 4 ? 2 : 4;
     int64_t n0 = 0;
@@ -138,7 +171,7 @@ static void rows_of(const float *x, int64_t k, const void *weights, const float 
 }
 
 template <int BITS>
-static void linear(const float *x, int64_t m, int64_t k, const void *weights, const float *scale, const float *shift,
+static void linear(const float *x, int64_t m, int64_t k, const void *weights, const uint16_t *scale, const uint16_t *shift,
                    const float *bias, int64_t n, float *y) {
     int64_t m0 = 0;
     for (; m0 + TILE_M <= m; m0 += TILE_M) rows_of<BITS, TILE_M>(x, k, weights, scale, shift, bias, n, m0, y);
@@ -154,9 +187,10 @@ static void linear(const float *x, int64_t m, int64_t k, const void *weights, co
     }
 }
 
-/* y [M, N] = x [M, K] · Wᵀ (+ bias [N], or NULL); bits 4 (shift [N, K / 32]) or 8 (shift unused). */
-extern "C" void quant_linear(const float *x, int64_t m, int64_t k, const void *weights, int bits, const float *scale,
-                             const float *shift, const float *bias, int64_t n, float *y) {
+/* y [M, N] = x [M, K] · Wᵀ (+ bias [N], or NULL); scale [N, K / 32] fp16; bits 4 (shift [N, K / 32]
+   fp16) or 8 (shift unused). */
+extern "C" void quant_linear(const float *x, int64_t m, int64_t k, const void *weights, int bits, const uint16_t *scale,
+                             const uint16_t *shift, const float *bias, int64_t n, float *y) {
     if (bits == 4)
         linear<4>(x, m, k, weights, scale, shift, bias, n, y);
     else
@@ -269,7 +303,8 @@ extern "C" void silu_mul(const float *gate_up, int64_t m, int64_t inter, float *
 
 struct Weight {                 /* a QuantLinear's buffers */
     const void *values;
-    const float *scale, *shift, *bias;   /* shift NULL for 8 bits, bias NULL without one */
+    const uint16_t *scale, *shift;       /* fp16; shift NULL for 8 bits */
+    const float *bias;                   /* NULL without one */
     int64_t bits, n, k;
 };
 

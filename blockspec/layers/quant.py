@@ -110,6 +110,17 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
 
 
+def as_half_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.half().contiguous().view(torch.int16)
+
+
+def native_fits(blocks: Blocks) -> bool:
+    """Whether the native kernel holds these blocks as the file does: scales and shifts exact in
+    fp16 (a file's are; Q4_0's −8·scale is unless it overflows), rows of at most 1024 blocks."""
+    parts = [blocks.scale] + ([blocks.shift] if blocks.shift is not None else [])
+    return blocks.shape[1] <= 1024 * GROUP and all(torch.equal(t.half().float(), t) for t in parts)
+
+
 class QuantLinear(nn.Module):
     """y = x Wᵀ (+ b) with W held as GGUF blocks; x and y fp32.
 
@@ -126,13 +137,15 @@ class QuantLinear(nn.Module):
         self.part_sizes = dict(parts or {})
         if self.in_features % GROUP:
             raise ValueError(f"a quantized row has {self.in_features} weights, not a multiple of {GROUP}")
-        self.kernel = kernel or ("native" if native.available() else "int4pack")
+        self.kernel = kernel or ("native" if native.available() and native_fits(blocks) else "int4pack")
         self.bits = blocks.bits
         if self.kernel == "native":
+            if not native_fits(blocks):
+                raise ValueError("these blocks' scales do not fit the native kernel (fp16, rows ≤ 32768 weights)")
             values = pack_nibbles(blocks.values) if blocks.bits == 4 else blocks.values.contiguous()
             self.register_buffer("values", values, persistent=False)                      # [N, K / 2] or [N, K]
-            self.register_buffer("scale", blocks.scale.float().contiguous(), persistent=False)
-            self.register_buffer("shift", None if blocks.shift is None else blocks.shift.float().contiguous(),
+            self.register_buffer("scale", as_half_bits(blocks.scale), persistent=False)  # [N, K / 32] fp16 bits
+            self.register_buffer("shift", None if blocks.shift is None else as_half_bits(blocks.shift),
                                  persistent=False)
             self.num_planes = 0
         else:
