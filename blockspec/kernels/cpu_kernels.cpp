@@ -34,12 +34,30 @@ static inline float lane_sum(const float acc[LANES]) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-/* dot(a, b) over n values (n a multiple of LANES). */
+/* dot(a, b) over n values (n a multiple of LANES): LANES partial sums, then lane_sum. */
 static inline float dot(const float *a, const float *b, int64_t n) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    float lanes[LANES];
+    _mm512_storeu_ps(lanes, acc);
+    return lane_sum(lanes);
+#else
     float acc[LANES] = {0};
     for (int64_t i = 0; i < n; i += LANES)
         for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
     return lane_sum(acc);
+#endif
+}
+
+/* o[0 .. n) += p · v (n a multiple of LANES). */
+static inline void axpy(float p, const float *v, float *o, int64_t n) {
+#if defined(__AVX512F__)
+    const __m512 pp = _mm512_set1_ps(p);
+    for (int64_t i = 0; i < n; i += LANES) _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pp, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
+#else
+    for (int64_t i = 0; i < n; i++) o[i] = fmaf(p, v[i], o[i]);
+#endif
 }
 
 /* ---- weight-only quantized linear ---------------------------------------------------------- */
@@ -251,40 +269,75 @@ extern "C" void qk_norm_rope_store(const float *qkv, int64_t n, int64_t hq, int6
     }
 }
 
+/* e^x for x ≤ 88.7 (below −87.3: about 0): x = n·ln2 + r with |r| ≤ ln2 / 2, e^r by its Taylor
+   series to r⁷ / 7! (remainder below 6e−9 of the value, under fp32's own rounding), times 2ⁿ built
+   in the exponent bits. Branch-free, so loops over arrays vectorize; torch's exp differs from it
+   by an ulp or two. */
+static inline float exp_approx(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    const float round = 12582912.0f;                     /* 1.5 · 2²³: adding it rounds to an integer */
+    float n = (x * 1.44269504088896341f + round) - round;
+    float r = fmaf(n, -0.693145751953125f, x);           /* ln2 in two parts: the first exact in n·it */
+    r = fmaf(n, -1.428606765330187e-06f, r);
+    float p = 1.0f / 5040;
+    p = fmaf(p, r, 1.0f / 720);
+    p = fmaf(p, r, 1.0f / 120);
+    p = fmaf(p, r, 1.0f / 24);
+    p = fmaf(p, r, 1.0f / 6);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    return p * __builtin_bit_cast(float, (uint32_t)((int32_t)n + 127) << 23);
+}
+
+static inline int64_t longest(const int64_t *lens, int64_t n) {
+    int64_t top = 0;
+    for (int64_t i = 0; i < n; i++) top = lens[i] > top ? lens[i] : top;
+    return top;
+}
+
 /* Causal attention of a target layer over paged pools [slots, Hkv, D]: q [N, Hq, D] → out [N, Hq · D].
    Sequence b's rows are query_start[b] .. query_start[b + 1] − 1; a row at position p sees the
    keys at positions 0 .. min(p + 1, context_lens[b]) − 1, found through block_tables [B, pages].
-   Rows past query_start[B] (a bucket's padding) are zero. scores: scratch of max_keys floats. */
+   Rows past query_start[B] (a bucket's padding) are zero. scratch: 3 · (max(context_lens) + 1)
+   floats (the scores, then each key's pool slot). Softmax in fp32: max, e^(s − max), their lane sum. */
 extern "C" void paged_attention(const float *q, int64_t n, int64_t hq, int64_t hkv, int64_t d, const float *k_pool,
                                 const float *v_pool, const int64_t *block_tables, int64_t pages, int64_t page_size,
                                 const int64_t *query_start, const int64_t *context_lens, const int64_t *positions,
-                                int64_t num_seqs, float scale, float *scores, float *out) {
-    int64_t group = hq / hkv;
+                                int64_t num_seqs, float scale, float *scratch, float *out) {
+    const int64_t group = hq / hkv, max_keys = longest(context_lens, num_seqs);
+    float *scores = scratch;
+    int64_t *slots = (int64_t *)(scratch + 2 * ((max_keys + 1) / 2));
     memset(out, 0, sizeof(float) * n * hq * d);
     for (int64_t b = 0; b < num_seqs; b++) {
         const int64_t *table = block_tables + b * pages;
+        for (int64_t j = 0; j < context_lens[b]; j++) slots[j] = table[j / page_size] * page_size + j % page_size;
         for (int64_t t = query_start[b]; t < query_start[b + 1]; t++) {
             int64_t keys = positions[t] + 1 < context_lens[b] ? positions[t] + 1 : context_lens[b];
             for (int64_t h = 0; h < hq; h++) {
                 const float *qh = q + (t * hq + h) * d;
-                int64_t g = h / group;
+                const int64_t g = h / group;
                 float top = -INFINITY;
                 for (int64_t j = 0; j < keys; j++) {
-                    int64_t slot = table[j / page_size] * page_size + j % page_size;
-                    scores[j] = dot(qh, k_pool + (slot * hkv + g) * d, d) * scale;
+                    scores[j] = dot(qh, k_pool + (slots[j] * hkv + g) * d, d) * scale;
                     top = scores[j] > top ? scores[j] : top;
                 }
-                float total = 0.0f;
-                for (int64_t j = 0; j < keys; j++) {
-                    scores[j] = expf(scores[j] - top);
-                    total += scores[j];
+                float acc[LANES] = {0};
+                int64_t j = 0;
+                for (; j + LANES <= keys; j += LANES)
+                    for (int l = 0; l < LANES; l++) {
+                        scores[j + l] = exp_approx(scores[j + l] - top);
+                        acc[l] += scores[j + l];
+                    }
+                for (int l = 0; j < keys; j++, l++) {
+                    scores[j] = exp_approx(scores[j] - top);
+                    acc[l] += scores[j];
                 }
+                const float inv = 1.0f / lane_sum(acc);
                 float *o = out + (t * hq + h) * d;
-                for (int64_t j = 0; j < keys; j++) {
-                    int64_t slot = table[j / page_size] * page_size + j % page_size;
-                    const float *v = v_pool + (slot * hkv + g) * d;
-                    float p = scores[j] / total;
-                    for (int64_t i = 0; i < d; i++) o[i] = fmaf(p, v[i], o[i]);
+                for (j = 0; j < keys; j++) {
+                    const float *v = v_pool + (slots[j] * hkv + g) * d;
+                    axpy(scores[j] * inv, v, o, d);
                 }
             }
         }
@@ -294,8 +347,9 @@ extern "C" void paged_attention(const float *q, int64_t n, int64_t hq, int64_t h
 /* gate_up [M, 2I] (gate | up) → out [M, I] = silu(gate) · up. */
 extern "C" void silu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
     for (int64_t r = 0; r < m; r++) {
-        const float *g = gate_up + r * 2 * inter, *u = g + inter;
-        for (int64_t i = 0; i < inter; i++) out[r * inter + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        const float *__restrict g = gate_up + r * 2 * inter, *__restrict u = g + inter;
+        float *__restrict o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
     }
 }
 
@@ -321,7 +375,7 @@ struct Shape {
 
 struct Batch {                  /* AttentionMetadata's tensors */
     const int64_t *slots, *block_tables, *query_start, *context_lens, *positions;
-    int64_t pages, page_size, num_seqs, max_keys;
+    int64_t pages, page_size, num_seqs;
     const float *cos, *sin;
     int64_t rot;
 };
@@ -339,14 +393,14 @@ extern "C" int dense_forward(const Layer *layers, int64_t num_layers, const Shap
                              float *features, const float *final_norm, float *out) {
     const int64_t h = s->hidden, qw = s->heads * s->head_dim, kvw = s->kv_heads * s->head_dim;
     const int64_t sizes[] = {n * h, n * h, n * h, n * (qw + 2 * kvw), n * qw, n * qw, n * 2 * s->intermediate,
-                             n * s->intermediate, b->max_keys > 0 ? b->max_keys : 1};
+                             n * s->intermediate, 3 * (longest(b->context_lens, b->num_seqs) + 1)};
     int64_t total = 0;
     for (int64_t size : sizes) total += size;
     float *mem = (float *)malloc(sizeof(float) * (size_t)total);
     if (mem == nullptr) return -1;
     float *stream = mem, *residual = stream + sizes[0], *normed = residual + sizes[1], *qkv = normed + sizes[2];
     float *q = qkv + sizes[3], *attn = q + sizes[4], *gate_up = attn + sizes[5], *act = gate_up + sizes[6];
-    float *scores = act + sizes[7];
+    float *scratch = act + sizes[7];
     memcpy(stream, x, sizeof(float) * n * h);
     for (int64_t i = 0; i < num_layers; i++) {
         const Layer *l = layers + i;
@@ -355,7 +409,7 @@ extern "C" int dense_forward(const Layer *layers, int64_t num_layers, const Shap
         qk_norm_rope_store(qkv, n, s->heads, s->kv_heads, s->head_dim, l->q_norm, l->k_norm, s->eps, b->cos, b->sin,
                            b->rot, l->k_pool, l->v_pool, b->slots, q);
         paged_attention(q, n, s->heads, s->kv_heads, s->head_dim, l->k_pool, l->v_pool, b->block_tables, b->pages,
-                        b->page_size, b->query_start, b->context_lens, b->positions, b->num_seqs, s->scale, scores,
+                        b->page_size, b->query_start, b->context_lens, b->positions, b->num_seqs, s->scale, scratch,
                         attn);
         apply(&l->o, attn, n, stream);
         add_rms_norm(stream, residual, l->post_norm, s->eps, n, h, normed, residual);

@@ -29,7 +29,7 @@ from torch import nn
 logger = logging.getLogger("blockspec.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fno-math-errno")
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-shared", "-fPIC", "-fno-math-errno")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
@@ -140,12 +140,12 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     n, heads, dim = q.shape
     q = q.contiguous()
     tables = meta.block_tables.contiguous()
-    scores = torch.empty(max(meta.max_context_len, 1))
+    scratch = torch.empty(3 * (int(meta.context_lens.max()) + 1) if meta.num_seqs else 3)
     out = torch.empty(n, heads * dim)
     library().paged_attention(q.data_ptr(), n, heads, k_pool.shape[1], dim, k_pool.data_ptr(), v_pool.data_ptr(),
                               tables.data_ptr(), tables.shape[1], meta.page_size, meta.starts.contiguous().data_ptr(),
                               meta.context_lens.contiguous().data_ptr(), meta.positions.contiguous().data_ptr(),
-                              meta.num_seqs, scale, scores.data_ptr(), out.data_ptr())
+                              meta.num_seqs, scale, scratch.data_ptr(), out.data_ptr())
     return out
 
 
@@ -173,7 +173,7 @@ class Shape(ctypes.Structure):
 
 class Batch(ctypes.Structure):
     _fields_ = [("slots", _P), ("block_tables", _P), ("query_start", _P), ("context_lens", _P), ("positions", _P),
-                ("pages", _I), ("page_size", _I), ("num_seqs", _I), ("max_keys", _I), ("cos", _P), ("sin", _P),
+                ("pages", _I), ("page_size", _I), ("num_seqs", _I), ("cos", _P), ("sin", _P),
                 ("rot", _I)]
 
 
@@ -221,7 +221,7 @@ class DenseStack:
         tables, starts = meta.block_tables.contiguous(), meta.starts.contiguous()
         keep = (meta.slot_mapping, tables, starts, meta.context_lens, meta.positions, cos, sin)
         batch = Batch(*(t.data_ptr() for t in keep[:5]), tables.shape[1], meta.page_size, meta.num_seqs,
-                      meta.max_context_len, cos.data_ptr(), sin.data_ptr(), cos.shape[1])
+                      cos.data_ptr(), sin.data_ptr(), cos.shape[1])
         slot = {layer: c for c, layer in enumerate(capture_layers)}
         capture = torch.tensor([slot.get(i, -1) for i in range(len(self.layers))], dtype=torch.int64)
         features = torch.empty(n, len(capture_layers) * hidden) if capture_layers else None
