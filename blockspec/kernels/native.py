@@ -1,5 +1,6 @@
-"""Our CPU kernels (cpu_kernels.cpp) for the quantized GGUF path, and the switch that routes a
-model's layers to them.
+"""Our CPU kernels (cpu_kernels.cpp) for quantized GGUF targets: the library, one Python entry
+per op (what QuantLinear calls, and what tests/test_cpu_kernels.py holds to each op's torch
+form), and DenseStack, a dense target's decoder layers in one call.
 
 The C++ file is compiled at first use with the system's C++ compiler (`$CXX`, else `c++`; `-O3
 -march=native`, no torch headers: a few seconds) into blockspec's cache, keyed by the source and
@@ -7,10 +8,9 @@ this CPU's flags, and called through ctypes. Without a compiler, or with
 BLOCKSPEC_CPU_KERNELS=torch, nothing here is used: QuantLinear takes torch's packed int4 kernel
 and the layers their torch ops (one log line says so).
 
-Why: SmolLM2-135M at one token is 30 small layers; torch's int4 CPU matmul ran at ~2 GB/s on
-them and each of a layer's ~60 small torch ops costs microseconds of dispatch. Here a layer is
-nine calls: add+norm, q/k/v matmul, norm+RoPE+K/V store, attention, o matmul, add+norm,
-gate/up matmul, SiLU·mul, down matmul (BENCHMARKS.md, issue 32).
+Why: SmolLM2-135M at one token is 30 small layers. torch's int4 CPU matmul ran them at ~2 GB/s
+and a layer was ~60 torch ops of microseconds each; here the weights stream at the memory's pace
+and the whole stack is one call (BENCHMARKS.md, issue 32).
 """
 from __future__ import annotations
 
