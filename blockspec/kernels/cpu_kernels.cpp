@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -62,6 +62,7 @@ static inline void axpy(float p, const float *v, float *o, int64_t n) {
 
 /* ---- weight-only quantized linear ---------------------------------------------------------- */
 
+#if !defined(__F16C__)
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
     if (exponent == 31) {
@@ -79,6 +80,7 @@ static inline float half_to_float(uint16_t h) {
     memcpy(&f, &bits, sizeof f);
     return f;
 }
+#endif
 
 /* n fp16 values → fp32 (exact). */
 static inline void halves_to_floats(const uint16_t *h, int64_t n, float *out) {
@@ -86,7 +88,11 @@ static inline void halves_to_floats(const uint16_t *h, int64_t n, float *out) {
 #if defined(__AVX512F__)
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
 #endif
+#if defined(__F16C__)
+    for (; i < n; i++) out[i] = _cvtsh_ss(h[i]);
+#else
     for (; i < n; i++) out[i] = half_to_float(h[i]);
+#endif
 }
 
 /* One block's 32 weights as two 16-lane halves (weights 0-15, 16-31). */
