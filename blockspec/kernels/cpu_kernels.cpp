@@ -167,6 +167,9 @@ static void tile(const float *x, int64_t k, const void *weights, const uint16_t 
         for (int i = 0; i < NT; i++) {
             const int64_t row = n0 + i;
             half_t lo, hi;
+            /* the next tile's block: more rows stream at once than the hardware prefetcher follows
+               (a hint past the last row is harmless) */
+            __builtin_prefetch((const uint8_t *)weights + (row + NT) * (k * BITS / 8) + b * (GROUP * BITS / 8), 0, 0);
             if (BITS == 4)
                 unpack_q4((const uint8_t *)weights + row * (k / 2) + b * (GROUP / 2), scale[i][b], shift[i][b], &lo, &hi);
             else
