@@ -4,8 +4,8 @@
    Each kernel computes every row of its output by the same sequence of float operations however
    many rows it is given, so a verify row equals the same row decoded alone (DFlash == plain
    decoding). Tensors are contiguous float32 (int64 for indices) unless said otherwise. Sums run
-   over LANES partial sums combined in one fixed order (`lane_sum`); that order, not the math, is
-   where they differ from torch's reductions.
+   over LANES partial sums combined in one fixed order (`lane_sum`, or AVX-512's reduce tree);
+   that order, not the math, is where they differ from torch's reductions.
 
    Weights are GGUF blocks of 32 along a row: w = scale * q + shift with q the block's 4-bit codes
    (0 .. 15; byte j of a block holds weight j in its low nibble and weight j + 16 in its high one,
@@ -39,9 +39,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 #if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    float lanes[LANES];
-    _mm512_storeu_ps(lanes, acc);
-    return lane_sum(lanes);
+    return _mm512_reduce_add_ps(acc);
 #else
     float acc[LANES] = {0};
     for (int64_t i = 0; i < n; i += LANES)
@@ -112,11 +110,7 @@ static inline void unpack_q8(const int8_t *values, float scale, half_t *lo, half
 static inline half_t zero_half() { return _mm512_setzero_ps(); }
 static inline half_t fma_half(half_t a, half_t b, half_t c) { return _mm512_fmadd_ps(a, b, c); }
 static inline half_t load_half(const float *p) { return _mm512_loadu_ps(p); }
-static inline float half_sum(half_t v) {
-    float acc[LANES];
-    _mm512_storeu_ps(acc, v);
-    return lane_sum(acc);
-}
+static inline float half_sum(half_t v) { return _mm512_reduce_add_ps(v); }   /* a fixed tree of shuffles */
 #else
 struct half_t { float v[LANES]; };
 static inline void unpack_q4(const uint8_t *codes, float scale, float shift, half_t *lo, half_t *hi) {
