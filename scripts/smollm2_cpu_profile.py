@@ -30,7 +30,6 @@ class Timer:
 
     def __init__(self) -> None:
         self.spent: dict[str, float] = defaultdict(float)
-        self.depth = 0
 
     @contextmanager
     def part(self, name: str):

@@ -248,6 +248,8 @@ def supports(model: nn.Module) -> bool:
         return False
     if config.hidden_size % 16 or config.head_dim % 16 or model.model.norm.zero_centred:
         return False
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        return False
     for layer in model.model.layers:
         if type(layer).forward_residual is not PreNormLayer.forward_residual or type(layer).mix is not PreNormLayer.mix:
             return False
