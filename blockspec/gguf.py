@@ -213,12 +213,12 @@ def blocks_of(tensor: Any):
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
     if kind == "Q8_0":
         values = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(rows.shape[0], -1))
-        return quant.q8_planes(values, d)
+        return quant.q8_blocks(values, d)
     m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)) if kind == "Q4_1" else None
     packed = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]                # [N, K / 32, 16]
     # Byte j of a block holds weight j (low nibble) and weight j + 16 (high nibble).
     codes = np.concatenate((packed & 0x0F, packed >> 4), axis=-1).reshape(rows.shape[0], -1)
-    return quant.q4_planes(torch.from_numpy(codes.astype(np.uint8)), d, m)
+    return quant.q4_blocks(torch.from_numpy(codes.astype(np.uint8)), d, m)
 
 
 def q8_table(tensor: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -294,7 +294,7 @@ def keep_quantized(model: torch.nn.Module, file: GGUFFile, config: dict[str, Any
         if isinstance(module, FusedLinear):
             names = [f"{prefix}{part}" for part in module.part_rows]
             parts = [blocks(f"{n}.weight") for n in names]
-            if any(p is None for p in parts) or len({len(p.planes) for p in parts}) > 1:
+            if any(p is None for p in parts) or len({p.bits for p in parts}) > 1:
                 continue
             biases = [bias(f"{n}.bias") for n in names] if module.bias is not None else None
             setattr(parent, child, QuantLinear(Blocks.cat(parts), None if biases is None else torch.cat(biases),

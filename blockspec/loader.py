@@ -262,6 +262,7 @@ def load_gguf_model(path: Path, device: str, dtype: str) -> LoadedModel:
     auto its Q4_0 / Q4_1 / Q8_0 blocks stay quantized (gguf.keep_quantized, layers/quant.py),
     otherwise every tensor is dequantized into the dtype (float32: what transformers computes)."""
     from blockspec import gguf
+    from blockspec.kernels import native
     try:
         file = gguf.open_gguf(path)
         config = gguf.hf_config(file)
@@ -272,6 +273,8 @@ def load_gguf_model(path: Path, device: str, dtype: str) -> LoadedModel:
         module = build_empty(lambda: spec.build(config, arch), torch_device, resolve_dtype(dtype, torch_device))
         kept = (gguf.keep_quantized(module, file, config) if torch_device.type == "cpu" and dtype == "auto"
                 else frozenset())
+        if kept:
+            native.enable(module)             # its norms, RoPE, attention and SiLU on our CPU kernels too
         load_weights(module, [path], spec.rename, tensors=gguf.iter_tensors(file, config, kept))
     except gguf.GGUFError as exc:
         raise LoadError(str(exc)) from None

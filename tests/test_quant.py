@@ -1,11 +1,13 @@
 """GGUF blocks kept quantized on CPU (layers/quant.py): the blocks read from the file equal what
-the gguf package dequantizes; the packed kernel equals its dequantizing reference within the
-bf16 rounding it does (stated below); its rows do not depend on the batch; a quantized tiny
-target decodes the tokens its float32 twin decodes, and DFlash on it equals plain."""
+the gguf package dequantizes; each kernel equals its dequantizing reference (our native kernel
+within fp32 summation order, torch's packed int4 within the bf16 rounding it does, both stated
+below); their rows do not depend on the batch; a quantized tiny target decodes the tokens its
+float32 twin decodes, and DFlash on it equals plain."""
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from blockspec import gguf
 from blockspec.layers import quant
@@ -15,9 +17,11 @@ from helpers import make_engine, make_request, run_batch
 
 LAYER_KINDS = {"self_attn.q_proj": "Q4_1", "self_attn.k_proj": "Q4_1", "self_attn.v_proj": "Q4_0",
                "self_attn.o_proj": "Q8_0", "mlp.gate_proj": "Q4_1", "mlp.up_proj": "Q4_1", "mlp.down_proj": "Q4_1"}
-# The kernel rounds each plane's product to bf16 (its output dtype): 2⁻⁸ of the largest output
-# per plane covers it; a wrong block layout or scale is off by the output's own size.
+# The int4 kernel rounds each plane's product to bf16 (its output dtype): 2⁻⁸ of the largest
+# output per plane covers it; a wrong block layout or scale is off by the output's own size.
 BF16_OUTPUT = 2.0 ** -8
+# The native kernel sums K fp32 products in another order than float64: K · 2⁻²⁴ of Σ|x·w| bounds it.
+FP32_SUM = 2.0 ** -24
 
 
 @pytest.fixture(scope="module")
@@ -36,35 +40,61 @@ def test_blocks_read_from_the_file_are_what_the_package_dequantizes(quantized_gg
         name = next(n for n, k in kinds.items() if k == kind)
         tensor = stored[gguf_name(name)]
         blocks = gguf.blocks_of(tensor)
-        exact = sum((p.codes.float() - 8) * p.scale.repeat_interleave(quant.GROUP, 1)
-                    + p.zero.repeat_interleave(quant.GROUP, 1) for p in blocks.planes)
-        expected = gguf_package.quants.dequantize(tensor.data, tensor.tensor_type).reshape(blocks.shape)
-        assert torch.equal(exact, torch.from_numpy(expected)), kind
+        expected = torch.from_numpy(gguf_package.quants.dequantize(tensor.data, tensor.tensor_type).reshape(blocks.shape))
+        assert torch.equal(blocks.dequantized(), expected), kind
+        planes = sum((p.codes.float() - 8) * p.scale.repeat_interleave(quant.GROUP, 1)
+                     + p.zero.repeat_interleave(quant.GROUP, 1) for p in blocks.planes())
+        assert (planes - expected).abs().max() <= 1e-6 * expected.abs().max(), kind      # m + 8d rounds once
     values, scales = gguf.q8_table(stored["token_embd.weight"])
     table = gguf_package.quants.dequantize(stored["token_embd.weight"].data, stored["token_embd.weight"].tensor_type)
     ids = torch.tensor([[0, 7], [151935, 42]])
     assert torch.equal(quant.QuantEmbedding(values, scales)(ids), torch.from_numpy(table.reshape(values.shape))[ids])
 
 
-@pytest.mark.parametrize("planes", [1, 2])
-def test_packed_matmul_equals_its_reference_and_rows_do_not_depend_on_the_batch(planes):
-    g = torch.Generator().manual_seed(planes)
-    n, k = 96, 128
-    d = torch.rand(n, k // 32, generator=g) * 0.02
-    if planes == 1:
-        blocks = quant.q4_planes(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), d,
-                                 -torch.rand(n, k // 32, generator=g) * 0.1)
-    else:
-        blocks = quant.q8_planes(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), d)
-    layer = quant.QuantLinear(blocks, bias=torch.randn(n, generator=g))
-    x = torch.randn(9, k, generator=g)
-    y, ref = layer(x), quant.reference_linear(x, blocks, layer.bias)
-    per_plane = max(float(quant.reference_linear(x, quant.Blocks([p])).abs().max()) for p in blocks.planes)
-    assert (y - ref).abs().max() <= planes * BF16_OUTPUT * per_plane
-    assert not torch.equal(y, quant.reference_linear(x, quant.q4_planes(blocks.planes[0].codes, d, None)))
+def random_blocks(kind: str, n: int = 96, k: int = 128, seed: int = 0) -> quant.Blocks:
+    """Random blocks of a kind, their scales and minima fp16 as a file's are."""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+    if kind == "Q8_0":
+        return quant.q8_blocks(torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8), d)
+    m = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float() if kind == "Q4_1" else None
+    return quant.q4_blocks(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), d, m)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_packed_int4_matmul_equals_its_reference_and_rows_do_not_depend_on_the_batch(kind):
+    blocks = random_blocks(kind)
+    bias = torch.randn(blocks.shape[0], generator=torch.Generator().manual_seed(1))
+    layer = quant.QuantLinear(blocks, bias=bias, kernel="int4pack")
+    x = torch.randn(9, blocks.shape[1], generator=torch.Generator().manual_seed(2))
+    y, ref = layer(x), quant.reference_linear(x, blocks, layer.bias, kernel="int4pack")
+    planes = blocks.planes()
+    per_plane = max(float(F.linear(x.to(torch.bfloat16).float(), quant.reference_weight([p])).abs().max())
+                    for p in planes)
+    assert (y - ref).abs().max() <= len(planes) * BF16_OUTPUT * per_plane
     for m in (1, 3):
         assert torch.equal(layer(x[:m]), y[:m])                # a verify's rows are the rows alone
-    assert layer.weight.shape == (n, k) and layer.weight.stride() == (0, 0)
+    assert layer.weight.shape == blocks.shape and layer.weight.stride() == (0, 0)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_native_matmul_is_the_dequantized_matmul_and_rows_do_not_depend_on_the_batch(kind):
+    blocks = random_blocks(kind, n=99, k=160)                  # tails: 99 columns, 5 blocks a row
+    bias = torch.randn(blocks.shape[0], generator=torch.Generator().manual_seed(1))
+    layer = quant.QuantLinear(blocks, bias=bias, kernel="native")
+    x = torch.randn(19, blocks.shape[1], generator=torch.Generator().manual_seed(2))
+    y, ref = layer(x), quant.reference_linear(x, blocks, layer.bias)
+    bound = blocks.shape[1] * FP32_SUM * (x.abs() @ blocks.dequantized().abs().t() + bias.abs())
+    assert ((y - ref).abs() <= bound).all()
+    assert not torch.equal(y, quant.reference_linear(x, random_blocks(kind, n=99, k=160, seed=5), layer.bias))
+    for rows in (slice(0, 1), slice(3, 4), slice(1, 8), slice(8, 19)):
+        assert torch.equal(layer(x[rows]), y[rows])            # a verify's rows are the rows alone
+    assert layer.weight.shape == blocks.shape and layer.weight.stride() == (0, 0)
+    even = random_blocks(kind)                                  # the int4 kernel takes 16 columns at a time
+    unfit = quant.Blocks(even.values, even.scale * (1 + 2 ** -20), even.shift)          # not an fp16 scale
+    assert quant.QuantLinear(unfit).kernel == "int4pack"
+    with pytest.raises(ValueError, match="fp16"):
+        quant.QuantLinear(unfit, kernel="native")
 
 
 def test_a_quantized_target_decodes_like_its_float32_twin_and_dflash_equals_plain(quantized_gguf, qwen3_draft_dir):

@@ -56,6 +56,7 @@ class CausalLM(nn.Module):
     the draft's context features (transformers' hidden_states[l + 1])."""
 
     config: ModelConfig
+    native_stack = None      # kernels/native.DenseStack of a quantized CPU target: its layers in one call
 
     @property
     def num_layers(self) -> int:
@@ -95,6 +96,8 @@ class CausalLM(nn.Module):
             x = x.index_copy(0, multimodal.rows, multimodal.embeds.to(x.dtype))
         rope_positions = positions if multimodal is None else multimodal.rope_positions
         rope = self.model.rotary_emb(rope_positions, x.dtype, sections=multimodal is not None)              # cos, sin [N, 1, rot]
+        if self.native_stack is not None and multimodal is None and meta.pieces is None:
+            return ForwardOutput(*self.native_stack.forward(self, x, rope, meta, capture_layers))
         # Layers pass (x, residual), the stream being their sum: each layer's entry norm adds them
         # in the same kernel (RMSNorm.add), so the sum is never a kernel of its own, except for
         # the layers whose output the draft reads.

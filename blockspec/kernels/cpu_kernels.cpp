@@ -1,0 +1,431 @@
+/* CPU kernels of the quantized GGUF path; blockspec/kernels/native.py compiles this file at first
+   use and calls it through ctypes (no torch headers: it builds in a few seconds).
+
+   Each kernel computes every row of its output by the same sequence of float operations however
+   many rows it is given, so a verify row equals the same row decoded alone (DFlash == plain
+   decoding). Tensors are contiguous float32 (int64 for indices) unless said otherwise. Sums run
+   over LANES partial sums combined in one fixed order (`lane_sum`, or AVX-512's reduce tree);
+   that order, not the math, is where they differ from torch's reductions.
+
+   Weights are GGUF blocks of 32 along a row: w = scale * q + shift with q the block's 4-bit codes
+   (0 .. 15; byte j of a block holds weight j in its low nibble and weight j + 16 in its high one,
+   GGUF's own layout), or its int8 values (Q8_0: shift 0), scale and shift fp16 as in the file (the
+   bytes read per token are the file's). The kernel rebuilds each w exactly as dequantizing the
+   file does (scale * q is exact in fp32, then + shift rounds once), so a row is the dequantized
+   weight's dot product, summed in another order. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define GROUP 32
+#define LANES 16
+#define MAX_BLOCKS 1024    /* blocks a row (K ≤ 32768; native.py keeps wider rows off this kernel) */
+#define TILE_M 8          /* rows of x per pass over the weights (a verify block of 8: one pass) */
+
+static inline float lane_sum(const float acc[LANES]) {
+    float s8[8], s4[4];
+    for (int i = 0; i < 8; i++) s8[i] = acc[i] + acc[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* dot(a, b) over n values (n a multiple of LANES): LANES partial sums, then lane_sum. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+#else
+    float acc[LANES] = {0};
+    for (int64_t i = 0; i < n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
+    return lane_sum(acc);
+#endif
+}
+
+/* o[0 .. n) += p · v (n a multiple of LANES). */
+static inline void axpy(float p, const float *v, float *o, int64_t n) {
+#if defined(__AVX512F__)
+    const __m512 pp = _mm512_set1_ps(p);
+    for (int64_t i = 0; i < n; i += LANES) _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pp, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
+#else
+    for (int64_t i = 0; i < n; i++) o[i] = fmaf(p, v[i], o[i]);
+#endif
+}
+
+/* ---- weight-only quantized linear ---------------------------------------------------------- */
+
+#if !defined(__F16C__)
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023, bits;
+    if (exponent == 31) {
+        bits = sign | 0x7F800000 | (mantissa << 13);
+    } else if (exponent != 0) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa == 0) {
+        bits = sign;
+    } else {                                   /* subnormal: normalise */
+        exponent = 113;
+        while (!(mantissa & 1024)) { mantissa <<= 1; exponent--; }
+        bits = sign | (exponent << 23) | ((mantissa & 1023) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
+
+/* n fp16 values → fp32 (exact). */
+static inline void halves_to_floats(const uint16_t *h, int64_t n, float *out) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#endif
+#if defined(__F16C__)
+    for (; i < n; i++) out[i] = _cvtsh_ss(h[i]);
+#else
+    for (; i < n; i++) out[i] = half_to_float(h[i]);
+#endif
+}
+
+/* One block's 32 weights as two 16-lane halves (weights 0-15, 16-31). */
+#if defined(__AVX512F__)
+typedef __m512 half_t;
+static inline void unpack_q4(const uint8_t *codes, float scale, float shift, half_t *lo, half_t *hi) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    __m512 d = _mm512_set1_ps(scale), m = _mm512_set1_ps(shift);
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), d, m);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, m);
+}
+static inline void unpack_q8(const int8_t *values, float scale, half_t *lo, half_t *hi) {
+    __m512 d = _mm512_set1_ps(scale);
+    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)values))), d);
+    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(values + 16)))), d);
+}
+static inline half_t zero_half() { return _mm512_setzero_ps(); }
+static inline half_t fma_half(half_t a, half_t b, half_t c) { return _mm512_fmadd_ps(a, b, c); }
+static inline half_t load_half(const float *p) { return _mm512_loadu_ps(p); }
+static inline float half_sum(half_t v) { return _mm512_reduce_add_ps(v); }   /* a fixed tree of shuffles */
+#else
+struct half_t { float v[LANES]; };
+static inline void unpack_q4(const uint8_t *codes, float scale, float shift, half_t *lo, half_t *hi) {
+    for (int l = 0; l < LANES; l++) {
+        lo->v[l] = fmaf((float)(codes[l] & 15), scale, shift);
+        hi->v[l] = fmaf((float)(codes[l] >> 4), scale, shift);
+    }
+}
+static inline void unpack_q8(const int8_t *values, float scale, half_t *lo, half_t *hi) {
+    for (int l = 0; l < LANES; l++) {
+        lo->v[l] = (float)values[l] * scale;
+        hi->v[l] = (float)values[l + LANES] * scale;
+    }
+}
+static inline half_t zero_half() { half_t z; memset(&z, 0, sizeof z); return z; }
+static inline half_t fma_half(half_t a, half_t b, half_t c) {
+    for (int l = 0; l < LANES; l++) c.v[l] = fmaf(a.v[l], b.v[l], c.v[l]);
+    return c;
+}
+static inline half_t load_half(const float *p) { half_t h; memcpy(h.v, p, sizeof h.v); return h; }
+static inline float half_sum(half_t v) { return lane_sum(v.v); }
+#endif
+
+/* y[m0 .. m0 + MT, n0 .. n0 + NT] (BITS 4: codes [N, K / 2]; 8: int8 values [N, K]): each block's
+   weights are rebuilt once and applied to all MT rows. */
+template <int BITS, int NT, int MT>
+static void tile(const float *x, int64_t k, const void *weights, const uint16_t *scales, const uint16_t *shifts,
+                 const float *bias, int64_t n0, int64_t m0, int64_t ldy, float *y) {
+    const int64_t nb = k / GROUP;
+    float scale[NT][MAX_BLOCKS], shift[NT][BITS == 4 ? MAX_BLOCKS : 1];
+    for (int i = 0; i < NT; i++) {
+        halves_to_floats(scales + (n0 + i) * nb, nb, scale[i]);
+        if (BITS == 4) halves_to_floats(shifts + (n0 + i) * nb, nb, shift[i]);
+    }
+    half_t acc[NT][MT];
+#pragma GCC unroll 8
+    for (int i = 0; i < NT; i++)
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; r++) acc[i][r] = zero_half();
+    for (int64_t b = 0; b < nb; b++) {
+        half_t xlo[MT], xhi[MT];
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; r++) {
+            xlo[r] = load_half(x + (m0 + r) * k + b * GROUP);
+            xhi[r] = load_half(x + (m0 + r) * k + b * GROUP + LANES);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; i++) {
+            const int64_t row = n0 + i;
+            half_t lo, hi;
+            /* the next tile's block: more rows stream at once than the hardware prefetcher follows
+               (a hint past the last row is harmless) */
+            __builtin_prefetch((const uint8_t *)weights + (row + NT) * (k * BITS / 8) + b * (GROUP * BITS / 8), 0, 0);
+            if (BITS == 4)
+                unpack_q4((const uint8_t *)weights + row * (k / 2) + b * (GROUP / 2), scale[i][b], shift[i][b], &lo, &hi);
+            else
+                unpack_q8((const int8_t *)weights + row * k + b * GROUP, scale[i][b], &lo, &hi);
+#pragma GCC unroll 8
+            for (int r = 0; r < MT; r++) {
+                acc[i][r] = fma_half(xlo[r], lo, acc[i][r]);
+                acc[i][r] = fma_half(xhi[r], hi, acc[i][r]);
+            }
+        }
+    }
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < MT; r++)
+            y[(m0 + r) * ldy + n0 + i] = half_sum(acc[i][r]) + (bias != nullptr ? bias[n0 + i] : 0.0f);
+}
+
+/* Rows m0 .. m0 + MT of y: tiles of NT output columns (4, or 2 where 8 rows' accumulators would
+   not fit the registers), then single columns. */
+template <int BITS, int MT>
+static void rows_of(const float *x, int64_t k, const void *weights, const uint16_t *scale, const uint16_t *shift,
+                    const float *bias, int64_t n, int64_t m0, float *y) {
+    constexpr int NT = MT > 4 ? 2 : 4;
+    int64_t n0 = 0;
+    for (; n0 + NT <= n; n0 += NT) tile<BITS, NT, MT>(x, k, weights, scale, shift, bias, n0, m0, n, y);
+    for (; n0 < n; n0++) tile<BITS, 1, MT>(x, k, weights, scale, shift, bias, n0, m0, n, y);
+}
+
+template <int BITS>
+static void linear(const float *x, int64_t m, int64_t k, const void *weights, const uint16_t *scale, const uint16_t *shift,
+                   const float *bias, int64_t n, float *y) {
+    int64_t m0 = 0;
+    for (; m0 + TILE_M <= m; m0 += TILE_M) rows_of<BITS, TILE_M>(x, k, weights, scale, shift, bias, n, m0, y);
+    switch (m - m0) {
+        case 7: rows_of<BITS, 7>(x, k, weights, scale, shift, bias, n, m0, y); break;
+        case 6: rows_of<BITS, 6>(x, k, weights, scale, shift, bias, n, m0, y); break;
+        case 5: rows_of<BITS, 5>(x, k, weights, scale, shift, bias, n, m0, y); break;
+        case 4: rows_of<BITS, 4>(x, k, weights, scale, shift, bias, n, m0, y); break;
+        case 3: rows_of<BITS, 3>(x, k, weights, scale, shift, bias, n, m0, y); break;
+        case 2: rows_of<BITS, 2>(x, k, weights, scale, shift, bias, n, m0, y); break;
+        case 1: rows_of<BITS, 1>(x, k, weights, scale, shift, bias, n, m0, y); break;
+        default: break;
+    }
+}
+
+/* y [M, N] = x [M, K] · Wᵀ (+ bias [N], or NULL); scale [N, K / 32] fp16; bits 4 (shift [N, K / 32]
+   fp16) or 8 (shift unused). */
+extern "C" void quant_linear(const float *x, int64_t m, int64_t k, const void *weights, int bits, const uint16_t *scale,
+                             const uint16_t *shift, const float *bias, int64_t n, float *y) {
+    if (bits == 4)
+        linear<4>(x, m, k, weights, scale, shift, bias, n, y);
+    else
+        linear<8>(x, m, k, weights, scale, shift, bias, n, y);
+}
+
+/* ---- the layer's other ops ------------------------------------------------------------------ */
+
+/* rows [M, H] of x (+ residual, or NULL) → out = weight · s / rms(s), res_out = s (H a multiple of LANES). */
+extern "C" void add_rms_norm(const float *x, const float *residual, const float *weight, float eps, int64_t m,
+                             int64_t h, float *out, float *res_out) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * h;
+        float *s = res_out + r * h;
+        for (int64_t i = 0; i < h; i++) s[i] = residual != nullptr ? xr[i] + residual[r * h + i] : xr[i];
+        float inv = 1.0f / sqrtf(dot(s, s, h) / (float)h + eps);
+        for (int64_t i = 0; i < h; i++) out[r * h + i] = weight[i] * (s[i] * inv);
+    }
+}
+
+/* In place, one head of D values: RMSNorm by weight (or none), then RoPE over its first rot dims
+   (the first half rotated against the second, Hugging Face's rotate_half). */
+static inline void norm_rope_head(float *x, int64_t d, const float *norm, float eps, const float *cos,
+                                  const float *sin, int64_t rot) {
+    if (norm != nullptr) {
+        float inv = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
+        for (int64_t i = 0; i < d; i++) x[i] = norm[i] * (x[i] * inv);
+    }
+    int64_t half = rot / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* qkv [N, (Hq + 2 Hkv) · D] → q_out [N, Hq, D] normed and rotated; k (normed, rotated) and v stored
+   in the pools [slots, Hkv, D] at slots [N]. cos, sin [N, rot]; q_norm / k_norm [D] or NULL. */
+extern "C" void qk_norm_rope_store(const float *qkv, int64_t n, int64_t hq, int64_t hkv, int64_t d,
+                                   const float *q_norm, const float *k_norm, float eps, const float *cos,
+                                   const float *sin, int64_t rot, float *k_pool, float *v_pool,
+                                   const int64_t *slots, float *q_out) {
+    int64_t width = (hq + 2 * hkv) * d;
+    for (int64_t t = 0; t < n; t++) {
+        const float *row = qkv + t * width;
+        const float *c = cos + t * rot, *s = sin + t * rot;
+        for (int64_t h = 0; h < hq; h++) {
+            float *q = q_out + (t * hq + h) * d;
+            memcpy(q, row + h * d, sizeof(float) * d);
+            norm_rope_head(q, d, q_norm, eps, c, s, rot);
+        }
+        for (int64_t h = 0; h < hkv; h++) {
+            float *k = k_pool + (slots[t] * hkv + h) * d;
+            memcpy(k, row + (hq + h) * d, sizeof(float) * d);
+            norm_rope_head(k, d, k_norm, eps, c, s, rot);
+            memcpy(v_pool + (slots[t] * hkv + h) * d, row + (hq + hkv + h) * d, sizeof(float) * d);
+        }
+    }
+}
+
+/* e^x for x ≤ 88.7 (below −87.3: about 0): x = n·ln2 + r with |r| ≤ ln2 / 2, e^r by its Taylor
+   series to r⁷ / 7! (remainder below 6e−9 of the value, under fp32's own rounding), times 2ⁿ built
+   in the exponent bits. Branch-free, so loops over arrays vectorize; torch's exp differs from it
+   by an ulp or two. */
+static inline float exp_approx(float x) {
+    x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+    const float round = 12582912.0f;                     /* 1.5 · 2²³: adding it rounds to an integer */
+    float n = (x * 1.44269504088896341f + round) - round;
+    float r = fmaf(n, -0.693145751953125f, x);           /* ln2 in two parts: the first exact in n·it */
+    r = fmaf(n, -1.428606765330187e-06f, r);
+    float p = 1.0f / 5040;
+    p = fmaf(p, r, 1.0f / 720);
+    p = fmaf(p, r, 1.0f / 120);
+    p = fmaf(p, r, 1.0f / 24);
+    p = fmaf(p, r, 1.0f / 6);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    return p * __builtin_bit_cast(float, (uint32_t)((int32_t)n + 127) << 23);
+}
+
+static inline int64_t longest(const int64_t *lens, int64_t n) {
+    int64_t top = 0;
+    for (int64_t i = 0; i < n; i++) top = lens[i] > top ? lens[i] : top;
+    return top;
+}
+
+/* Causal attention of a target layer over paged pools [slots, Hkv, D]: q [N, Hq, D] → out [N, Hq · D].
+   Sequence b's rows are query_start[b] .. query_start[b + 1] − 1; a row at position p sees the
+   keys at positions 0 .. min(p + 1, context_lens[b]) − 1, found through block_tables [B, pages].
+   Rows past query_start[B] (a bucket's padding) are zero. scratch: 3 · (max(context_lens) + 1)
+   floats (the scores, then each key's pool slot). Softmax in fp32: max, e^(s − max), their lane sum. */
+extern "C" void paged_attention(const float *q, int64_t n, int64_t hq, int64_t hkv, int64_t d, const float *k_pool,
+                                const float *v_pool, const int64_t *block_tables, int64_t pages, int64_t page_size,
+                                const int64_t *query_start, const int64_t *context_lens, const int64_t *positions,
+                                int64_t num_seqs, float scale, float *scratch, float *out) {
+    const int64_t group = hq / hkv, max_keys = longest(context_lens, num_seqs);
+    float *scores = scratch;
+    int64_t *slots = (int64_t *)(scratch + 2 * ((max_keys + 1) / 2));
+    memset(out, 0, sizeof(float) * n * hq * d);
+    for (int64_t b = 0; b < num_seqs; b++) {
+        const int64_t *table = block_tables + b * pages;
+        for (int64_t j = 0; j < context_lens[b]; j++) slots[j] = table[j / page_size] * page_size + j % page_size;
+        for (int64_t t = query_start[b]; t < query_start[b + 1]; t++) {
+            int64_t keys = positions[t] + 1 < context_lens[b] ? positions[t] + 1 : context_lens[b];
+            for (int64_t h = 0; h < hq; h++) {
+                const float *qh = q + (t * hq + h) * d;
+                const int64_t g = h / group;
+                float top = -INFINITY;
+                for (int64_t j = 0; j < keys; j++) {
+                    scores[j] = dot(qh, k_pool + (slots[j] * hkv + g) * d, d) * scale;
+                    top = scores[j] > top ? scores[j] : top;
+                }
+                float acc[LANES] = {0};
+                int64_t j = 0;
+                for (; j + LANES <= keys; j += LANES)
+                    for (int l = 0; l < LANES; l++) {
+                        scores[j + l] = exp_approx(scores[j + l] - top);
+                        acc[l] += scores[j + l];
+                    }
+                for (int l = 0; j < keys; j++, l++) {
+                    scores[j] = exp_approx(scores[j] - top);
+                    acc[l] += scores[j];
+                }
+                const float inv = 1.0f / lane_sum(acc);
+                float *o = out + (t * hq + h) * d;
+                for (j = 0; j < keys; j++) {
+                    const float *v = v_pool + (slots[j] * hkv + g) * d;
+                    axpy(scores[j] * inv, v, o, d);
+                }
+            }
+        }
+    }
+}
+
+/* gate_up [M, 2I] (gate | up) → out [M, I] = silu(gate) · up. */
+extern "C" void silu_mul(const float *gate_up, int64_t m, int64_t inter, float *out) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *__restrict g = gate_up + r * 2 * inter, *__restrict u = g + inter;
+        float *__restrict o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+    }
+}
+
+/* ---- a dense target's decoder stack in one call --------------------------------------------- */
+
+struct Weight {                 /* a QuantLinear's buffers */
+    const void *values;
+    const uint16_t *scale, *shift;       /* fp16; shift NULL for 8 bits */
+    const float *bias;                   /* NULL without one */
+    int64_t bits, n, k;
+};
+
+struct Layer {
+    const float *input_norm, *post_norm, *q_norm, *k_norm;   /* q_norm / k_norm NULL without qk-norm */
+    Weight qkv, o, gate_up, down;
+    float *k_pool, *v_pool;
+};
+
+struct Shape {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+};
+
+struct Batch {                  /* AttentionMetadata's tensors */
+    const int64_t *slots, *block_tables, *query_start, *context_lens, *positions;
+    int64_t pages, page_size, num_seqs;
+    const float *cos, *sin;
+    int64_t rot;
+};
+
+static void apply(const Weight *w, const float *x, int64_t m, float *y) {
+    quant_linear(x, m, w->k, w->values, (int)w->bits, w->scale, w->shift, w->bias, w->n, y);
+}
+
+/* x [N, hidden]: the embeddings in; the layers as PreNormLayer.forward_residual runs them, op for
+   op (these kernels, in that order); capture [num_layers]: c ≥ 0 where column block c of features
+   [N, C · hidden] takes the stream after that layer, else −1; out [N, hidden]: the final norm's
+   output. Returns 0, or −1 when scratch memory could not be had. */
+extern "C" int dense_forward(const Layer *layers, int64_t num_layers, const Shape *s, const Batch *b,
+                             const float *x, int64_t n, const int64_t *capture, int64_t num_captured,
+                             float *features, const float *final_norm, float *out) {
+    const int64_t h = s->hidden, qw = s->heads * s->head_dim, kvw = s->kv_heads * s->head_dim;
+    const int64_t sizes[] = {n * h, n * h, n * h, n * (qw + 2 * kvw), n * qw, n * qw, n * 2 * s->intermediate,
+                             n * s->intermediate, 3 * (longest(b->context_lens, b->num_seqs) + 1)};
+    int64_t total = 0;
+    for (int64_t size : sizes) total += size;
+    float *mem = (float *)malloc(sizeof(float) * (size_t)total);
+    if (mem == nullptr) return -1;
+    float *stream = mem, *residual = stream + sizes[0], *normed = residual + sizes[1], *qkv = normed + sizes[2];
+    float *q = qkv + sizes[3], *attn = q + sizes[4], *gate_up = attn + sizes[5], *act = gate_up + sizes[6];
+    float *scratch = act + sizes[7];
+    memcpy(stream, x, sizeof(float) * n * h);
+    for (int64_t i = 0; i < num_layers; i++) {
+        const Layer *l = layers + i;
+        add_rms_norm(stream, i == 0 ? nullptr : residual, l->input_norm, s->eps, n, h, normed, residual);
+        apply(&l->qkv, normed, n, qkv);
+        qk_norm_rope_store(qkv, n, s->heads, s->kv_heads, s->head_dim, l->q_norm, l->k_norm, s->eps, b->cos, b->sin,
+                           b->rot, l->k_pool, l->v_pool, b->slots, q);
+        paged_attention(q, n, s->heads, s->kv_heads, s->head_dim, l->k_pool, l->v_pool, b->block_tables, b->pages,
+                        b->page_size, b->query_start, b->context_lens, b->positions, b->num_seqs, s->scale, scratch,
+                        attn);
+        apply(&l->o, attn, n, stream);
+        add_rms_norm(stream, residual, l->post_norm, s->eps, n, h, normed, residual);
+        apply(&l->gate_up, normed, n, gate_up);
+        silu_mul(gate_up, n, s->intermediate, act);
+        apply(&l->down, act, n, stream);
+        if (capture[i] >= 0) {
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t j = 0; j < h; j++)
+                    features[(t * num_captured + capture[i]) * h + j] = stream[t * h + j] + residual[t * h + j];
+        }
+    }
+    add_rms_norm(stream, residual, final_norm, s->eps, n, h, out, residual);
+    free(mem);
+    return 0;
+}

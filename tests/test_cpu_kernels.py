@@ -1,0 +1,157 @@
+"""Our CPU kernels (kernels/cpu_kernels.cpp, kernels/native.py) against their torch references:
+each op within fp32 rounding of the reference (the kernels sum in their own fixed order; bounds
+stated per op), every row the same bits whether it comes alone or in a batch (DFlash == plain
+rests on it), the whole decoder stack in one call against the modules' forward on the same
+quantized weights, and the fallback when the library cannot be built."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_cases import make_case
+from blockspec.kernels import fused, native
+from blockspec.layers.attention import reference_paged_attention
+from blockspec.loader import load_draft, load_model
+from gguf_fixtures import write_gguf
+from helpers import make_engine, make_request, run_batch
+
+# Relative to the values' own size: a handful of fp32 roundings.
+CLOSE = 1e-5
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tolerance: float = CLOSE) -> bool:
+    return bool((a - b).abs().max() <= tolerance * max(float(b.abs().max()), 1e-30))
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_equals_torch(with_residual):
+    x, residual = torch.randn(9, 64, generator=gen(0)), torch.randn(9, 64, generator=gen(1))
+    weight = torch.randn(64, generator=gen(2))
+    out, total = native.add_rms_norm(x, residual if with_residual else None, weight, 1e-6)
+    ref_out, ref_total = fused.add_rms_norm_torch(x, residual if with_residual else None, weight, 1e-6, False)
+    assert torch.equal(total, ref_total)                        # the sum is one fp32 add either way
+    assert close(out, ref_out)
+    assert torch.equal(native.add_rms_norm(x[4:5], residual[4:5] if with_residual else None, weight, 1e-6)[0], out[4:5])
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qk_norm_rope_store_equals_torch(qk_norm):
+    n, hq, hkv, d, rot = 7, 4, 2, 32, 16                          # partial rotary: half the head
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen(0))
+    angles = torch.rand(n, rot // 2, generator=gen(1)) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    norms = (torch.randn(d, generator=gen(2)), torch.randn(d, generator=gen(3))) if qk_norm else (None, None)
+    slots = torch.tensor([5, 0, 9, 3, 12, 7, 1])
+    pools = [torch.zeros(16, hkv, d) for _ in range(4)]
+    q = native.qk_norm_rope_store(qkv, hq, hkv, d, *norms, 1e-6, cos, sin, pools[0], pools[1], slots)
+    ref_q, _, _ = fused.qk_norm_rope_torch(qkv, hq, hkv, d, d, *norms, 1e-6, False, cos, sin,
+                                           (pools[2], pools[3], slots))
+    assert close(q, ref_q) and close(pools[0], pools[2])
+    assert torch.equal(pools[1], pools[3])                      # v is stored as it is
+    again = native.qk_norm_rope_store(qkv[2:3], hq, hkv, d, *norms, 1e-6, cos[2:3], sin[2:3], pools[0], pools[1],
+                                      slots[2:3])
+    assert torch.equal(again, q[2:3])
+
+
+def test_paged_attention_equals_the_reference_and_a_verify_row_equals_it_alone():
+    # A ragged batch as the runner lays it out: a prefill chunk, a verify block of 8, a plain row.
+    case = make_case([40, 21, 9], 8, 6, 2, 32, torch.float32, "cpu", widths=[8, 8, 1], page_size=16)
+    out = native.paged_attention(case.q, case.k_pool, case.v_pool, case.meta, case.scale)
+    ref = reference_paged_attention(case.q, case.k_pool, case.v_pool, case.meta, case.meta.context_lens, case.scale)
+    assert close(out, ref)
+    # Row 3 of the verify block, as the same sequence decoding that position alone.
+    alone = make_case([40, 21, 9], 8, 6, 2, 32, torch.float32, "cpu", widths=[8, 8, 1], page_size=16)
+    meta = alone.meta
+    row = 8 + 3
+    meta.num_seqs, meta.query_lens = 1, [1]
+    meta.query_start = torch.tensor([0, 1])
+    meta.positions = case.meta.positions[row:row + 1]
+    meta.block_tables = case.meta.block_tables[1:2]
+    meta.context_lens = case.meta.positions[row:row + 1] + 1
+    single = native.paged_attention(case.q[row:row + 1], case.k_pool, case.v_pool, meta, case.scale)
+    assert torch.equal(single, out[row:row + 1])
+
+
+def test_silu_mul_equals_torch():
+    gate_up = torch.randn(5, 96, generator=gen(0)) * 4
+    assert close(native.silu_mul(gate_up), fused.silu_mul_torch(gate_up))
+
+
+# ---- the whole stack on a quantized tiny target --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def quantized_target(qwen3_dir, tmp_path_factory):
+    """A tiny Qwen3 (qk-norm) GGUF with Q4_1 / Q4_0 / Q8_0 projections, loaded kept quantized."""
+    kinds = {f"model.layers.{i}.{name}.weight": kind for i in range(4)
+             for name, kind in {"self_attn.q_proj": "Q4_1", "self_attn.k_proj": "Q4_1", "self_attn.v_proj": "Q4_0",
+                                "self_attn.o_proj": "Q8_0", "mlp.gate_proj": "Q4_1", "mlp.up_proj": "Q4_1",
+                                "mlp.down_proj": "Q4_0"}.items()}
+    kinds |= {"model.embed_tokens.weight": "Q8_0", "lm_head.weight": "Q8_0"}
+    path = write_gguf(qwen3_dir, tmp_path_factory.mktemp("stack") / "tiny-q.gguf", quantize=kinds, with_tokenizer=False)
+    return load_model(str(path), device="cpu").model
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 19]
+
+
+def outputs(model, draft=None, block_size=1, max_tokens=16) -> list[list[int]]:
+    requests = [make_request(f"r{i}", ids, max_tokens=max_tokens) for i, ids in enumerate(PROMPTS)]
+    engine = lambda: make_engine(model, draft, block_size=block_size, max_num_seqs=len(PROMPTS))  # noqa: E731
+    return [run.output_ids for run in run_batch(engine, requests)[1]]
+
+
+def test_the_stack_forward_equals_the_modules_forward(quantized_target, qwen3_draft_dir):
+    """One engine step's forward through dense_forward vs the modules (torch ops around the same
+    native matmuls): hidden states and the draft's features within fp32 rounding, the same greedy
+    tokens, and DFlash on the stack equals plain on it."""
+    target = quantized_target
+    assert isinstance(target.native_stack, native.DenseStack)
+    stack = target.native_stack
+    plain = outputs(target)
+    captured: dict[str, list] = {"stack": [], "modules": []}
+    forward = target.forward
+
+    def both(input_ids, positions, meta, capture_layers=(), multimodal=None):
+        # The modules first, on a copy of the pools (they store K/V too), then the stack for real.
+        pools = [(k.clone(), v.clone()) for k, v in meta.kv]
+        saved, meta.kv = meta.kv, pools
+        target.native_stack = None
+        captured["modules"].append(forward(input_ids, positions, meta, capture_layers, multimodal))
+        target.native_stack, meta.kv = stack, saved
+        out = forward(input_ids, positions, meta, capture_layers, multimodal)
+        captured["stack"].append(out)
+        for (k, v), (k_ref, v_ref) in zip(meta.kv, pools):
+            assert close(k, k_ref) and close(v, v_ref)
+        return out
+
+    target.forward = both
+    try:
+        checked = outputs(target, load_draft(str(qwen3_draft_dir), target), block_size=4, max_tokens=10)
+    finally:
+        del target.forward
+    assert len(captured["stack"]) == len(captured["modules"]) > 3
+    for ours, ref in zip(captured["stack"], captured["modules"]):
+        assert close(ours.hidden, ref.hidden, 1e-4)
+        assert ours.features is not None and close(ours.features, ref.features, 1e-4)
+    assert checked == [ids[:10] for ids in plain]
+    target.native_stack = None
+    try:
+        assert outputs(target) == plain                        # the modules' greedy tokens: the same
+    finally:
+        target.native_stack = stack
+
+
+def test_without_a_compiler_the_torch_kernels_serve(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CXX", "false")
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path))
+    (tmp_path / "edited.cpp").write_text("int x;\n")                   # a source no cache holds yet
+    monkeypatch.setattr(native, "SOURCE", tmp_path / "edited.cpp")
+    with caplog.at_level("WARNING", logger="blockspec.kernels"):
+        assert native.library.__wrapped__() is None
+    assert "CPU kernels not built" in caplog.text
+    monkeypatch.setenv("BLOCKSPEC_CPU_KERNELS", "torch")
+    assert native.library.__wrapped__() is None
