@@ -80,33 +80,6 @@ def timed_stream(url: str, prompt: list[int], max_tokens: int) -> tuple[str, flo
     return "".join(parts), first if first is not None else float("nan")
 
 
-def bursts(url: str, prompts: list[list[int]], max_tokens: int, count: int) -> list[dict[str, float]]:
-    """`count` bursts of len(prompts) streams sent at once, the first straight after startup (no
-    warm-up request): each burst's first-token p50 / p99 (ms) and its wall time. A server that
-    compiled and captured everything before its port opened serves the first burst as fast as
-    the later ones."""
-    out = []
-    for _ in range(count):
-        ttfts: list[float] = [0.0] * len(prompts)
-
-        def one(i: int) -> None:
-            ttfts[i] = timed_stream(url, prompts[i], max_tokens)[1]
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        started = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        ordered = sorted(ttfts)
-        out.append({"ttft_p50_ms": round(ordered[len(ordered) // 2] * 1e3, 1),
-                    "ttft_p99_ms": round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3, 1),
-                    "wall_s": round(time.perf_counter() - started, 3)})
-        print(f"burst {len(out)}: {len(prompts)} streams, first token p50 {out[-1]['ttft_p50_ms']} ms, "
-              f"p99 {out[-1]['ttft_p99_ms']} ms, all done in {out[-1]['wall_s']} s", flush=True)
-    return out
-
-
 def cpu_seconds(path: str) -> float:
     """User + system CPU time so far of the process or thread whose /proc stat file this is."""
     fields = open(path).read().rsplit(")", 1)[1].split()
@@ -126,13 +99,15 @@ def sequential(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[flo
     return time.perf_counter() - started, texts
 
 
-def concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[str]]:
-    texts: list[str] = [""] * len(prompts)
+def at_once(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[tuple[str, float]]]:
+    """Every prompt streamed at the same moment, one thread each → the wall seconds and each
+    stream's (text, seconds to its first token); a failed stream raises here."""
+    results: list[tuple[str, float]] = [("", float("nan"))] * len(prompts)
     errors: list[BaseException] = []
 
     def one(i: int) -> None:
         try:
-            texts[i] = stream(url, prompts[i], max_tokens)
+            results[i] = timed_stream(url, prompts[i], max_tokens)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -144,7 +119,29 @@ def concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[flo
         thread.join()
     if errors:
         raise errors[0]
-    return time.perf_counter() - started, texts
+    return time.perf_counter() - started, results
+
+
+def concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[str]]:
+    seconds, results = at_once(url, prompts, max_tokens)
+    return seconds, [text for text, _ in results]
+
+
+def bursts(url: str, prompts: list[list[int]], max_tokens: int, count: int) -> list[dict[str, float]]:
+    """`count` bursts of len(prompts) streams sent at once, the first straight after startup (no
+    warm-up request): each burst's first-token p50 / p99 (ms) and its wall time. A server that
+    compiled and captured everything before its port opened serves the first burst as fast as
+    the later ones."""
+    from blockspec.bench.common import percentile
+    out = []
+    for _ in range(count):
+        seconds, results = at_once(url, prompts, max_tokens)
+        ttfts = sorted(first for _, first in results)
+        out.append({"ttft_p50_ms": round(percentile(ttfts, 50) * 1e3, 1),
+                    "ttft_p99_ms": round(percentile(ttfts, 99) * 1e3, 1), "wall_s": round(seconds, 3)})
+        print(f"burst {len(out)}: {len(prompts)} streams, first token p50 {out[-1]['ttft_p50_ms']} ms, "
+              f"p99 {out[-1]['ttft_p99_ms']} ms, all done in {out[-1]['wall_s']} s", flush=True)
+    return out
 
 
 def demo_prompts(num: int, model: str | None) -> list[list[int]]:

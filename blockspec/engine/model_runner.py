@@ -482,7 +482,7 @@ class ModelRunner:
         seqs = [decode[b] for b in drafting]
         part = self.proposal_of(self.propose_blocks(self.blocks(seqs)), seqs)
         if len(drafting) == len(decode):
-            return part
+            return confidence_to_host(part)
         index = self.device_ints(drafting)
         drafts = torch.zeros(len(decode), self.width - 1, dtype=part.drafts.dtype, device=self.device)
         drafts[index] = part.drafts
@@ -490,20 +490,15 @@ class ModelRunner:
         for i, b in enumerate(drafting):
             probs[b] = part.probs[i]
         confidence = None
-        if part.confidence is not None:                # on the host (proposal_of): a host index
-            confidence = torch.zeros(len(decode), self.width - 1, dtype=part.confidence.dtype)
-            confidence[torch.tensor(drafting)] = part.confidence
-        return Proposal(drafts, probs, confidence)
+        if part.confidence is not None:
+            confidence = torch.zeros(len(decode), self.width - 1, dtype=part.confidence.dtype,
+                                     device=part.confidence.device)
+            confidence[index.to(confidence.device)] = part.confidence
+        return confidence_to_host(Proposal(drafts, probs, confidence))
 
     def proposal_of(self, drafted, seqs: list[Sequence]) -> Proposal:
-        """The drafts the draft's output proposes for seqs, drawn with each one's parameters; the
-        confidences (adaptive) start on their way to the host at once, so reading them later
-        waits for nothing: the verify's one readback (accept) comes after them on the stream."""
-        proposal = propose(drafted, seqs, confidence=self.speculation.adaptive)
-        if proposal.confidence is not None and proposal.confidence.is_cuda:
-            host = torch.empty(proposal.confidence.shape, dtype=proposal.confidence.dtype, pin_memory=True)
-            proposal.confidence = host.copy_(proposal.confidence, non_blocking=True)
-        return proposal
+        """The drafts the draft's output proposes for seqs, drawn with each one's parameters."""
+        return propose(drafted, seqs, confidence=self.speculation.adaptive)
 
     def place_drafts(self, meta: AttentionMetadata, proposal: Proposal, num_drafts: list[int], at: int) -> None:
         """The drafts go into their verify rows: sequence b's row 1 + j takes d_{j+1}, j < k_b."""
@@ -601,6 +596,16 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         return out.hidden
+
+
+def confidence_to_host(proposal: Proposal) -> Proposal:
+    """The confidences (adaptive) start on their way to pinned host memory once the proposal is
+    whole, so the policy reads them later (after the verify's one readback, which comes after
+    this copy on the stream) without a sync of its own; nothing reads them before then."""
+    if proposal.confidence is not None and proposal.confidence.is_cuda:
+        host = torch.empty(proposal.confidence.shape, dtype=proposal.confidence.dtype, pin_memory=True)
+        proposal.confidence = host.copy_(proposal.confidence, non_blocking=True)
+    return proposal
 
 
 def samples_first_token(seq: Sequence, num_tokens: int) -> bool:
