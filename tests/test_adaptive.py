@@ -4,6 +4,7 @@ random widths per cycle and the adaptive policy, DFlash 1 and 2, with a grammar 
 sampled output keeping plain sampling's distribution under random widths."""
 from __future__ import annotations
 
+import math
 import random
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ import fixtures
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.engine.spec.dflash import Proposal, accept
 from blockspec.engine.spec.policy import (WARMUP_OBSERVATIONS, Calibration, CostTable, Speculation, allocate,
-                                          expected_committed, forwards_ms, interpolate)
+                                          allocate_widths, expected_committed, forwards_ms, interpolate)
 from blockspec.loader import load_draft, load_model
 from blockspec.sampling import SamplingParams
 
@@ -264,6 +265,61 @@ def test_a_reused_calibration_row_starts_fresh():
     fresh_row = spec.rows([newcomer])
     assert np.array_equal(cal.calibrate(conf[:1], [old_row]), cal.calibrate(conf[:1], fresh_row))
     assert np.array_equal(cal.predicted([old_row]), cal.predicted(fresh_row))
+
+
+# A draft whose forward costs 0.02 ms per row of its blocks (compute-bound, as at 64+ sequences
+# on the H200): blocks of 2 / 4 / 8 cost a quarter / half / all of the full block's.
+def draft_by_width(width: int) -> tuple[float, ...]:
+    return tuple(0.02 * width * b for b in (1, 64))
+
+
+NARROW = CostTable((1, 4096), (5.0, 5.0 + 4095 * 0.01), (1, 64), draft_by_width(8),
+                   narrow=tuple((w, draft_by_width(w)) for w in (2, 4)))
+
+
+def test_a_narrower_draft_block_is_taken_when_its_rows_are_what_pays():
+    """Survival falls fast after two slots: the best allocation verifies ~2 drafts a sequence,
+    and pricing the draft at blocks of 4 beats the full block of 8 (the check's arithmetic); a
+    seeded request's floor keeps the full block; without narrow widths in the table, the full."""
+    probs = torch.tensor([[0.95, 0.9, 0.2, 0.1, 0.1, 0.1, 0.1]] * 16, dtype=torch.float64)
+    full = allocate(probs, [7] * 16, NARROW)
+    best = allocate_widths(probs, [7] * 16, NARROW)
+    assert best.draft_width == 4 and max(best.widths) <= 3 and best.rate > full.rate
+    assert best.ms == pytest.approx(float(NARROW.target(16 + sum(best.widths))) + float(NARROW.draft(16, 4)))
+    assert forwards_ms(NARROW, best.widths, 4) == pytest.approx(best.ms)
+    floored = allocate_widths(probs, [7] * 16, NARROW, floors=[7] + [0] * 15)
+    assert floored.draft_width is None and floored.widths[0] == 7
+    plain_table = CostTable(NARROW.target_rows, NARROW.target_ms, NARROW.draft_batch, NARROW.draft_ms)
+    assert allocate_widths(probs, [7] * 16, plain_table).draft_width is None
+
+
+def test_the_draft_block_covers_the_widest_verify_and_a_seeded_request_keeps_its_whole_block():
+    spec = Speculation("adaptive", 7, costs=NARROW)
+    greedy = [request_of() for _ in range(3)]
+    assert spec.draft_width(greedy, [1, 0, 1]) == 2
+    assert spec.draft_width(greedy, [1, 3, 2]) == 4
+    assert spec.draft_width(greedy, [1, 4, 2]) == 0               # 0: the full block of 8
+    assert spec.draft_width(greedy, [0, 0, 0]) == 0               # nobody drafts
+    seeded = request_of(temperature=0.8, seed=3)
+    assert spec.draft_width([greedy[0], seeded], [1, 1]) == 0
+    assert spec.draft_width([greedy[0], seeded], [1, 0]) == 2     # the seeded one does not draft
+    assert Speculation("fixed", 7, costs=NARROW).draft_width(greedy, [1, 1, 1]) == 0
+
+
+def test_a_narrower_block_keeps_the_old_chances_past_it():
+    """A cycle drafted at a block of 4 says nothing about slots 4 … 7: their conditional chances
+    stay as the whole blocks left them, on top of the new prefix."""
+    cal = Calibration(7)
+    wide = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]])
+    cal.observe(wide, wide, [7], [7], [0])
+    before = cal.predicted([0])
+    narrow = np.array([[0.5, 0.5, 0.5, math.nan, math.nan, math.nan, math.nan]])
+    calibrated = cal.calibrate(narrow, [0])
+    assert np.isnan(calibrated[0, 3:]).all() and not np.isnan(calibrated[0, :3]).any()
+    cal.observe(narrow, calibrated, [3], [1], [0])
+    after = cal.predicted([0])
+    np.testing.assert_allclose(after[0, 3:], before[0, 3:])
+    assert not np.allclose(after[0, :3], before[0, :3])
 
 
 # ---- losslessness at any width: greedy ------------------------------------------------------
@@ -523,26 +579,77 @@ def test_speculation_metrics_are_exact_histograms(dense, reference):
     assert meta.spec_accept_histogram == [[n - 1 for n in run.stats.acceptance_lengths].count(a) for a in range(4)]
 
 
-def test_a_seeded_request_under_adaptive_speculation_is_the_same_alone_and_batched(dense, reference):
+def test_a_seeded_request_under_adaptive_speculation_is_the_same_alone_and_batched(dense, reference, monkeypatch):
     """Adaptive speculation, rows dear: a seeded sampling request's output alone equals its
-    output beside greedy and unseeded requests (whose widths the policy narrows); the greedy
-    one still equals plain decoding."""
+    output beside greedy and unseeded requests (whose widths, and draft blocks, the policy
+    narrows); the greedy one still equals plain decoding."""
+    from blockspec.engine.spec import policy
+    monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)              # narrowing from the first cycle
     dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.1)
+    dear = CostTable(dear.target_rows, dear.target_ms, dear.draft_batch, dear.draft_ms,
+                     narrow=tuple((w, tuple(ms * w / BLOCK for ms in dear.draft_ms)) for w in (2, 4)))
+
+    widths: list[int] = []
 
     def engine():
-        made, _ = oracle_engine(dense, reference, Speculation("adaptive", BLOCK - 1, costs=dear),
-                                honest=True, speculation="adaptive", max_num_seqs=4)
+        spec = Speculation("adaptive", BLOCK - 1, costs=dear)
+        spec.record_cycle = lambda *_: None        # the host-work fit learns this machine's load: not here
+        made, _ = oracle_engine(dense, reference, spec, honest=True, speculation="adaptive", max_num_seqs=4)
+        launch = made.runner.launch
+        made.runner.launch = lambda batch: (widths.append(batch.draft_width), launch(batch))[1]
         return made
 
     def seeded():
         return make_request("seeded", PROMPT, max_tokens=12, temperature=0.9, seed=7)
     alone = run_alone(engine, seeded())
+    widths.clear()
     made, runs = run_batch(engine, [make_request("greedy", PROMPT, max_tokens=30), seeded(),
                                     make_request("unseeded", PROMPT, max_tokens=4, temperature=0.9)])
+    assert {2, 4} & set(widths)                     # the others drafted narrower blocks meanwhile
     assert runs[1].output_ids == alone.output_ids
     assert runs[1].stats.acceptance_lengths == alone.stats.acceptance_lengths
     assert runs[0].output_ids == reference
     assert sum(k * n for k, n in made.counters.spec_widths.items()) < (BLOCK - 1) * sum(made.counters.spec_widths.values())
+
+
+class RandomAdaptive(Speculation):
+    """Adaptive mode (its draft blocks chosen by draft_width from the table's widths), the k of
+    each sequence and cycle drawn by the test (seeded), within its caps."""
+
+    def __init__(self, num_slots: int, costs: CostTable, seed: int = 0):
+        super().__init__("adaptive", num_slots, costs=costs)
+        self.rng = random.Random(seed)
+
+    def planned_widths(self, seqs):
+        return [min(self.rng.choice([0, 1, 1, 2, 3, 5, 7]), cap) for cap in self.caps(seqs)]
+
+
+def test_narrower_draft_blocks_are_lossless_and_run_at_the_width_they_need(dense, reference, monkeypatch):
+    """The real (random) draft at blocks of 2, 4 and 8 as the step's widest verify needs: three
+    greedy requests, alone and batched, equal plain decoding; each draft forward denoised the
+    narrowest block holding its step's widest k + 1."""
+    from blockspec.engine import model_runner
+    target, draft = dense
+    real, blocks = model_runner.propose, []
+
+    def recording(out, seqs, confidence=False):
+        blocks.append(out.shape[1] + 1)
+        return real(out, seqs, confidence)
+    monkeypatch.setattr(model_runner, "propose", recording)
+    costs = CostTable((1, 4096), (5.0, 46.0), (1, 64), draft_by_width(BLOCK),
+                      narrow=tuple((w, draft_by_width(w)) for w in (2, 4)))
+    engine = make_engine(target, draft, block_size=BLOCK, max_num_seqs=3, speculation="adaptive")
+    assert engine.runner.graphs.draft_widths == (2, 4, BLOCK)
+    use_policy(engine, RandomAdaptive(BLOCK - 1, costs))
+    steps = []
+    original = engine.runner.launch
+    engine.runner.launch = lambda batch: (steps.append((list(batch.num_drafts), batch.draft_width)), original(batch))[1]
+    _, runs = run_batch(lambda: engine, [make_request(f"r{i}", PROMPT, max_tokens=30) for i in range(3)])
+    assert all(run.output_ids == reference for run in runs)
+    drafted = [(ks, width) for ks, width in steps if any(ks)]
+    assert [width or BLOCK for _, width in drafted] == blocks
+    assert [min(w for w in (2, 4, BLOCK) if w >= max(ks) + 1) for ks, _ in drafted] == blocks
+    assert {2, 4, BLOCK} <= set(blocks)
 
 
 def test_adaptive_mode_measures_its_costs_and_is_lossless(dense, reference):
@@ -555,6 +662,7 @@ def test_adaptive_mode_measures_its_costs_and_is_lossless(dense, reference):
     assert table.target_rows == tuple(graphs.full_tokens) and table.target_rows[-1] == 4 * BLOCK
     assert table.draft_batch == tuple(graphs.draft_sizes) == (1, 2, 4)
     assert list(table.target_ms) == sorted(table.target_ms) and list(table.draft_ms) == sorted(table.draft_ms)
+    assert table.narrow_widths == (2, 4) and all(list(ms) == sorted(ms) for _, ms in table.narrow)
     run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
     assert run.output_ids == reference
 

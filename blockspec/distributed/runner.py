@@ -28,6 +28,7 @@ from blockspec.engine.model_runner import DecodeResult, Launched, ModelRunner, S
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.spec.dflash import Proposal
+from blockspec.models.dflash2 import CandidateWalk
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,10 @@ class StepPlan:
     decode: list[SeqView]
     num_drafts: list[int]
     accepted: list[int] | None = None
+    draft_width: int = 0
 
     def batch(self) -> Batch:
-        return Batch(list(self.prefill), list(self.decode), list(self.num_drafts))
+        return Batch(list(self.prefill), list(self.decode), list(self.num_drafts), self.draft_width)
 
 
 def agreed_pool(tp: TPGroup, size: PoolSize) -> PoolSize:
@@ -112,7 +114,8 @@ class LeaderRunner(ModelRunner):
 
     def launch(self, batch: Batch) -> Launched:
         plan = StepPlan([(SeqView.of(seq, n), n) for seq, n in batch.prefill],
-                        [SeqView.of(seq) for seq in batch.decode], list(batch.num_drafts), self._accepted)
+                        [SeqView.of(seq) for seq in batch.decode], list(batch.num_drafts), self._accepted,
+                        batch.draft_width)
         self._accepted = None
         try:
             self.tp.broadcast_message(plan)
@@ -159,7 +162,8 @@ class WorkerRunner(ModelRunner):
         self.step(plan.batch())
 
     def proposal_of(self, drafted, seqs: list[SeqView]) -> Proposal:
-        drafts = torch.empty(len(seqs), self.width - 1, dtype=torch.long, device=self.device)
+        num_slots = (drafted.drafts if isinstance(drafted, CandidateWalk) else drafted).shape[1]   # W − 1
+        drafts = torch.empty(len(seqs), num_slots, dtype=torch.long, device=self.device)
         return Proposal(self.tp.broadcast_tensor(drafts), [None] * len(seqs))
 
     def first_tokens(self, batch: Batch, logits: torch.Tensor | None) -> list[FirstToken | None]:

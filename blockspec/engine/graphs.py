@@ -69,6 +69,17 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sorted({min(size, max_tokens) for size in sizes})
 
 
+def narrower_widths(width: int) -> tuple[int, ...]:
+    """Draft block widths below the full one that adaptive speculation may draft at: powers of
+    two from 2 (an anchor and one draft). A step whose sequences verify at most k drafts denoises
+    a block of the smallest such width ≥ k + 1 (policy.py), so the draft's rows shrink with k."""
+    widths, w = [], 2
+    while w < width:
+        widths.append(w)
+        w *= 2
+    return tuple(widths)
+
+
 @dataclass(frozen=True)
 class BatchDescriptor:
     """A step's forward as a graph sees it: padded tokens and sequences, and whether it carries
@@ -156,8 +167,10 @@ class GraphDispatcher:
 
     def __init__(self, width: int, max_num_seqs: int, max_num_batched_tokens: int, pages_per_seq: int,
                  page_size: int, device: torch.device, capture: bool, padded: bool = True,
-                 bucket_keys: bool = True, stashing: bool = False) -> None:
+                 bucket_keys: bool = True, stashing: bool = False, draft_widths: tuple[int, ...] = ()) -> None:
         self.width, self.page_size, self.device = width, page_size, device
+        # The draft's block widths: the full one, and the narrower ones adaptive drafts at.
+        self.draft_widths = tuple(sorted({w for w in draft_widths if 1 < w < width} | {width}))
         self.pages_per_seq = pages_per_seq
         self.capture, self.padded, self.bucket_keys = capture, padded, bucket_keys
         self.max_num_seqs, self.stashing = max_num_seqs, stashing
@@ -171,9 +184,10 @@ class GraphDispatcher:
         self.piecewise: dict[int, PiecewiseGraph] = {}
         self.scratch: dict[tuple, torch.Tensor] = {}          # mixer calls' rows, by role and row shape
         self.costs: dict[str, dict[int, float]] | None = None
-        # The runner's forward of one bucket on padding rows: probe(kind, size), kind "verify"
-        # (size tokens, logits of every row) or "propose" (size blocks); None without a draft.
-        self.probe: Callable[[str, int], Any] | None = None
+        # The runner's forward of one bucket on padding rows: probe(kind, size, width), kind
+        # "verify" (size tokens, logits of every row) or "propose" (size blocks of width, the
+        # full one when None); None without a draft.
+        self.probe: Callable[[str, int, int | None], Any] | None = None
         self.has_draft = False
 
     # -- plans ------------------------------------------------------------------------------
@@ -199,12 +213,14 @@ class GraphDispatcher:
         slots = -(-num_tokens // self.width) if self.stashing else num_tokens
         return min(slots, self.max_num_seqs)
 
-    def plan_draft(self, num_seqs: int, live_keys: int, cols: int) -> Plan:
-        """The draft's propose over num_seqs blocks of the full width: FULL per sequence bucket."""
-        seqs = bucket(num_seqs, self.draft_sizes) if self.padded else None
+    def plan_draft(self, num_seqs: int, live_keys: int, cols: int, width: int | None = None) -> Plan:
+        """The draft's propose over num_seqs blocks of one width (the full one when not given):
+        FULL per (sequence bucket, width); a descriptor's tokens ÷ sequences is its width."""
+        width = self.width if width is None else width
+        seqs = bucket(num_seqs, self.draft_sizes) if self.padded and width in self.draft_widths else None
         if seqs is None:
-            return Plan(EAGER, BatchDescriptor(num_seqs * self.width, num_seqs, False), cols, live_keys)
-        return Plan(FULL, BatchDescriptor(seqs * self.width, seqs, False), self.pages_per_seq, self.keys(live_keys))
+            return Plan(EAGER, BatchDescriptor(num_seqs * width, num_seqs, False), cols, live_keys)
+        return Plan(FULL, BatchDescriptor(seqs * width, seqs, False), self.pages_per_seq, self.keys(live_keys))
 
     def keys(self, live_keys: int) -> int:
         """Keys per sequence the reference gathers under a graph: a power-of-two bucket of the live
@@ -315,6 +331,22 @@ class GraphDispatcher:
         static.pieces = pieces
         self.piecewise[num_tokens] = static
 
+    def draft_output(self, out: Any) -> Any:
+        """The draft's logits [B, W − 1, V] as a graph returns them: written into one buffer that
+        every draft graph shares (a graph's output stays allocated for its lifetime, and one
+        per (bucket, width) of a 150k vocabulary at 256 sequences summed to ~10 GiB on the
+        H200). Safe because each step's proposal is read from it before the next draft forward
+        runs. Eager forwards, and DFlash 2's small candidate walks, return their own."""
+        if not (self.capture and torch.cuda.is_current_stream_capturing() and isinstance(out, torch.Tensor)):
+            return out
+        key = ("draft", tuple(out.shape[2:]), out.dtype)
+        if key not in self.scratch:
+            self.scratch[key] = torch.empty(self.max_draft_seqs, self.width - 1, *out.shape[2:], dtype=out.dtype,
+                                            device=out.device)
+        static = self.scratch[key][: out.shape[0], : out.shape[1]]
+        static.copy_(out)
+        return static
+
     def scratch_rows(self, role: tuple, like: torch.Tensor) -> torch.Tensor:
         """The shared rows of a piecewise graph's mixer calls for one role (an input's position,
         the output), shaped like `like` (contiguous)."""
@@ -337,25 +369,28 @@ class GraphDispatcher:
     @torch.inference_mode()
     def measure_costs(self, repeat: int = 3) -> dict[str, dict[int, float]]:
         """Milliseconds of one verify forward per FULL token bucket and of one draft propose per
-        draft sequence bucket, {"verify": {tokens: ms}, "draft": {seqs: ms}}, each the median of
+        draft sequence bucket, {"verify": {tokens: ms}, "draft": {seqs: ms}} (the full block),
+        and "narrow": {width: {seqs: ms}} for each narrower draft width; each the median of
         `repeat` runs after a warm one, through the path a step of that shape takes (its graph's
         replay), on padding rows; monotone in the bucket. Measured once (cached in .costs)."""
         if self.costs is not None:
             return self.costs
-        def median_ms(kind: str, size: int) -> float:
-            self.probe(kind, size)
+        def median_ms(kind: str, size: int, width: int | None = None) -> float:
+            self.probe(kind, size, width)
             times = []
             for _ in range(repeat):
                 sync(self.device)
                 start = time.perf_counter()
-                self.probe(kind, size)
+                self.probe(kind, size, width)
                 sync(self.device)
                 times.append((time.perf_counter() - start) * 1e3)
             return sorted(times)[len(times) // 2]
         verify = [median_ms("verify", size) for size in self.full_tokens]
-        draft = [median_ms("propose", size) for size in self.draft_sizes] if self.has_draft else []
+        widths = self.draft_widths if self.has_draft else ()
+        draft = {w: monotone([median_ms("propose", size, w) for size in self.draft_sizes]) for w in widths}
         self.costs = {"verify": dict(zip(self.full_tokens, monotone(verify))),
-                      "draft": dict(zip(self.draft_sizes, monotone(draft)))}
+                      "draft": dict(zip(self.draft_sizes, draft.get(self.width, []))),
+                      "narrow": {w: dict(zip(self.draft_sizes, ms)) for w, ms in draft.items() if w != self.width}}
         return self.costs
 
     @property
@@ -367,7 +402,7 @@ class GraphDispatcher:
         """The startup log's line: which buckets each mode serves."""
         return (f"FULL {len(self.full_tokens)} token buckets ≤ {self.full_tokens[-1]} "
                 f"({self.seq_slots(self.full_tokens[-1])} sequences), drafts {len(self.draft_sizes)} "
-                f"sequence buckets ≤ {self.draft_sizes[-1]}, PIECEWISE {len(self.piecewise_tokens)} token buckets "
+                f"sequence buckets ≤ {self.draft_sizes[-1]} at widths {'/'.join(map(str, self.draft_widths))}, PIECEWISE {len(self.piecewise_tokens)} token buckets "
                 f"≤ {self.piecewise_tokens[-1]}, EAGER beyond")
 
 

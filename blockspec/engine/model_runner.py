@@ -26,7 +26,7 @@ from torch import nn
 
 from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
-from blockspec.engine.graphs import EAGER, PIECEWISE, BatchDescriptor, GraphDispatcher, Plan
+from blockspec.engine.graphs import EAGER, PIECEWISE, BatchDescriptor, GraphDispatcher, Plan, narrower_widths
 from blockspec.engine.logits import LogitsProcessor
 from blockspec.engine.memory import PoolSize, dummy_sequence, size_pool, startup_line
 from blockspec.engine.multimodal import step_rows
@@ -126,7 +126,7 @@ class ModelRunner:
         """The table, once per process for these models and sizes (the cache keeps the models, so
         their ids are not reused while it holds them)."""
         from blockspec.engine.spec.costs import measure_costs
-        key = (self.width, self.max_decode_seqs, str(self.device), self.graphs.capture, self.graphs.padded)
+        key = (self.graphs.draft_widths, self.max_decode_seqs, str(self.device), self.graphs.capture, self.graphs.padded)
         return measure_costs(self.graphs, padded=self.graphs.padded, key=key, owners=(self.target, self.draft))
 
     def make_pools(self, num_pages: int) -> tuple[KVPool, KVPool | None]:
@@ -169,14 +169,15 @@ class ModelRunner:
         from tqdm import tqdm
         graphs, is_cuda = self.graphs, self.device.type == "cuda"
         start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
-        work = [("piecewise", n) for n in graphs.piecewise_tokens] if "piecewise" in kinds else []
+        work = [("piecewise", n, None) for n in graphs.piecewise_tokens] if "piecewise" in kinds else []
         if not graphs.bucket_keys:
-            work += [("verify", n) for n in graphs.full_tokens if "verify" in kinds]
-            if self.draft is not None:
-                work += [("propose", n) for n in graphs.draft_sizes if "propose" in kinds]
-        work.sort(key=lambda item: -item[1])
-        for kind, size in tqdm(work, desc="capturing CUDA graphs", unit="graph", disable=not sys.stderr.isatty()):
-            self.idle_forward(kind, size)
+            work += [("verify", n, None) for n in graphs.full_tokens if "verify" in kinds]
+            if self.draft is not None and "propose" in kinds:
+                work += [("propose", n, w) for w in graphs.draft_widths for n in graphs.draft_sizes]
+        work.sort(key=lambda item: -item[1] * (item[2] or 1))           # tokens (a draft's: blocks × width)
+        for kind, size, width in tqdm(work, desc="capturing CUDA graphs", unit="graph",
+                                      disable=not sys.stderr.isatty()):
+            self.idle_forward(kind, size, width)
             if kind != "propose":
                 self.target.compute_logits(torch.zeros(size, self.target.hidden_size, device=self.device,
                                                        dtype=self.dtype))
@@ -190,15 +191,16 @@ class ModelRunner:
         logger.info(f"blockspec: warmed and captured {graphs.num_graphs} CUDA graphs in "
                     f"{time.perf_counter() - start:.1f} s, {used / (1 << 20):.0f} MiB: {graphs.describe()}")
 
-    def idle_forward(self, kind: str, size: int) -> Any:
+    def idle_forward(self, kind: str, size: int, width: int | None = None) -> Any:
         """One forward of a bucket on padding rows only (page 0, state slot 0: nobody's memory),
         through the path a step of that shape takes: "verify" (size tokens of decode rows),
-        "propose" (size blocks), "piecewise" (a prefill of size tokens, captured here)."""
+        "propose" (size blocks of `width`, the full block when None), "piecewise" (a prefill of
+        size tokens, captured here)."""
         pages = -(-max(size, self.width) // self.page_size)
         idle = dummy_sequence(0)
         idle.block_table = [0] * min(pages, self.config.pages_per_seq)
         if kind == "propose":
-            return self.propose_blocks([Entry(idle, 0, [0] * self.width) for _ in range(size)])
+            return self.propose_blocks([Entry(idle, 0, [0] * (width or self.width)) for _ in range(size)])
         if kind == "verify":
             rows = [Entry(idle, 0, [0] * self.width) for _ in range(size // self.width)]
             rows += [Entry(idle, 0, [0] * (size % self.width))] if size % self.width else []
@@ -221,17 +223,20 @@ class ModelRunner:
         the torch reference attention runs)."""
         if bucket_keys is None:
             bucket_keys = not self.attention_reads_live_length
+        # Narrower draft blocks only where the policy chooses widths (fixed drafts whole blocks).
+        narrow = narrower_widths(self.width) if self.draft is not None and self.config.speculation == "adaptive" else ()
         graphs = GraphDispatcher(self.width, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                  self.config.pages_per_seq, self.page_size, self.device, capture, padded=padded,
-                                 bucket_keys=bucket_keys, stashing=self.is_hybrid and self.draft is not None)
+                                 bucket_keys=bucket_keys, stashing=self.is_hybrid and self.draft is not None,
+                                 draft_widths=narrow)
         graphs.probe, graphs.has_draft = self.probe, self.draft is not None
         return graphs
 
-    def probe(self, kind: str, size: int) -> None:
+    def probe(self, kind: str, size: int, width: int | None = None) -> None:
         """A bucket's forward on padding rows as a step runs it, for the dispatcher's cost table;
         not counted among the engine's forwards."""
         forwards = self.num_forwards
-        out = self.idle_forward(kind, size)
+        out = self.idle_forward(kind, size, width)
         if kind == "verify":
             self.target.compute_logits(out[:size])
         self.num_forwards = forwards
@@ -336,9 +341,10 @@ class ModelRunner:
         return self.graphs.run("verify", plan, self.target_forward, meta, self.derive)
 
     def propose_blocks(self, blocks: list[Entry]):
-        """The draft over blocks of the full width → what `propose` reads (rows past the blocks'
-        are padding)."""
-        plan = self.graphs.plan_draft(len(blocks), live_keys(blocks), max(len(b.seq.block_table) for b in blocks))
+        """The draft over blocks of one width → what `propose` reads (rows past the blocks' are
+        padding)."""
+        plan = self.graphs.plan_draft(len(blocks), live_keys(blocks), max(len(b.seq.block_table) for b in blocks),
+                                      len(blocks[0].tokens))
         meta = self.prepare(blocks, 0, plan, uniform=True)
         self.num_forwards += 1
         return self.graphs.run("propose", plan, self.draft_proposal, meta, self.derive)
@@ -442,17 +448,17 @@ class ModelRunner:
                   if batch.decode else None)
         return StepResult(first_tokens, result)
 
-    def blocks(self, decode: list[Sequence]) -> list[Entry]:
-        """The draft's blocks [x, MASK × (T − 1)] at each sequence's next positions."""
+    def blocks(self, decode: list[Sequence], width: int) -> list[Entry]:
+        """The draft's blocks [x, MASK × (W − 1)] at each sequence's next positions."""
         mask = self.draft.mask_token_id if self.draft is not None else 0
-        return [Entry(seq, seq.num_cached, [seq.anchor] + [mask] * (self.width - 1)) for seq in decode]
+        return [Entry(seq, seq.num_cached, [seq.anchor] + [mask] * (width - 1)) for seq in decode]
 
     def forward_step(self, batch: Batch) -> tuple[torch.Tensor | None, Proposal | None, torch.Tensor | None]:
         """The draft over the decoding sequences, then one flat target forward over prefill chunks
         and verify rows → (verify logits [B, max k + 1, V], proposal, the logits [P, V] of the P
         prefill chunks that end their prompt)."""
         decode, num_drafts = batch.decode, batch.num_drafts
-        proposal = self.propose_for(decode, num_drafts)
+        proposal = self.propose_for(decode, num_drafts, batch.draft_width or self.width)
         entries = [Entry(seq, seq.num_cached, seq.tokens[seq.num_cached: seq.num_cached + n])
                    for seq, n in batch.prefill]
         entries += [Entry(seq, seq.num_cached, [seq.anchor] + [0] * k) for seq, k in zip(decode, num_drafts)]
@@ -473,25 +479,25 @@ class ModelRunner:
         index = [[offset + min(j, k) for j in range(width)] for offset, k in zip(offsets, num_drafts)]
         return verify[self.device_ints(index)], proposal, first_logits
 
-    def propose_for(self, decode: list[Sequence], num_drafts: list[int]) -> Proposal | None:
-        """The draft forward over the sequences that verify drafts (k_b > 0); rows of the others
-        hold no drafts (acceptance reads none of them)."""
+    def propose_for(self, decode: list[Sequence], num_drafts: list[int], width: int) -> Proposal | None:
+        """The draft forward, blocks of `width` (≥ max k_b + 1), over the sequences that verify
+        drafts (k_b > 0); rows of the others hold no drafts (acceptance reads none of them)."""
         drafting = [b for b, k in enumerate(num_drafts) if k > 0]
         if self.draft is None or not drafting:
             return None
         seqs = [decode[b] for b in drafting]
-        part = self.proposal_of(self.propose_blocks(self.blocks(seqs)), seqs)
+        part = self.proposal_of(self.propose_blocks(self.blocks(seqs, width)), seqs)
         if len(drafting) == len(decode):
             return confidence_to_host(part)
         index = self.device_ints(drafting)
-        drafts = torch.zeros(len(decode), self.width - 1, dtype=part.drafts.dtype, device=self.device)
+        drafts = torch.zeros(len(decode), width - 1, dtype=part.drafts.dtype, device=self.device)
         drafts[index] = part.drafts
         probs: list[torch.Tensor | None] = [None] * len(decode)
         for i, b in enumerate(drafting):
             probs[b] = part.probs[i]
         confidence = None
         if part.confidence is not None:
-            confidence = torch.zeros(len(decode), self.width - 1, dtype=part.confidence.dtype,
+            confidence = torch.zeros(len(decode), width - 1, dtype=part.confidence.dtype,
                                      device=part.confidence.device)
             confidence[index.to(confidence.device)] = part.confidence
         return confidence_to_host(Proposal(drafts, probs, confidence))
@@ -586,7 +592,8 @@ class ModelRunner:
                                          states=None, state_slots=None, keep_steps=False, shared={})
         hidden = self.draft(self.target.embed(meta.input_ids), meta.positions, draft_meta)
         anchors = meta.input_ids.view(meta.num_seqs, width)[:, 0]
-        return self.draft.propose(hidden.view(meta.num_seqs, width, -1), anchors, self.target.lm_head)
+        return self.graphs.draft_output(self.draft.propose(hidden.view(meta.num_seqs, width, -1), anchors,
+                                                           self.target.lm_head))
 
     def target_forward(self, meta: AttentionMetadata, multimodal: MultimodalRows | None = None) -> torch.Tensor:
         """Target forward → hidden [N, hidden]; the features of every row join the draft's

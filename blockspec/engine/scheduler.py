@@ -40,6 +40,7 @@ class Batch:
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)   # (sequence, chunk length)
     decode: list[Sequence] = field(default_factory=list)
     num_drafts: list[int] = field(default_factory=list)                 # k_i per decode sequence
+    draft_width: int = 0                # the draft's block this step (≥ max k_i + 1); 0: the full block
 
     @property
     def is_empty(self) -> bool:
@@ -112,8 +113,10 @@ class Scheduler:
         decode = [(seq, k) for seq, k in decode if seq in self.running]
         for seq, _ in decode:
             self._last_decoded[id(seq)] = self._num_steps
-        return Batch(prefill=[(s, n) for s, n in chunks if s in self.running],
-                     decode=[seq for seq, _ in decode], num_drafts=[k for _, k in decode])
+        seqs, ks = [seq for seq, _ in decode], [k for _, k in decode]
+        width = self.speculation.draft_width(seqs, ks) if self.speculation is not None else 0
+        return Batch(prefill=[(s, n) for s, n in chunks if s in self.running], decode=seqs, num_drafts=ks,
+                     draft_width=width)
 
     def _admit(self) -> None:
         promised = 0                    # pages the sequences admitted in this call will claim

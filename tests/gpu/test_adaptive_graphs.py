@@ -78,3 +78,29 @@ def test_the_adaptive_policy_on_graphs_is_lossless(pair):
     assert table.target_rows == tuple(engine.runner.graphs.full_tokens)
     assert modes[("verify", EAGER, False)] == 0
     assert [r.output_ids for r in adaptive] == [r.output_ids for r in plain]
+
+
+def test_narrower_draft_blocks_replay_what_the_eager_step_computes(pair):
+    """Adaptive mode's draft blocks of 2 / 4 / 8 (each step the narrowest holding its widest
+    k + 1, random widths): graphs and eager agree token for token and every draft propose,
+    whatever its width, replays a FULL graph that writes the shared logits buffer."""
+    from test_adaptive import RandomAdaptive, draft_by_width
+    from blockspec.engine.spec.policy import CostTable
+    target, draft = pair
+    costs = CostTable((1, 4096), (5.0, 46.0), (1, 64), draft_by_width(BLOCK),
+                      narrow=tuple((w, draft_by_width(w)) for w in (2, 4)))
+    runs, modes, widths = {}, Counter(), Counter()
+    for graphs in (False, True):
+        def build() -> Engine:
+            engine = Engine(target, draft, config(graphs, "adaptive"))
+            engine.runner.speculation = engine.scheduler.speculation = RandomAdaptive(BLOCK - 1, costs, seed=5)
+            launch = engine.runner.launch
+            engine.runner.launch = lambda batch: (widths.update([batch.draft_width or BLOCK] if graphs and any(
+                batch.num_drafts) else []), launch(batch))[1]
+            return counting(engine, modes) if graphs else engine
+        _, runs[graphs] = run_batch(build, requests()[:2], arrivals={2: requests()[2:]})
+    for eager, graphed in zip(runs[False], runs[True]):
+        assert graphed.output_ids == eager.output_ids, graphed.request.request_id
+        assert graphed.stats.acceptance_lengths == eager.stats.acceptance_lengths
+    assert widths[2] and widths[4] and widths[BLOCK]
+    assert modes[("propose", EAGER, False)] == 0 and modes[("propose", FULL, False)] > 5

@@ -30,11 +30,12 @@ REPEAT = 3
 class CostSource(Protocol):
     """The measurement hook (issue 30's GraphDispatcher.measure_costs, NOTES.md)."""
 
-    def measure_costs(self, repeat: int = REPEAT) -> dict[str, dict[int, float]]:
-        """{"verify": {tokens: ms}, "draft": {sequences: ms}}: median ms of one target forward of
-        a decode step's rows (logits of every row) per token bucket and of one draft propose
-        per sequence bucket, through the path a step of that size takes, on padding rows (page
-        0, state slot 0), the engine's state and counters untouched."""
+    def measure_costs(self, repeat: int = REPEAT) -> dict:
+        """{"verify": {tokens: ms}, "draft": {sequences: ms}, "narrow": {width: {sequences: ms}}}:
+        median ms of one target forward of a decode step's rows (logits of every row) per token
+        bucket and of one draft propose of full blocks (and of each narrower width) per sequence
+        bucket, through the path a step of that size takes, on padding rows (page 0, state slot
+        0), the engine's state and counters untouched."""
 
 
 def measure_costs(source: CostSource, padded: bool, key: tuple | None = None, owners: tuple = (),
@@ -56,9 +57,11 @@ def measure_costs(source: CostSource, padded: bool, key: tuple | None = None, ow
     return table
 
 
-def cost_table(measured: dict[str, dict[int, float]], padded: bool) -> CostTable:
+def cost_table(measured: dict, padded: bool) -> CostTable:
     tokens, seqs = sorted(measured["verify"]), sorted(measured["draft"])
+    narrow = tuple((width, tuple(monotone([times[n] for n in seqs])))
+                   for width, times in sorted(measured.get("narrow", {}).items()))
     return CostTable(tuple(tokens), tuple(monotone([measured["verify"][n] for n in tokens])),
-                     tuple(seqs), tuple(monotone([measured["draft"][n] for n in seqs])), padded=padded)
+                     tuple(seqs), tuple(monotone([measured["draft"][n] for n in seqs])), padded=padded, narrow=narrow)
 
 

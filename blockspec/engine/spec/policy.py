@@ -72,24 +72,32 @@ class CostTable:
     sequences. padded: the forwards run padded to the measured sizes (graph buckets), so a size
     costs the next point's time; else (eager) linear between points. Past the last point, the
     last segment's slope (a compute-bound forward grows linearly); before the first, the first
-    point's time. A draft of 0 sequences is not run: 0 ms."""
+    point's time. A draft of 0 sequences is not run: 0 ms. draft_ms is the full block's;
+    narrow: (width, ms at each draft_batch point) for the narrower blocks the draft may run."""
     target_rows: tuple[int, ...]
     target_ms: tuple[float, ...]
     draft_batch: tuple[int, ...]
     draft_ms: tuple[float, ...]
     padded: bool = False
+    narrow: tuple[tuple[int, tuple[float, ...]], ...] = ()
 
     def __post_init__(self) -> None:
-        for xs, ys in ((self.target_rows, self.target_ms), (self.draft_batch, self.draft_ms)):
+        for xs, ys in ((self.target_rows, self.target_ms), (self.draft_batch, self.draft_ms),
+                       *((self.draft_batch, ms) for _, ms in self.narrow)):
             if len(xs) != len(ys) or not xs or list(xs) != sorted(set(xs)):
                 raise ValueError("a cost table needs strictly increasing points, one time each")
+
+    @property
+    def narrow_widths(self) -> tuple[int, ...]:
+        return tuple(w for w, _ in self.narrow)
 
     def target(self, rows: np.ndarray | int) -> np.ndarray:
         return self.lookup("target", np.asarray(rows, dtype=np.float64))
 
-    def draft(self, batch: np.ndarray | int) -> np.ndarray:
+    def draft(self, batch: np.ndarray | int, width: int | None = None) -> np.ndarray:
+        """The draft over `batch` blocks of `width` (a narrow width's, or the full block's)."""
         batch = np.asarray(batch, dtype=np.float64)
-        return np.where(batch > 0, self.lookup("draft", batch), 0.0)
+        return np.where(batch > 0, self.lookup(draft_name(width), batch), 0.0)
 
     def target_ms_of(self, rows: int) -> float:
         return self.scalar("target", rows)
@@ -103,7 +111,9 @@ class CostTable:
         lookup is then one gather; numpy, whose per-call cost on these small arrays is a fraction
         of torch's): values, the same as floats, and the slope beyond."""
         out = {}
-        for name, xs, ys in (("target", self.target_rows, self.target_ms), ("draft", self.draft_batch, self.draft_ms)):
+        curves = (("target", self.target_rows, self.target_ms), ("draft", self.draft_batch, self.draft_ms),
+                  *((draft_name(w), self.draft_batch, ms) for w, ms in self.narrow))
+        for name, xs, ys in curves:
             sizes = torch.arange(xs[-1] + 1, dtype=torch.float64)
             values = interpolate(pad_to(sizes, xs) if self.padded else sizes, xs, ys)
             slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
@@ -135,7 +145,13 @@ class CostTable:
         target = " ".join(f"{r}:{ms:.3g}" for r, ms in zip(self.target_rows, self.target_ms))
         draft = " ".join(f"{b}:{ms:.3g}" for b, ms in zip(self.draft_batch, self.draft_ms))
         how = "padded to these buckets" if self.padded else "interpolated"
-        return f"verify ms by tokens {target}; draft ms by sequences {draft} ({how})"
+        narrow = "".join(f"; width {w}: " + " ".join(f"{b}:{ms:.3g}" for b, ms in zip(self.draft_batch, times))
+                         for w, times in self.narrow)
+        return f"verify ms by tokens {target}; draft ms by sequences {draft}{narrow} ({how})"
+
+
+def draft_name(width: int | None) -> str:
+    return "draft" if width is None else f"draft{width}"
 
 
 def interpolate(x: torch.Tensor, xs: Seq[int], ys: Seq[float]) -> torch.Tensor:
@@ -163,6 +179,11 @@ class Allocation:
     widths: list[int]                # k_b: drafts each sequence verifies
     expected_tokens: float           # Σ_b E_b(k_b)
     ms: float                        # predicted step time (forwards + host work)
+    draft_width: int | None = None   # the draft's block it was priced at (None: the full block)
+
+    @property
+    def rate(self) -> float:
+        return self.expected_tokens / self.ms if self.ms > 0 else 0.0
 
     @property
     def runs_draft(self) -> bool:
@@ -170,7 +191,8 @@ class Allocation:
 
 
 def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable, floors: Seq[int] | None = None,
-             fixed_ms: float = 0.0, per_token_ms: float = 0.0, margin: float = 0.0) -> Allocation:
+             fixed_ms: float = 0.0, per_token_ms: float = 0.0, margin: float = 0.0,
+             draft_width: int | None = None) -> Allocation:
     """probs [B, L] (predicted p of each draft slot), caps[b] ≤ L (the most drafts b may verify:
     its block, or fewer when max_tokens is near), floors[b] (drafts b must verify: a seeded
     sampling request keeps its whole block so its output stays reproducible) → the widths of the
@@ -181,13 +203,14 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
     sequence that starts drafting, and a padded forward costs its bucket, so a few more slots
     can be free. margin: every slot up to its cap is verified unless the best allocation's
     predicted rate beats that by this fraction (ragged widths cost host work and launches the
-    table does not price: Speculation passes RAGGED_MARGIN)."""
+    table does not price: Speculation passes RAGGED_MARGIN). draft_width: the draft runs blocks
+    of this width (caps past width − 1 are cut; None: the full block of L + 1)."""
     num_seqs, num_slots = probs.shape
     if num_seqs == 0:
         return Allocation([], 0.0, 0.0)
     # numpy: this runs every step on the host, on arrays of at most a few thousand entries.
     p = probs.double().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs, dtype=np.float64)  # [B, L]
-    caps_a = np.clip(np.asarray(caps, dtype=np.int64), 0, num_slots)
+    caps_a = np.clip(np.asarray(caps, dtype=np.int64), 0, num_slots if draft_width is None else draft_width - 1)
     floors_a = np.zeros(num_seqs, dtype=np.int64) if floors is None else \
         np.minimum(np.asarray(floors, dtype=np.int64), caps_a)
     slot = np.arange(num_slots)
@@ -206,20 +229,38 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
     first = np.zeros(len(order), dtype=np.float64)
     first[np.unique(order // num_slots, return_index=True)[1]] = 1.0    # where each sequence starts drafting
     drafting = np.concatenate(([0.0], np.cumsum(first)))
-    ms = costs.target(rows) + costs.draft(drafting) + fixed_ms + per_token_ms * tokens
+    ms = costs.target(rows) + costs.draft(drafting, draft_width) + fixed_ms + per_token_ms * tokens
     rate = tokens / ms
     rate[:num_forced] = -math.inf                                         # the floors are not optional
     best = int(np.argmax(rate))
     if rate[best] < (1.0 + margin) * rate[-1]:
         best = len(order)
     widths = np.bincount(order[:best] // num_slots, minlength=num_seqs)
-    return Allocation(widths.tolist(), float(tokens[best]), float(ms[best]))
+    return Allocation(widths.tolist(), float(tokens[best]), float(ms[best]), draft_width)
 
 
-def forwards_ms(costs: CostTable, widths: Seq[int]) -> float:
+def allocate_widths(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable, floors: Seq[int] | None = None,
+                    fixed_ms: float = 0.0, per_token_ms: float = 0.0, margin: float = 0.0) -> Allocation:
+    """The best allocation over the draft's block widths: the full block, and each narrower
+    width of the table (caps cut to width − 1; a narrower block denoises fewer rows, so its
+    draft forward costs less). A floor (a seeded request's whole block) keeps the full block."""
+    best = allocate(probs, caps, costs, floors, fixed_ms, per_token_ms, margin)
+    if floors is not None and np.any(np.asarray(floors) > 0):
+        return best
+    for width in costs.narrow_widths:
+        candidate = allocate(probs, caps, costs, None, fixed_ms, per_token_ms, margin, draft_width=width)
+        if candidate.rate > best.rate:
+            best = candidate
+    return best
+
+
+def forwards_ms(costs: CostTable, widths: Seq[int], draft_width: int = 0) -> float:
     """What the table says a decode step of these widths costs: the target over Σ (1 + k_b)
-    tokens, the draft over the sequences with k_b > 0."""
-    return costs.target_ms_of(len(widths) + sum(widths)) + costs.draft_ms_of(sum(1 for k in widths if k > 0))
+    tokens, the draft over the sequences with k_b > 0 (blocks of draft_width; 0: the full block)."""
+    drafting = sum(1 for k in widths if k > 0)
+    draft = costs.draft_ms_of(drafting) if not draft_width or draft_width not in costs.narrow_widths else \
+        float(costs.draft(drafting, draft_width))
+    return costs.target_ms_of(len(widths) + sum(widths)) + draft
 
 
 # ---- calibration ---------------------------------------------------------------------------
@@ -272,18 +313,23 @@ class Calibration:
         return np.clip((confidence * NUM_BINS).astype(np.int64), 0, NUM_BINS - 1)
 
     def calibrate(self, confidence, rows) -> np.ndarray:
-        """confidence [B, L] (the draft's own probabilities), rows [B] → calibrated p [B, L]."""
-        bins = self.bins(np.asarray(confidence, dtype=np.float64))
+        """confidence [B, L] (the draft's own probabilities; NaN past a narrower block), rows [B] →
+        calibrated p [B, L] (NaN where the confidence is)."""
+        confidence = np.asarray(confidence, dtype=np.float64)
+        bins = self.bins(np.nan_to_num(confidence))
         groups = self.groups[None]
         mine = np.asarray(rows, dtype=np.int64)[:, None]
         engine = self.engine_estimate()[groups, bins]
-        return (self.accepted[mine, groups, bins] + self.strength * engine) / (self.seen[mine, groups, bins]
-                                                                               + self.strength)
+        calibrated = (self.accepted[mine, groups, bins] + self.strength * engine) / (self.seen[mine, groups, bins]
+                                                                                     + self.strength)
+        return np.where(np.isnan(confidence), math.nan, calibrated)
 
     def observe(self, confidence, calibrated, widths: Seq[int], accepted: Seq[int], rows) -> None:
         """After a verify: slots 1 … a of b were accepted, slot a + 1 (if ≤ k_b) rejected; later
-        slots were not judged (acceptance is conditional on the prefix)."""
-        bins = self.bins(np.asarray(confidence, dtype=np.float64))
+        slots were not judged (acceptance is conditional on the prefix). Slots past a narrower
+        block than L + 1 (NaN confidence) keep their old conditional chance on top of the new
+        prefix."""
+        bins = self.bins(np.nan_to_num(np.asarray(confidence, dtype=np.float64)))
         rows = np.asarray(rows, dtype=np.int64)
         slot = np.arange(self.num_slots)[None]
         k = np.asarray(widths, dtype=np.int64)[:, None]
@@ -301,7 +347,10 @@ class Calibration:
         np.add.at(self.engine_seen, (groups, judged_bins), 1.0)
         products = np.cumprod(np.asarray(calibrated, dtype=np.float64), axis=1)
         old = self.recent[rows]
-        self.recent[rows] = np.where(np.isnan(old), products, (1 - SLOT_EMA) * old + SLOT_EMA * products)
+        fresh = np.where(np.isnan(old), products, (1 - SLOT_EMA) * old + SLOT_EMA * products)
+        if np.isnan(products).any():
+            fresh = np.cumprod(np.where(np.isnan(products), conditionals(old), conditionals(fresh)), axis=1)
+        self.recent[rows] = fresh
 
     def predicted(self, rows) -> np.ndarray:
         """[B, L] per-slot p whose prefix products are each sequence's recent average ones; a
@@ -310,8 +359,13 @@ class Calibration:
         default = np.cumprod(self.engine_estimate()[self.groups, NUM_BINS - 1])
         products = self.recent[np.asarray(rows, dtype=np.int64)]
         products = np.where(np.isnan(products), default[None], products)
-        previous = np.concatenate((np.ones_like(products[:, :1]), products[:, :-1]), axis=1)
-        return np.clip(products / np.maximum(previous, 1e-12), 0.0, 1.0)
+        return np.clip(conditionals(products), 0.0, 1.0)
+
+
+def conditionals(products: np.ndarray) -> np.ndarray:
+    """Prefix products [B, L] → each slot's chance given the slots before it."""
+    previous = np.concatenate((np.ones_like(products[:, :1]), products[:, :-1]), axis=1)
+    return products / np.maximum(previous, 1e-12)
 
 
 # ---- the engine's speculation state ----------------------------------------------------------
@@ -420,9 +474,22 @@ class Speculation:
             self._cycles_since_learning = 0
             return self.caps(seqs).tolist()
         rows = self.rows(seqs)
-        return allocate(self.calibration.predicted(rows), self.caps(seqs), self.costs, self.floors(rows),
-                        fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token,
-                        margin=RAGGED_MARGIN).widths
+        return allocate_widths(self.calibration.predicted(rows), self.caps(seqs), self.costs, self.floors(rows),
+                               fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token,
+                               margin=RAGGED_MARGIN).widths
+
+    def draft_width(self, seqs: Seq, widths: Seq[int]) -> int:
+        """The draft's block for a step that verifies these k_b (0: the full block): under
+        adaptive the narrowest of the table's widths that holds max k_b + 1 — a narrower block
+        denoises fewer rows — unless a seeded request drafts (its drafts, and so its draws, must
+        not depend on the batch: it always denoises the full block)."""
+        need = max(widths, default=0) + 1
+        if need <= 1 or not self.adaptive:
+            return 0
+        width = next((w for w in self.costs.narrow_widths if w >= need), 0)
+        if width and np.any(self.floors(self.rows([seq for seq, k in zip(seqs, widths) if k > 0])) > 0):
+            return 0
+        return width
 
     def learning_interval(self, num_seqs: int) -> float:
         """Cycles between learning cycles: (whole-block cycle − plain step) / (budget × plain step)."""
@@ -431,7 +498,7 @@ class Speculation:
         whole = forwards_ms(self.costs, [self.num_slots] * num_seqs) + fixed
         return (whole - plain) / (LEARNING_BUDGET * plain)
 
-    def record_cycle(self, seconds: float, widths: Seq[int], num_tokens: int) -> None:
+    def record_cycle(self, seconds: float, widths: Seq[int], num_tokens: int, draft_width: int = 0) -> None:
         """The engine's wall time of a whole decode-only step (forwards, accept, commits) of
         these widths that committed num_tokens, against the table's forwards for it: fitted as
         scale · forwards + per_seq · B + per_token · tokens (ridge least squares, forgetting
@@ -442,7 +509,7 @@ class Speculation:
         if not self.adaptive or not widths:
             return
         # numpy: a 3 × 3 solve every step, where torch's per-op overhead would cost more than the math.
-        x = np.array([forwards_ms(self.costs, widths), float(len(widths)), float(num_tokens)])
+        x = np.array([forwards_ms(self.costs, widths, draft_width), float(len(widths)), float(num_tokens)])
         self._xtx = HOST_WORK_MEMORY * self._xtx + np.outer(x, x)
         self._xty = HOST_WORK_MEMORY * self._xty + x * (seconds * 1e3)
         ridge = 1e-3 * float(np.trace(self._xtx)) / 3 + 1e-12
@@ -461,6 +528,9 @@ class Speculation:
         if confidence is None or not self.adaptive or not drafted:
             return
         confidence = confidence.double().cpu().numpy()[drafted]
+        if confidence.shape[1] < self.num_slots:                 # a narrower block: no word on the rest
+            confidence = np.pad(confidence, ((0, 0), (0, self.num_slots - confidence.shape[1])),
+                                constant_values=math.nan)
         rows = self.rows([seqs[b] for b in drafted])
         calibrated = self.calibration.calibrate(confidence, rows)
         self.calibration.observe(confidence, calibrated, [widths[b] for b in drafted],
