@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.sampling import device_longs
+
 
 @dataclass(frozen=True)
 class RecurrentShape:
@@ -145,8 +147,8 @@ class StatePool:
         if any(not 1 <= kept <= width for kept in num_kept):
             raise ValueError(f"each sequence keeps 1..{width} positions of its block, got {num_kept}")
         rows = (torch.arange(slots.shape[0], device=slots.device) if rows is None
-                else torch.tensor(rows, device=slots.device))
-        num_kept = torch.tensor(num_kept, device=slots.device)
+                else device_longs(rows, slots.device))
+        num_kept = device_longs(num_kept, slots.device)
         if self.in_space():
             self.select_stacked(slots, rows, num_kept)
             if not keep_stash:
