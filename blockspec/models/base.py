@@ -88,8 +88,9 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 capture_layers: tuple[int, ...] = (), multimodal: MultimodalRows | None = None) -> ForwardOutput:
-        """multimodal: image rows take the vision tower's tokens and rotate by M-RoPE positions
-        (positions stay the rows' cache positions: they place K/V in the pool)."""
+        """positions [N]: the rows' rotary positions (an image sequence's are its cache positions,
+        meta.positions, shifted by its M-RoPE delta). multimodal: image rows take the vision
+        tower's tokens and every row rotates at its M-RoPE positions [3, N] instead."""
         meta.shared.clear()
         x = self.embed(input_ids)                                           # [N, hidden]
         if multimodal is not None and multimodal.rows is not None:
