@@ -88,7 +88,10 @@ def references(built) -> dict:
 
 def our_request(llm: LLM, messages: list[dict], names: list[str], request_id: str = "r",
                 params: SamplingParams = GREEDY):
+    """The request of messages with images `names` (none: a text request, as the server makes it)."""
     ids = llm.tokenizer.encode_chat(messages)
+    if not names:
+        return llm.make_request(request_id, ids, params)
     images = [process_image(IMAGES[name], llm.image_processor) for name in names]
     ids, prompt = llm.image_prompt(ids, images)
     return llm.make_request(request_id, ids, params, multimodal=prompt)
@@ -235,11 +238,11 @@ def test_rows_no_image_reaches_rotate_at_one_shift_of_their_positions(plain):
     assert len(shifts) == 3 and {0, request.multimodal.rope_delta} < shifts
 
 
-def expected_alone(llm: LLM, cases: list[tuple[list[dict], list[str]]]) -> list[list[int]]:
+def expected_alone(llm: LLM, cases: list[tuple[list[dict], list[str], SamplingParams]]) -> list[list[int]]:
     """Each case run alone on llm (eager, one prefill chunk: every row at step_rows' M-RoPE positions)."""
     outputs = []
-    for i, (messages, names) in enumerate(cases):
-        request = our_request(llm, messages, names, f"alone-{i}")
+    for i, (messages, names, params) in enumerate(cases):
+        request = our_request(llm, messages, names, f"alone-{i}", params)
         llm.generate_requests([request])
         outputs.append(request.output_ids)
     return outputs
@@ -251,8 +254,10 @@ def test_image_sequences_step_through_the_graphs_path(kind, checkpoints, plain, 
     DFlash, image and text requests in one batch prefilled in chunks of a 24-token budget: every
     decode / verify step and every draft propose holding an image sequence plans FULL, the chunks
     of text after an image PIECEWISE, only the chunks reaching image rows EAGER; each output
-    equals the eager run of its request alone."""
-    cases = [(LONG_TAIL, ["wide"]), PROMPTS["two"], ([{"role": "user", "content": "Say something."}], [])]
+    equals the eager run of its request alone (the text one decodes long enough to share FULL
+    steps with them)."""
+    cases = [(LONG_TAIL, ["wide"], GREEDY), (*PROMPTS["two"], GREEDY),
+             ([{"role": "user", "content": "Say something."}], [], SamplingParams(max_tokens=60, temperature=0.0))]
     expected = expected_alone(plain[kind], cases)
     draft = write_vl_draft(tmp_path / "draft", checkpoints[kind])
     for name, draft_dir in (("plain", None), ("dflash", str(draft))):
@@ -260,11 +265,12 @@ def test_image_sequences_step_through_the_graphs_path(kind, checkpoints, plain, 
                   **SMALL_POOL)
         padded(llm.engine)
         seen = record_forwards(llm.engine.runner)
-        batch = [our_request(llm, messages, names, f"{name}-{i}") for i, (messages, names) in enumerate(cases)]
+        batch = [our_request(llm, *case[:2], f"{name}-{i}", case[2]) for i, case in enumerate(cases)]
         llm.generate_requests(batch)
         assert [request.output_ids for request in batch] == expected, name
         with_images = [f for f in seen if f.images]
         assert {f.mode for f in with_images if not f.prefill} == {FULL}, name
+        assert any(f.text and not (f.prefill or f.draft) for f in with_images), name
         assert {f.mode for f in with_images if f.prefill and not f.image_rows} == {PIECEWISE}, name
         assert {f.mode for f in with_images if f.image_rows} == {EAGER}, name
         assert (name == "dflash") == any(f.draft for f in with_images)
@@ -301,6 +307,14 @@ def test_make_request_refuses_images_for_a_text_model():
     text_only = SimpleNamespace(target=SimpleNamespace(visual=None))
     with pytest.raises(ValueError, match="no images"):
         LLM.make_request(text_only, "x", [1, 2, 3], GREEDY, multimodal=object())
+
+
+def test_tensor_parallel_takes_no_images():
+    """Its workers see no request's images (distributed/runner.py: RequestView): refused, not run."""
+    sharded = SimpleNamespace(target=SimpleNamespace(visual=object()), workers=object())
+    assert not LLM.takes_images.fget(sharded)
+    with pytest.raises(ValueError, match="tensor parallel"):
+        LLM.make_request(sharded, "x", [1, 2, 3], GREEDY, multimodal=object())
 
 
 def test_image_urls_under_the_media_policy(tmp_path):

@@ -135,6 +135,7 @@ class PlannedForward:
     mode: str                          # FULL, PIECEWISE or EAGER
     prefill: bool                      # it carries prefill chunks
     images: bool                       # a sequence with images has rows in it
+    text: bool                         # so does one without
     image_rows: bool                   # a prefill chunk reaches an image's rows
 
 
@@ -147,6 +148,7 @@ def record_forwards(runner) -> list[PlannedForward]:
     def spy(entries, num_prefill_seqs, plan, uniform=False):
         seen.append(PlannedForward(uniform, plan.mode, num_prefill_seqs > 0,
                                    any(e.seq.request.multimodal is not None for e in entries),
+                                   any(e.seq.request.multimodal is None for e in entries),
                                    any(rope_offset(e) is None for e in entries)))
         return prepare(entries, num_prefill_seqs, plan, uniform)
     runner.prepare = spy

@@ -302,14 +302,15 @@ class ModelRunner:
         slot 0 and rope offset 0, padding tokens id 0. Positions, slot_mapping and rope_positions are
         left 0 (`derive_positions`). An entry reaching image rows has no one rope offset: its step
         rotates by `step_rows`' positions instead, so 0 goes there."""
-        ids, starts, tables, context_lens, state_slots, offsets = [], [0], [], [], [], []
+        ids, starts, tables, context_lens, state_slots = [], [0], [], [], []
         for entry in entries:
             ids += entry.tokens
             starts.append(starts[-1] + len(entry.tokens))
             tables += entry.seq.block_table + [0] * (cols - len(entry.seq.block_table))
             context_lens.append(entry.start + len(entry.tokens))
             state_slots.append(entry.seq.state_slot or 0)
-            offsets.append(rope_offset(entry) or 0)
+        offsets = ([rope_offset(entry) or 0 for entry in entries] if self.target.visual is not None
+                   else [0] * len(entries))
         num_padding = rows - len(entries)
         starts += [starts[-1] + pad_width * (i + 1) for i in range(num_padding)]
         ids += [0] * (num_tokens - len(ids))

@@ -25,16 +25,15 @@ if TYPE_CHECKING:
 def step_rows(visual: torch.nn.Module | None, entries: list["Entry"], device: torch.device) -> MultimodalRows | None:
     """None when no entry of the step reaches an image's rows: every row then rotates as 1-D RoPE
     at its cache position + its sequence's `rope_offset`, as a graphed step does."""
-    if visual is None or all(rope_offset(entry) is not None for entry in entries):
+    if visual is None or not any(reached_images(entry) for entry in entries):
         return None
     columns, rows, embeds = [], [], []
     deepstack: list[list[torch.Tensor]] = []
     offset = 0
     for entry in entries:
         columns.append(rope_columns(entry))
-        mm = entry.seq.request.multimodal
         start, end = entry.start, entry.start + len(entry.tokens)
-        touched = [(k, lo, hi) for k, (lo, hi) in enumerate(mm.image_rows()) if lo < end and hi > start] if mm else []
+        touched = reached_images(entry)
         outputs = encoded(visual, entry.seq, [k for k, _, _ in touched], device)
         for k, lo, hi in touched:
             first, last = max(lo, start), min(hi, end)
@@ -43,8 +42,6 @@ def step_rows(visual: torch.nn.Module | None, entries: list["Entry"], device: to
             deepstack.append([tap[first - lo:last - lo] for tap in outputs[k].deepstack])
         offset += end - start
     positions = torch.cat(columns, dim=1).to(device)                                       # [3, N]
-    if not rows:
-        return MultimodalRows(positions)
     taps = tuple(torch.cat([parts[j] for parts in deepstack]) for j in range(len(deepstack[0])))
     return MultimodalRows(positions, torch.cat(rows).to(device), torch.cat(embeds), taps)
 
@@ -70,12 +67,20 @@ def rope_offset(entry: "Entry") -> int | None:
     mm = entry.seq.request.multimodal
     if mm is None:
         return 0
-    start, end = entry.start, entry.start + len(entry.tokens)
-    if any(lo < end and hi > start for lo, hi in mm.image_rows()):
+    if reached_images(entry):
         return None
-    if start >= mm.rope_positions.shape[1]:
+    if entry.start >= mm.rope_positions.shape[1]:
         return mm.rope_delta
-    return int(mm.rope_positions[0, start]) - start
+    return int(mm.rope_positions[0, entry.start]) - entry.start
+
+
+def reached_images(entry: "Entry") -> list[tuple[int, int, int]]:
+    """(index, first row, end row) of each image whose rows the entry's rows meet."""
+    mm = entry.seq.request.multimodal
+    if mm is None:
+        return []
+    start, end = entry.start, entry.start + len(entry.tokens)
+    return [(k, lo, hi) for k, (lo, hi) in enumerate(mm.image_rows()) if lo < end and hi > start]
 
 
 def encoded(visual: torch.nn.Module, seq: "Sequence", indices: list[int],
