@@ -177,13 +177,16 @@ class LLM:
 
     def make_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                      multimodal: MultimodalPrompt | None = None) -> Request:
-        if multimodal is not None and self.target.visual is None:
-            raise ValueError("this model takes no images (its checkpoint has no vision tower)")
+        if multimodal is not None and (self.target.visual is None or self.workers is not None):
+            raise ValueError("this model takes no images (its checkpoint has no vision tower, or it runs "
+                             "tensor parallel)")
         return Request(request_id, prompt_ids, params, self.stop_ids, self.max_model_len, multimodal=multimodal)
 
     @property
     def takes_images(self) -> bool:
-        return self.target.visual is not None
+        """A vision tower on one device: tensor-parallel workers see no request's images
+        (distributed/runner.py: RequestView), so their forwards would not match rank 0's."""
+        return self.target.visual is not None and self.workers is None
 
     def image_prompt(self, prompt_ids: list[int], images: list[ImageInput]) -> tuple[list[int], MultimodalPrompt]:
         """Prompt ids with one image placeholder token per image (what the chat template writes)

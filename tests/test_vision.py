@@ -3,17 +3,23 @@ transformers on tiny random checkpoints it wrote itself (tests/vision_fixtures.p
 processor (exactly), the tower's tokens and DeepStack features (fp32 tolerance), greedy output with
 one and with two images of different sizes (token for token, from its processor's inputs), DFlash,
 chunked prefill through images and batching (== plain alone), and the prefix cache keyed by image
-content."""
+content; image sequences stepping through the graph dispatcher's padded path."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from blockspec.engine.graphs import EAGER, FULL, PIECEWISE
+from blockspec.engine.model_runner import Entry
+from blockspec.engine.multimodal import rope_columns, rope_offset
 from blockspec.llm import LLM
 from blockspec.multimodal import ImageError, ImageProcessorConfig, MediaPolicy, load_image, process_image
 from blockspec.sampling import SamplingParams
-from vision_fixtures import (KINDS, data_url, hf_processor, hf_vl_model, random_image, write_vl_checkpoint,
-                             write_vl_draft)
+from helpers import padded
+from vision_fixtures import (KINDS, data_url, hf_processor, hf_vl_model, random_image, record_forwards,
+                             write_vl_checkpoint, write_vl_draft)
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -82,7 +88,10 @@ def references(built) -> dict:
 
 def our_request(llm: LLM, messages: list[dict], names: list[str], request_id: str = "r",
                 params: SamplingParams = GREEDY):
+    """The request of messages with images `names` (none: a text request, as the server makes it)."""
     ids = llm.tokenizer.encode_chat(messages)
+    if not names:
+        return llm.make_request(request_id, ids, params)
     images = [process_image(IMAGES[name], llm.image_processor) for name in names]
     ids, prompt = llm.image_prompt(ids, images)
     return llm.make_request(request_id, ids, params, multimodal=prompt)
@@ -206,11 +215,106 @@ def test_the_startup_capture_forwards_run_on_a_vision_model(checkpoints, plain):
     assert again.output_ids == request.output_ids
 
 
+LONG_TAIL = [{"role": "user", "content": [image_part("wide"), {"type": "text", "text": (
+    "Describe the picture: its colours, its shapes, what it shows and where, and what it might mean, "
+    "in three short sentences.")}]}]
+
+
+def test_rows_no_image_reaches_rotate_at_one_shift_of_their_positions(plain):
+    """The graphs' premise: any window of an image sequence's rows (prompt rows, and rows past
+    it) that reaches no image's rows rotates, on all three M-RoPE axes, at its cache positions +
+    one shift (`rope_offset`): 0 before the first image, another between the images, rope_delta
+    after the last."""
+    request = our_request(plain["qwen3_vl"], *PROMPTS["two"])
+    seq, length = SimpleNamespace(request=request), len(request.prompt_ids)
+    shifts = set()
+    for start in range(length + 4):
+        for n in (1, 3, 8):
+            entry = Entry(seq, start, [0] * n)
+            shift = rope_offset(entry)
+            if shift is not None:
+                assert torch.equal(rope_columns(entry), (torch.arange(start, start + n) + shift).expand(3, -1))
+                shifts.add(shift)
+    assert len(shifts) == 3 and {0, request.multimodal.rope_delta} < shifts
+
+
+def expected_alone(llm: LLM, cases: list[tuple[list[dict], list[str], SamplingParams]]) -> list[list[int]]:
+    """Each case run alone on llm (eager, one prefill chunk: every row at step_rows' M-RoPE positions)."""
+    outputs = []
+    for i, (messages, names, params) in enumerate(cases):
+        request = our_request(llm, messages, names, f"alone-{i}", params)
+        llm.generate_requests([request])
+        outputs.append(request.output_ids)
+    return outputs
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_5"])
+def test_image_sequences_step_through_the_graphs_path(kind, checkpoints, plain, tmp_path):
+    """The dispatcher's padded shapes (capture=False: a CUDA graph's shapes, run eagerly), plain and
+    DFlash, image and text requests in one batch prefilled in chunks of a 24-token budget: every
+    decode / verify step and every draft propose holding an image sequence plans FULL, the chunks
+    of text after an image PIECEWISE, only the chunks reaching image rows EAGER; each output
+    equals the eager run of its request alone (the text one decodes long enough to share FULL
+    steps with them)."""
+    cases = [(LONG_TAIL, ["wide"], GREEDY), (*PROMPTS["two"], GREEDY),
+             ([{"role": "user", "content": "Say something."}], [], SamplingParams(max_tokens=60, temperature=0.0))]
+    expected = expected_alone(plain[kind], cases)
+    draft = write_vl_draft(tmp_path / "draft", checkpoints[kind])
+    for name, draft_dir in (("plain", None), ("dflash", str(draft))):
+        llm = LLM(str(checkpoints[kind]), draft=draft_dir, show_progress=False, max_num_batched_tokens=24,
+                  **SMALL_POOL)
+        padded(llm.engine)
+        seen = record_forwards(llm.engine.runner)
+        batch = [our_request(llm, *case[:2], f"{name}-{i}", case[2]) for i, case in enumerate(cases)]
+        llm.generate_requests(batch)
+        assert [request.output_ids for request in batch] == expected, name
+        with_images = [f for f in seen if f.images]
+        assert {f.mode for f in with_images if not f.prefill} == {FULL}, name
+        assert any(f.text and not (f.prefill or f.draft) for f in with_images), name
+        assert {f.mode for f in with_images if f.prefill and not f.image_rows} == {PIECEWISE}, name
+        assert {f.mode for f in with_images if f.image_rows} == {EAGER}, name
+        assert (name == "dflash") == any(f.draft for f in with_images)
+        assert all(request.stats.speculative == (name == "dflash") for request in batch)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_5"])
+def test_a_second_turn_after_an_image_on_the_graphs_path_equals_transformers(kind, checkpoints, references):
+    """The follow-up turn hits the first turn's pages past its image, so its prefill is text
+    after an image (PIECEWISE, at the image's M-RoPE shift) and its decode FULL: greedy output
+    equals transformers' generate on the whole conversation."""
+    llm, (model, processor) = LLM(str(checkpoints[kind]), show_progress=False, **SMALL_POOL), references[kind]
+    padded(llm.engine)
+    turn, names = LONG_TAIL, ["wide"]
+    first = our_request(llm, turn, names, "t1")
+    llm.generate_requests([first])
+    follow_up = turn + [{"role": "assistant", "content": llm.tokenizer.decode(first.output_ids, True)},
+                        {"role": "user", "content": "And the colours?"}]
+    seen = record_forwards(llm.engine.runner)
+    second = our_request(llm, follow_up, names, "t2")
+    llm.generate_requests([second])
+    assert second.stats.cached_tokens >= first.multimodal.image_rows()[-1][1]
+    assert {(f.mode, f.image_rows) for f in seen if f.prefill} == {(PIECEWISE, False)}
+    assert {f.mode for f in seen if not f.prefill} == {FULL}
+    text = llm.tokenizer.apply_chat_template(follow_up, None, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[IMAGES[name] for name in names], return_tensors="pt")
+    assert second.prompt_ids == inputs["input_ids"][0].tolist()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+    assert second.output_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
 def test_make_request_refuses_images_for_a_text_model():
-    from types import SimpleNamespace
     text_only = SimpleNamespace(target=SimpleNamespace(visual=None))
     with pytest.raises(ValueError, match="no images"):
         LLM.make_request(text_only, "x", [1, 2, 3], GREEDY, multimodal=object())
+
+
+def test_tensor_parallel_takes_no_images():
+    """Its workers see no request's images (distributed/runner.py: RequestView): refused, not run."""
+    sharded = SimpleNamespace(target=SimpleNamespace(visual=object()), workers=object())
+    assert not LLM.takes_images.fget(sharded)
+    with pytest.raises(ValueError, match="tensor parallel"):
+        LLM.make_request(sharded, "x", [1, 2, 3], GREEDY, multimodal=object())
 
 
 def test_image_urls_under_the_media_policy(tmp_path):

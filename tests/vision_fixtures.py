@@ -5,6 +5,7 @@ with Qwen's multimodal chat template (image parts → <|vision_start|><|image_pa
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -125,3 +126,30 @@ def data_url(image, fmt: str = "PNG") -> str:
     buffer = io.BytesIO()
     image.save(buffer, format=fmt)
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@dataclass(frozen=True)
+class PlannedForward:
+    """One forward of a runner as its dispatcher planned it."""
+    draft: bool                        # the draft's propose (else the target's)
+    mode: str                          # FULL, PIECEWISE or EAGER
+    prefill: bool                      # it carries prefill chunks
+    images: bool                       # a sequence with images has rows in it
+    text: bool                         # so does one without
+    image_rows: bool                   # a prefill chunk reaches an image's rows
+
+
+def record_forwards(runner) -> list[PlannedForward]:
+    """The plans of every forward the runner prepares from now on (appended as they run)."""
+    from blockspec.engine.multimodal import rope_offset
+    seen: list[PlannedForward] = []
+    prepare = runner.prepare
+
+    def spy(entries, num_prefill_seqs, plan, uniform=False):
+        seen.append(PlannedForward(uniform, plan.mode, num_prefill_seqs > 0,
+                                   any(e.seq.request.multimodal is not None for e in entries),
+                                   any(e.seq.request.multimodal is None for e in entries),
+                                   any(rope_offset(e) is None for e in entries)))
+        return prepare(entries, num_prefill_seqs, plan, uniform)
+    runner.prepare = spy
+    return seen

@@ -33,10 +33,12 @@ from blockspec.models.dflash2 import CandidateWalk
 
 @dataclass(frozen=True)
 class RequestView:
-    """What the runner reads of a request on a worker: nothing that changes the forwards."""
+    """What the runner reads of a request on a worker: nothing that changes the forwards (a
+    sharded target has no vision tower, so no request has images)."""
     output_ids: tuple[int, ...]
     processes_logits: bool = False
     num_logprobs: None = None
+    multimodal: None = None
 
 
 class TokensFrom:

@@ -20,9 +20,13 @@ sequences, whether it carries prefill chunks) and served by one of three modes:
 - EAGER: beyond the buckets (or graphs off): exact shapes, no padding.
 
 Graphs read static buffers: a FULL graph one packed metadata tensor (one host→device copy per
-forward fills it), a PIECEWISE graph the step's token rows (ids, positions, slots). With
-capture=False the same padded shapes run eagerly: CPU tests hold that path to the eager one,
-and a replay adds nothing to it but the replay. padded=False: every step eager, exact shapes.
+forward fills it), a PIECEWISE graph the step's token rows (ids, positions, slots, rotary
+positions). A sequence with images is no different once its rows meet no image (engine/
+multimodal.py: its rotary positions are its positions + a per-sequence offset in the packed
+metadata); a step with a prefill chunk reaching image rows runs eagerly (the model_runner's
+forward). With capture=False the same padded shapes run eagerly: CPU tests hold that path to
+the eager one, and a replay adds nothing to it but the replay. padded=False: every step eager,
+exact shapes.
 
 The torch reference attention (CPU, BLOCKSPEC_ATTENTION=reference, a sliding-window draft layer)
 gathers a fixed number of keys per sequence, so with it FULL graphs are also keyed by a key
@@ -39,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from blockspec.layers import AttentionMetadata
-from blockspec.layers.attention import padding_zeroed, unpack
+from blockspec.layers.attention import TOKEN_ROWS, padding_zeroed, unpack
 
 MIN_KEYS = 256
 FULL, PIECEWISE, EAGER = "full", "piecewise", "eager"
@@ -157,7 +161,7 @@ class Pieces:
 
 @dataclass
 class PiecewiseGraph:
-    tokens: torch.Tensor                     # [3 · N] static input ids | positions | slot mapping
+    tokens: torch.Tensor                     # [4 · N] static token rows (layers/attention.py: TOKEN_ROWS)
     pieces: Pieces | None = None
 
 
@@ -310,14 +314,14 @@ class GraphDispatcher:
         static = self.piecewise.get(num_tokens)
         if static is None or not self.capture:
             return fn(meta)                   # captured at startup only (capture_piecewise)
-        static.tokens.copy_(meta.packed[: 3 * num_tokens])
+        static.tokens.copy_(meta.packed[: len(TOKEN_ROWS) * num_tokens])
         meta.shared.clear()
         return static.pieces.replay(meta)
 
     def capture_piecewise(self, num_tokens: int, fn: Callable, meta: AttentionMetadata) -> None:
         """Capture the pieces of fn on meta, a batch of num_tokens padding tokens of this bucket
         (its token rows become the graph's static inputs)."""
-        static = PiecewiseGraph(meta.packed[: 3 * num_tokens])
+        static = PiecewiseGraph(meta.packed[: len(TOKEN_ROWS) * num_tokens])
         self.warm(lambda: fn(meta))
         pieces = Pieces(self.pool, self.scratch_rows)
         stream = torch.cuda.Stream(self.device)

@@ -29,7 +29,7 @@ from blockspec.config import EngineConfig
 from blockspec.engine.graphs import EAGER, PIECEWISE, BatchDescriptor, GraphDispatcher, Plan, narrower_widths
 from blockspec.engine.logits import LogitsProcessor
 from blockspec.engine.memory import PoolSize, dummy_sequence, size_pool, startup_line
-from blockspec.engine.multimodal import step_rows
+from blockspec.engine.multimodal import rope_offset, step_rows
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence
@@ -303,8 +303,10 @@ class ModelRunner:
                                  max_rows=self.width if plan.bounded and not uniform else 0)
 
     def pack(self, entries: list[Entry], rows: int, cols: int, num_tokens: int, pad_width: int) -> list[int]:
-        """Host ints in `unpack`'s layout: padding sequences (pad_width rows each) use page 0 and
-        state slot 0, padding tokens id 0. Positions and slot_mapping are left 0 (`derive_positions`)."""
+        """Host ints in `unpack`'s layout: padding sequences (pad_width rows each) use page 0, state
+        slot 0 and rope offset 0, padding tokens id 0. Positions, slot_mapping and rope_positions are
+        left 0 (`derive_positions`). An entry reaching image rows has no one rope offset: its step
+        rotates by `step_rows`' positions instead, so 0 goes there."""
         ids, starts, tables, context_lens, state_slots = [], [0], [], [], []
         for entry in entries:
             ids += entry.tokens
@@ -312,13 +314,16 @@ class ModelRunner:
             tables += entry.seq.block_table + [0] * (cols - len(entry.seq.block_table))
             context_lens.append(entry.start + len(entry.tokens))
             state_slots.append(entry.seq.state_slot or 0)
+        offsets = ([rope_offset(entry) or 0 for entry in entries] if self.target.visual is not None
+                   else [0] * len(entries))
         num_padding = rows - len(entries)
         starts += [starts[-1] + pad_width * (i + 1) for i in range(num_padding)]
         ids += [0] * (num_tokens - len(ids))
         tables += [0] * (num_padding * cols)
         context_lens += [pad_width] * num_padding               # positions 0 … width − 1, inside page 0
         state_slots += [0] * num_padding
-        return ids + [0] * (2 * len(ids)) + starts + tables + context_lens + state_slots
+        offsets += [0] * num_padding
+        return ids + [0] * (3 * len(ids)) + starts + tables + context_lens + state_slots + offsets
 
     def forward(self, entries: list[Entry], num_prefill_seqs: int = 0,
                 drafts: tuple[Proposal, list[int]] | None = None) -> torch.Tensor:
@@ -334,8 +339,10 @@ class ModelRunner:
             self.place_drafts(meta, proposal, num_drafts, sum(len(e.tokens) for e in entries[:num_prefill_seqs]))
         self.num_forwards += 1
         if multimodal is not None:
-            # [today] Rows of a sequence with images rotate at M-RoPE positions (and prefill rows take
-            # the tower's tokens), which no graph takes yet: such a step runs eagerly, exact shapes.
+            # [today] A prefill chunk reaching image rows takes the tower's tokens (and DeepStack
+            # features) at those rows and rotates at 3-D M-RoPE positions, which no graph takes: that
+            # step runs eagerly, exact shapes. Every other step of an image sequence (decode, verify,
+            # text-only chunks) rotates at its positions + rope offset and goes through the graphs.
             self.derive(meta)
             return self.target_forward(meta, multimodal)
         return self.graphs.run("verify", plan, self.target_forward, meta, self.derive)
@@ -586,7 +593,8 @@ class ModelRunner:
         """The draft's B blocks [x, MASK × (T − 1)] at the verify's positions, seeing the
         committed context (num_cached positions) of the draft pool → what the draft proposes
         from: DFlash 1 logits [B, T − 1, V] (slot i predicts d_i), or DFlash 2's CandidateWalk
-        (candidates, edge scores, greedy drafts)."""
+        (candidates, edge scores, greedy drafts). The draft rotates at the cache positions, an
+        image sequence's too (the M-RoPE shift is the target's alone)."""
         width = meta.width
         draft_meta = dataclasses.replace(meta, kv=self.draft_kv.layers, context_lens=meta.context_lens - width,
                                          states=None, state_slots=None, keep_steps=False, shared={})
@@ -596,10 +604,11 @@ class ModelRunner:
                                                            self.target.lm_head))
 
     def target_forward(self, meta: AttentionMetadata, multimodal: MultimodalRows | None = None) -> torch.Tensor:
-        """Target forward → hidden [N, hidden]; the features of every row join the draft's
-        context (those past the accepted prefix lie past the sequence's length: masked, then
+        """Target forward → hidden [N, hidden], rotating at meta.rope_positions (multimodal: at its
+        M-RoPE positions); the features of every row join the draft's context at their cache
+        positions (those past the accepted prefix lie past the sequence's length: masked, then
         overwritten; a bucket's padding tokens go to page 0)."""
-        out = self.target(meta.input_ids, meta.positions, meta, self.capture_layers, multimodal)
+        out = self.target(meta.input_ids, meta.rope_positions, meta, self.capture_layers, multimodal)
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         return out.hidden
@@ -625,18 +634,20 @@ def live_keys(entries: list[Entry]) -> int:
 
 
 def derive_positions(meta: AttentionMetadata, page_size: int) -> None:
-    """Fill positions and slot_mapping [N] in place: sequence b's rows feed positions
-    context_lens[b] − n_b … context_lens[b] − 1, stored at its block table's slot of each;
-    a bucket's padding tokens (past query_start[B]) take position 0 and slot 0, in page 0
-    (graph-safe: no host sync)."""
+    """Fill positions, slot_mapping and rope_positions [N] in place: sequence b's rows feed
+    positions context_lens[b] − n_b … context_lens[b] − 1, stored at its block table's slot of
+    each, and rotate at those + rope_offsets[b]; a bucket's padding tokens (past query_start[B])
+    take position 0 and slot 0, in page 0 (graph-safe: no host sync)."""
     seq, row = token_rows(meta)
     starts = meta.starts
     lengths = starts[1:] - starts[:-1]
     torch.add((meta.context_lens - lengths)[seq], row, out=meta.positions)
+    torch.add(meta.positions, meta.rope_offsets[seq], out=meta.rope_positions)
     padded = meta.bounded or meta.positions.shape[0] > meta.num_tokens
     if padded:
         real = torch.arange(meta.positions.shape[0], device=starts.device) < starts[-1]
         meta.positions.masked_fill_(~real, 0)
+        meta.rope_positions.masked_fill_(~real, 0)
     pages = meta.block_tables[seq, meta.positions // page_size]
     torch.add(pages * page_size, meta.positions % page_size, out=meta.slot_mapping)
     if padded:

@@ -69,6 +69,10 @@ class AttentionMetadata:
     query_lens: list[int] | None = None                   # host copy (ragged batches)
     num_prefill_seqs: int = 0
     max_rows: int = 0                                     # bound on each sequence's rows (lengths on the device only)
+    # The target's rotary positions [N]: positions + the sequence's rope_offsets [B] (an image
+    # sequence's M-RoPE shift, 0 for text); None where they are the positions themselves.
+    rope_positions: torch.Tensor | None = None
+    rope_offsets: torch.Tensor | None = None
     pieces: Any = None                                    # engine/graphs.py's Pieces under a piecewise graph
 
     @property
@@ -106,16 +110,20 @@ class AttentionMetadata:
         return self.positions.view(self.num_seqs, self.width)
 
 
+# A packed batch's per-token rows, first in its layout (a PIECEWISE graph's static inputs).
+TOKEN_ROWS = ("input_ids", "positions", "slot_mapping", "rope_positions")
+
+
 def packed_size(num_seqs: int, num_tokens: int, num_pages: int) -> int:
-    return 3 * num_tokens + (num_seqs + 1) + num_seqs * num_pages + 2 * num_seqs
+    return len(TOKEN_ROWS) * num_tokens + (num_seqs + 1) + num_seqs * num_pages + 3 * num_seqs
 
 
 def unpack(packed: torch.Tensor, num_seqs: int, num_tokens: int, num_pages: int) -> dict[str, torch.Tensor]:
-    """Views of a packed batch: [input_ids | positions | slot_mapping (N each) | query_start
-    (B + 1) | block_tables (B·pages) | context_lens (B) | state_slots (B)]."""
-    parts = packed.split([num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs * num_pages, num_seqs,
-                          num_seqs])
-    names = ("input_ids", "positions", "slot_mapping", "query_start", "block_tables", "context_lens", "state_slots")
+    """Views of a packed batch: [input_ids | positions | slot_mapping | rope_positions (N each) |
+    query_start (B + 1) | block_tables (B·pages) | context_lens | state_slots | rope_offsets (B each)]."""
+    parts = packed.split([num_tokens] * len(TOKEN_ROWS)
+                         + [num_seqs + 1, num_seqs * num_pages, num_seqs, num_seqs, num_seqs])
+    names = TOKEN_ROWS + ("query_start", "block_tables", "context_lens", "state_slots", "rope_offsets")
     views = dict(zip(names, parts))
     views["block_tables"] = views["block_tables"].view(num_seqs, num_pages)
     return views

@@ -18,10 +18,11 @@ class ForwardOutput:
 
 @dataclass
 class MultimodalRows:
-    """What a step's images change in a target forward (engine/multimodal.py builds it)."""
+    """What a step's images change in a target forward (engine/multimodal.py builds it, for a
+    step whose prefill chunks reach image rows)."""
     rope_positions: torch.Tensor                  # [3, N] M-RoPE (t, h, w) positions of every row
-    rows: torch.Tensor | None = None              # [n] rows of image tokens in this forward
-    embeds: torch.Tensor | None = None            # [n, hidden] the vision tower's tokens for them
+    rows: torch.Tensor                            # [n] rows of image tokens in this forward
+    embeds: torch.Tensor                          # [n, hidden] the vision tower's tokens for them
     deepstack: tuple[torch.Tensor, ...] = ()      # per DeepStack tap j, [n, hidden]: added after layer j
 
 
@@ -88,11 +89,12 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 capture_layers: tuple[int, ...] = (), multimodal: MultimodalRows | None = None) -> ForwardOutput:
-        """multimodal: image rows take the vision tower's tokens and rotate by M-RoPE positions
-        (positions stay the rows' cache positions: they place K/V in the pool)."""
+        """positions [N]: the rows' rotary positions (an image sequence's are its cache positions,
+        meta.positions, shifted by its M-RoPE delta). multimodal: image rows take the vision
+        tower's tokens and every row rotates at its M-RoPE positions [3, N] instead."""
         meta.shared.clear()
         x = self.embed(input_ids)                                           # [N, hidden]
-        if multimodal is not None and multimodal.rows is not None:
+        if multimodal is not None:
             x = x.index_copy(0, multimodal.rows, multimodal.embeds.to(x.dtype))
         rope_positions = positions if multimodal is None else multimodal.rope_positions
         rope = self.model.rotary_emb(rope_positions, x.dtype, sections=multimodal is not None)              # cos, sin [N, 1, rot]

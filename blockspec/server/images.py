@@ -32,8 +32,8 @@ def check_images(llm: EngineHandle, settings: ServerSettings, body: ChatCompleti
     if not parts:
         return
     if not llm.takes_images:
-        raise ApiError(400, "This model takes no images (its checkpoint has no vision tower); send text "
-                            "content only.", parts[0][0])
+        raise ApiError(400, "This model takes no images (its checkpoint has no vision tower, or it runs "
+                            "tensor parallel); send text content only.", parts[0][0])
     if len(parts) > settings.limit_images_per_prompt:
         raise ApiError(400, f"This request has {len(parts)} images; this server takes at most "
                             f"{settings.limit_images_per_prompt} per prompt.", "messages")
