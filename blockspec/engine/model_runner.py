@@ -29,6 +29,7 @@ from blockspec.config import EngineConfig
 from blockspec.engine.graphs import EAGER, PIECEWISE, BatchDescriptor, GraphDispatcher, Plan
 from blockspec.engine.logits import LogitsProcessor
 from blockspec.engine.memory import PoolSize, dummy_sequence, size_pool, startup_line
+from blockspec.engine.warm import warm_kernels
 from blockspec.engine.multimodal import step_rows
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.scheduler import Batch, FirstToken
@@ -103,6 +104,8 @@ class ModelRunner:
             self.graphs = self.make_graphs(capture=True)
             if self.stashes_verify_states:
                 self.states.reserve_space(self.graphs.seq_slots(self.graphs.full_tokens[-1]), self.width)
+        warm_kernels(self)                        # every variant a step can choose (engine/warm.py)
+        if graphed:
             self.warm_up()
         # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
         # step (verify_widths); adaptive's cost table is measured now, on the forwards the steps

@@ -225,9 +225,42 @@ FUSE_NORM_MAX_ROWS = 64
 
 def step_kernel_fits(x: torch.Tensor, width: int) -> bool:
     """A forward of ≤ MAX_ROWS rows per sequence on CUDA in a float dtype the kernel handles."""
+    return x.device.type == "cuda" and step_kernel_serves(x.dtype, width)
+
+
+def step_kernel_serves(dtype: torch.dtype, width: int) -> bool:
+    """Whether the step kernel takes rows of this dtype, ≤ width per sequence (on CUDA)."""
     from blockspec.kernels import gdn
-    return (STEP_KERNEL and x.device.type == "cuda" and gdn.is_available() and width <= gdn.MAX_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    return (STEP_KERNEL and gdn.is_available() and width <= gdn.MAX_ROWS
+            and dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def fuses_norm(num_rows: int) -> bool:
+    """Whether a step of num_rows decode / verify rows fuses the output norm into the kernel."""
+    return FUSE_NORM and num_rows <= FUSE_NORM_MAX_ROWS
+
+
+def step_variants(layer, calls: list[tuple[int, int]], keep_steps: bool) -> set:
+    """The step kernels' variants over calls [(rows, sequences)] of this layer."""
+    from blockspec.kernels import gdn
+    return {gdn.step_variant(seqs, layer.num_v_heads, layer.k_dim, layer.v_dim, keep_steps, fuses_norm(rows))
+            for rows, seqs in calls}
+
+
+def warm_step(layer, states, variants: set) -> None:
+    """Each variant once on one padding row (state slot 0, nobody's), through the layer's own
+    projection, so the kernels see a step's dtypes and strides."""
+    from blockspec.kernels import gdn
+    weight = layer.in_proj.weight
+    mixed, z, b, a = layer.project(torch.zeros(1, 1, weight.shape[1], dtype=weight.dtype, device=weight.device))
+    slots = torch.zeros(1, dtype=torch.long, device=weight.device)
+    cu_seqlens = torch.tensor([0, 1], dtype=torch.int32, device=weight.device)
+    index = layer.state_index
+    for variant in sorted(variants, key=lambda v: (v.keep, v.norm, v.block_v)):
+        norm = (layer.norm.weight, z[0], layer.norm.eps) if variant.norm else None
+        gdn.gdn_step(mixed[0], a[0], b[0], layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index],
+                     states.ssm[index], slots, cu_seqlens, 1, layer.num_k_heads, layer.k_dim, variant.keep, norm,
+                     variant=variant)
 
 
 def gdn_rows_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tensor, states,
@@ -240,7 +273,7 @@ def gdn_rows_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, 
     [B, C, K−1+max_rows] for StatePool.select, the slots untouched."""
     from blockspec.kernels import gdn
     index = layer.state_index
-    fuse_norm = FUSE_NORM and mixed.shape[0] <= FUSE_NORM_MAX_ROWS
+    fuse_norm = fuses_norm(mixed.shape[0])
     space = states.space_for(index, slots.shape[0], max_rows) if keep_steps else None
     out, steps, conv_inputs = gdn.gdn_step(
         mixed, a, b, layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index], states.ssm[index],
