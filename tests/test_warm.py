@@ -202,3 +202,41 @@ def test_the_warm_up_runs_every_planned_variant_under_the_interpreter():
     assert result["gdn"] == result["gdn_planned"] > 0 and result["gdn_norms"] == [False, True]
     assert result["planned"] == result["attention"] + result["gdn"]
     assert result["slot0_clear"]
+
+
+# -- fla's chunk form: always a batch of one ------------------------------------------------------
+
+def test_the_fla_chunk_runs_a_padded_group_as_one_varlen_batch():
+    """make_fla_chunk hands fla (here a stand-in with its varlen contract: B = 1, cu_seqlens,
+    initial / final states per sequence, q and k normalised in the kernel) the group's real rows
+    only, so fla's batch-keyed kernels see one shape; each sequence's output rows and final state
+    are those of the padded group through the torch form (padding inert), padding rows zero."""
+    from blockspec.models.gated_delta import chunk_gated_delta_rule, make_fla_chunk
+    from test_hybrid import gdn_inputs
+    calls = []
+
+    def fla_varlen(q, k, v, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+        assert q.shape[0] == 1 and output_final_state and use_qk_l2norm_in_kernel
+        calls.append((q.shape[1], cu_seqlens.tolist()))
+        bounds = cu_seqlens.tolist()
+        outs, finals = [], []
+        for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            out, final = chunk_gated_delta_rule(*(x[:, start:end] for x in (q, k, v, g, beta)),
+                                                initial_state[n:n + 1])
+            outs.append(out)
+            finals.append(final)
+        return torch.cat(outs, dim=1), torch.cat(finals)
+
+    q, k, v, g, beta, state = (x.double() for x in gdn_inputs(70, seed=4))
+    lengths = [70, 23]
+    valid = (torch.arange(70)[None] < torch.tensor(lengths)[:, None])[..., None]
+    g, beta = g * valid, beta * valid
+    out, final = make_fla_chunk(fla_varlen)(q, k, v, g, beta, state, lengths)
+    ref_out, ref_final = chunk_gated_delta_rule(q, k, v, g, beta, state)
+    assert calls == [(93, [0, 70, 93])]
+    assert out.shape == ref_out.shape and final.dtype == torch.float32
+    assert (out - ref_out)[valid[..., 0]].abs().max() < 1e-6 and (out[~valid[..., 0]] == 0).all()
+    assert (final.double() - ref_final).abs().max() < 1e-5
+    uniform_out, _ = make_fla_chunk(fla_varlen)(q[:, :23], k[:, :23], v[:, :23], g[:, :23], beta[:, :23], state)
+    assert calls[-1] == (46, [0, 23, 46])
+    assert (uniform_out - chunk_gated_delta_rule(*(x[:, :23] for x in (q, k, v, g, beta)), state)[0]).abs().max() < 1e-6

@@ -80,9 +80,11 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                           beta: torch.Tensor, initial_state: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           beta: torch.Tensor, initial_state: torch.Tensor | None = None,
+                           lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunks of CHUNK_SIZE positions in parallel, the state carried from chunk to chunk.
+    lengths (each sequence's real rows; None: all T) only tell fla's form where rows end: here
+    the rows past them are inert padding (β = 0, g = 0) and run with the rest.
 
     Inside a chunk, with γ_t = Σ_{s≤t} g_s and S₀ the state before it, unrolling the recurrence:
         S_t = e^{γ_t} S₀ + Σ_{s≤t} e^{γ_t−γ_s} k_s u_sᵀ
@@ -161,13 +163,37 @@ def expand_key_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tupl
 
 
 def make_fla_chunk(fla_chunk: Callable) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    def chunk(q, k, v, g, beta, initial_state=None):
+    """fla's chunk form over a padded group [B, T, ·] as one varlen batch of its real rows
+    (cu_seqlens): fla's kernels then always see a batch of one, so those specialised on the batch
+    size (chunk_local_cumsum's B, a constexpr of its autotune key) or on the rows (l2norm's NB)
+    compile for the shapes the startup warm-up ran, not once more per number of prompts
+    prefilling together, and no padding row is computed."""
+    def chunk(q, k, v, g, beta, initial_state=None, lengths=None):
         q, k = expand_key_heads(q, k, v.shape[2])
+        batch, num_tokens = v.shape[:2]
+        index, cu_seqlens = varlen_rows(batch, num_tokens, lengths, v.device)
+        rows = lambda x: x.reshape(batch * num_tokens, *x.shape[2:])[index][None]        # noqa: E731
         state = None if initial_state is None else initial_state.float()
-        out, final = fla_chunk(q=q, k=k, v=v, g=g.float(), beta=beta, initial_state=state,
-                               output_final_state=True, use_qk_l2norm_in_kernel=True)
-        return out, final.float()
+        out, final = fla_chunk(q=rows(q), k=rows(k), v=rows(v), g=rows(g.float()), beta=rows(beta),
+                               initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                               cu_seqlens=cu_seqlens)
+        padded = out.new_zeros(batch * num_tokens, *out.shape[2:])
+        padded[index] = out[0]
+        return padded.view(batch, num_tokens, *out.shape[2:]), final.float()
     return chunk
+
+
+def varlen_rows(batch: int, num_tokens: int, lengths: list[int] | None, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the real rows' indices in the flattened [B·T] group, cu_seqlens [B + 1]) of a group whose
+    sequence b has lengths[b] real rows (None: all T)."""
+    lengths = [num_tokens] * batch if lengths is None else lengths
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    index = [b * num_tokens + t for b, n in enumerate(lengths) for t in range(n)]
+    return (torch.tensor(index, dtype=torch.long, device=device),
+            torch.tensor(starts, dtype=torch.long, device=device))
 
 
 def make_fla_recurrent(fla_recurrent: Callable, step_kernel: Callable | None) -> Callable[..., tuple]:
