@@ -13,7 +13,9 @@ of sequences, any live length up to a sequence's pages), the draft — takes the
 those give, and runs each once on padding (page 0, state slot 0: nobody's memory; a few rows of
 scratch, far inside the pool sizing's headroom). Shape-stable kernels (the fused norms / RoPE,
 MoE, FP8 linears, the logits stage) take only bucket shapes under graphs, and the graph warm-up
-(engine/model_runner.py `warm_up`) runs every bucket.
+(engine/model_runner.py `warm_up`) runs every bucket; fla's chunk kernels (the prefill cores)
+get one varlen batch whatever the prompts (models/gated_delta.py `make_fla_chunk`), and their
+one row-keyed autotune (l2norm's row blocks) is swept by the PIECEWISE warm-up's buckets.
 """
 from __future__ import annotations
 
@@ -21,11 +23,18 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from blockspec.layers.attention import uses_kernels
+from blockspec.layers.attention import Attention, uses_kernels
+from blockspec.models.dflash import DraftAttention
+
+if TYPE_CHECKING:
+    from blockspec.engine.model_runner import ModelRunner
+    from blockspec.kernels.attention import AttentionVariant, CallShapes
+    from blockspec.kernels.gdn import StepVariant
+    from blockspec.models.qwen3_5 import GatedDeltaNet
 
 logger = logging.getLogger("blockspec.engine")
 
@@ -34,17 +43,17 @@ logger = logging.getLogger("blockspec.engine")
 class AttentionSite:
     """The attention layers of one kind (target, draft by causality) and every call they can make."""
     name: str
-    layer: Any                                   # one of them (its pool, heads, dtype)
+    layer: Attention                             # one of them (its pool, heads, dtype)
     is_causal: bool
     has_block: bool
-    shapes: tuple                                # kernels.attention.CallShapes
+    shapes: tuple[CallShapes, ...]
 
 
 @dataclass
 class KernelPlan:
     """What the warm-up runs: per attention site its variants, per GDN layer shape its variants."""
-    attention: list[tuple[AttentionSite, set]] = field(default_factory=list)
-    gdn: list[tuple[Any, set]] = field(default_factory=list)
+    attention: list[tuple[AttentionSite, set[AttentionVariant]]] = field(default_factory=list)
+    gdn: list[tuple[GatedDeltaNet, set[StepVariant]]] = field(default_factory=list)
 
     @property
     def num_variants(self) -> int:
@@ -56,7 +65,7 @@ class KernelPlan:
         return ", ".join(parts) or "none"
 
 
-def key_bounds(runner) -> tuple[tuple[int, int], tuple[int, int]]:
+def key_bounds(runner: ModelRunner) -> tuple[tuple[int, int], tuple[int, int]]:
     """(keys of a FULL graph's calls, keys of an eager call): the pool's capacity per sequence
     (or the reference's key buckets up to it), and any live length up to it."""
     graphs, capacity = runner.graphs, runner.config.pages_per_seq * runner.page_size
@@ -64,7 +73,7 @@ def key_bounds(runner) -> tuple[tuple[int, int], tuple[int, int]]:
     return full, (1, capacity)
 
 
-def target_calls(runner) -> list:
+def target_calls(runner: ModelRunner) -> list[CallShapes]:
     """The target's attention calls: FULL graphs' decode / verify rows (max_rows = the block) in
     each bucket's sequence slots; PIECEWISE / eager mixer calls of any ragged step."""
     from blockspec.kernels.attention import CallShapes
@@ -78,7 +87,7 @@ def target_calls(runner) -> list:
     return calls
 
 
-def draft_calls(runner) -> list:
+def draft_calls(runner: ModelRunner) -> list[CallShapes]:
     """The draft's: blocks of the full width, per sequence bucket under a graph, else any count."""
     from blockspec.kernels.attention import CallShapes
     graphs = runner.graphs
@@ -89,11 +98,13 @@ def draft_calls(runner) -> list:
                        (runner.width, live_keys[1]))]
 
 
-def attention_sites(runner) -> list[AttentionSite]:
-    target_layer = next(m for m in runner.target.modules() if hasattr(m, "attend"))
-    sites = [AttentionSite("target", target_layer, True, False, tuple(target_calls(runner)))]
+def attention_sites(runner: ModelRunner) -> list[AttentionSite]:
+    """The target's layers (causal, keys from the pool), the draft's by causality (with their
+    block's own keys); sliding-window layers run the reference."""
+    target_layer = next((m for m in runner.target.modules() if isinstance(m, Attention)), None)
+    sites = [AttentionSite("target", target_layer, True, False, tuple(target_calls(runner)))] if target_layer else []
     if runner.draft is not None:
-        layers = [m for m in runner.draft.modules() if hasattr(m, "window") and m.window is None]
+        layers = [m for m in runner.draft.modules() if isinstance(m, DraftAttention) and m.window is None]
         for causal in sorted({layer.is_causal for layer in layers}):
             layer = next(m for m in layers if m.is_causal == causal)
             name = "draft (causal)" if causal else "draft"
@@ -101,7 +112,7 @@ def attention_sites(runner) -> list[AttentionSite]:
     return sites
 
 
-def decode_group_calls(runner) -> list[tuple[int, int]]:
+def decode_group_calls(runner: ModelRunner) -> list[tuple[int, int]]:
     """(rows, sequences) of every decode / verify group the GDN step kernel can take: a FULL
     graph's bucket, or B sequences of 1 … block rows each in a PIECEWISE / eager step. The
     variant depends on the rows only through the fused-norm threshold, so each B takes its
@@ -119,18 +130,18 @@ def decode_group_calls(runner) -> list[tuple[int, int]]:
     return calls
 
 
-def gdn_layers(runner) -> list:
+def gdn_layers(runner: ModelRunner) -> list[GatedDeltaNet]:
     """One Gated DeltaNet layer per distinct state shape (the kernels' constexprs)."""
+    from blockspec.models.qwen3_5 import GatedDeltaNet
     seen, layers = set(), []
     for module in runner.target.modules():
-        shape = getattr(module, "state_shape", None)
-        if shape is not None and hasattr(module, "mix_rows") and shape not in seen:
-            seen.add(shape)
+        if isinstance(module, GatedDeltaNet) and module.state_shape not in seen:
+            seen.add(module.state_shape)
             layers.append(module)
     return layers
 
 
-def kernel_plan(runner, kernels: bool | None = None) -> KernelPlan:
+def kernel_plan(runner: ModelRunner, kernels: bool | None = None) -> KernelPlan:
     """The variants this runner's steps can choose. kernels: whether the Triton kernels serve
     (default: whether they do on the runner's device; the interpreter tests force it on CPU)."""
     from blockspec.kernels.attention import attention_variants, heads_of, num_sms
@@ -151,18 +162,18 @@ def kernel_plan(runner, kernels: bool | None = None) -> KernelPlan:
     return plan
 
 
-def site_pools(site: AttentionSite, runner) -> tuple[torch.Tensor, torch.Tensor]:
+def site_pools(site: AttentionSite, runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
     pools = runner.draft_kv if site.has_block else runner.target_kv
     return pools.layers[site.layer.cache_index]
 
 
-def scratch_q(site: AttentionSite, runner) -> torch.Tensor:
+def scratch_q(site: AttentionSite, runner: ModelRunner) -> torch.Tensor:
     layer = site.layer
     return torch.zeros(1, layer.num_heads, layer.head_dim, dtype=runner.dtype, device=runner.device)
 
 
 @torch.inference_mode()
-def run_plan(runner, plan: KernelPlan) -> None:
+def run_plan(runner: ModelRunner, plan: KernelPlan) -> None:
     """Each planned variant once (see the module doc), with a progress bar on a terminal."""
     from tqdm import tqdm
     from blockspec.kernels import attention as attention_kernels
@@ -178,14 +189,14 @@ def run_plan(runner, plan: KernelPlan) -> None:
         attention_kernels.warm_up(variants, q, k_pool, v_pool, site.is_causal, block_kv)
         bar.update(len(variants))
     for layer, variants in plan.gdn:
-        warm_step(layer, runner.states, variants)
+        warm_step(layer, runner.states, variants, runner.dtype)
         bar.update(len(variants))
     bar.close()
     if runner.is_hybrid:
         runner.states.clear([0])                 # the GDN variants ran on the padding slot
 
 
-def warm_kernels(runner) -> KernelPlan:
+def warm_kernels(runner: ModelRunner) -> KernelPlan:
     """Plan and run the warm-up; its time in the startup log."""
     start = time.perf_counter()
     plan = kernel_plan(runner)

@@ -238,14 +238,13 @@ def attention_variants(heads: Heads, shapes: CallShapes, sms: int) -> set[Attent
     """Every variant `attention_variant` gives over shapes, without walking them all: the split
     count is a function of (programs, keys), falling in programs and rising in keys, and only
     programs below the SM count and keys up to MAX_SPLITS chunks of 4 · BLOCK_N tell apart."""
-    q_lo, q_hi = shapes.query_lens
+    (q_lo, q_hi), (k_lo, k_hi) = shapes.query_lens, shapes.keys
     variants = set()
     for block_m, tiles in tile_counts(heads, q_lo, q_hi):
         tile = tile_sizes(block_m, heads.head_dim, heads.element_size)     # rows_per_head = block_m: same tile
         chunk = 4 * tile[1]
-        k_lo, k_hi = shapes.keys
-        keys = range(k_lo, min(k_hi, chunk * MAX_SPLITS) + 1, chunk)
-        key_points = sorted({*keys, min(k_hi, chunk * MAX_SPLITS), k_hi})
+        top = min(k_hi, chunk * MAX_SPLITS)                                  # more keys split no further
+        key_points = {k_lo, k_hi, *range(k_lo, top + 1, chunk)}           # every ⌈keys / chunk⌉ up to there
         for programs in program_counts(tiles, shapes.seqs, heads.num_kv_heads, sms):
             for max_keys in key_points:
                 variants.add(AttentionVariant(*tile, choose_num_splits(programs, max_keys, tile[1], sms)))
@@ -254,16 +253,17 @@ def attention_variants(heads: Heads, shapes: CallShapes, sms: int) -> set[Attent
 
 def tile_counts(heads: Heads, q_lo: int, q_hi: int) -> list[tuple[int, range]]:
     """(BLOCK_M, the range of tile counts a query length in [q_lo, q_hi] gives with it)."""
-    out: dict[int, list[int]] = {}
+    out: dict[int, range] = {}
     q = q_lo
     while q <= q_hi:
         rows = q * heads.group
         block_m = tile_sizes(rows, heads.head_dim, heads.element_size)[0]
         last = q_hi if block_m == 64 else min(q_hi, max(q, block_m // heads.group))     # same BLOCK_M up to here
-        lo, hi = out.get(block_m, (triton.cdiv(rows, block_m), 0))
-        out[block_m] = [min(lo, triton.cdiv(rows, block_m)), max(hi, triton.cdiv(last * heads.group, block_m))]
+        seen = out.get(block_m, range(triton.cdiv(rows, block_m), 0))
+        out[block_m] = range(min(seen.start, triton.cdiv(rows, block_m)),
+                             max(seen.stop, triton.cdiv(last * heads.group, block_m) + 1))
         q = last + 1
-    return [(block_m, range(lo, hi + 1)) for block_m, (lo, hi) in sorted(out.items())]
+    return sorted(out.items())
 
 
 def program_counts(tiles: range, seqs: tuple[int, ...], num_kv_heads: int, sms: int) -> set[int]:

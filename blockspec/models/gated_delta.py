@@ -273,14 +273,14 @@ def step_variants(layer, calls: list[tuple[int, int]], keep_steps: bool) -> set:
             for rows, seqs in calls}
 
 
-def warm_step(layer, states, variants: set) -> None:
-    """Each variant once on one padding row (state slot 0, nobody's), through the layer's own
-    projection, so the kernels see a step's dtypes and strides."""
+def warm_step(layer, states, variants: set, dtype: torch.dtype) -> None:
+    """Each variant once on one padding row (state slot 0, nobody's) of the model's dtype, through
+    the layer's own projection, so the kernels see a step's dtypes and strides."""
     from blockspec.kernels import gdn
-    weight = layer.in_proj.weight
-    mixed, z, b, a = layer.project(torch.zeros(1, 1, weight.shape[1], dtype=weight.dtype, device=weight.device))
-    slots = torch.zeros(1, dtype=torch.long, device=weight.device)
-    cu_seqlens = torch.tensor([0, 1], dtype=torch.int32, device=weight.device)
+    device = states.ssm[layer.state_index].device
+    mixed, z, b, a = layer.project(torch.zeros(1, 1, layer.in_proj.in_features, dtype=dtype, device=device))
+    slots = torch.zeros(1, dtype=torch.long, device=device)
+    cu_seqlens = torch.tensor([0, 1], dtype=torch.int32, device=device)
     index = layer.state_index
     for variant in sorted(variants, key=lambda v: (v.keep, v.norm, v.block_v)):
         norm = (layer.norm.weight, z[0], layer.norm.eps) if variant.norm else None
