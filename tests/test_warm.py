@@ -162,9 +162,9 @@ def test_steps_choose_only_variants_the_warm_up_runs(models, monkeypatch, kind, 
 # -- the warm-up itself under the interpreter ----------------------------------------------------
 
 CHILD = """
-import json, sys, tempfile, pathlib
+import json, logging, sys, tempfile, pathlib
 sys.path.insert(0, %r)
-from blockspec.engine.warm import kernel_plan, run_plan
+from blockspec.engine import warm
 from blockspec.kernels import attention, gdn
 from helpers import make_engine
 from test_warm import tiny_hybrid
@@ -181,9 +181,14 @@ target, draft = tiny_hybrid(pathlib.Path(tempfile.mkdtemp()))
 engine = make_engine(target, draft, block_size=4, max_num_seqs=24, max_num_batched_tokens=128, max_model_len=512)
 runner = engine.runner
 runner.graphs = runner.make_graphs(capture=False, bucket_keys=False)
-plan = kernel_plan(runner, kernels=True)
-run_plan(runner, plan)
-print(json.dumps({"planned": plan.num_variants, "attention": launches["attention"], "gdn": launches["gdn"],
+lines = []
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(record.getMessage())
+logging.getLogger("blockspec.engine").addHandler(handler)
+logging.getLogger("blockspec.engine").setLevel(logging.INFO)
+warm.uses_kernels = lambda device: True          # as on CUDA: the startup's own call
+plan = warm.warm_kernels(runner)
+print(json.dumps({"planned": plan.num_variants, "log": lines, "attention": launches["attention"], "gdn": launches["gdn"],
                   "attention_planned": sum(len(v) for _, v in plan.attention),
                   "gdn_norms": sorted({v.norm for _, variants in plan.gdn for v in variants}),
                   "gdn_planned": sum(len(v) for _, v in plan.gdn),
@@ -194,7 +199,8 @@ print(json.dumps({"planned": plan.num_variants, "attention": launches["attention
 
 def test_the_warm_up_runs_every_planned_variant_under_the_interpreter():
     """A hybrid target with a DFlash draft (target attention, the draft's block attention, the
-    GDN step kernels): every planned variant launched once, the padding slot left clear."""
+    GDN step kernels), through the startup's own call: every planned variant launched once, the
+    padding slot left clear, the count and time in the startup log."""
     done = run_interpreted(CHILD % str(Path(__file__).parent), timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -202,6 +208,8 @@ def test_the_warm_up_runs_every_planned_variant_under_the_interpreter():
     assert result["gdn"] == result["gdn_planned"] > 0 and result["gdn_norms"] == [False, True]
     assert result["planned"] == result["attention"] + result["gdn"]
     assert result["slot0_clear"]
+    assert [line for line in result["log"] if line.startswith(f"blockspec: warmed {result['planned']} kernel variants in ")
+            and result["describe"] in line]
 
 
 # -- fla's chunk form: always a batch of one ------------------------------------------------------

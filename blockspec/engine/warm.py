@@ -197,13 +197,18 @@ def run_plan(runner: ModelRunner, plan: KernelPlan) -> None:
 
 
 def warm_kernels(runner: ModelRunner) -> KernelPlan:
-    """Plan and run the warm-up; its time in the startup log."""
+    """Plan and run the warm-up; its time and the memory it kept in the startup log."""
     start = time.perf_counter()
     plan = kernel_plan(runner)
-    if plan.num_variants:
-        run_plan(runner, plan)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
-        logger.info(f"blockspec: warmed {plan.num_variants} kernel variants in {time.perf_counter() - start:.1f} s "
-                    f"({plan.describe()})")
+    if not plan.num_variants:
+        return plan
+    is_cuda = runner.device.type == "cuda"
+    free_before = torch.cuda.mem_get_info(runner.device)[0] if is_cuda else 0
+    run_plan(runner, plan)
+    kept = 0
+    if is_cuda:
+        torch.cuda.synchronize(runner.device)
+        kept = free_before - torch.cuda.mem_get_info(runner.device)[0]
+    logger.info(f"blockspec: warmed {plan.num_variants} kernel variants in {time.perf_counter() - start:.1f} s, "
+                f"{kept / (1 << 20):.0f} MiB ({plan.describe()})")
     return plan
