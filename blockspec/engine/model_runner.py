@@ -30,6 +30,7 @@ from blockspec.engine.graphs import EAGER, PIECEWISE, BatchDescriptor, GraphDisp
 from blockspec.engine.logits import LogitsProcessor
 from blockspec.engine.memory import PoolSize, dummy_sequence, size_pool, startup_line
 from blockspec.engine.multimodal import rope_offset, step_rows
+from blockspec.engine.warm import warm_kernels
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence
@@ -103,6 +104,8 @@ class ModelRunner:
             self.graphs = self.make_graphs(capture=True)
             if self.stashes_verify_states:
                 self.states.reserve_space(self.graphs.seq_slots(self.graphs.full_tokens[-1]), self.width)
+        warm_kernels(self)                        # every variant a step can choose (engine/warm.py)
+        if graphed:
             self.warm_up()
         # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
         # step (verify_widths); adaptive's cost table is measured now, on the forwards the steps

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,9 +54,11 @@ def _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr)
 
 
 # Values that change from batch to batch are not specialised on (Triton would compile a variant
-# per divisibility / alignment of each: views of the packed metadata start anywhere).
+# per divisibility / alignment of each: views of the packed metadata start anywhere, a block
+# table's row is as long as the step's longest sequence): the kernel's variants are its
+# constexprs alone (`attention_variant`), which the startup warm-up runs.
 @triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "positions_ptr", "query_start_ptr",
-                               "page_size", "num_tokens", "num_splits"])
+                               "stride_bt", "page_size", "num_tokens", "num_splits"])
 def _paged_attention_kernel(
         q_ptr, k_pool_ptr, v_pool_ptr, block_k_ptr, block_v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         block_tables_ptr, context_lens_ptr, positions_ptr, query_start_ptr,
@@ -167,14 +170,16 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(num_programs: int, max_keys: int, block_n: int, device: torch.device) -> int:
+MAX_SPLITS = 16
+
+
+def choose_num_splits(num_programs: int, max_keys: int, block_n: int, sms: int) -> int:
     """Split the keys only while the batch leaves SMs idle; each split keeps ≥ 4 chunks of keys
     (max_keys is a bound: the batch's longest eagerly, the pool's capacity under a graph). A power
-    of two ≤ 16, so the merge kernel compiles at most four ways."""
-    sms = num_sms(device)
+    of two ≤ MAX_SPLITS, so the merge kernel compiles at most four ways."""
     if num_programs >= sms:
         return 1
-    wanted = max(1, min(triton.cdiv(2 * sms, num_programs), triton.cdiv(max_keys, 4 * block_n), 16))
+    wanted = max(1, min(triton.cdiv(2 * sms, num_programs), triton.cdiv(max_keys, 4 * block_n), MAX_SPLITS))
     return 1 << (wanted.bit_length() - 1)
 
 
@@ -190,6 +195,89 @@ def tile_sizes(rows_per_head: int, head_dim: int, element_size: int) -> tuple[in
     return block_m, block_n, block_d, num_warps, num_stages
 
 
+@dataclass(frozen=True)
+class Heads:
+    """What a call site's layers fix for every call: the kernel's other constexprs and the dtype."""
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    element_size: int
+
+
+@dataclass(frozen=True)
+class AttentionVariant:
+    """One compiled form: the tile constexprs and launch options of the attention kernel, and its
+    split count (> 1: the IS_SPLIT form, then the merge kernel of that many splits)."""
+    block_m: int
+    block_n: int
+    block_d: int
+    num_warps: int
+    num_stages: int
+    num_splits: int
+
+
+def attention_variant(heads: Heads, max_query_len: int, num_seqs: int, max_keys: int, sms: int) -> AttentionVariant:
+    """The variant a call of these shapes runs (the wrapper's choice, and the warm-up's)."""
+    rows_per_head = max_query_len * heads.group
+    block_m, block_n, block_d, num_warps, num_stages = tile_sizes(rows_per_head, heads.head_dim, heads.element_size)
+    programs = triton.cdiv(rows_per_head, block_m) * num_seqs * heads.num_kv_heads
+    return AttentionVariant(block_m, block_n, block_d, num_warps, num_stages,
+                            choose_num_splits(programs, max_keys, block_n, sms))
+
+
+@dataclass(frozen=True)
+class CallShapes:
+    """The calls a path can make: max_query_len in [query_lens[0], query_lens[1]], num_seqs one
+    of seqs, max_keys in [keys[0], keys[1]]."""
+    query_lens: tuple[int, int]
+    seqs: tuple[int, ...]
+    keys: tuple[int, int]
+
+
+def attention_variants(heads: Heads, shapes: CallShapes, sms: int) -> set[AttentionVariant]:
+    """Every variant `attention_variant` gives over shapes, without walking them all: the split
+    count is a function of (programs, keys), falling in programs and rising in keys, and only
+    programs below the SM count and keys up to MAX_SPLITS chunks of 4 · BLOCK_N tell apart."""
+    (q_lo, q_hi), (k_lo, k_hi) = shapes.query_lens, shapes.keys
+    variants = set()
+    for block_m, tiles in tile_counts(heads, q_lo, q_hi):
+        tile = tile_sizes(block_m, heads.head_dim, heads.element_size)     # rows_per_head = block_m: same tile
+        chunk = 4 * tile[1]
+        top = min(k_hi, chunk * MAX_SPLITS)                                  # more keys split no further
+        key_points = {k_lo, k_hi, *range(k_lo, top + 1, chunk)}           # every ⌈keys / chunk⌉ up to there
+        for programs in program_counts(tiles, shapes.seqs, heads.num_kv_heads, sms):
+            for max_keys in key_points:
+                variants.add(AttentionVariant(*tile, choose_num_splits(programs, max_keys, tile[1], sms)))
+    return variants
+
+
+def tile_counts(heads: Heads, q_lo: int, q_hi: int) -> list[tuple[int, range]]:
+    """(BLOCK_M, the range of tile counts a query length in [q_lo, q_hi] gives with it)."""
+    out: dict[int, range] = {}
+    q = q_lo
+    while q <= q_hi:
+        rows = q * heads.group
+        block_m = tile_sizes(rows, heads.head_dim, heads.element_size)[0]
+        last = q_hi if block_m == 64 else min(q_hi, max(q, block_m // heads.group))     # same BLOCK_M up to here
+        seen = out.get(block_m, range(triton.cdiv(rows, block_m), 0))
+        out[block_m] = range(min(seen.start, triton.cdiv(rows, block_m)),
+                             max(seen.stop, triton.cdiv(last * heads.group, block_m) + 1))
+        q = last + 1
+    return sorted(out.items())
+
+
+def program_counts(tiles: range, seqs: tuple[int, ...], num_kv_heads: int, sms: int) -> set[int]:
+    """Distinct program counts below sms (and sms itself, standing for every count above)."""
+    counts = set()
+    for t in tiles:
+        if t * num_kv_heads >= sms:
+            counts.add(sms)
+            break
+        for s in seqs:
+            counts.add(min(t * s * num_kv_heads, sms))
+    return counts
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, positions: torch.Tensor, query_start: torch.Tensor,
                     max_query_len: int, page_size: int, max_context_len: int, scale: float, is_causal: bool,
@@ -197,17 +285,29 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """q [N, H, D] → [N, H·D] in q's dtype; the reference's contract (no window). query_start
     [B + 1]: each sequence's rows; max_query_len bounds their lengths (it sizes the grid: a fixed
     bucket under a graph), max_context_len the live key lengths (it only sizes the split-K grid)."""
+    heads = heads_of(q, k_pool)
+    variant = attention_variant(heads, max_query_len, query_start.shape[0] - 1, max_context_len, num_sms(q.device))
+    return launch(variant, q, k_pool, v_pool, block_tables, context_lens, positions, query_start, max_query_len,
+                  page_size, scale, is_causal, block_kv)
+
+
+def heads_of(q: torch.Tensor, k_pool: torch.Tensor) -> Heads:
+    return Heads(k_pool.shape[1], q.shape[1] // k_pool.shape[1], q.shape[2], q.element_size())
+
+
+def launch(variant: AttentionVariant, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+           block_tables: torch.Tensor, context_lens: torch.Tensor, positions: torch.Tensor, query_start: torch.Tensor,
+           max_query_len: int, page_size: int, scale: float, is_causal: bool,
+           block_kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The kernels of one variant over these tensors (what `paged_attention` chose, or the warm-up)."""
     num_seqs = query_start.shape[0] - 1
     q, k_pool, v_pool = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k_pool, v_pool))
     if block_kv is not None:
         block_kv = tuple(x if x.stride(-1) == 1 else x.contiguous() for x in block_kv)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
-    group = num_heads // num_kv_heads
-    rows_per_head = max_query_len * group
-    block_m, block_n, block_d, num_warps, num_stages = tile_sizes(rows_per_head, head_dim, q.element_size())
-    num_tiles = triton.cdiv(rows_per_head, block_m)
-    splits = choose_num_splits(num_tiles * num_seqs * num_kv_heads, max_context_len, block_n, q.device)
+    splits = variant.num_splits
+    num_tiles = triton.cdiv(max_query_len * (num_heads // num_kv_heads), variant.block_m)
     out = torch.empty(num_tokens, num_heads * head_dim, device=q.device, dtype=q.dtype)
     part_acc = part_ml = out                                               # unused when splits == 1
     if splits > 1:
@@ -220,11 +320,25 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         block_k.stride(0), block_k.stride(1), block_v.stride(0), block_v.stride(1), block_tables.stride(0),
         page_size, head_dim, num_tokens, splits, scale * math.log2(math.e),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, IS_SPLIT=splits > 1, IS_CAUSAL=is_causal,
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, IS_SPLIT=splits > 1, IS_CAUSAL=is_causal,
         HAS_BLOCK=block_kv is not None, IEEE=q.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages)
+        BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_D=variant.block_d, num_warps=variant.num_warps,
+        num_stages=variant.num_stages)
     if splits > 1:
         _merge_splits_kernel[(num_tokens * num_heads,)](
             part_acc, part_ml, out, num_tokens * num_heads, head_dim,
-            NUM_SPLITS=splits, BLOCK_D=block_d)
+            NUM_SPLITS=splits, BLOCK_D=variant.block_d)
     return out
+
+
+def warm_up(variants: set[AttentionVariant], q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+            is_causal: bool, block_kv: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Each variant once, compiled (and launched) on one row of q at page 0 (nobody's): q [1, H, D]
+    as a step's, the pools a step reads, block_kv [1, Hkv, D] for the draft's own block."""
+    device = q.device
+    zeros = torch.zeros(3, dtype=torch.long, device=device)
+    block_tables, context_lens, positions = zeros[:1].view(1, 1), zeros[1:2] + 1, zeros[2:3]
+    query_start = torch.tensor([0, 1], dtype=torch.long, device=device)
+    for variant in sorted(variants, key=lambda v: (v.block_m, v.num_splits)):
+        launch(variant, q, k_pool, v_pool, block_tables, context_lens, positions, query_start, 1, 1, 1.0,
+               is_causal, block_kv)

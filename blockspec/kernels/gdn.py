@@ -23,6 +23,8 @@ sync), so the step can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -40,7 +42,10 @@ def is_available() -> bool:
 
 if triton is not None:
 
-    @triton.jit
+    # Values that change from step to step are not specialised on (Triton would compile a variant per
+    # alignment of the slots' view of the packed metadata, per divisibility of a stash's row count):
+    # the kernels' variants are their constexprs alone (`step_variant`), which the warm-up runs.
+    @triton.jit(do_not_specialize=["slots_ptr", "cu_ptr", "stride_stash_b", "stride_stash_c"])
     def _conv1d_update_kernel(mixed_ptr, weight_ptr, pool_ptr, slots_ptr, cu_ptr, out_ptr, stash_ptr,
                               conv_dim, stride_mixed, stride_pool_slot, stride_pool_c, stride_out,
                               stride_stash_b, stride_stash_c, KERNEL: tl.constexpr, K_POW2: tl.constexpr,
@@ -94,7 +99,7 @@ if triton is not None:
             tl.debug_barrier()                           # every thread has read the old window
             tl.store(window_ptrs, new, mask=c_ok[:, None] & (taps[None, :] < KERNEL - 1))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["slots_ptr", "cu_ptr", "max_rows"])
     def _recurrent_kernel(conv_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, pool_ptr, slots_ptr, cu_ptr,
                           out_ptr, steps_ptr, z_ptr, norm_w_ptr, eps, stride_conv, stride_a, stride_b,
                           stride_pool_slot, stride_out, stride_steps, stride_z_row, stride_z_head, max_rows,
@@ -158,11 +163,27 @@ def block_v(num_seqs: int, num_v_heads: int, v_dim: int) -> int:
     return size
 
 
+@dataclass(frozen=True)
+class StepVariant:
+    """One compiled form of the two step kernels: KEEP (stash every row's state), NORM (the gated
+    norm fused), the recurrent kernel's BLOCK_V and warps."""
+    keep: bool
+    norm: bool
+    block_v: int
+    num_warps: int
+
+
+def step_variant(num_seqs: int, num_v_heads: int, k_dim: int, v_dim: int, keep: bool, norm: bool) -> StepVariant:
+    """The variant a step of num_seqs sequences runs (the wrapper's choice, and the warm-up's)."""
+    bv = v_dim if norm else block_v(num_seqs, num_v_heads, v_dim)
+    return StepVariant(keep, norm, bv, 8 if norm and k_dim * v_dim >= 8192 else 4)
+
+
 def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight: torch.Tensor,
              a_log: torch.Tensor, dt_bias: torch.Tensor, conv_pool: torch.Tensor, ssm_pool: torch.Tensor,
              slots: torch.Tensor, cu_seqlens: torch.Tensor, max_rows: int, num_k_heads: int, k_dim: int,
              keep_steps: bool, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-             space: tuple[torch.Tensor, torch.Tensor] | None = None
+             space: tuple[torch.Tensor, torch.Tensor] | None = None, variant: StepVariant | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """mixed [R, conv_dim] (q | k | v before the conv), a, b [R, Hv] (rows may be strided views
     of the projection), conv_weight [conv_dim, K], pools [slots, conv_dim, K−1] and
@@ -170,7 +191,21 @@ def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
     conv inputs [B, conv_dim, K−1+max_rows], the pools untouched; else the pools advanced.
     norm = (weight [Dv], z [R, Hv, Dv], eps): out is the gated RMSNorm of the rows,
     weight · rmsnorm(o) · silu(z), computed in the recurrent kernel (one program per head row).
-    space: preallocated (steps, conv inputs) of that shape to stash into (a graph's, shared by all)."""
+    space: preallocated (steps, conv inputs) of that shape to stash into (a graph's, shared by all).
+    variant: the warm-up's; else `step_variant` of these shapes."""
+    num_v_heads, v_dim = ssm_pool.shape[1], ssm_pool.shape[3]
+    variant = variant or step_variant(slots.shape[0], num_v_heads, k_dim, v_dim, keep_steps, norm is not None)
+    return launch_step(variant, mixed, a, b, conv_weight, a_log, dt_bias, conv_pool, ssm_pool, slots, cu_seqlens,
+                       max_rows, num_k_heads, k_dim, keep_steps, norm, space)
+
+
+def launch_step(variant: StepVariant, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                conv_weight: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, conv_pool: torch.Tensor,
+                ssm_pool: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor, max_rows: int,
+                num_k_heads: int, k_dim: int, keep_steps: bool, norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+                space: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`gdn_step`'s two kernels in this variant."""
     num_rows, conv_dim = mixed.shape
     num_seqs = slots.shape[0]
     num_v_heads, v_dim = ssm_pool.shape[1], ssm_pool.shape[3]
@@ -194,7 +229,8 @@ def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
     if keep_steps:
         steps = (space[0] if space is not None else
                  torch.empty(num_seqs, max_rows, num_v_heads, k_dim, v_dim, dtype=ssm_pool.dtype, device=mixed.device))
-    bv = v_dim if norm is not None else block_v(num_seqs, num_v_heads, v_dim)
+    assert variant.keep == keep_steps and variant.norm == (norm is not None)
+    bv = variant.block_v
     norm_weight, z, eps = norm if norm is not None else (out, out, 0.0)
     if norm is not None:
         assert z.shape == out.shape and z.stride(2) == 1
@@ -206,6 +242,6 @@ def gdn_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_weight:
         steps.stride(1) if keep_steps else 0, z.stride(0), z.stride(1), max_rows,
         NUM_V_HEADS=num_v_heads, GROUP=num_v_heads // num_k_heads, K_DIM=k_dim, V_DIM=v_dim,
         KEY_WIDTH=num_k_heads * k_dim, KEEP=keep_steps, NORM=norm is not None, BLOCK_V=bv,
-        num_warps=8 if norm is not None and k_dim * v_dim >= 8192 else 4)
+        num_warps=variant.num_warps)
     return out, steps, stash
 

@@ -21,6 +21,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from blockspec.sampling import device_longs
+
 CHUNK_SIZE = 64
 
 
@@ -80,9 +82,11 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                           beta: torch.Tensor, initial_state: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           beta: torch.Tensor, initial_state: torch.Tensor | None = None,
+                           lengths: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunks of CHUNK_SIZE positions in parallel, the state carried from chunk to chunk.
+    lengths (each sequence's real rows; None: all T) only tell fla's form where rows end: here
+    the rows past them are inert padding (β = 0, g = 0) and run with the rest.
 
     Inside a chunk, with γ_t = Σ_{s≤t} g_s and S₀ the state before it, unrolling the recurrence:
         S_t = e^{γ_t} S₀ + Σ_{s≤t} e^{γ_t−γ_s} k_s u_sᵀ
@@ -161,13 +165,45 @@ def expand_key_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tupl
 
 
 def make_fla_chunk(fla_chunk: Callable) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    def chunk(q, k, v, g, beta, initial_state=None):
+    """fla's chunk form over a padded group [B, T, ·] as one varlen batch of its real rows
+    (cu_seqlens): fla's kernels then always see a batch of one, so those specialised on the batch
+    size (chunk_local_cumsum's B, a constexpr of its autotune key) or on the rows (l2norm's NB)
+    compile for the shapes the startup warm-up ran, not once more per number of prompts
+    prefilling together, and no padding row is computed."""
+    def chunk(q, k, v, g, beta, initial_state=None, lengths=None):
         q, k = expand_key_heads(q, k, v.shape[2])
+        batch, num_tokens = v.shape[:2]
+        index, cu_seqlens = varlen_rows(batch, num_tokens, lengths, v.device)
+
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            flat = x.reshape(batch * num_tokens, *x.shape[2:])
+            return (flat if index is None else flat[index])[None]
         state = None if initial_state is None else initial_state.float()
-        out, final = fla_chunk(q=q, k=k, v=v, g=g.float(), beta=beta, initial_state=state,
-                               output_final_state=True, use_qk_l2norm_in_kernel=True)
-        return out, final.float()
+        out, final = fla_chunk(q=rows(q), k=rows(k), v=rows(v), g=rows(g.float()), beta=rows(beta),
+                               initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                               cu_seqlens=cu_seqlens)
+        if index is None:
+            return out.view(batch, num_tokens, *out.shape[2:]), final.float()
+        padded = out.new_zeros(batch * num_tokens, *out.shape[2:])
+        padded[index] = out[0]
+        return padded.view(batch, num_tokens, *out.shape[2:]), final.float()
     return chunk
+
+
+def varlen_rows(batch: int, num_tokens: int, lengths: list[int] | None, device: torch.device
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the real rows' indices in the flattened [B·T] group, None when every row is real;
+    cu_seqlens [B + 1]) of a group whose sequence b has lengths[b] real rows (None: all T).
+    Made on the device from the lengths alone (one non-blocking copy, no wait for the device:
+    this runs in every Gated DeltaNet layer of a prefill step)."""
+    if lengths is None or all(n == num_tokens for n in lengths):
+        return None, torch.arange(0, (batch + 1) * num_tokens, num_tokens, device=device)
+    lens = device_longs(lengths, device)
+    cu_seqlens = torch.cat((lens.new_zeros(1), lens.cumsum(0)))
+    total = sum(lengths)
+    seq = torch.repeat_interleave(torch.arange(batch, device=device), lens, output_size=total)
+    index = seq * num_tokens + torch.arange(total, device=device) - cu_seqlens[seq]
+    return index, cu_seqlens
 
 
 def make_fla_recurrent(fla_recurrent: Callable, step_kernel: Callable | None) -> Callable[..., tuple]:
@@ -225,9 +261,42 @@ FUSE_NORM_MAX_ROWS = 64
 
 def step_kernel_fits(x: torch.Tensor, width: int) -> bool:
     """A forward of ≤ MAX_ROWS rows per sequence on CUDA in a float dtype the kernel handles."""
+    return x.device.type == "cuda" and step_kernel_serves(x.dtype, width)
+
+
+def step_kernel_serves(dtype: torch.dtype, width: int) -> bool:
+    """Whether the step kernel takes rows of this dtype, ≤ width per sequence (on CUDA)."""
     from blockspec.kernels import gdn
-    return (STEP_KERNEL and x.device.type == "cuda" and gdn.is_available() and width <= gdn.MAX_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    return (STEP_KERNEL and gdn.is_available() and width <= gdn.MAX_ROWS
+            and dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def fuses_norm(num_rows: int) -> bool:
+    """Whether a step of num_rows decode / verify rows fuses the output norm into the kernel."""
+    return FUSE_NORM and num_rows <= FUSE_NORM_MAX_ROWS
+
+
+def step_variants(layer, calls: list[tuple[int, int]], keep_steps: bool) -> set:
+    """The step kernels' variants over calls [(rows, sequences)] of this layer."""
+    from blockspec.kernels import gdn
+    return {gdn.step_variant(seqs, layer.num_v_heads, layer.k_dim, layer.v_dim, keep_steps, fuses_norm(rows))
+            for rows, seqs in calls}
+
+
+def warm_step(layer, states, variants: set, dtype: torch.dtype) -> None:
+    """Each variant once on one padding row (state slot 0, nobody's) of the model's dtype, through
+    the layer's own projection, so the kernels see a step's dtypes and strides."""
+    from blockspec.kernels import gdn
+    device = states.ssm[layer.state_index].device
+    mixed, z, b, a = layer.project(torch.zeros(1, 1, layer.in_proj.in_features, dtype=dtype, device=device))
+    slots = torch.zeros(1, dtype=torch.long, device=device)
+    cu_seqlens = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    index = layer.state_index
+    for variant in sorted(variants, key=lambda v: (v.keep, v.norm, v.block_v)):
+        norm = (layer.norm.weight, z[0], layer.norm.eps) if variant.norm else None
+        gdn.gdn_step(mixed[0], a[0], b[0], layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index],
+                     states.ssm[index], slots, cu_seqlens, 1, layer.num_k_heads, layer.k_dim, variant.keep, norm,
+                     variant=variant)
 
 
 def gdn_rows_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tensor, states,
@@ -240,7 +309,7 @@ def gdn_rows_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, 
     [B, C, K−1+max_rows] for StatePool.select, the slots untouched."""
     from blockspec.kernels import gdn
     index = layer.state_index
-    fuse_norm = FUSE_NORM and mixed.shape[0] <= FUSE_NORM_MAX_ROWS
+    fuse_norm = fuses_norm(mixed.shape[0])
     space = states.space_for(index, slots.shape[0], max_rows) if keep_steps else None
     out, steps, conv_inputs = gdn.gdn_step(
         mixed, a, b, layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index], states.ssm[index],

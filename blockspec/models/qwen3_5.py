@@ -230,7 +230,7 @@ class GatedDeltaNet(nn.Module):
             if num_tokens == 1:
                 out, state, _ = kernels.recurrent(q, k, v, g, beta, initial, False)
             else:
-                out, state = kernels.chunk(q, k, v, g, beta, initial)
+                out, state = kernels.chunk(q, k, v, g, beta, initial, None if uniform else lens)
             if uniform:
                 lengths = None
             elif lens is None:
