@@ -231,9 +231,8 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
     order = order[keys[order] >= 0]                                       # past a cap: never
     num_forced = int(forced.sum())
     best: Allocation | None = None
-    for width in draft_widths:
-        if width is not None and num_forced:
-            continue                                 # a floor verifies past any narrower block
+    # A floor verifies past any narrower block: then the full one only.
+    for width in [w for w in draft_widths if w is None or not num_forced] or [None]:
         part = order if width is None else order[order % num_slots < width - 1]
         candidate = scan(part, survival, num_seqs, num_slots, costs, width, num_forced, fixed_ms, per_token_ms,
                          margin)
@@ -395,6 +394,7 @@ HOST_WORK_MEMORY = 0.98             # forgetting factor of the host-work fit (pe
 # bucket change). On the H200 (Qwen3-8B shape, 8 sequences) adaptive chose 12.3 of 15 drafts
 # for a predicted gain of a few per cent and ran 0.89 × the whole block.
 RAGGED_MARGIN = 0.05
+RESCAN_STEPS = 8                    # steps between pricings of every draft width (planned_widths)
 
 
 class Speculation:
@@ -414,6 +414,8 @@ class Speculation:
         self._free_rows: list[int] = []
         self._floor = np.zeros(64, dtype=np.int64)                        # by row: see floors
         self._cycles_since_learning = 0
+        self._chosen_width: int | None = None              # planned_widths: the draft width priced last
+        self._rescan_load, self._steps_to_rescan = 0, 0
         # A step's time beyond the table's forwards ≈ per_seq · B + per_token · committed tokens,
         # fitted online (least squares with forgetting) from the engine's wall time per step.
         self.overhead_ms_per_seq = 0.0
@@ -489,9 +491,19 @@ class Speculation:
             self._cycles_since_learning = 0
             return self.caps(seqs).tolist()
         rows = self.rows(seqs)
-        return allocate_widths(self.calibration.predicted(rows), self.caps(seqs), self.costs, self.floors(rows),
-                               fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token,
-                               margin=RAGGED_MARGIN).widths
+        # Every draft width is priced now and then (and when the load moves to another power of
+        # two of sequences); in between, only the width chosen last (one scan a step, not one per
+        # width: this runs before every launch, on the critical path).
+        load = len(seqs).bit_length()
+        rescan = self._steps_to_rescan <= 0 or load != self._rescan_load
+        widths = (None, *self.costs.narrow_widths) if rescan else (self._chosen_width,)
+        alloc = allocate(self.calibration.predicted(rows), self.caps(seqs), self.costs, self.floors(rows),
+                         fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token,
+                         margin=RAGGED_MARGIN, draft_widths=widths)
+        if rescan:
+            self._chosen_width, self._rescan_load, self._steps_to_rescan = alloc.draft_width, load, RESCAN_STEPS
+        self._steps_to_rescan -= 1
+        return alloc.widths
 
     def draft_width(self, seqs: Seq, widths: Seq[int]) -> int:
         """The draft's block for a step that verifies these k_b (0: the full block): under
