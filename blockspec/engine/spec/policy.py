@@ -348,11 +348,9 @@ class Calibration:
         slot = np.arange(self.num_slots)[None]
         k = np.asarray(widths, dtype=np.int64)[:, None]
         a = np.asarray(accepted, dtype=np.int64)[:, None]
-        judged = np.broadcast_to(slot < np.minimum(k, a + 1), bins.shape)
-        outcome = np.broadcast_to(slot < a, bins.shape)[judged].astype(np.float64)
-        mine = np.broadcast_to(rows[:, None], bins.shape)[judged]
-        groups = np.broadcast_to(self.groups[None], bins.shape)[judged]
-        judged_bins = bins[judged]
+        b, j = np.nonzero(slot < np.minimum(k, a + 1))                     # the judged (sequence, slot)s
+        outcome = (j < a[b, 0]).astype(np.float64)
+        mine, groups, judged_bins = rows[b], self.groups[j], bins[b, j]
         self.accepted[rows] *= SEQUENCE_DECAY
         self.seen[rows] *= SEQUENCE_DECAY
         np.add.at(self.accepted, (mine, groups, judged_bins), outcome)
