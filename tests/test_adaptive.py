@@ -17,7 +17,7 @@ import fixtures
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.engine.spec.dflash import Proposal, accept
 from blockspec.engine.spec.policy import (WARMUP_OBSERVATIONS, Calibration, CostTable, Speculation, allocate,
-                                          allocate_widths, expected_committed, forwards_ms, interpolate)
+                                          expected_committed, forwards_ms, interpolate)
 from blockspec.loader import load_draft, load_model
 from blockspec.sampling import SamplingParams
 
@@ -283,14 +283,14 @@ def test_a_narrower_draft_block_is_taken_when_its_rows_are_what_pays():
     seeded request's floor keeps the full block; without narrow widths in the table, the full."""
     probs = torch.tensor([[0.95, 0.9, 0.2, 0.1, 0.1, 0.1, 0.1]] * 16, dtype=torch.float64)
     full = allocate(probs, [7] * 16, NARROW)
-    best = allocate_widths(probs, [7] * 16, NARROW)
+    best = allocate(probs, [7] * 16, NARROW, draft_widths=NARROW.draft_widths)
     assert best.draft_width == 4 and max(best.widths) <= 3 and best.rate > full.rate
     assert best.ms == pytest.approx(float(NARROW.target(16 + sum(best.widths))) + float(NARROW.draft(16, 4)))
     assert forwards_ms(NARROW, best.widths, 4) == pytest.approx(best.ms)
-    floored = allocate_widths(probs, [7] * 16, NARROW, floors=[7] + [0] * 15)
+    floored = allocate(probs, [7] * 16, NARROW, floors=[7] + [0] * 15, draft_widths=NARROW.draft_widths)
     assert floored.draft_width is None and floored.widths[0] == 7
     plain_table = CostTable(NARROW.target_rows, NARROW.target_ms, NARROW.draft_batch, NARROW.draft_ms)
-    assert allocate_widths(probs, [7] * 16, plain_table).draft_width is None
+    assert allocate(probs, [7] * 16, plain_table, draft_widths=plain_table.draft_widths).draft_width is None
 
 
 def test_the_draft_block_covers_the_widest_verify_and_a_seeded_request_keeps_its_whole_block():

@@ -11,7 +11,9 @@ prefix of each sequence's block. The allocation (allocate, vLLM's DSpark rule): 
 
     B* = argmax_B (N + Σ_{top B} S) / (draft_ms(sequences that draft) + target_ms(N + B) + host)
 
-N sequences, each one plain row plus its chosen slots. A sequence left at k = 0 does not draft:
+N sequences, each one plain row plus its chosen slots; the draft's blocks are W positions, the
+narrowest of the table's widths holding the widest k + 1, and the argmax runs at each W (caps cut
+to W − 1, the draft priced at W). A sequence left at k = 0 does not draft:
 the draft forward covers only the others, so a draft that is not paying for a sequence costs it
 nothing (its committed positions still reach the draft's context: every verified row's features
 are appended by the target forward). The table (CostTable, measured at startup through the
@@ -95,6 +97,11 @@ class CostTable:
     @property
     def narrow_widths(self) -> tuple[int, ...]:
         return tuple(w for w, _ in self.narrow)
+
+    @property
+    def draft_widths(self) -> tuple[int | None, ...]:
+        """Every draft block the table prices, for allocate: None (the full one), the narrower."""
+        return (None, *self.narrow_widths)
 
     def target(self, rows: np.ndarray | int) -> np.ndarray:
         return self.lookup("target", np.asarray(rows, dtype=np.float64))
@@ -258,14 +265,6 @@ def scan(order: np.ndarray, survival: np.ndarray, num_seqs: int, num_slots: int,
         best = len(order)
     widths = np.bincount(order[:best] // num_slots, minlength=num_seqs)
     return Allocation(widths.tolist(), float(tokens[best]), float(ms[best]), width)
-
-
-def allocate_widths(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable, floors: Seq[int] | None = None,
-                    fixed_ms: float = 0.0, per_token_ms: float = 0.0, margin: float = 0.0) -> Allocation:
-    """The best allocation over the draft's block widths: the full block, and each narrower
-    width of the table (a narrower block denoises fewer rows, so its draft forward costs less).
-    A floor (a seeded request's whole block) keeps the full block."""
-    return allocate(probs, caps, costs, floors, fixed_ms, per_token_ms, margin, (None, *costs.narrow_widths))
 
 
 def forwards_ms(costs: CostTable, widths: Seq[int], draft_width: int = 0) -> float:
@@ -494,7 +493,7 @@ class Speculation:
         # width: this runs before every launch, on the critical path).
         load = len(seqs).bit_length()
         rescan = self._steps_to_rescan <= 0 or load != self._rescan_load
-        widths = (None, *self.costs.narrow_widths) if rescan else (self._chosen_width,)
+        widths = self.costs.draft_widths if rescan else (self._chosen_width,)
         alloc = allocate(self.calibration.predicted(rows), self.caps(seqs), self.costs, self.floors(rows),
                          fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token,
                          margin=RAGGED_MARGIN, draft_widths=widths)
