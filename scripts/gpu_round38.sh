@@ -5,16 +5,7 @@
 #   bash scripts/gpu_round38.sh 2   # adaptive again (closed loop), images, the hybrid cycle, HTTP bursts of
 #                                   # the demo pair, a 16k prompt among 32 decoders at a 512-token budget
 #   bash scripts/gpu_round38.sh 3   # the FP8 / vision / MoE and kernel GPU tests, the MoE cycle, cold multi-turn
-set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton}
-mkdir -p "$OUT"
-LOG="$OUT/bench.log"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOG"
-stage() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; shift; "$@" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -40 | tee -a "$LOG"; }
-B="python3 -m blockspec.cli bench --block-size 16 --no-dflash2"
-A="$B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 128"
+. "$(dirname "$0")/gpu_prelude.sh"
 if [ "${1:-1}" = 1 ]; then
   T="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
   S=${TESTS_S:-180}

@@ -7,16 +7,7 @@
 #   bash scripts/gpu_round39.sh 2   # HTTP bursts (the warm-up's target), images on the graphs, the
 #                                   # hybrid cycle, a 16k prompt among 32 decoders at budget 512
 #   bash scripts/gpu_round39.sh 3   # the kernel tests, the MoE cycle, a cold multi-turn (empty Triton cache)
-set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton}
-mkdir -p "$OUT"
-LOG="$OUT/bench.log"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOG"
-stage() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; shift; "$@" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -40 | tee -a "$LOG"; }
-B="python3 -m blockspec.cli bench --block-size 16 --no-dflash2"
-A="$B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 128"
+. "$(dirname "$0")/gpu_prelude.sh"
 T="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
 summary() { for f in "$OUT"/t_*.log; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done | tee -a "$LOG"; }
 if [ "${1:-1}" = 1 ]; then

@@ -14,6 +14,7 @@ A pool smaller than one sequence of max_model_len is refused with one line (Conf
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
@@ -121,3 +122,20 @@ def startup_line(config: EngineConfig, size: PoolSize) -> str:
     return (f"blockspec: KV cache {tokens:,} tokens ({size.num_pages - 1:,} pages of {config.page_size}, "
             f"{gib:.2f} GiB, from {how}); maximum concurrency at {config.max_model_len:,} tokens per request: "
             f"{tokens / config.max_positions_per_seq:.2f}x; prefix cache {'on' if config.prefix_cache else 'off'}")
+
+
+class StageCost:
+    """A startup stage's wall time and the device memory it kept, for its log line: made when
+    the stage starts, `done()` when it ends (after the device has finished its work)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.start = device, time.perf_counter()
+        self.free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+
+    def done(self) -> str:
+        """'X.Y s, N MiB'."""
+        kept = 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            kept = self.free - torch.cuda.mem_get_info(self.device)[0]
+        return f"{time.perf_counter() - self.start:.1f} s, {kept / (1 << 20):.0f} MiB"

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -28,7 +27,7 @@ from blockspec.cache import KVPool, StatePool
 from blockspec.config import EngineConfig
 from blockspec.engine.graphs import EAGER, PIECEWISE, BatchDescriptor, GraphDispatcher, Plan, narrower_widths
 from blockspec.engine.logits import LogitsProcessor
-from blockspec.engine.memory import PoolSize, dummy_sequence, size_pool, startup_line
+from blockspec.engine.memory import PoolSize, StageCost, dummy_sequence, size_pool, startup_line
 from blockspec.engine.multimodal import rope_offset, step_rows
 from blockspec.engine.warm import warm_kernels
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
@@ -170,8 +169,7 @@ class ModelRunner:
         the live length, so its FULL graphs are captured on first use. Without capture (CPU
         tests) the same forwards make the static buffers."""
         from tqdm import tqdm
-        graphs, is_cuda = self.graphs, self.device.type == "cuda"
-        start, free_before = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0] if is_cuda else 0
+        graphs, cost = self.graphs, StageCost(self.device)
         work = [("piecewise", n, None) for n in graphs.piecewise_tokens] if "piecewise" in kinds else []
         if not graphs.bucket_keys:
             work += [("verify", n, None) for n in graphs.full_tokens if "verify" in kinds]
@@ -187,12 +185,8 @@ class ModelRunner:
         if self.is_hybrid:
             self.states.clear([0])                # the captures ran on padding rows (state slot 0)
         self.num_forwards = 0
-        used = 0
-        if is_cuda:
-            torch.cuda.synchronize(self.device)
-            used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info(f"blockspec: warmed and captured {graphs.num_graphs} CUDA graphs in "
-                    f"{time.perf_counter() - start:.1f} s, {used / (1 << 20):.0f} MiB: {graphs.describe()}")
+        logger.info(f"blockspec: warmed and captured {graphs.num_graphs} CUDA graphs in {cost.done()}: "
+                    f"{graphs.describe()}")
 
     def idle_forward(self, kind: str, size: int, width: int | None = None) -> Any:
         """One forward of a bucket on padding rows only (page 0, state slot 0: nobody's memory),

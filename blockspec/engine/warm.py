@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from blockspec.engine.memory import StageCost
 from blockspec.layers.attention import Attention, uses_kernels
 from blockspec.models.dflash import DraftAttention
 
@@ -199,17 +199,10 @@ def run_plan(runner: ModelRunner, plan: KernelPlan) -> None:
 
 def warm_kernels(runner: ModelRunner) -> KernelPlan:
     """Plan and run the warm-up; its time and the memory it kept in the startup log."""
-    start = time.perf_counter()
+    cost = StageCost(runner.device)
     plan = kernel_plan(runner)
     if not plan.num_variants:
         return plan
-    is_cuda = runner.device.type == "cuda"
-    free_before = torch.cuda.mem_get_info(runner.device)[0] if is_cuda else 0
     run_plan(runner, plan)
-    kept = 0
-    if is_cuda:
-        torch.cuda.synchronize(runner.device)
-        kept = free_before - torch.cuda.mem_get_info(runner.device)[0]
-    logger.info(f"blockspec: warmed {plan.num_variants} kernel variants in {time.perf_counter() - start:.1f} s, "
-                f"{kept / (1 << 20):.0f} MiB ({plan.describe()})")
+    logger.info(f"blockspec: warmed {plan.num_variants} kernel variants in {cost.done()} ({plan.describe()})")
     return plan

@@ -1,0 +1,13 @@
+# Sourced by the H200 round scripts (scripts/gpu_round*.sh): the carried wheels on the path, $OUT
+# and its log, Triton's cache, `stage NAME CMD…` (a timed stage's tail into the log) and the bench
+# commands they share ($B: plain vs DFlash at block 16; $A: adaptive vs fixed vs plain, latent 6.5).
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton}
+mkdir -p "$OUT"
+LOG="$OUT/bench.log"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOG"
+stage() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; shift; "$@" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -40 | tee -a "$LOG"; }
+B="python3 -m blockspec.cli bench --block-size 16 --no-dflash2"
+A="$B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 128"
