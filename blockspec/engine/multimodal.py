@@ -67,10 +67,10 @@ def rope_offset(entry: "Entry") -> int | None:
     mm = entry.seq.request.multimodal
     if mm is None:
         return 0
+    if entry.start >= mm.rope_positions.shape[1]:          # past the prompt (every decode row): no image
+        return mm.rope_delta
     if reached_images(entry):
         return None
-    if entry.start >= mm.rope_positions.shape[1]:
-        return mm.rope_delta
     return int(mm.rope_positions[0, entry.start]) - entry.start
 
 

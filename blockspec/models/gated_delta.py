@@ -16,6 +16,7 @@ without rounding noise).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Callable, NamedTuple
 
@@ -173,7 +174,7 @@ def make_fla_chunk(fla_chunk: Callable) -> Callable[..., tuple[torch.Tensor, tor
     def chunk(q, k, v, g, beta, initial_state=None, lengths=None):
         q, k = expand_key_heads(q, k, v.shape[2])
         batch, num_tokens = v.shape[:2]
-        index, cu_seqlens = varlen_rows(batch, num_tokens, lengths, v.device)
+        index, cu_seqlens = varlen_rows(batch, num_tokens, None if lengths is None else tuple(lengths), v.device)
 
         def rows(x: torch.Tensor) -> torch.Tensor:
             flat = x.reshape(batch * num_tokens, *x.shape[2:])
@@ -190,12 +191,13 @@ def make_fla_chunk(fla_chunk: Callable) -> Callable[..., tuple[torch.Tensor, tor
     return chunk
 
 
-def varlen_rows(batch: int, num_tokens: int, lengths: list[int] | None, device: torch.device
+@functools.lru_cache(maxsize=64)
+def varlen_rows(batch: int, num_tokens: int, lengths: tuple[int, ...] | None, device: torch.device
                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(the real rows' indices in the flattened [B·T] group, None when every row is real;
     cu_seqlens [B + 1]) of a group whose sequence b has lengths[b] real rows (None: all T).
-    Made on the device from the lengths alone (one non-blocking copy, no wait for the device:
-    this runs in every Gated DeltaNet layer of a prefill step)."""
+    Made on the device from the lengths alone (one non-blocking copy, no wait for the device),
+    once per shape: every Gated DeltaNet layer of a prefill step asks for the same (read-only)."""
     if lengths is None or all(n == num_tokens for n in lengths):
         return None, torch.arange(0, (batch + 1) * num_tokens, num_tokens, device=device)
     lens = device_longs(lengths, device)
