@@ -101,8 +101,8 @@ class Scheduler:
         for seq, num_drafts in zip(decoding, self.verify_widths(decoding)):
             if num_drafts + 1 > budget:
                 break                        # the rest decode next step (oldest first keeps order)
-            # A sequence that drafts at all feeds the draft its whole block [x, MASK × (T − 1)]:
-            # pages for T positions, whatever k it verifies.
+            # A sequence that drafts at all feeds the draft a block of up to T positions (the
+            # step's draft width, decided after this loop): pages for T, whatever k it verifies.
             positions = self.width if num_drafts > 0 else 1
             if seq in self.running and self._make_room(seq, seq.num_cached + positions):
                 decode.append((seq, num_drafts))
