@@ -165,6 +165,7 @@ def test_fused_modules_hold_each_parts_dequantized_weights(fp8_models, kind):
         in_proj = model.model.layers[0].linear_attn.in_proj
         assert isinstance(in_proj, fp8.SegmentedLinear)
         assert [type(s).__name__ for s in in_proj.segments] == ["Fp8Linear", "PartsLinear"]
+        assert in_proj.in_features == model.config.hidden_size      # read as a linear's (the GDN warm-up)
 
 
 # ── agreement with transformers, DFlash over FP8 ───────────────────────────────────────────────

@@ -163,6 +163,7 @@ class SegmentedLinear(nn.Module):
     def __init__(self, segments: list[nn.Module]) -> None:
         super().__init__()
         self.segments = nn.ModuleList(segments)
+        self.in_features = segments[0].in_features          # every segment reads the same input
         self.part_sizes = {name: size for seg in segments for name, size in seg.part_sizes.items()}
         self.part_rows = rows_of(self.part_sizes)
 

@@ -38,13 +38,17 @@ class Compilations:
         triton.knobs.runtime.jit_post_compile_hook = self.previous
 
 
+MAX_MODEL_LEN = 2048
+
+
 def mix(vocab: int) -> tuple[list, dict]:
     gen = torch.Generator().manual_seed(5)
     words = lambda n: torch.randint(0, vocab - 1, (n,), generator=gen).tolist()     # noqa: E731
+    request = lambda name, prompt, n: make_request(name, prompt, max_tokens=n, max_model_len=MAX_MODEL_LEN)  # noqa: E731
     cold = words(700)
-    first = [make_request("cold", cold, max_tokens=16), make_request("long", words(1500), max_tokens=48)]
-    later = {6: [make_request("hit", cold + words(9), max_tokens=16)],
-             9: [make_request(f"burst{i}", words(n), max_tokens=24) for i, n in enumerate((3, 17, 64, 130, 5, 300))]}
+    first = [request("cold", cold, 16), request("long", words(1500), 48)]
+    later = {6: [request("hit", cold + words(9), 16)],
+             9: [request(f"burst{i}", words(n), 24) for i, n in enumerate((3, 17, 64, 130, 5, 300))]}
     return first, later
 
 
@@ -52,7 +56,7 @@ def check_no_compilation(target, draft, vocab: int, **config) -> None:
     engines = []
 
     def build():
-        engines.append(make_engine(target, draft, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048,
+        engines.append(make_engine(target, draft, max_num_seqs=16, max_num_batched_tokens=256, max_model_len=MAX_MODEL_LEN,
                                    **({"block_size": 8} if draft is not None else {}), **config))
         return engines[-1]
     first, later = mix(vocab)
