@@ -3,6 +3,8 @@
 #   bash scripts/gpu_round40.sh 1   # the two GPU tests that call found broken, the host's share of a
 #                                   # cycle fixed vs adaptive, HTTP bursts, the hybrid cycle, 16k among 32
 #   bash scripts/gpu_round40.sh 2   # images on the graphs, the kernel tests, the MoE cycle, a cold multi-turn
+#   bash scripts/gpu_round40.sh 3   # what call 1 left unfinished: the kernel and FP8-hybrid tests, the host
+#                                   # split written whole, the hybrid cycle given its model build's minute
 . "$(dirname "$0")/gpu_prelude.sh"
 T="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
 summary() { for f in "$OUT"/t_*.log; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done | tee -a "$LOG"; }
@@ -20,6 +22,18 @@ if [ "${1:-1}" = 1 ]; then
   stage "16k prompt during 32 decoders, budget 512" timeout ${BURST_S:-70} $B --shape qwen3-8b --accept-len 6.5 \
     --burst 1 --burst-decoding 32 --prompt-len 16384 --max-tokens 64 --max-num-batched-tokens 512 \
     --out "$OUT/burst16k_512.json"
+elif [ "$1" = 3 ]; then
+  S=${TESTS_S:-200}
+  timeout $S $T tests/gpu/test_warm_gpu.py -k hybrid > "$OUT/t_warm.log" 2>&1 &
+  timeout $S $T tests/gpu/test_fp8.py -k "decode_on_the_gpu and qwen3_5_moe" > "$OUT/t_fp8.log" 2>&1 &
+  timeout $S $T tests/gpu/test_gdn_kernel.py tests/gpu/test_fused_kernels.py > "$OUT/t_f.log" 2>&1 &
+  timeout $S $T tests/gpu/test_moe_kernel.py tests/gpu/test_attention_kernels.py > "$OUT/t_g.log" 2>&1 &
+  wait
+  summary
+  echo "=== host split ($(date +%T))" | tee -a "$LOG"
+  timeout ${SPLIT_S:-110} python3 scripts/host_split.py --shape qwen3-8b --concurrency 8 1 32 --profile \
+    > "$OUT/host_split.txt" 2>&1; grep '^{' "$OUT/host_split.txt" | tee -a "$LOG"
+  stage "hybrid Qwen3.5-4B at 1" timeout ${HYB_S:-200} $A --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid.json"
 else
   S=${TESTS_S:-200}
   timeout $S $T tests/gpu/test_gdn_kernel.py tests/gpu/test_fused_kernels.py > "$OUT/t_f.log" 2>&1 &
