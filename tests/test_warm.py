@@ -31,7 +31,7 @@ from blockspec.layers.attention import AttentionMetadata, reference_paged_attent
 from blockspec.loader import load_draft, load_model  # noqa: E402
 from blockspec.models import qwen3_5  # noqa: E402
 from blockspec.models.qwen3_5 import HybridConfig, Qwen3_5ForCausalLM  # noqa: E402
-from blockspec.models.gated_delta import reference_step, step_kernel_serves  # noqa: E402
+from blockspec.models.gated_delta import reference_step, step_kernel_serves, warm_layouts  # noqa: E402
 from helpers import make_engine, make_request, run_batch, run_interpreted  # noqa: E402
 
 # -- the enumeration against every choice over a grid --------------------------------------------
@@ -168,6 +168,7 @@ from blockspec.engine import warm
 from blockspec.kernels import attention, gdn
 from helpers import make_engine
 from test_warm import tiny_hybrid
+from blockspec.models.gated_delta import warm_layouts
 launches = {"attention": 0, "gdn": 0}
 def counted(name, fn):
     def run(*args, **kwargs):
@@ -192,6 +193,7 @@ print(json.dumps({"planned": plan.num_variants, "log": lines, "attention": launc
                   "attention_planned": sum(len(v) for _, v in plan.attention),
                   "gdn_norms": sorted({v.norm for _, variants in plan.gdn for v in variants}),
                   "gdn_planned": sum(len(v) for _, v in plan.gdn),
+                  "layouts": len(warm_layouts(plan.gdn[0][0], runner.dtype, runner.device)),
                   "slot0_clear": all(float(s[0].abs().max()) == 0.0 for s in runner.states.ssm),
                   "describe": plan.describe()}))
 """
@@ -205,11 +207,35 @@ def test_the_warm_up_runs_every_planned_variant_under_the_interpreter():
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["attention"] == result["attention_planned"] > 0
-    assert result["gdn"] == result["gdn_planned"] > 0 and result["gdn_norms"] == [False, True]
-    assert result["planned"] == result["attention"] + result["gdn"]
+    assert result["gdn"] == result["layouts"] * result["gdn_planned"] > 0 and result["gdn_norms"] == [False, True]
+    assert result["layouts"] >= 2                 # views of the projection and PIECEWISE's staged copies
+    assert result["planned"] == result["attention"] + result["gdn_planned"]
     assert result["slot0_clear"]
     assert [line for line in result["log"] if line.startswith(f"blockspec: warmed {result['planned']} kernel variants in ")
             and result["describe"] in line]
+
+
+def specialization(t: torch.Tensor) -> tuple:
+    """What Triton keys a compiled kernel on for a tensor argument and its strides: the pointer's
+    16-byte alignment, each stride's divisibility by 16 (and whether it is 1)."""
+    return t.data_ptr() % 16 == 0, tuple((s % 16 == 0, s == 1) for s in t.stride())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_gdn_warm_up_layouts_cover_every_step_layout(tmp_path, dtype):
+    """The decode rows of a step reach the GDN step kernels as rows [P, P + R) of the projection's
+    views (FULL graphs, eager steps) or of a PIECEWISE graph's contiguous staging copies, P being
+    the step's prefill rows: for every P, each argument's specialization is one the warm-up ran."""
+    target, _ = tiny_hybrid(tmp_path)
+    layer = next(m for m in target.modules() if isinstance(m, qwen3_5.GatedDeltaNet)).to(dtype)
+    warmed = {tuple(map(specialization, layout)) for layout in warm_layouts(layer, dtype, torch.device("cpu"))}
+    for rows in (1, 3, 8):
+        projected = [t[0] for t in layer.project(torch.zeros(1, 40, layer.in_proj.in_features, dtype=dtype))]
+        staged = [torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t) for t in projected]
+        for source in (projected, staged):
+            for start in range(16):
+                step = tuple(specialization(t[start:start + rows]) for t in source)
+                assert step in warmed, (rows, start, source is staged)
 
 
 # -- fla's chunk form: always a batch of one ------------------------------------------------------

@@ -285,20 +285,38 @@ def step_variants(layer, calls: list[tuple[int, int]], keep_steps: bool) -> set:
             for rows, seqs in calls}
 
 
+def warm_layouts(layer, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """One row of (mixed, z, b, a) per distinct way a step can hand them to the kernels, which
+    Triton tells apart by each pointer's 16-byte alignment and each stride's divisibility: a
+    step's decode rows start after its P prefill rows, in views of the layer's own projection
+    (FULL graphs, eager steps) or in contiguous copies (a PIECEWISE graph stages a mixer's inputs
+    in scratch buffers); over P mod 16 every combination of alignments occurs."""
+    rows = 16
+    projected = [t[0] for t in layer.project(torch.zeros(1, rows + 1, layer.in_proj.in_features, dtype=dtype,
+                                                          device=device))]
+    layouts: dict[tuple, tuple[torch.Tensor, ...]] = {}
+    for source in (projected, [t.contiguous() for t in projected]):
+        for start in range(rows):
+            layout = tuple(t[start:start + 1] for t in source)
+            key = tuple((t.data_ptr() % 16 == 0, tuple(s % 16 == 0 or s == 1 for s in t.stride())) for t in layout)
+            layouts.setdefault(key, layout)
+    return list(layouts.values())
+
+
 def warm_step(layer, states, variants: set, dtype: torch.dtype) -> None:
-    """Each variant once on one padding row (state slot 0, nobody's) of the model's dtype, through
-    the layer's own projection, so the kernels see a step's dtypes and strides."""
+    """Each variant on one padding row (state slot 0, nobody's) of the model's dtype in every
+    layout a step can pass (warm_layouts), so no step compiles one."""
     from blockspec.kernels import gdn
     device = states.ssm[layer.state_index].device
-    mixed, z, b, a = layer.project(torch.zeros(1, 1, layer.in_proj.in_features, dtype=dtype, device=device))
     slots = torch.zeros(1, dtype=torch.long, device=device)
     cu_seqlens = torch.tensor([0, 1], dtype=torch.int32, device=device)
     index = layer.state_index
-    for variant in sorted(variants, key=lambda v: (v.keep, v.norm, v.block_v)):
-        norm = (layer.norm.weight, z[0], layer.norm.eps) if variant.norm else None
-        gdn.gdn_step(mixed[0], a[0], b[0], layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index],
-                     states.ssm[index], slots, cu_seqlens, 1, layer.num_k_heads, layer.k_dim, variant.keep, norm,
-                     variant=variant)
+    for mixed, z, b, a in warm_layouts(layer, dtype, device):
+        for variant in sorted(variants, key=lambda v: (v.keep, v.norm, v.block_v)):
+            norm = (layer.norm.weight, z, layer.norm.eps) if variant.norm else None
+            gdn.gdn_step(mixed, a, b, layer.conv1d.weight, layer.A_log, layer.dt_bias, states.conv[index],
+                         states.ssm[index], slots, cu_seqlens, 1, layer.num_k_heads, layer.k_dim, variant.keep, norm,
+                         variant=variant)
 
 
 def gdn_rows_step(layer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, z: torch.Tensor, states,
