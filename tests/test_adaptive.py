@@ -267,6 +267,39 @@ def test_a_reused_calibration_row_starts_fresh():
     assert np.array_equal(cal.predicted([old_row]), cal.predicted(fresh_row))
 
 
+def test_widths_planned_ahead_are_the_widths_planned_then():
+    """plan_ahead (made while the device runs step N) gives step N + 1 exactly the widths that
+    planning at N + 1 would, from the same calibration; cut to a cap that step N's tokens
+    lowered; ignored for another batch of sequences or another order, and used once."""
+    def trained() -> tuple[Speculation, list]:
+        """Past the warm-up, with a different picture per sequence (built twice: the same state)."""
+        probs = np.array([0.97, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1])
+        seqs = [request_of() for _ in range(6)]
+        spec = Speculation("adaptive", 7, costs=CostTable.analytic(flat_rows=16, ms_flat=5.0, ms_per_row=0.2,
+                                                                   draft_ms=1.0))
+        rows = spec.rows(seqs)
+        for _ in range(80):
+            conf = np.stack([np.clip(probs * (0.6 + 0.08 * b), 0, 1) for b in range(6)])
+            spec.calibration.observe(conf, spec.calibration.calibrate(conf, rows), [7] * 6,
+                                     [int(3 * b / 5) for b in range(6)], rows)
+        return spec, seqs
+    spec, seqs = trained()
+    twin, twin_seqs = trained()                           # plans every step when it comes, as before
+    spec.plan_ahead(seqs)
+    planned_then = twin.planned_widths(twin_seqs)
+    assert spec.planned_widths(seqs) == planned_then and len(set(planned_then)) > 1
+    assert spec._ahead is None                            # used by the step it was made for, once
+    spec.plan_ahead(seqs)
+    ahead = spec._ahead[1].tolist()
+    seqs[0].request.num_allowed = twin_seqs[0].request.num_allowed = 2     # step N left it 2 tokens
+    assert spec.planned_widths(seqs) == [min(ahead[0], 1)] + ahead[1:] == twin.planned_widths(twin_seqs)
+    sentinel = np.full(6, 3)
+    assert planned_then != sentinel.tolist()
+    for batch, twin_batch in ((seqs[::-1], twin_seqs[::-1]), (seqs[:5], twin_seqs[:5])):
+        spec._ahead = (list(seqs), sentinel)              # planned for the whole batch in its order
+        assert spec.planned_widths(batch) == twin.planned_widths(twin_batch) != sentinel[:len(batch)].tolist()
+
+
 # A draft whose forward costs 0.02 ms per row of its blocks (compute-bound, as at 64+ sequences
 # on the H200): blocks of 2 / 4 / 8 cost a quarter / half / all of the full block's.
 def draft_by_width(width: int) -> tuple[float, ...]:

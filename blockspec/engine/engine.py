@@ -218,6 +218,8 @@ class Engine:
         self.runner.learn()                                  # while the device runs this step
         if self.overlap:
             self._send_events()
+        if batch.decode:                                     # the next step's widths, likewise
+            self.runner.speculation.plan_ahead(batch.decode)
         result = self.runner.collect(launched)
         if result.decode is not None and self.runner.draft is not None:
             self._count_speculation(result.decode)

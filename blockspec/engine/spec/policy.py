@@ -413,6 +413,7 @@ class Speculation:
         self._cycles_since_learning = 0
         self._chosen_width: int | None = None              # planned_widths: the draft width priced last
         self._rescan_load, self._steps_to_rescan = 0, 0
+        self._ahead: tuple[list, list[int]] | None = None   # plan_ahead: (sequences, widths) for the next step
         # A step's time beyond the table's forwards ≈ per_seq · B + per_token · committed tokens,
         # fitted online (least squares with forgetting) from the engine's wall time per step.
         self.overhead_ms_per_seq = 0.0
@@ -483,10 +484,28 @@ class Speculation:
         if not seqs:
             return []
         self._cycles_since_learning += 1
+        ahead, self._ahead = self._ahead, None
         if (float(self.calibration.engine_seen.sum()) < WARMUP_OBSERVATIONS
                 or self._cycles_since_learning >= self.learning_interval(len(seqs))):
             self._cycles_since_learning = 0
             return self.caps(seqs).tolist()
+        if ahead is not None and len(ahead[0]) == len(seqs) and all(a is s for a, s in zip(ahead[0], seqs)):
+            return np.minimum(ahead[1], self.caps(seqs)).tolist()
+        return self.allocation(seqs)
+
+    def plan_ahead(self, seqs: Seq) -> None:
+        """While the device runs step N (after the engine's `learn`): the allocation planned_widths
+        would make for these sequences at step N + 1, made now. It reads the same state — the
+        observations of steps up to N − 1 (step N's are learnt during step N + 1) — so only the
+        caps can differ then (tokens committed at N): planned_widths cuts the widths to them. Used
+        only if step N + 1 decodes exactly these sequences in this order; else planned there."""
+        if not self.adaptive or not seqs:
+            return
+        seqs = list(seqs)
+        self._ahead = (seqs, np.asarray(self.allocation(seqs), dtype=np.int64))
+
+    def allocation(self, seqs: Seq) -> list[int]:
+        """The widths of allocate() over these sequences' predicted acceptance (not a learning cycle)."""
         rows = self.rows(seqs)
         # Every draft width is priced now and then (and when the load moves to another power of
         # two of sequences); in between, only the width chosen last (one scan a step, not one per
