@@ -5,6 +5,8 @@
 #   bash scripts/gpu_round40.sh 2   # images on the graphs, the kernel tests, the MoE cycle, a cold multi-turn
 #   bash scripts/gpu_round40.sh 3   # what call 1 left unfinished: the kernel and FP8-hybrid tests, the host
 #                                   # split written whole, the hybrid cycle given its model build's minute
+#   bash scripts/gpu_round40.sh 4   # after the fixes: the hybrid warm-up test, the host split with widths
+#                                   # planned ahead, a cold multi-turn, 16k among 32 at budget 512
 . "$(dirname "$0")/gpu_prelude.sh"
 T="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
 summary() { for f in "$OUT"/t_*.log; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done | tee -a "$LOG"; }
@@ -34,6 +36,18 @@ elif [ "$1" = 3 ]; then
   timeout ${SPLIT_S:-110} python3 scripts/host_split.py --shape qwen3-8b --concurrency 8 1 32 --profile \
     > "$OUT/host_split.txt" 2>&1; grep '^{' "$OUT/host_split.txt" | tee -a "$LOG"
   stage "hybrid Qwen3.5-4B at 1" timeout ${HYB_S:-200} $A --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid.json"
+elif [ "$1" = 4 ]; then
+  timeout ${TESTS_S:-90} $T tests/gpu/test_warm_gpu.py -k hybrid > "$OUT/t_warm.log" 2>&1
+  summary
+  echo "=== host split, widths planned ahead ($(date +%T))" | tee -a "$LOG"
+  timeout ${SPLIT_S:-100} python3 scripts/host_split.py --shape qwen3-8b --concurrency 8 1 32 \
+    > "$OUT/host_split.txt" 2>&1; grep '^{' "$OUT/host_split.txt" | tee -a "$LOG"
+  stage "multi-turn Qwen3.5-4B 16k, empty Triton cache" env TRITON_CACHE_DIR=/tmp/triton-cold timeout ${MT_S:-130} \
+    $B --shape qwen3.5-4b --multi-turn 1x3 --system-prompt-tokens 16000 --user-tokens 64 --max-tokens 128 \
+    --accept-len 6.5 --out "$OUT/multiturn.json"
+  stage "16k prompt during 32 decoders, budget 512" timeout ${BURST_S:-150} $B --shape qwen3-8b --accept-len 6.5 \
+    --burst 1 --burst-decoding 32 --prompt-len 16384 --max-tokens 64 --max-num-batched-tokens 512 \
+    --out "$OUT/burst16k_512.json"
 else
   S=${TESTS_S:-200}
   timeout $S $T tests/gpu/test_gdn_kernel.py tests/gpu/test_fused_kernels.py > "$OUT/t_f.log" 2>&1 &
