@@ -21,7 +21,7 @@ from blockspec.engine.spec.policy import (WARMUP_OBSERVATIONS, Calibration, Cost
 from blockspec.loader import load_draft, load_model
 from blockspec.sampling import SamplingParams
 
-from helpers import ForwardCounter, OracleDraft, make_engine, make_request, run_alone, run_batch
+from helpers import ForwardCounter, OracleDraft, make_engine, make_request, run_alone, run_batch, submit
 
 # ---- the allocation (pure) -------------------------------------------------------------------
 
@@ -445,6 +445,31 @@ def test_greedy_fixed_width_equals_plain_and_accepts_at_most_k(dense, reference,
     assert run.output_ids == reference
     assert run.stats.acceptance_lengths == expected_lengths(30, k)
     assert (draft_counter.count == 0) == (k == 0)                     # k = 0 everywhere: no draft
+
+
+def test_drafts_cut_to_make_room_for_a_prompt_keep_every_output(dense):
+    """Three sequences verifying blocks of 8 fill a 24-token budget; a 150-token prompt arrives:
+    the scheduler cuts their drafts so that it prefills (scheduler.leave_room_for_prompts), it
+    finishes while they still decode, and every output is the one each request gets alone."""
+    target, draft = dense
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 151643, (n,), generator=gen).tolist() for n in (6, 9, 12, 150)]
+    lengths = (40, 40, 40, 8)
+    expected = [run_alone(lambda: make_engine(target), make_request("e", p, max_tokens=n)).output_ids
+                for p, n in zip(prompts, lengths)]
+    engine = make_engine(target, draft, block_size=BLOCK, max_num_seqs=4, max_num_batched_tokens=3 * BLOCK)
+    runs = [submit(engine, make_request(f"d{i}", p, max_tokens=n)) for i, (p, n) in enumerate(zip(prompts[:3], lengths))]
+    finished_at: dict[str, int] = {}
+    for step in range(400):
+        if step == 3:
+            runs.append(submit(engine, make_request("long", prompts[3], max_tokens=lengths[3])))
+        engine.step()
+        for run in runs:
+            finished_at.setdefault(run.request.request_id, step) if run.request.is_finished else None
+        if len(finished_at) == 4:
+            break
+    assert [run.output_ids for run in runs] == expected
+    assert finished_at["long"] < min(finished_at[f"d{i}"] for i in range(3)), finished_at
 
 
 def test_greedy_random_widths_equals_plain_alone_batched_and_padded(dense, reference):

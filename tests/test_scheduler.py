@@ -84,6 +84,34 @@ def test_the_token_budget_caps_every_step_and_prefill_takes_what_decoding_leaves
         run_step(scheduler, batch)
 
 
+def test_a_prompt_gets_half_of_what_the_decode_rows_leave_when_the_drafts_would_fill_the_budget():
+    """Four sequences verifying blocks of 4 fill a 16-token budget: a prompt that arrives gets
+    (16 − 4) // 2 = 6 positions a step, the drafts cut from the longest k down to the 6 left (a
+    scheduler that lets the drafts fill the budget never prefills it while they decode); a seeded
+    sampling request keeps its whole block; with the prompt done, every block is whole again."""
+    scheduler = make_scheduler(num_pages=512, max_num_batched_tokens=16)
+    decoders = [make_seq(f"d{i}", 3, max_tokens=500) for i in range(3)]
+    seeded = Sequence(Request("seeded", [1, 2, 3], SamplingParams(max_tokens=500, temperature=0.8, seed=3),
+                              frozenset(), 4096), torch.device("cpu"))
+    for seq in [*decoders, seeded]:
+        scheduler.add(seq)
+    run_step(scheduler, scheduler.schedule())
+    batch = scheduler.schedule()
+    assert batch.num_drafts == [3, 3, 3, 3] and not batch.prefill            # the budget, whole
+    run_step(scheduler, batch)
+    prompt = make_seq("p", 100)
+    scheduler.add(prompt)
+    chunks = []
+    while prompt.is_prefilling:
+        batch = scheduler.schedule()
+        assert batch.decode == [*decoders, seeded] and batch.num_drafts[3] == 3 and batch.num_tokens == 16
+        chunks.append((batch.prefill[0][1], batch.num_drafts[:3]))
+        run_step(scheduler, batch)
+        assert len(chunks) <= 17
+    assert chunks == [(6, [1, 1, 1])] * 16 + [(4, [2, 2, 1])]          # the last chunk needs 4: 2 more drafts
+    assert all(k == 3 for k in scheduler.schedule().num_drafts)       # no prompt: whole blocks again
+
+
 def test_several_prompts_prefill_in_one_step():
     scheduler = make_scheduler(num_pages=512, max_num_batched_tokens=64)
     seqs = [make_seq(f"s{i}", 10 + i) for i in range(4)]

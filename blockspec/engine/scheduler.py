@@ -4,7 +4,9 @@ A step is {sequence: number of tokens} under a token budget (max_num_batched_tok
 vLLM v1: every decoding sequence's verify rows (its anchor plus k_i drafts; k_i = 0 is a plain
 decode row) and, with what the budget leaves, prefill chunks of the prefilling sequences, oldest
 first (at most max_prefill_tokens prompt positions per step). Decoding never waits behind a
-prompt: a chunk of it rides along with the decode rows in the same step.
+prompt: a chunk of it rides along with the decode rows in the same step; nor a prompt behind the
+drafts: while one prefills, drafts are cut so that it gets at least half of what the decode rows
+leave (leave_room_for_prompts).
 
 - Admission is FIFO: the oldest waiting sequence goes first, and nobody jumps a sequence that
   does not fit yet (no starvation). A sequence is admitted when a seat (max_num_seqs), a state
@@ -26,6 +28,7 @@ from blockspec.cache import CacheManager, PrefixCacheManager
 from blockspec.config import EngineConfig
 from blockspec.engine.logprobs import TokenLogprob
 from blockspec.engine.sequence import Sequence
+from blockspec.engine.spec.policy import keeps_whole_block
 
 
 @dataclass
@@ -98,7 +101,8 @@ class Scheduler:
         # step (a stable sort: oldest first among equals), so none starves.
         decoding.sort(key=lambda s: self._last_decoded.get(id(s), 0))
         decode: list[tuple[Sequence, int]] = []
-        for seq, num_drafts in zip(decoding, self.verify_widths(decoding)):
+        widths = self.leave_room_for_prompts(decoding, self.verify_widths(decoding), budget)
+        for seq, num_drafts in zip(decoding, widths):
             if num_drafts + 1 > budget:
                 break                        # the rest decode next step (oldest first keeps order)
             # A sequence that drafts at all feeds the draft a block of up to T positions (the
@@ -117,6 +121,34 @@ class Scheduler:
         width = self.speculation.draft_width(seqs, ks) if self.speculation is not None else 0
         return Batch(prefill=[(s, n) for s, n in chunks if s in self.running], decode=seqs, num_drafts=ks,
                      draft_width=width)
+
+    def leave_room_for_prompts(self, decoding: list[Sequence], widths: list[int], budget: int) -> list[int]:
+        """While prompts prefill, their chunks get at least half of what the decode rows leave of
+        the budget (all they need if less): drafts are optional rows, cut from the longest k down
+        (greedy output is the same at any k; sampling keeps its distribution). Without this, 32
+        sequences verifying blocks of 16 fill a budget of 512 and a prompt that arrives waits
+        until they end (97.7 s for 16k tokens on the H200). A seeded sampling request keeps its
+        k (keeps_whole_block: its output must not depend on the load)."""
+        room = budget - len(decoding)
+        demand = sum(s.prefill_len - s.num_cached for s in self.running if s.is_prefilling)
+        if room <= 0 or demand <= 0:
+            return widths
+        spare = room - min(demand, self.config.max_prefill_tokens, room // 2)
+        cut = [b for b, seq in enumerate(decoding) if widths[b] and not keeps_whole_block(seq)]
+        spare -= sum(widths) - sum(widths[b] for b in cut)           # the kept blocks come first
+        if sum(widths[b] for b in cut) <= spare:
+            return widths
+        spare, out = max(spare, 0), list(widths)
+        cap = 0                                  # the largest per-sequence cap that fits, then one more each while it does
+        while cap < max(widths) and sum(min(widths[b], cap + 1) for b in cut) <= spare:
+            cap += 1
+        for b in cut:
+            out[b] = min(widths[b], cap)
+        left = spare - sum(out[b] for b in cut)
+        for b in cut:
+            if left > 0 and out[b] < widths[b]:
+                out[b], left = out[b] + 1, left - 1
+        return out
 
     def _admit(self) -> None:
         promised = 0                    # pages the sequences admitted in this call will claim

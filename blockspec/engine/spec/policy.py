@@ -67,6 +67,13 @@ def clamp(x: np.ndarray, lo, hi) -> np.ndarray:
     return np.minimum(np.maximum(x, lo), hi)
 
 
+def keeps_whole_block(seq) -> bool:
+    """A sampling request with an explicit seed verifies its whole block whatever the load: its
+    random draws (and so its output) then do not depend on what else runs (invariant 1)."""
+    params = seq.request.params
+    return not params.is_greedy and params.seed is not None
+
+
 def confidence_bin(confidence: float) -> int:
     return min(NUM_BINS - 1, max(0, int(confidence * NUM_BINS)))
 
@@ -446,8 +453,7 @@ class Speculation:
         if row >= len(self._floor):
             self._floor = np.concatenate((self._floor, np.zeros(max(row + 1, 2 * len(self._floor)) - len(self._floor),
                                                                 dtype=np.int64)))
-        params = seq.request.params
-        self._floor[row] = self.num_slots if (not params.is_greedy and params.seed is not None) else 0
+        self._floor[row] = self.num_slots if keeps_whole_block(seq) else 0
         self._rows[id(seq)] = (seq, row)
         return row
 
