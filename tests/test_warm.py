@@ -274,3 +274,38 @@ def test_the_fla_chunk_runs_a_padded_group_as_one_varlen_batch():
     uniform_out, _ = make_fla_chunk(fla_varlen)(q[:, :23], k[:, :23], v[:, :23], g[:, :23], beta[:, :23], state)
     assert calls[-1] == (46, [0, 23, 46])
     assert (uniform_out - chunk_gated_delta_rule(*(x[:, :23] for x in (q, k, v, g, beta)), state)[0]).abs().max() < 1e-6
+
+
+# -- the request path ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["dense", "hybrid"])
+def test_the_request_warm_up_leaves_nothing_behind(models, kind):
+    """warm_requests (the server's startup on CUDA) runs its requests and leaves the engine as a
+    fresh one: every page and state slot free, an empty prefix cache with zero counts, zero
+    counters, nothing learnt by the adaptive policy; and what it serves next is what a fresh
+    engine serves, greedy and seeded sampling, batched."""
+    from blockspec.engine.engine import EngineCounters
+    from blockspec.engine.warm import WARM_SAMPLING, warm_requests
+    target, draft, vocab = models[kind]
+
+    def build():
+        return make_engine(target, draft, block_size=4, max_num_seqs=4, max_model_len=256, prefix_cache=True,
+                           speculation="adaptive")
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, vocab - 1, (n,), generator=gen).tolist() for n in (7, 30)]
+    mix = lambda: [make_request("g", prompts[0], max_tokens=12, max_model_len=256),       # noqa: E731
+                   make_request("s", prompts[1], max_tokens=12, max_model_len=256, temperature=0.9, seed=4)]
+    _, fresh = run_batch(build, mix())
+    warmed = build()
+    free = lambda: (warmed.cache.pages.num_free, warmed.cache.slots.num_free if warmed.cache.slots else 0)  # noqa: E731
+    before = free()
+    warm_requests(warmed, vocab)
+    assert warmed.counters == EngineCounters()
+    assert free() == before
+    prefix = warmed.cache.prefix
+    assert prefix.num_nodes == 0 and prefix.queries == prefix.hits == 0
+    spec = warmed.runner.speculation
+    assert spec.calibration.engine_seen.sum() == 0 and not spec._rows and spec.overhead_ms_per_seq == 0.0
+    assert not warmed.has_work and len(WARM_SAMPLING) >= 4
+    _, after = run_batch(lambda: warmed, mix())
+    assert [run.output_ids for run in after] == [run.output_ids for run in fresh]

@@ -122,6 +122,10 @@ class Scheduler:
         return Batch(prefill=[(s, n) for s, n in chunks if s in self.running], decode=seqs, num_drafts=ks,
                      draft_width=width)
 
+    def reset_turns(self) -> None:
+        """Forget who decoded when (the request warm-up's sequences are gone)."""
+        self._last_decoded.clear()
+
     def leave_room_for_prompts(self, decoding: list[Sequence], widths: list[int], budget: int) -> list[int]:
         """While prompts prefill, their chunks get at least half of what the decode rows leave of
         the budget (all they need if less): drafts are optional rows, cut from the longest k down

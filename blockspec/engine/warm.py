@@ -31,6 +31,7 @@ from blockspec.layers.attention import Attention, uses_kernels
 from blockspec.models.dflash import DraftAttention
 
 if TYPE_CHECKING:
+    from blockspec.engine.engine import Engine
     from blockspec.engine.model_runner import ModelRunner
     from blockspec.kernels.attention import AttentionVariant, CallShapes
     from blockspec.kernels.gdn import StepVariant
@@ -206,3 +207,45 @@ def warm_kernels(runner: ModelRunner) -> KernelPlan:
     run_plan(runner, plan)
     logger.info(f"blockspec: warmed {plan.num_variants} kernel variants in {cost.done()} ({plan.describe()})")
     return plan
+
+
+# -- the request path ------------------------------------------------------------------------------
+
+WARM_PROMPTS = (5, 23)              # prompt lengths of the warm-up requests
+WARM_SAMPLING = ({}, {"temperature": 1.0, "top_p": 0.9}, {"temperature": 0.7, "top_k": 20, "seed": 1},
+                 {"repetition_penalty": 1.1})                  # the last one also with logprobs
+
+
+def warm_requests(engine: Engine, vocab_size: int) -> str:
+    """A few requests through the whole engine before the first real one (the server's startup,
+    on CUDA): prefill, first tokens, decode / verify steps and the host work around them, greedy
+    and sampled, with penalties and logprobs, so what only runs there on first use (CUDA's lazy
+    module loading of torch's own kernels, first-call caches) is paid now — a first burst of
+    requests then meets a warm engine. Afterwards nothing of them remains: no K/V or prefix-cache
+    entry, no counter, nothing the speculation policy learnt. Returns the stage's 'time, memory'."""
+    from blockspec.engine.engine import EngineCounters
+    from blockspec.engine.request import Request
+    from blockspec.sampling import SamplingParams
+    cost = StageCost(engine.runner.device)
+    gen = torch.Generator().manual_seed(0)
+    limit = engine.config.max_model_len
+    requests = []
+    for i, params in enumerate(WARM_SAMPLING):
+        length = min(WARM_PROMPTS[i % len(WARM_PROMPTS)], max(1, limit - engine.runner.width - 4))
+        prompt = torch.randint(0, vocab_size, (length,), generator=gen).tolist()
+        requests.append(Request(f"warm-{i}", prompt, SamplingParams(max_tokens=2 * engine.runner.width + 2, **params),
+                                frozenset(), limit))
+    requests[-1].num_logprobs = 2
+    for request in requests:
+        engine.submit(request, lambda event: None)
+    while engine.has_work:
+        engine.step()
+    engine.runner.learn()                              # what the last steps deferred, then forgotten
+    engine.runner.speculation.reset()
+    engine.scheduler.reset_turns()
+    engine.counters = EngineCounters()
+    prefix = getattr(engine.cache, "prefix", None)
+    if prefix is not None:
+        prefix.clear()
+        prefix.queries = prefix.hits = 0
+    return cost.done()

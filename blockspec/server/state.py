@@ -183,6 +183,7 @@ class ServerState:
         try:
             llm = self.llm_factory()
             engine = llm.engine               # the LLM built it; from now on only its thread steps it
+            warm_request_path(llm, engine)
             engine.start()
         except BaseException as exc:  # noqa: BLE001 - reported on /health and by serve()
             logger.error("the model failed to load", exc_info=True)
@@ -261,6 +262,23 @@ def memory_info() -> dict[str, int]:
         info["cuda_allocated_bytes"] = int(torch.cuda.memory_allocated())
         info["cuda_reserved_bytes"] = int(torch.cuda.memory_reserved())
     return info
+
+
+def warm_request_path(llm: EngineHandle, engine: Engine) -> None:
+    """Before the port opens: the chat template rendered once (its compilation), and on CUDA a
+    few requests through the engine (engine/warm.py `warm_requests`), in this thread, before the
+    engine's own starts."""
+    tokenizer = getattr(llm, "tokenizer", None)
+    if tokenizer is not None and getattr(tokenizer, "chat_templates", None):
+        try:
+            tokenizer.encode_chat([{"role": "user", "content": "Hello"}], None, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that needs more than one user turn renders per request
+            logger.debug("the chat template did not render a one-turn chat at startup", exc_info=True)
+    runner = getattr(engine, "runner", None)
+    vocab_size = getattr(llm, "vocab_size", None)
+    if runner is not None and vocab_size is not None and runner.device.type == "cuda":
+        from blockspec.engine.warm import warm_requests
+        logger.info(f"blockspec: warmed the request path in {warm_requests(engine, vocab_size)}")
 
 
 def warm_grammars(llm: EngineHandle) -> None:

@@ -413,6 +413,11 @@ class Speculation:
             raise ValueError(f"speculation must be one of {', '.join(MODES)}")
         self.mode, self.num_slots, self.costs = mode, num_slots, costs
         self.measure = measure
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything learnt (the cost table stays): a fresh engine's policy."""
+        num_slots = self.num_slots
         self.calibration = Calibration(max(1, num_slots))
         self._rows: dict[int, tuple[object, int]] = {}                   # id(seq) → (seq, table row)
         self._free_rows: list[int] = []
