@@ -7,6 +7,8 @@
 #                                   # split written whole, the hybrid cycle given its model build's minute
 #   bash scripts/gpu_round40.sh 4   # after the fixes: the hybrid warm-up test, the host split with widths
 #                                   # planned ahead, a cold multi-turn, 16k among 32 at budget 512
+#   bash scripts/gpu_round40.sh 5   # after the scheduler's and the startup's fixes: 16k among 32 at
+#                                   # budget 512, HTTP bursts
 . "$(dirname "$0")/gpu_prelude.sh"
 T="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
 summary() { for f in "$OUT"/t_*.log; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done | tee -a "$LOG"; }
@@ -48,6 +50,12 @@ elif [ "$1" = 4 ]; then
   stage "16k prompt during 32 decoders, budget 512" timeout ${BURST_S:-150} $B --shape qwen3-8b --accept-len 6.5 \
     --burst 1 --burst-decoding 32 --prompt-len 16384 --max-tokens 64 --max-num-batched-tokens 512 \
     --out "$OUT/burst16k_512.json"
+elif [ "$1" = 5 ]; then
+  stage "16k prompt during 32 decoders, budget 512" timeout ${BURST_S:-50} $B --shape qwen3-8b --accept-len 6.5 \
+    --burst 1 --burst-decoding 32 --prompt-len 16384 --max-tokens 64 --max-num-batched-tokens 512 \
+    --out "$OUT/burst16k_512.json"
+  stage "HTTP: demo pair, 3 bursts of 64 x 256" timeout ${HTTP_S:-40} python3 scripts/bench_streams.py \
+    --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3
 else
   S=${TESTS_S:-200}
   timeout $S $T tests/gpu/test_gdn_kernel.py tests/gpu/test_fused_kernels.py > "$OUT/t_f.log" 2>&1 &
