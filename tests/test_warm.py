@@ -309,3 +309,6 @@ def test_the_request_warm_up_leaves_nothing_behind(models, kind):
     assert not warmed.has_work and len(WARM_SAMPLING) >= 4
     _, after = run_batch(lambda: warmed, mix())
     assert [run.output_ids for run in after] == [run.output_ids for run in fresh]
+    narrow = make_engine(target, draft, block_size=4, max_num_seqs=1, max_queue=1, max_model_len=64)
+    warm_requests(narrow, vocab)                 # more warm-up requests than its queue holds
+    assert not narrow.has_work and narrow.counters == EngineCounters()

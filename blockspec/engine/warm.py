@@ -223,7 +223,7 @@ def warm_requests(engine: Engine, vocab_size: int) -> str:
     module loading of torch's own kernels, first-call caches) is paid now — a first burst of
     requests then meets a warm engine. Afterwards nothing of them remains: no K/V or prefix-cache
     entry, no counter, nothing the speculation policy learnt. Returns the stage's 'time, memory'."""
-    from blockspec.engine.engine import EngineCounters
+    from blockspec.engine.engine import EngineCounters, QueueFullError
     from blockspec.engine.request import Request
     from blockspec.sampling import SamplingParams
     cost = StageCost(engine.runner.device)
@@ -237,7 +237,12 @@ def warm_requests(engine: Engine, vocab_size: int) -> str:
                                 frozenset(), limit))
     requests[-1].num_logprobs = 2
     for request in requests:
-        engine.submit(request, lambda event: None)
+        while True:
+            try:
+                engine.submit(request, lambda event: None)
+                break
+            except QueueFullError:                     # a queue shorter than the warm-up: make room
+                engine.step()
     while engine.has_work:
         engine.step()
     engine.runner.learn()                              # what the last steps deferred, then forgotten
