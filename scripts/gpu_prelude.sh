@@ -1,6 +1,7 @@
 # Sourced by the H200 round scripts (scripts/gpu_round*.sh): the carried wheels on the path, $OUT
 # and its log, Triton's cache, `stage NAME CMD…` (a timed stage's tail into the log) and the bench
-# commands they share ($B: plain vs DFlash at block 16; $A: adaptive vs fixed vs plain, latent 6.5).
+# commands they share ($B: plain vs DFlash at block 16; $A: adaptive vs fixed vs plain, latent 6.5; $T:
+# pytest; `summary`: the tests logs t_*.log, their results).
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -11,3 +12,5 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOG"
 stage() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; shift; "$@" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -40 | tee -a "$LOG"; }
 B="python3 -m blockspec.cli bench --block-size 16 --no-dflash2"
 A="$B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 128"
+T="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
+summary() { for f in "$OUT"/t_*.log; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done | tee -a "$LOG"; }

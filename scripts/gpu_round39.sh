@@ -8,8 +8,6 @@
 #                                   # hybrid cycle, a 16k prompt among 32 decoders at budget 512
 #   bash scripts/gpu_round39.sh 3   # the kernel tests, the MoE cycle, a cold multi-turn (empty Triton cache)
 . "$(dirname "$0")/gpu_prelude.sh"
-T="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
-summary() { for f in "$OUT"/t_*.log; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done | tee -a "$LOG"; }
 if [ "${1:-1}" = 1 ]; then
   S=${TESTS_S:-200}
   timeout $S $T tests/gpu/test_graph_dispatch.py tests/gpu/test_adaptive_graphs.py tests/gpu/test_warm_gpu.py > "$OUT/t_a.log" 2>&1 &

@@ -2,7 +2,6 @@
 # Round 40's H200 calls (issues 30, 31, 33), after round 39's first call (scripts/gpu_round39.sh 1):
 #   bash scripts/gpu_round40.sh 1   # the two GPU tests that call found broken, the host's share of a
 #                                   # cycle fixed vs adaptive, HTTP bursts, the hybrid cycle, 16k among 32
-#   bash scripts/gpu_round40.sh 2   # images on the graphs, the kernel tests, the MoE cycle, a cold multi-turn
 #   bash scripts/gpu_round40.sh 3   # what call 1 left unfinished: the kernel and FP8-hybrid tests, the host
 #                                   # split written whole, the hybrid cycle given its model build's minute
 #   bash scripts/gpu_round40.sh 4   # after the fixes: the hybrid warm-up test, the host split with widths
@@ -10,8 +9,6 @@
 #   bash scripts/gpu_round40.sh 5   # after the scheduler's and the startup's fixes: 16k among 32 at
 #                                   # budget 512, HTTP bursts
 . "$(dirname "$0")/gpu_prelude.sh"
-T="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
-summary() { for f in "$OUT"/t_*.log; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done | tee -a "$LOG"; }
 if [ "${1:-1}" = 1 ]; then
   S=${TESTS_S:-130}
   timeout $S $T tests/gpu/test_warm_gpu.py > "$OUT/t_warm.log" 2>&1 &
@@ -56,15 +53,4 @@ elif [ "$1" = 5 ]; then
     --out "$OUT/burst16k_512.json"
   stage "HTTP: demo pair, 3 bursts of 64 x 256" timeout ${HTTP_S:-40} python3 scripts/bench_streams.py \
     --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3
-else
-  S=${TESTS_S:-200}
-  timeout $S $T tests/gpu/test_gdn_kernel.py tests/gpu/test_fused_kernels.py > "$OUT/t_f.log" 2>&1 &
-  timeout $S $T tests/gpu/test_moe_kernel.py tests/gpu/test_attention_kernels.py > "$OUT/t_g.log" 2>&1 &
-  wait
-  summary
-  stage "images: Qwen3.5-4B shape with its tower (decode on the graphs)" timeout ${VIS_S:-100} python3 scripts/vision_bench.py
-  stage "MoE Qwen3.5-35B-A3B at 1" timeout ${MOE_S:-100} $A --shape qwen3.5-35b-a3b --concurrency 1 --out "$OUT/moe.json"
-  stage "multi-turn Qwen3.5-4B 16k, empty Triton cache" env TRITON_CACHE_DIR=/tmp/triton-cold timeout ${MT_S:-120} \
-    $B --shape qwen3.5-4b --multi-turn 1x3 --system-prompt-tokens 16000 --user-tokens 64 --max-tokens 128 \
-    --accept-len 6.5 --out "$OUT/multiturn.json"
 fi

@@ -6,10 +6,8 @@
 #   bash scripts/gpu_round41.sh 1   # tests/gpu in parallel groups; 16k among 32 at budget 512 (the
 #                                   # drafts cut for the prompt); HTTP bursts (the request warm-up)
 #   bash scripts/gpu_round41.sh 2   # adaptive vs fixed vs plain 1…256 (closed loop), the host split
-#   bash scripts/gpu_round41.sh 3   # the cold multi-turn given its time, the hybrid and MoE cycles
+#   bash scripts/gpu_round41.sh 3   # the cold multi-turn given its time, the hybrid cycle, images on the graphs
 . "$(dirname "$0")/gpu_prelude.sh"
-T="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"
-summary() { for f in "$OUT"/t_*.log; do echo "== $f"; grep -E "FAILED|ERROR|passed|failed" "$f" | tail -12; done | tee -a "$LOG"; }
 if [ "${1:-1}" = 1 ]; then
   S=${TESTS_S:-220}
   timeout $S $T tests/gpu/test_graph_dispatch.py tests/gpu/test_adaptive_graphs.py tests/gpu/test_warm_gpu.py > "$OUT/t_a.log" 2>&1 &
@@ -34,4 +32,5 @@ else
     $B --shape qwen3.5-4b --multi-turn 1x3 --system-prompt-tokens 16000 --user-tokens 64 --max-tokens 128 \
     --accept-len 6.5 --out "$OUT/multiturn.json"
   stage "hybrid Qwen3.5-4B at 1" timeout ${HYB_S:-200} $A --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid.json"
+  stage "images: Qwen3.5-4B shape with its tower (decode on the graphs)" timeout ${VIS_S:-100} python3 scripts/vision_bench.py
 fi
