@@ -75,17 +75,22 @@ def cache_features(trainer: loop.Trainer) -> None:
     features.target_features = lookup
 
 
-def replayed(trainer: loop.Trainer, rows: list[dict]) -> list[list[int]]:
-    """Acceptance lengths per prompt, from train-draft's forward at every anchor of the answer."""
-    out = []
+def replayed(trainer: loop.Trainer, rows: list[dict]) -> tuple[list[list[int]], list[float]]:
+    """Acceptance lengths per prompt, from train-draft's forward at every anchor of the answer,
+    and each slot's top-1 accuracy over all those anchors (teacher-forced)."""
+    out, hits, counts = [], torch.zeros(BLOCK - 1), torch.zeros(BLOCK - 1)
     with torch.no_grad():
         for row in rows:
             tokens, first = row["token_ids"], row["prompt_len"]
             ids = torch.tensor([tokens + [0] * (trainer.config.seq_len - len(tokens))])
             anchors = torch.arange(first, len(tokens) - 1)[None]
-            drafts = trainer.block_logits(ids, anchors).argmax(-1)[0].tolist()
-            out.append(blockwise.replay_greedy(tokens, drafts, first))
-    return out
+            drafts = trainer.block_logits(ids, anchors).argmax(-1)[0]
+            out.append(blockwise.replay_greedy(tokens, drafts.tolist(), first))
+            labels, valid = blockwise.block_labels(ids, torch.tensor([len(tokens)]), anchors,
+                                                   torch.ones_like(anchors, dtype=torch.bool), BLOCK)
+            hits += ((drafts == labels[0]) & valid[0]).sum(0)
+            counts += valid[0].sum(0)
+    return out, [round(float(h / max(c, 1)), 3) for h, c in zip(hits, counts)]
 
 
 def engine_lengths(gguf: str, draft: Path, rows: list[dict], tokens: int) -> tuple[list[list[int]], int]:
@@ -109,12 +114,46 @@ def mean(lengths: list[list[int]]) -> float:
 def make_trainer(args, data_path: Path, out: Path, **overrides) -> loop.Trainer:
     from blockspec.loader import load_tokenizer
     mask_id = load_tokenizer(Path(args.gguf)).token_to_id(MASK_TOKEN)
-    config = loop.TrainConfig(target=args.gguf, out=str(out), data=str(data_path), num_layers=1, block_size=BLOCK,
-                              target_layer_ids=LAYER_IDS, mask_token_id=mask_id, steps=args.steps,
+    config = loop.TrainConfig(target=args.gguf, out=str(out), data=str(data_path), num_layers=args.num_layers,
+                              block_size=BLOCK,
+                              target_layer_ids=tuple(int(i) for i in args.layer_ids.split(",")),
+                              mask_token_id=mask_id, steps=args.steps,
                               batch_size=args.batch_size, lr=args.lr, seq_len=args.seq_len, device="cpu",
                               num_anchors=args.num_anchors,
                               eval_every=0, eval_prompts=0, save_every=0, seed=0, show_progress=False)
     return loop.Trainer(replace(config, **overrides), loop.Ranks(0, 1, torch.device("cpu")))
+
+
+def target_top(trainer: loop.Trainer, top: int) -> tuple[dict, dict]:
+    """Per example (its token tuple): the target's top-`top` next-token ids and renormalised
+    probabilities at every position [L, top]."""
+    ids_of, probs_of = {}, {}
+    for row in trainer.train_data.ids:
+        with torch.no_grad():
+            from blockspec.engine.oneshot import forward_sequences
+            hidden = forward_sequences(trainer.target, row[None]).hidden[0]
+            values, index = trainer.target.compute_logits(hidden).float().log_softmax(-1).topk(top, dim=-1)
+        key = tuple(row.tolist())
+        ids_of[key], probs_of[key] = index, values.softmax(-1)
+    return ids_of, probs_of
+
+
+def distill_loss(trainer: loop.Trainer, top: tuple[dict, dict]):
+    """Trainer.loss_sum with soft labels: Σ weight · Σ_v p_target(v) · −log q(v) over the target's
+    top tokens at position a + k − 1 (the distribution of token a + k)."""
+    ids_of, probs_of = top
+    bs = trainer.config.block_size
+
+    def loss_sum(batch, anchors, valid):
+        logits = trainer.block_logits(batch.ids, anchors).float().log_softmax(-1)      # [b, N, bs − 1, V]
+        _, label_valid = blockwise.block_labels(batch.ids, batch.lengths, anchors, valid, bs)
+        where = (anchors[..., None] + torch.arange(bs - 1)).clamp(max=batch.ids.shape[1] - 1)   # a + k − 1
+        keys = [tuple(r.tolist()) for r in batch.ids]
+        index = torch.stack([ids_of[k][w] for k, w in zip(keys, where.flatten(1))]).view(*where.shape, -1)
+        probs = torch.stack([probs_of[k][w] for k, w in zip(keys, where.flatten(1))]).view(*where.shape, -1)
+        ce = -(logits.gather(-1, index) * probs).sum(-1)
+        return (ce * label_valid * trainer.weights).sum()
+    trainer.loss_sum = loss_sum
 
 
 def train(trainer: loop.Trainer) -> list[float]:
@@ -145,7 +184,15 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seq-len", type=int, default=192)
     parser.add_argument("--num-anchors", type=int, default=16)
+    parser.add_argument("--num-layers", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--decay", type=float, default=None, help="γ of the slot weights (default the DFlash paper's)")
+    parser.add_argument("--distill", type=int, default=0,
+                        help="soft labels: the target's top-N distribution of each labelled token (0: hard labels)")
+    parser.add_argument("--layer-ids", default=",".join(map(str, LAYER_IDS)))
+    parser.add_argument("--norm-from-target", action="store_true",
+                        help="start the draft's final norm at the target's (the head's input scale)")
+    parser.add_argument("--tag", default="")
     parser.add_argument("--stage", choices=("shipped", "overfit"), default="overfit")
     parser.add_argument("--engine", action="store_true", help="also measure with our engine (slower)")
     args = parser.parse_args()
@@ -164,21 +211,32 @@ def main() -> int:
         trainer = make_trainer(args, data_path, work / "unused")
         trainer.draft = load_draft(str(SHIPPED), trainer.target).float()
         for name, rows, path in (("chat (HELD_OUT)", chat, data_path), ("training-style", own, work / "train-style.jsonl")):
-            result = {"draft": "shipped", "prompts": name, "replayed": round(mean(replayed(trainer, rows)), 3)}
+            lengths, accuracy = replayed(trainer, rows)
+            result = {"draft": "shipped", "prompts": name, "replayed": round(mean(lengths), 3), "slot_accuracy": accuracy}
             if args.engine:
                 lengths, equal = engine_lengths(args.gguf, SHIPPED, rows, args.tokens)
                 result.update(engine=round(mean(lengths), 3), engine_equal_rows=equal)
             record(work, result)
         return 0
-    trainer = make_trainer(args, data_path, work / "draft")
+    trainer = make_trainer(args, data_path, work / f"draft{args.tag}")
+    if args.decay is not None:
+        trainer.weights = blockwise.position_weights(BLOCK, trainer.device, args.decay)
+    if args.norm_from_target:
+        with torch.no_grad():
+            trainer.draft.norm.weight.copy_(trainer.target.model.norm.weight)
+    if args.distill:
+        distill_loss(trainer, target_top(trainer, args.distill))
     cache_features(trainer)
     log("features cached")
     losses = train(trainer)
     from blockspec.train import checkpoint
     checkpoint.save_draft(trainer.draft, trainer.draft_config, trainer.out, torch.float32)
     result = {"draft": "overfit", "steps": args.steps, "batch": args.batch_size, "lr": args.lr,
-              "anchors": args.num_anchors,
-              "final_loss": round(sum(losses[-25:]) / 25, 4), "replayed": round(mean(replayed(trainer, chat)), 3)}
+              "anchors": args.num_anchors, "num_layers": args.num_layers, "decay": args.decay, "distill": args.distill,
+              "layer_ids": args.layer_ids, "norm_from_target": args.norm_from_target,
+              "final_loss": round(sum(losses[-25:]) / 25, 4)}
+    lengths, accuracy = replayed(trainer, chat)
+    result.update(replayed=round(mean(lengths), 3), slot_accuracy=accuracy, tag=args.tag)
     if args.engine:
         lengths, equal = engine_lengths(args.gguf, trainer.out, chat, args.tokens)
         result.update(engine=round(mean(lengths), 3), engine_equal_rows=equal)

@@ -132,9 +132,9 @@ def test_the_trainers_draft_logits_are_the_engines_and_its_labels_what_verify_ac
     from blockspec.sampling import SamplingParams
     from blockspec.train.loop import Ranks, Trainer, run
     target = write_tiny_target(tmp_path / "target", num_layers=4)
-    data = write_greedy_data(target, tmp_path / "data.jsonl", 64, seed=1)
+    data = write_greedy_data(target, tmp_path / "data.jsonl", 32, seed=1)
     block = 4
-    trainer = Trainer(config(target, data, tmp_path / "draft", block_size=block, steps=60, batch_size=16,
+    trainer = Trainer(config(target, data, tmp_path / "draft", block_size=block, steps=40, batch_size=8,
                              target_layer_ids=(0, 2), save_every=0), Ranks(0, 1, torch.device("cpu")))
     run(trainer)                                   # a draft that accepts some drafts and not others
     llm = LLM(str(target), draft=str(tmp_path / "draft"), block_size=block, device="cpu", show_progress=False)
