@@ -194,6 +194,7 @@ def main() -> int:
                         help="start the draft's final norm at the target's (the head's input scale)")
     parser.add_argument("--tag", default="")
     parser.add_argument("--stage", choices=("shipped", "overfit"), default="overfit")
+    parser.add_argument("--draft", default=str(SHIPPED), help="the draft --stage shipped measures")
     parser.add_argument("--engine", action="store_true", help="also measure with our engine (slower)")
     args = parser.parse_args()
     if args.gguf is None:
@@ -209,12 +210,12 @@ def main() -> int:
         from blockspec.loader import load_draft
         own = greedy_rows(args.gguf, train_prompts()[: args.prompts], args.tokens, work / "train-style.jsonl")
         trainer = make_trainer(args, data_path, work / "unused")
-        trainer.draft = load_draft(str(SHIPPED), trainer.target).float()
+        trainer.draft = load_draft(args.draft, trainer.target).float()
         for name, rows, path in (("chat (HELD_OUT)", chat, data_path), ("training-style", own, work / "train-style.jsonl")):
             lengths, accuracy = replayed(trainer, rows)
-            result = {"draft": "shipped", "prompts": name, "replayed": round(mean(lengths), 3), "slot_accuracy": accuracy}
+            result = {"draft": args.draft, "prompts": name, "replayed": round(mean(lengths), 3), "slot_accuracy": accuracy}
             if args.engine:
-                lengths, equal = engine_lengths(args.gguf, SHIPPED, rows, args.tokens)
+                lengths, equal = engine_lengths(args.gguf, Path(args.draft), rows, args.tokens)
                 result.update(engine=round(mean(lengths), 3), engine_equal_rows=equal)
             record(work, result)
         return 0
