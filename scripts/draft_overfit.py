@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from smollm2_prompts import HELD_OUT, train_prompts  # noqa: E402
 
-from blockspec.train import blockwise, data, features, loop  # noqa: E402
+from blockspec.train import blockwise, features, loop  # noqa: E402
 
 BLOCK = 8
 LAYER_IDS = (1, 10, 19, 27)
