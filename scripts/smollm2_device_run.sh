@@ -3,7 +3,7 @@
 # acceptance and tok/s (scripts/smollm2_recipe.py has the stages). Every stage runs under its own
 # `timeout`; the seconds each took go to WORK/stages.jsonl.
 #
-#   [UNTIL=responses|train] [SWEEP="d1b8 ..."] [RESPONSE_S=S] [TRAIN_S=S] \
+#   [UNTIL=responses|train] [SWEEP="d1b8 ..."] [RESPONSE_S=S] [TRAIN_S=S] [STEPS=N] \
 #     scripts/smollm2_device_run.sh GGUF WORK OUT [full|toy]
 #
 # full: the H200 call (≤ 480 s). toy: the same commands at a few prompts on CPU (a check before
@@ -38,6 +38,9 @@ else
 fi
 if [ -n "$RESPONSE_S" ]; then RESPONSES="$RESPONSES --budget-s $RESPONSE_S"; T_RESPONSES=$((RESPONSE_S + 60)); fi
 if [ -n "$TRAIN_S" ]; then TRAIN="$TRAIN --max-seconds $TRAIN_S"; T_TRAIN=$((TRAIN_S + 40)); fi
+# The cosine schedule spans --steps: a run cut by its seconds before then is never annealed, so a
+# longer training sets STEPS to what its calls (resumed) will reach.
+if [ -n "$STEPS" ]; then STEPS1=$STEPS; STEPS2=$STEPS; fi
 
 stage() {   # stage NAME SECONDS command...
   local name=$1 limit=$2 started rc

@@ -23,14 +23,12 @@ VOCAB = 256
 MASK_ID = VOCAB - 1
 
 
-@pytest.fixture(scope="session")
-def tiny_target(tmp_path_factory) -> Path:
-    """A random one-layer Qwen3 target with a small vocabulary: its greedy text is a fixed but
-    non-trivial function of the context, which a draft can learn in a few hundred steps."""
+def write_tiny_target(directory: Path, num_layers: int = 1) -> Path:
+    """A random Qwen3 target with a small vocabulary: its greedy text is a fixed but non-trivial
+    function of the context, which a draft can learn in a few hundred steps."""
     from transformers import AutoModelForCausalLM, Qwen3Config
-    directory = tmp_path_factory.mktemp("train") / "target"
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                          tie_word_embeddings=False, eos_token_id=VOCAB - 2)
     model = AutoModelForCausalLM.from_config(config)
@@ -39,6 +37,11 @@ def tiny_target(tmp_path_factory) -> Path:
     model.save_pretrained(directory)
     write_tokenizer_files(directory, "qwen3")
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory) -> Path:
+    return write_tiny_target(tmp_path_factory.mktemp("train") / "target")
 
 
 def write_greedy_data(target_dir: Path, path: Path, num: int, seed: int) -> Path:
@@ -100,6 +103,64 @@ def test_training_forward_equals_the_decoding_forward(qwen3_dir, qwen3_draft_dir
             anchor = int(anchors[b, j])
             reference = decode_time_draft(draft, context[b, :anchor], target.embed(blocks[b, j]))
             torch.testing.assert_close(hidden[b, j], reference, atol=1e-5, rtol=1e-5)
+
+
+class DraftSpy:
+    """Records, per draft forward of the engine, the block's positions and the draft's logits."""
+
+    def __init__(self, draft) -> None:
+        self.positions: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+        forward, propose = draft.forward, draft.propose
+
+        def spied_forward(block_embeds, positions, meta):
+            self.positions.append(positions.clone())
+            return forward(block_embeds, positions, meta)
+
+        def spied_propose(hidden, anchors, lm_head):
+            self.logits.append(propose(hidden, anchors, lm_head).clone())
+            return self.logits[-1]
+        draft.forward, draft.propose = spied_forward, spied_propose
+
+
+def test_the_trainers_draft_logits_are_the_engines_and_its_labels_what_verify_accepts(tmp_path):
+    """train-draft's forward (its own target features, layer ids, mask token, block positions
+    and mask) at the anchor of every cycle the engine drafts gives the logits the engine's draft
+    gave there, and its labels are what the verify accepts: the cycle at anchor p commits one
+    token more than the leading slots whose argmax equals label k = the token at p + k."""
+    from blockspec.llm import LLM
+    from blockspec.sampling import SamplingParams
+    from blockspec.train.loop import Ranks, Trainer, run
+    target = write_tiny_target(tmp_path / "target", num_layers=4)
+    data = write_greedy_data(target, tmp_path / "data.jsonl", 32, seed=1)
+    block = 4
+    trainer = Trainer(config(target, data, tmp_path / "draft", block_size=block, steps=40, batch_size=8,
+                             target_layer_ids=(0, 2), save_every=0), Ranks(0, 1, torch.device("cpu")))
+    run(trainer)                                   # a draft that accepts some drafts and not others
+    llm = LLM(str(target), draft=str(tmp_path / "draft"), block_size=block, device="cpu", show_progress=False)
+    spy = DraftSpy(llm.engine.runner.draft)
+    prompts = torch.randint(0, VOCAB - 2, (3, 8), generator=torch.Generator().manual_seed(5)).tolist()
+    cycles = []
+    for prompt in prompts:
+        first_cycle = len(spy.logits)
+        result = llm.generate_ids(prompt, SamplingParams(max_tokens=40, temperature=0.0))
+        tokens = prompt + result.token_ids
+        ids = torch.tensor([tokens + [0] * (64 - len(tokens))])
+        anchors = torch.tensor([[int(p[0]) for p in spy.positions[first_cycle:]]])
+        assert anchors[0, 0] == len(prompt)                      # the first draft: right after the prompt
+        assert all(torch.equal(p, p[0] + torch.arange(block)) for p in spy.positions[first_cycle:])
+        with torch.no_grad():
+            trained = trainer.block_logits(ids, anchors)[0]                          # [cycles, bs − 1, V]
+            every = trainer.block_logits(ids, torch.arange(len(prompt), len(tokens) - 1)[None])[0]
+        torch.testing.assert_close(trained, torch.cat(spy.logits[first_cycle:]), atol=1e-4, rtol=1e-4)
+        labels, valid = blockwise.block_labels(ids, torch.tensor([len(tokens)]), anchors,
+                                               torch.ones_like(anchors, dtype=torch.bool), block)
+        agree = ((trained.argmax(-1) == labels[0]) & valid[0]).long().cumprod(-1).sum(-1)
+        remaining = len(tokens) - 1 - anchors[0]
+        assert torch.minimum(agree + 1, remaining).tolist() == result.stats.acceptance_lengths
+        assert blockwise.replay_greedy(tokens, every.argmax(-1).tolist(), len(prompt)) == result.stats.acceptance_lengths
+        cycles += result.stats.acceptance_lengths
+    assert 1 in cycles and any(1 < n < block for n in cycles) and max(cycles) == block, cycles
 
 
 def test_block_sparse_mask_sees_the_past_context_and_its_own_block():

@@ -108,6 +108,25 @@ def block_labels(input_ids: torch.Tensor, lengths: torch.Tensor, anchors: torch.
     return labels, valid
 
 
+def replay_greedy(tokens: list[int], drafts: list[list[int]], first: int) -> list[int]:
+    """The acceptance lengths greedy DFlash decoding has while it writes tokens[first + 1:]
+    (tokens: a prompt and the target's own greedy output, whose first token, at `first`, comes
+    from the prefill) → tokens committed per cycle, as the engine counts them (request stats).
+
+    drafts[p − first]: the draft's tokens for the block anchored at p (slot k for token p + k).
+    Verify keeps d_k while it equals the target's token at p + k, then adds the target's own
+    next token (the bonus), so a cycle at anchor p commits a + 1 tokens (fewer at the end)."""
+    lengths, anchor = [], first
+    while anchor < len(tokens) - 1:
+        remaining = len(tokens) - 1 - anchor
+        proposed = drafts[anchor - first][:remaining]
+        accepted = next((k for k, d in enumerate(proposed) if d != tokens[anchor + 1 + k]), len(proposed))
+        committed = min(accepted + 1, remaining)
+        lengths.append(committed)
+        anchor += committed
+    return lengths
+
+
 def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Σ weight · cross-entropy over slots, fp32: logits [B, N, B − 1, V], weights [B, N, B − 1]."""
     ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none")
