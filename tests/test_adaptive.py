@@ -289,10 +289,14 @@ def test_widths_planned_ahead_are_the_widths_planned_then():
     planned_then = twin.planned_widths(twin_seqs)
     assert spec.planned_widths(seqs) == planned_then and len(set(planned_then)) > 1
     assert spec._ahead is None                            # used by the step it was made for, once
+    for b in range(6):
+        for allowed in (100, 4, 3, 2, 1):                 # step N left sequence b this many tokens
+            spec.plan_ahead(seqs)
+            seqs[b].request.num_allowed = twin_seqs[b].request.num_allowed = allowed
+            assert spec.planned_widths(seqs) == twin.planned_widths(twin_seqs), (b, allowed)   # a lower cap: anew
+        seqs[b].request.num_allowed = twin_seqs[b].request.num_allowed = 100
     spec.plan_ahead(seqs)
-    ahead = spec._ahead[1].tolist()
-    seqs[0].request.num_allowed = twin_seqs[0].request.num_allowed = 2     # step N left it 2 tokens
-    assert spec.planned_widths(seqs) == [min(ahead[0], 1)] + ahead[1:] == twin.planned_widths(twin_seqs)
+    assert spec.planned_widths([]) == [] and spec._ahead is None      # nothing decodes: no plan left over
     sentinel = np.full(6, 3)
     assert planned_then != sentinel.tolist()
     for batch, twin_batch in ((seqs[::-1], twin_seqs[::-1]), (seqs[:5], twin_seqs[:5])):

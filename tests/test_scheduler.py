@@ -112,6 +112,23 @@ def test_a_prompt_gets_half_of_what_the_decode_rows_leave_when_the_drafts_would_
     assert all(k == 3 for k in scheduler.schedule().num_drafts)       # no prompt: whole blocks again
 
 
+def test_a_prompt_gets_the_one_row_the_decoders_leave():
+    """Four decoders under a 5-token budget leave one row: it goes to the prompt, not to a draft."""
+    scheduler = make_scheduler(num_pages=512, max_num_batched_tokens=5)
+    decoders = [make_seq(f"d{i}", 3, max_tokens=500) for i in range(4)]
+    for seq in decoders:
+        scheduler.add(seq)
+    while any(seq.is_prefilling for seq in decoders):
+        run_step(scheduler, scheduler.schedule())
+    prompt = make_seq("p", 10)
+    scheduler.add(prompt)
+    for step in range(10):
+        batch = scheduler.schedule()
+        assert batch.num_drafts == [0, 0, 0, 0] and batch.prefill == [(prompt, 1)], (step, batch.num_drafts)
+        run_step(scheduler, batch)
+    assert not prompt.is_prefilling
+
+
 def test_several_prompts_prefill_in_one_step():
     scheduler = make_scheduler(num_pages=512, max_num_batched_tokens=64)
     seqs = [make_seq(f"s{i}", 10 + i) for i in range(4)]

@@ -137,7 +137,7 @@ class Scheduler:
         demand = sum(s.prefill_len - s.num_cached for s in self.running if s.is_prefilling)
         if room <= 0 or demand <= 0:
             return widths
-        spare = room - min(demand, self.config.max_prefill_tokens, room // 2)
+        spare = room - min(demand, self.config.max_prefill_tokens, max(1, room // 2))
         cut = [b for b, seq in enumerate(decoding) if widths[b] and not keeps_whole_block(seq)]
         spare -= sum(widths) - sum(widths[b] for b in cut)           # the kept blocks come first
         if sum(widths[b] for b in cut) <= spare:

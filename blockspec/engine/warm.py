@@ -212,7 +212,8 @@ def warm_kernels(runner: ModelRunner) -> KernelPlan:
 # -- the request path ------------------------------------------------------------------------------
 
 WARM_PROMPTS = (5, 23)              # prompt lengths of the warm-up requests
-WARM_SAMPLING = ({}, {"temperature": 1.0, "top_p": 0.9}, {"temperature": 0.7, "top_k": 20, "seed": 1},
+# Sampling ones seeded: the warm-up draws nothing from the global generators.
+WARM_SAMPLING = ({}, {"temperature": 1.0, "top_p": 0.9, "seed": 2}, {"temperature": 0.7, "top_k": 20, "seed": 1},
                  {"repetition_penalty": 1.1})                  # the last one also with logprobs
 
 
@@ -236,15 +237,24 @@ def warm_requests(engine: Engine, vocab_size: int) -> str:
         requests.append(Request(f"warm-{i}", prompt, SamplingParams(max_tokens=2 * engine.runner.width + 2, **params),
                                 frozenset(), limit))
     requests[-1].num_logprobs = 2
+    errors: list[str] = []
+
+    def on_event(event) -> None:
+        if event.error is not None:
+            errors.append(event.error)
     for request in requests:
         while True:
             try:
-                engine.submit(request, lambda event: None)
+                engine.submit(request, on_event)
                 break
             except QueueFullError:                     # a queue shorter than the warm-up: make room
                 engine.step()
     while engine.has_work:
         engine.step()
+    failed = [r for r in requests if r.finish_reason not in ("length", "stop")]
+    if failed:                                         # the port must not open on an engine that fails
+        raise RuntimeError(f"a warm-up request ended with {failed[0].finish_reason!r}"
+                           + (f": {errors[0]}" if errors else ""))
     engine.runner.learn()                              # what the last steps deferred, then forgotten
     engine.runner.speculation.reset()
     engine.scheduler.reset_turns()

@@ -490,26 +490,28 @@ class Speculation:
         block's costs; they are spaced so that their extra time stays within LEARNING_BUDGET of
         the plain steps' (every 100 cycles where a whole block costs 2 plain steps, every 1 500
         where it costs 16)."""
+        ahead, self._ahead = self._ahead, None
         if not self.adaptive:
             return [self.num_slots] * len(seqs)
         if not seqs:
             return []
         self._cycles_since_learning += 1
-        ahead, self._ahead = self._ahead, None
         if (float(self.calibration.engine_seen.sum()) < WARMUP_OBSERVATIONS
                 or self._cycles_since_learning >= self.learning_interval(len(seqs))):
             self._cycles_since_learning = 0
             return self.caps(seqs).tolist()
         if ahead is not None and len(ahead[0]) == len(seqs) and all(a is s for a, s in zip(ahead[0], seqs)):
-            return np.minimum(ahead[1], self.caps(seqs)).tolist()
+            caps = self.caps(seqs)
+            if np.all(ahead[1] <= caps):          # a lower cap re-prices the others: planned anew
+                return ahead[1].tolist()
         return self.allocation(seqs)
 
     def plan_ahead(self, seqs: Seq) -> None:
         """While the device runs step N (after the engine's `learn`): the allocation planned_widths
         would make for these sequences at step N + 1, made now. It reads the same state — the
         observations of steps up to N − 1 (step N's are learnt during step N + 1) — so only the
-        caps can differ then (tokens committed at N): planned_widths cuts the widths to them. Used
-        only if step N + 1 decodes exactly these sequences in this order; else planned there."""
+        caps can differ then (tokens committed at N). Used only if step N + 1 decodes exactly
+        these sequences in this order and no cap fell below its width; else planned there."""
         if not self.adaptive or not seqs:
             return
         seqs = list(seqs)
