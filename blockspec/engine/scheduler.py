@@ -97,11 +97,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self._num_steps += 1
         decoding = [s for s in self.running if not s.is_prefilling]
+        prefilling = [s for s in self.running if s.is_prefilling]
         # When the budget cannot hold every decoding sequence, the ones left out go first next
         # step (a stable sort: oldest first among equals), so none starves.
         decoding.sort(key=lambda s: self._last_decoded.get(id(s), 0))
         decode: list[tuple[Sequence, int]] = []
-        widths = self.leave_room_for_prompts(decoding, self.verify_widths(decoding), budget)
+        widths = self.leave_room_for_prompts(decoding, self.verify_widths(decoding), prefilling, budget)
         for seq, num_drafts in zip(decoding, widths):
             if num_drafts + 1 > budget:
                 break                        # the rest decode next step (oldest first keeps order)
@@ -111,7 +112,6 @@ class Scheduler:
             if seq in self.running and self._make_room(seq, seq.num_cached + positions):
                 decode.append((seq, num_drafts))
                 budget -= num_drafts + 1
-        prefilling = [s for s in self.running if s.is_prefilling]
         chunks = self._chunks(prefilling, min(budget, self.config.max_prefill_tokens))
         # A prefill's pages may have preempted a decoding sequence scheduled above.
         decode = [(seq, k) for seq, k in decode if seq in self.running]
@@ -122,11 +122,8 @@ class Scheduler:
         return Batch(prefill=[(s, n) for s, n in chunks if s in self.running], decode=seqs, num_drafts=ks,
                      draft_width=width)
 
-    def reset_turns(self) -> None:
-        """Forget who decoded when (the request warm-up's sequences are gone)."""
-        self._last_decoded.clear()
-
-    def leave_room_for_prompts(self, decoding: list[Sequence], widths: list[int], budget: int) -> list[int]:
+    def leave_room_for_prompts(self, decoding: list[Sequence], widths: list[int], prefilling: list[Sequence],
+                               budget: int) -> list[int]:
         """While prompts prefill, their chunks get at least half of what the decode rows leave of
         the budget (all they need if less): drafts are optional rows, cut from the longest k down
         (greedy output is the same at any k; sampling keeps its distribution). Without this, 32
@@ -134,7 +131,7 @@ class Scheduler:
         until they end (97.7 s for 16k tokens on the H200). A seeded sampling request keeps its
         k (keeps_whole_block: its output must not depend on the load)."""
         room = budget - len(decoding)
-        demand = sum(s.prefill_len - s.num_cached for s in self.running if s.is_prefilling)
+        demand = sum(s.prefill_len - s.num_cached for s in prefilling)
         if room <= 0 or demand <= 0:
             return widths
         spare = room - min(demand, self.config.max_prefill_tokens, max(1, room // 2))
@@ -143,8 +140,8 @@ class Scheduler:
         if sum(widths[b] for b in cut) <= spare:
             return widths
         spare, out = max(spare, 0), list(widths)
-        cap = 0                                  # the largest per-sequence cap that fits, then one more each while it does
-        while cap < max(widths) and sum(min(widths[b], cap + 1) for b in cut) <= spare:
+        cap, top = 0, max(widths[b] for b in cut)    # the largest per-sequence cap that fits, then one more each
+        while cap < top and sum(min(widths[b], cap + 1) for b in cut) <= spare:
             cap += 1
         for b in cut:
             out[b] = min(widths[b], cap)

@@ -257,7 +257,6 @@ def warm_requests(engine: Engine, vocab_size: int) -> str:
                            + (f": {errors[0]}" if errors else ""))
     engine.runner.learn()                              # what the last steps deferred, then forgotten
     engine.runner.speculation.reset()
-    engine.scheduler.reset_turns()
     engine.counters = EngineCounters()
     prefix = getattr(engine.cache, "prefix", None)
     if prefix is not None:

@@ -425,7 +425,7 @@ class Speculation:
         self._cycles_since_learning = 0
         self._chosen_width: int | None = None              # planned_widths: the draft width priced last
         self._rescan_load, self._steps_to_rescan = 0, 0
-        self._ahead: tuple[list, list[int]] | None = None   # plan_ahead: (sequences, widths) for the next step
+        self._ahead: tuple[list, np.ndarray] | None = None  # plan_ahead: (sequences, widths) for the next step
         # A step's time beyond the table's forwards ≈ per_seq · B + per_token · committed tokens,
         # fitted online (least squares with forgetting) from the engine's wall time per step.
         self.overhead_ms_per_seq = 0.0
@@ -496,8 +496,7 @@ class Speculation:
         if not seqs:
             return []
         self._cycles_since_learning += 1
-        if (float(self.calibration.engine_seen.sum()) < WARMUP_OBSERVATIONS
-                or self._cycles_since_learning >= self.learning_interval(len(seqs))):
+        if self.learns(len(seqs), self._cycles_since_learning):
             self._cycles_since_learning = 0
             return self.caps(seqs).tolist()
         if ahead is not None and len(ahead[0]) == len(seqs) and all(a is s for a, s in zip(ahead[0], seqs)):
@@ -512,10 +511,15 @@ class Speculation:
         observations of steps up to N − 1 (step N's are learnt during step N + 1) — so only the
         caps can differ then (tokens committed at N). Used only if step N + 1 decodes exactly
         these sequences in this order and no cap fell below its width; else planned there."""
-        if not self.adaptive or not seqs:
-            return
+        if not self.adaptive or not seqs or self.learns(len(seqs), self._cycles_since_learning + 1):
+            return                                         # a learning cycle's widths are its caps
         seqs = list(seqs)
         self._ahead = (seqs, np.asarray(self.allocation(seqs), dtype=np.int64))
+
+    def learns(self, num_seqs: int, cycles: int) -> bool:
+        """Whether a step `cycles` after the last learning cycle is one (or the warm-up's)."""
+        return (float(self.calibration.engine_seen.sum()) < WARMUP_OBSERVATIONS
+                or cycles >= self.learning_interval(num_seqs))
 
     def allocation(self, seqs: Seq) -> list[int]:
         """The widths of allocate() over these sequences' predicted acceptance (not a learning cycle)."""
