@@ -3,7 +3,7 @@
 # acceptance and tok/s (scripts/smollm2_recipe.py has the stages). Every stage runs under its own
 # `timeout`; the seconds each took go to WORK/stages.jsonl.
 #
-#   [UNTIL=responses|train] [SWEEP="d1b8 ..."] [RESPONSE_S=S] [TRAIN_S=S] [STEPS=N] \
+#   [UNTIL=responses|train] [SWEEP="d1b8 ..."] [RESPONSE_S=S] [TRAIN_S=S] [STEPS=N] [LABELS=target] \
 #     scripts/smollm2_device_run.sh GGUF WORK OUT [full|toy]
 #
 # full: the H200 call (≤ 480 s). toy: the same commands at a few prompts on CPU (a check before
@@ -16,6 +16,7 @@ set -o pipefail
 GGUF=$1; WORK=$2; OUT=$3; SCALE=${4:-full}
 UNTIL=${UNTIL:-measure}
 SWEEP=${SWEEP:-d1b8 d1b16 d2b16}
+LABELS=${LABELS:-tokens}   # train-draft --labels: target = the target's greedy choices on sampled rows too
 mkdir -p "$WORK" "$OUT"
 START=$(date +%s)
 SEED=0
@@ -34,9 +35,9 @@ else
   TRAIN="--batch-size 64 --seq-len 384 --max-seconds 100 --save-every 400"
   STEPS1=900; STEPS2=700
   MEASURE="--limit 32 --max-tokens 128 --concurrency 1,16,64 --sets chat"
-  T_PROMPTS=60; T_RESPONSES=170; T_TRAIN=140; T_END=465
+  T_PROMPTS=120; T_RESPONSES=170; T_TRAIN=140; T_END=465
 fi
-if [ -n "$RESPONSE_S" ]; then RESPONSES="$RESPONSES --budget-s $RESPONSE_S"; T_RESPONSES=$((RESPONSE_S + 60)); fi
+if [ -n "$RESPONSE_S" ]; then RESPONSES="$RESPONSES --budget-s $RESPONSE_S"; T_RESPONSES=$((RESPONSE_S + 90)); fi
 if [ -n "$TRAIN_S" ]; then TRAIN="$TRAIN --max-seconds $TRAIN_S"; T_TRAIN=$((TRAIN_S + 40)); fi
 # The cosine schedule spans --steps: a run cut by its seconds before then is never annealed, so a
 # longer training sets STEPS to what its calls (resumed) will reach.
@@ -60,7 +61,7 @@ train() {   # train NAME STEPS flags...: one draft of the sweep, under the train
   [ -d "$WORK/$name/checkpoints" ] && resume="--resume"
   timeout "$T_TRAIN" python -m blockspec train-draft --target "$GGUF" --data "$WORK/responses.jsonl" \
     --out "$WORK/$name" --target-layer-ids 1,10,19,27 --mask-token-id 16 --eval-every 0 --steps "$steps" \
-    --eval-prompts 0 --quiet --seed $SEED $resume $TRAIN_DEV $TRAIN "$@" >> "$WORK/$name.log" 2>&1
+    --eval-prompts 0 --quiet --seed $SEED --labels $LABELS $resume $TRAIN_DEV $TRAIN "$@" >> "$WORK/$name.log" 2>&1
 }
 
 flags() {   # the sweep's drafts

@@ -163,6 +163,34 @@ def test_the_trainers_draft_logits_are_the_engines_and_its_labels_what_verify_ac
     assert 1 in cycles and any(1 < n < block for n in cycles) and max(cycles) == block, cycles
 
 
+def test_target_labels_are_the_targets_greedy_choices(tiny_target, tiny_data, tmp_path):
+    """--labels target: slot k learns what greedy verification accepts, the target's own argmax
+    for token a + k given the row (transformers' argmax on the same checkpoint), not a sampled
+    row's token. On greedy rows the two labels are the same, so the same run trains the same
+    draft bit for bit; on other rows the drafts differ."""
+    from transformers import AutoModelForCausalLM
+    rows = torch.randint(0, VOCAB - 2, (3, 40), generator=torch.Generator().manual_seed(7))   # any tokens: "sampled"
+    _, choices = features.features_and_choices(load_model(str(tiny_target)).model, rows, (0,), chunk=7)
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tiny_target).eval()(rows).logits.argmax(-1)
+    assert torch.equal(choices[:, 1:], expected[:, :-1]) and torch.equal(choices[:, 0], rows[:, 0])
+    assert (choices[:, 1:] != rows[:, 1:]).float().mean() > 0.9
+
+    def trained(data: Path, labels: str) -> dict:
+        out = tmp_path / f"{data.stem}-{labels}"
+        train(config(tiny_target, data, out, steps=6, save_every=0, labels=labels))
+        return load_file(str(out / "model.safetensors"))
+    greedy_tokens, greedy_target = trained(tiny_data[0], "tokens"), trained(tiny_data[0], "target")
+    assert all(torch.equal(greedy_tokens[k], greedy_target[k]) for k in greedy_tokens)
+    sampled = tmp_path / "sampled.jsonl"
+    sampled.write_text("".join(json.dumps({"token_ids": r, "prompt_len": 8}) + "\n" for r in
+                               torch.randint(0, VOCAB - 2, (32, 64), generator=torch.Generator().manual_seed(8)).tolist()))
+    sampled_tokens, sampled_target = trained(sampled, "tokens"), trained(sampled, "target")
+    assert not all(torch.equal(sampled_tokens[k], sampled_target[k]) for k in sampled_tokens)
+    with pytest.raises(ValueError, match="--labels"):
+        config(tiny_target, sampled, tmp_path / "x", labels="soft")
+
+
 def test_block_sparse_mask_sees_the_past_context_and_its_own_block():
     mask = blockwise.block_sparse_mask(torch.tensor([[2, 5]]), seq_len=6, block_size=2)[0, 0]
     assert mask.shape == (4, 6 + 4)

@@ -20,6 +20,20 @@ def target_features(target: nn.Module, input_ids: torch.Tensor, layer_ids: tuple
 
 
 @torch.no_grad()
+def features_and_choices(target: nn.Module, input_ids: torch.Tensor, layer_ids: tuple[int, ...],
+                         chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_features of input_ids [B, L], and from the same forward the target's greedy choice
+    at every position [B, L]: at p, its argmax for token p given the row's tokens before p
+    (position 0, which nothing predicts, keeps the row's own token). The head runs over `chunk`
+    rows at a time: a whole batch's logits would be B · L · V floats."""
+    out = forward_sequences(target, input_ids, tuple(layer_ids))
+    hidden = out.hidden.flatten(0, 1)
+    argmax = torch.cat([target.compute_logits(hidden[i: i + chunk]).argmax(-1) for i in range(0, len(hidden), chunk)])
+    choices = torch.cat((input_ids[:, :1], argmax.view_as(input_ids)[:, :-1]), dim=1)
+    return out.features, choices
+
+
+@torch.no_grad()
 def greedy_continue(target: nn.Module, prompt_ids: torch.Tensor, num_new: int) -> torch.Tensor:
     """Greedy continuations of equal-length prompts, batched: [B, P] → [B, num_new].
 

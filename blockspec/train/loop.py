@@ -27,7 +27,11 @@ MASK_TOKEN_NAMES = ("<|mask|>", "<mask>", "[MASK]", "<|MASK|>")
 PAD_TOKEN_NAMES = ("<|fim_pad|>", "<|pad|>", "<pad>", "[PAD]")
 # Settings that must match for --resume to continue the same run (steps may grow).
 RUN_KEYS = ("target", "data", "num_layers", "block_size", "target_layer_ids", "mask_token_id",
-            "batch_size", "lr", "seq_len", "num_anchors", "seed")
+            "batch_size", "lr", "seq_len", "num_anchors", "seed", "labels")
+# What slot k of the block at anchor a learns: the row's own token at a + k, or the target's greedy
+# choice there, teacher-forced on the row. They are the same on greedy rows; on sampled rows the
+# row's token is often not what greedy verification accepts (BENCHMARKS.md, issue 32).
+LABELS = ("tokens", "target")
 
 
 class TrainError(ValueError):
@@ -58,6 +62,7 @@ class TrainConfig:
     seed: int = 0
     show_progress: bool = True
     max_seconds: float | None = None    # stop (saving a checkpoint and the draft) after this long
+    labels: str = "tokens"              # LABELS
 
     def __post_init__(self) -> None:
         positive = {"--num-layers": self.num_layers, "--steps": self.steps, "--batch-size": self.batch_size,
@@ -75,6 +80,8 @@ class TrainConfig:
             raise TrainError("--eval-every, --save-every and --eval-prompts must be at least 0")
         if self.num_anchors is not None and self.num_anchors < 1:
             raise TrainError(f"--num-anchors must be at least 1, got {self.num_anchors}")
+        if self.labels not in LABELS:
+            raise TrainError(f"--labels must be one of {', '.join(LABELS)}, got {self.labels!r}")
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise TrainError(f"--max-seconds must be positive, got {self.max_seconds}")
 
@@ -253,13 +260,18 @@ class Trainer:
         mine = slice(ranks.rank * per_rank, (ranks.rank + 1) * per_rank)
         return batch.take(range(len(batch))[mine]), anchors[mine], valid[mine], total_weight
 
-    def block_logits(self, ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+    def block_logits(self, ids: torch.Tensor, anchors: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         """The draft's logits [b, N, bs − 1, V] of the blocks at anchors [b, N] of ids [b, L]
         (on the device), with the draft's autograd graph: slot k predicts token a + k. What the
-        engine's draft computes at the same anchors (tests/test_train.py holds the two equal)."""
+        engine's draft computes at the same anchors (tests/test_train.py holds the two equal).
+        context: the target's features of ids, where the caller has them already."""
         bs, device = self.config.block_size, self.device
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            context = features.target_features(self.target, ids, self.layer_ids)        # [b, L, K·H]
+        with self.autocast():
+            if context is None:
+                context = features.target_features(self.target, ids, self.layer_ids)    # [b, L, K·H]
             block_ids = torch.full((*anchors.shape, bs), self.mask_token_id, dtype=torch.long, device=device)
             block_ids[..., 0] = torch.gather(ids, 1, anchors)
             with torch.no_grad():
@@ -275,8 +287,12 @@ class Trainer:
         """Σ weight · CE of this rank's blocks (fp32), with the draft's autograd graph."""
         ids, lengths = batch.ids.to(self.device), batch.lengths.to(self.device)
         anchors, valid = anchors.to(self.device), valid.to(self.device)
-        logits = self.block_logits(ids, anchors)
-        labels, label_valid = blockwise.block_labels(ids, lengths, anchors, valid, self.config.block_size)
+        context, label_ids = None, ids
+        if self.config.labels == "target":
+            with self.autocast():
+                context, label_ids = features.features_and_choices(self.target, ids, self.layer_ids)
+        logits = self.block_logits(ids, anchors, context)
+        labels, label_valid = blockwise.block_labels(label_ids, lengths, anchors, valid, self.config.block_size)
         return blockwise.block_loss(logits, labels, label_valid * self.weights)
 
     def train_step(self, step: int) -> float:
@@ -301,7 +317,8 @@ class Trainer:
         if found is None:
             raise TrainError(f"--resume: no checkpoint under {self.out / 'checkpoints'}")
         state = checkpoint.load_state(found, self.device)
-        changed = [k for k, v in self.run_args().items() if state["run_args"].get(k) != v]
+        saved = {"labels": "tokens", **state["run_args"]}           # checkpoints from before --labels
+        changed = [k for k, v in self.run_args().items() if saved.get(k) != v]
         if changed:
             raise TrainError(f"--resume: {found} was trained with other settings ({', '.join(changed)}); "
                              "use the same flags or a new --out")

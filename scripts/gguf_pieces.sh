@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The SmolLM2 GGUF (98 MB) onto the H200 machine, which reaches no registry: a call carries at most
+# 64 MiB with the 32 MB tree, so the file travels xz-compressed (90 MB) in three pieces, one a call,
+# each call's piece kept in the machine's /tmp until the last one joins them (a warm machine keeps
+# /tmp between calls).
+#
+#   here:   bash scripts/gguf_pieces.sh split [GGUF]      # .gguf/p0 p1 p2 (ignored; carry one a call)
+#   device: bash scripts/gguf_pieces.sh keep              # this call's .gguf/p* into /tmp/gguf-pieces
+#   device: bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf   # all pieces → the file, hash checked
+# The first piece is the smallest: the first call also carries the wheels (.whl, 6 MB).
+set -euo pipefail
+SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53   # blockspec/named.py's smollm2
+KEEP=/tmp/gguf-pieces
+case ${1:-} in
+  split)
+    gguf=${2:-$(python3 -c 'from blockspec import named; print(named.resolve("smollm2"))')}
+    mkdir -p .gguf && rm -f .gguf/p*
+    xz -T2 -6 -c "$gguf" > .gguf/all.xz
+    head -c 28000000 .gguf/all.xz > .gguf/p0
+    tail -c +28000001 .gguf/all.xz | head -c 34000000 > .gguf/p1
+    tail -c +62000001 .gguf/all.xz > .gguf/p2
+    rm .gguf/all.xz
+    grep -qx '/.gguf/' .git/info/exclude 2>/dev/null || echo /.gguf/ >> .git/info/exclude
+    ls -l .gguf ;;
+  keep)
+    mkdir -p $KEEP && cp .gguf/p* $KEEP/ && ls -l $KEEP ;;
+  join)
+    cat $KEEP/p0 $KEEP/p1 $KEEP/p2 | xz -d > "$2"
+    echo "$SHA  $2" | sha256sum -c - ;;
+  *) echo "usage: $0 split [GGUF] | keep | join FILE" >&2; exit 2 ;;
+esac
