@@ -180,14 +180,28 @@ def check_device(device: str) -> None:
         raise UsageError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
 
 
+def device_type_of(device: str) -> str:
+    """cpu or cuda: what --device (auto, cpu, cuda, cuda:N) runs on."""
+    if device == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device.split(":")[0]
+
+
 def use_demo_without_model(args: argparse.Namespace) -> None:
     """No --model: the demo target with its DFlash draft, on CPU unless --device says otherwise.
-    A named model (--model smollm2) gets the draft shipped for it unless --draft says otherwise."""
+    A named model (--model smollm2) gets the draft shipped for it unless --draft says otherwise,
+    on the devices where that draft pays (named.draft_attached_on); elsewhere it says so in a line."""
     if args.model is not None:
-        from blockspec.named import default_draft
+        from blockspec.named import default_draft, draft_attached_on
         shipped = default_draft(args.model)
         if args.draft is None and shipped is not None:
-            args.draft = str(shipped)
+            device_type = device_type_of(args.device)
+            if draft_attached_on(args.model, device_type):
+                args.draft = str(shipped)
+            else:
+                print(f"blockspec: --model {args.model} decodes without its DFlash draft on {device_type}, where the "
+                      f"draft costs more than it saves; --draft {shipped} attaches it", file=sys.stderr)
         return
     from blockspec import demo
     target, draft = demo.require_built()

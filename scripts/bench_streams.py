@@ -54,22 +54,26 @@ def start_server(port: int, serve_args: list[str], overlap: bool) -> subprocess.
     raise SystemExit("the server was not ready in 180 s")
 
 
-# One client for every request: a new one per request costs an SSL context (~10 ms of this
-# process's CPU, which the server's cores share).
-CLIENT = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
-
-
 def stream(url: str, prompt: list[int], max_tokens: int) -> str:
     """One streamed completion → its text (SSE chunks joined)."""
     return timed_stream(url, prompt, max_tokens)[0]
 
 
-def timed_stream(url: str, prompt: list[int], max_tokens: int) -> tuple[str, float]:
+def new_client() -> httpx.Client:
+    return httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+
+# One client for every request but the bursts': a new one per request costs an SSL context (~10 ms
+# of this process's CPU, which the server's cores share).
+CLIENT = new_client()
+
+
+def timed_stream(url: str, prompt: list[int], max_tokens: int, client: httpx.Client | None = None) -> tuple[str, float]:
     """One streamed completion → its text and the seconds from sending to its first token's chunk."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     parts: list[str] = []
     started, first = time.perf_counter(), None
-    with CLIENT.stream("POST", url + "/v1/completions", json=body) as response:
+    with (client or CLIENT).stream("POST", url + "/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -99,7 +103,8 @@ def sequential(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[flo
     return time.perf_counter() - started, texts
 
 
-def at_once(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[tuple[str, float]]]:
+def at_once(url: str, prompts: list[list[int]], max_tokens: int, client: httpx.Client | None = None
+            ) -> tuple[float, list[tuple[str, float]]]:
     """Every prompt streamed at the same moment, one thread each → the wall seconds and each
     stream's (text, seconds to its first token); a failed stream raises here."""
     results: list[tuple[str, float]] = [("", float("nan"))] * len(prompts)
@@ -107,7 +112,7 @@ def at_once(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float,
 
     def one(i: int) -> None:
         try:
-            results[i] = timed_stream(url, prompts[i], max_tokens)
+            results[i] = timed_stream(url, prompts[i], max_tokens, client)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -131,11 +136,13 @@ def bursts(url: str, prompts: list[list[int]], max_tokens: int, count: int) -> l
     """`count` bursts of len(prompts) streams sent at once, the first straight after startup (no
     warm-up request): each burst's first-token p50 / p99 (ms) and its wall time. A server that
     compiled and captured everything before its port opened serves the first burst as fast as
-    the later ones."""
+    the later ones. Each burst opens its own connections (a new client): with one client the first
+    burst alone would pay for opening them, the later ones reusing them kept alive."""
     from blockspec.bench.common import percentile
     out = []
     for _ in range(count):
-        seconds, results = at_once(url, prompts, max_tokens)
+        with new_client() as client:
+            seconds, results = at_once(url, prompts, max_tokens, client)
         ttfts = sorted(first for _, first in results)
         out.append({"ttft_p50_ms": round(percentile(ttfts, 50) * 1e3, 1),
                     "ttft_p99_ms": round(percentile(ttfts, 99) * 1e3, 1), "wall_s": round(seconds, 3)})

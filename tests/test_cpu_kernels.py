@@ -155,3 +155,47 @@ def test_without_a_compiler_the_torch_kernels_serve(monkeypatch, tmp_path, caplo
     assert "CPU kernels not built" in caplog.text
     monkeypatch.setenv("BLOCKSPEC_CPU_KERNELS", "torch")
     assert native.library.__wrapped__() is None
+
+
+def build_variant(flags: tuple[str, ...], path) -> "ctypes.CDLL":
+    import ctypes
+    import subprocess
+    subprocess.run(["c++", *flags, "-shared", "-fPIC", "-fno-math-errno", str(native.SOURCE), "-o", str(path)],
+                   check=True, capture_output=True, timeout=300)
+    lib = ctypes.CDLL(str(path))
+    for name, args in native.SIGNATURES.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
+    return lib
+
+
+@pytest.mark.skipif("avx2" not in native.cpu_fingerprint().split() or "fma" not in native.cpu_fingerprint().split(),
+                    reason="the AVX2 build runs only on a CPU with AVX2 and FMA")
+def test_the_avx2_build_gives_the_portable_builds_bits(tmp_path):
+    """A CPU without AVX-512 runs the kernels' AVX2 path: the portable path's float operations
+    lane for lane and its lane sums' order, so the same bits (and a row the same alone or batched)."""
+    avx2 = build_variant(("-O3", "-mavx2", "-mfma", "-mf16c", "-mno-avx512f"), tmp_path / "avx2.so")
+    portable = build_variant(("-O3",), tmp_path / "portable.so")
+
+    def linear(lib, x, bits, values, scale, shift, n):
+        y = torch.empty(x.shape[0], n)
+        lib.quant_linear(x.data_ptr(), x.shape[0], x.shape[1], values.data_ptr(), bits, scale.data_ptr(),
+                         None if shift is None else shift.data_ptr(), None, n, y.data_ptr())
+        return y
+    for bits in (4, 8):
+        n, k = 37, 576
+        values = torch.randint(0, 256, (n, k // 2 if bits == 4 else k), dtype=torch.uint8, generator=gen(bits))
+        scale = (torch.rand(n, k // 32, generator=gen(1)) * 0.01).half().view(torch.int16)
+        shift = (torch.rand(n, k // 32, generator=gen(2)) * -0.01).half().view(torch.int16) if bits == 4 else None
+        x = torch.randn(13, k, generator=gen(3))
+        fast = linear(avx2, x, bits, values, scale, shift, n)
+        assert torch.equal(fast, linear(portable, x, bits, values, scale, shift, n))
+        assert torch.equal(torch.cat([linear(avx2, x[i: i + 1], bits, values, scale, shift, n) for i in range(13)]), fast)
+        for m in (2, 3, 5, 8):
+            assert torch.equal(linear(avx2, x[:m], bits, values, scale, shift, n), fast[:m])
+    x, weight = torch.randn(5, 64, generator=gen(4)), torch.randn(64, generator=gen(5))
+    outs = []
+    for lib in (avx2, portable):
+        out, total = torch.empty(5, 64), torch.empty(5, 64)
+        lib.add_rms_norm(x.data_ptr(), None, weight.data_ptr(), 1e-6, 5, 64, out.data_ptr(), total.data_ptr())
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])

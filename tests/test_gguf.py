@@ -200,14 +200,22 @@ def test_smollm2_stays_quantized_on_cpu_and_dflash_equals_plain_there(smollm2, s
 
 @pytest.mark.smollm2
 def test_generate_cli_with_smollm2(smollm2_path, capsys):
-    from blockspec.cli import main
-    code = main(["generate", "--model", "smollm2", "--prompt", "What is the capital of France?",
-                 "--max-tokens", "16", "--device", "cpu", "--json"])
-    assert code == 0
+    """On CPU, where its draft costs more than it saves, `--model smollm2` decodes plainly and
+    says how to attach the draft; `--draft` attaches it, with the same text."""
     import json
-    line = json.loads(capsys.readouterr().out)
-    assert "Paris" in line["text"]
-    assert line["stats"]["acceptance_lengths"], "--model smollm2 should decode with the shipped draft"
+    from blockspec.cli import main
+    args = ["generate", "--model", "smollm2", "--prompt", "What is the capital of France?", "--max-tokens", "16",
+            "--device", "cpu", "--json"]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    plain = json.loads(out.out)
+    assert "Paris" in plain["text"] and plain["stats"]["draft_tokens"] == 0
+    shipped = named.default_draft("smollm2")
+    assert f"decodes without its DFlash draft on cpu, where the draft costs more than it saves; --draft {shipped}" in out.err
+    assert not named.draft_attached_on("smollm2", "cpu") and named.draft_attached_on("smollm2", "cuda")
+    assert main([*args, "--draft", str(shipped)]) == 0
+    dflash = json.loads(capsys.readouterr().out)
+    assert dflash["stats"]["draft_tokens"] > 0 and dflash["text"] == plain["text"]
 
 
 def test_smollm2_offline_says_how_to_fetch(tmp_path, monkeypatch):

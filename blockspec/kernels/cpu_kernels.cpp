@@ -18,14 +18,24 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+/* AVX2 + FMA machines (most desktop and many server CPUs have no AVX-512) run the same 16 lanes as
+   two 8-lane registers: the same float operations lane for lane, and lane_sum's order, so their
+   results are the portable path's bit for bit, at vector speed. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define BLOCKSPEC_AVX2 1
 #endif
 
 #define GROUP 32
 #define LANES 16
 #define MAX_BLOCKS 1024    /* blocks a row (K ≤ 32768; native.py keeps wider rows off this kernel) */
+#if defined(BLOCKSPEC_AVX2)
+#define TILE_M 4          /* rows of x per pass over the weights (8 rows' accumulators would spill) */
+#else
 #define TILE_M 8          /* rows of x per pass over the weights (a verify block of 8: one pass) */
+#endif
 
 static inline float lane_sum(const float acc[LANES]) {
     float s8[8], s4[4];
@@ -34,12 +44,29 @@ static inline float lane_sum(const float acc[LANES]) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
+#if defined(BLOCKSPEC_AVX2)
+/* lane_sum of lanes lo (0-7) and hi (8-15), in its order. */
+static inline float lane_sum2(__m256 lo, __m256 hi) {
+    __m256 s8 = _mm256_add_ps(lo, hi);                                               /* i + (i + 8) */
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1)); /* i + (i + 4) */
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                  /* (0 + 2), (1 + 3) */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#endif
+
 /* dot(a, b) over n values (n a multiple of LANES): LANES partial sums, then lane_sum. */
 static inline float dot(const float *a, const float *b, int64_t n) {
 #if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     return _mm512_reduce_add_ps(acc);
+#elif defined(BLOCKSPEC_AVX2)
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += LANES) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), hi);
+    }
+    return lane_sum2(lo, hi);
 #else
     float acc[LANES] = {0};
     for (int64_t i = 0; i < n; i += LANES)
@@ -53,6 +80,9 @@ static inline void axpy(float p, const float *v, float *o, int64_t n) {
 #if defined(__AVX512F__)
     const __m512 pp = _mm512_set1_ps(p);
     for (int64_t i = 0; i < n; i += LANES) _mm512_storeu_ps(o + i, _mm512_fmadd_ps(pp, _mm512_loadu_ps(v + i), _mm512_loadu_ps(o + i)));
+#elif defined(BLOCKSPEC_AVX2)
+    const __m256 pp = _mm256_set1_ps(p);
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(o + i, _mm256_fmadd_ps(pp, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
 #else
     for (int64_t i = 0; i < n; i++) o[i] = fmaf(p, v[i], o[i]);
 #endif
@@ -111,6 +141,32 @@ static inline half_t zero_half() { return _mm512_setzero_ps(); }
 static inline half_t fma_half(half_t a, half_t b, half_t c) { return _mm512_fmadd_ps(a, b, c); }
 static inline half_t load_half(const float *p) { return _mm512_loadu_ps(p); }
 static inline float half_sum(half_t v) { return _mm512_reduce_add_ps(v); }   /* a fixed tree of shuffles */
+#elif defined(BLOCKSPEC_AVX2)
+struct half_t { __m256 lo, hi; };        /* lanes 0-7, 8-15 */
+static inline __m256 widen8(__m128i bytes8) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8)); }
+static inline void unpack_q4(const uint8_t *codes, float scale, float shift, half_t *lo, half_t *hi) {
+    const __m256 d = _mm256_set1_ps(scale), m = _mm256_set1_ps(shift);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)codes), nibble = _mm_set1_epi8(15);
+    const __m128i low = _mm_and_si128(bytes, nibble), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    lo->lo = _mm256_fmadd_ps(widen8(low), d, m);
+    lo->hi = _mm256_fmadd_ps(widen8(_mm_srli_si128(low, 8)), d, m);
+    hi->lo = _mm256_fmadd_ps(widen8(high), d, m);
+    hi->hi = _mm256_fmadd_ps(widen8(_mm_srli_si128(high, 8)), d, m);
+}
+static inline void unpack_q8(const int8_t *values, float scale, half_t *lo, half_t *hi) {
+    const __m256 d = _mm256_set1_ps(scale);
+    const __m128i a = _mm_loadu_si128((const __m128i *)values), b = _mm_loadu_si128((const __m128i *)(values + 16));
+    lo->lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), d);
+    lo->hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))), d);
+    hi->lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), d);
+    hi->hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), d);
+}
+static inline half_t zero_half() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline half_t fma_half(half_t a, half_t b, half_t c) {
+    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline half_t load_half(const float *p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline float half_sum(half_t v) { return lane_sum2(v.lo, v.hi); }
 #else
 struct half_t { float v[LANES]; };
 static inline void unpack_q4(const uint8_t *codes, float scale, float shift, half_t *lo, half_t *hi) {
@@ -185,7 +241,11 @@ static void tile(const float *x, int64_t k, const void *weights, const uint16_t 
 template <int BITS, int MT>
 static void rows_of(const float *x, int64_t k, const void *weights, const uint16_t *scale, const uint16_t *shift,
                     const float *bias, int64_t n, int64_t m0, float *y) {
+#if defined(BLOCKSPEC_AVX2)
+    constexpr int NT = MT > 2 ? 1 : (MT > 1 ? 2 : 4);     /* 16 ymm: NT · MT accumulators of two */
+#else
     constexpr int NT = MT > 4 ? 2 : 4;
+#endif
     int64_t n0 = 0;
     for (; n0 + NT <= n; n0 += NT) tile<BITS, NT, MT>(x, k, weights, scale, shift, bias, n0, m0, n, y);
     for (; n0 < n; n0++) tile<BITS, 1, MT>(x, k, weights, scale, shift, bias, n0, m0, n, y);
