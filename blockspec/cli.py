@@ -134,6 +134,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labels", default="tokens", choices=("tokens", "target"),
                    help="what each draft slot learns: the data's next tokens, or the target's greedy choice "
                    "at each position of the data (for data sampled at a temperature)")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from this saved draft's weights (same shape, layer ids and mask token; "
+                   "a new schedule and optimizer)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -344,7 +347,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, num_anchors=args.num_anchors, device=args.device, resume=args.resume,
         eval_every=args.eval_every, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens,
         save_every=args.save_every, seed=args.seed, show_progress=not args.quiet, max_seconds=args.max_seconds,
-        labels=args.labels)
+        labels=args.labels, init_from=args.init_from)
     summary = train(config)
     if os.environ.get("RANK", "0") == "0":                  # under torchrun, one summary line
         print(json.dumps(summary))

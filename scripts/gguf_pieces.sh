@@ -7,7 +7,8 @@
 #   here:   bash scripts/gguf_pieces.sh split [GGUF]      # .gguf/p0 p1 p2 (ignored; carry one a call)
 #   device: bash scripts/gguf_pieces.sh keep              # this call's .gguf/p* into /tmp/gguf-pieces
 #   device: bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf   # all pieces → the file, hash checked
-# The first piece is the smallest: the first call also carries the wheels (.whl, 6 MB).
+# The first piece is the smallest: the first call also carries the wheels (.whl, 9 MB:
+# scripts/device_wheels.sh). Round 41 carried 28 + 34 + 28.5 MB with 6 MB of wheels.
 set -euo pipefail
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53   # blockspec/named.py's smollm2
 KEEP=/tmp/gguf-pieces
@@ -16,9 +17,9 @@ case ${1:-} in
     gguf=${2:-$(python3 -c 'from blockspec import named; print(named.resolve("smollm2"))')}
     mkdir -p .gguf && rm -f .gguf/p*
     xz -T2 -6 -c "$gguf" > .gguf/all.xz
-    head -c 28000000 .gguf/all.xz > .gguf/p0
-    tail -c +28000001 .gguf/all.xz | head -c 34000000 > .gguf/p1
-    tail -c +62000001 .gguf/all.xz > .gguf/p2
+    head -c 25000000 .gguf/all.xz > .gguf/p0
+    tail -c +25000001 .gguf/all.xz | head -c 33500000 > .gguf/p1
+    tail -c +58500001 .gguf/all.xz > .gguf/p2
     rm .gguf/all.xz
     grep -qx '/.gguf/' .git/info/exclude 2>/dev/null || echo /.gguf/ >> .git/info/exclude
     ls -l .gguf ;;

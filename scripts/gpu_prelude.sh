@@ -1,7 +1,7 @@
 # Sourced by the H200 round scripts (scripts/gpu_round*.sh): the carried wheels on the path, $OUT
 # and its log, Triton's cache, `stage NAME CMD…` (a timed stage's tail into the log) and the bench
 # commands they share ($B: plain vs DFlash at block 16; $A: adaptive vs fixed vs plain, latent 6.5; $T:
-# pytest; `summary`: the tests logs t_*.log, their results).
+# pytest; `summary`: the tests logs t_*.log, their results). The wheels: scripts/device_wheels.sh.
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1

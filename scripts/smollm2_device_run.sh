@@ -3,7 +3,7 @@
 # acceptance and tok/s (scripts/smollm2_recipe.py has the stages). Every stage runs under its own
 # `timeout`; the seconds each took go to WORK/stages.jsonl.
 #
-#   [UNTIL=responses|train] [SWEEP="d1b8 ..."] [RESPONSE_S=S] [TRAIN_S=S] [STEPS=N] [LABELS=target] \
+#   [UNTIL=responses|train] [SWEEP="d1b8 ..."] [RESPONSE_S=S] [TRAIN_S=S] [STEPS=N] [LABELS=target] [INIT_d1b8=DIR] \
 #     scripts/smollm2_device_run.sh GGUF WORK OUT [full|toy]
 #
 # full: the H200 call (≤ 480 s). toy: the same commands at a few prompts on CPU (a check before
@@ -11,12 +11,13 @@
 # 15 MB pieces). A stage whose output exists is skipped and a draft's training resumes from its
 # checkpoint, so a run cut short continues where it stopped when called again on the same WORK;
 # on one warm machine, calls of one stage each (UNTIL; SWEEP names the drafts to train, of d1b8
-# d1b16 d2b16; RESPONSE_S and TRAIN_S their seconds) spread a longer recipe over several calls.
+# d1b16 d2b16 d2b8; RESPONSE_S and TRAIN_S their seconds) spread a longer recipe over several calls.
 set -o pipefail
 GGUF=$1; WORK=$2; OUT=$3; SCALE=${4:-full}
 UNTIL=${UNTIL:-measure}
 SWEEP=${SWEEP:-d1b8 d1b16 d2b16}
 LABELS=${LABELS:-tokens}   # train-draft --labels: target = the target's greedy choices on sampled rows too
+# INIT_<draft>=DIR: train-draft --init-from for that draft of the sweep (e.g. INIT_d1b8=blockspec/demo/smollm2-draft)
 mkdir -p "$WORK" "$OUT"
 START=$(date +%s)
 SEED=0
@@ -59,6 +60,8 @@ train() {   # train NAME STEPS flags...: one draft of the sweep, under the train
   local name=$1 steps=$2 resume=""
   shift 2
   [ -d "$WORK/$name/checkpoints" ] && resume="--resume"
+  local init="INIT_$name"
+  [ -n "${!init:-}" ] && resume="$resume --init-from ${!init}"
   timeout "$T_TRAIN" python -m blockspec train-draft --target "$GGUF" --data "$WORK/responses.jsonl" \
     --out "$WORK/$name" --target-layer-ids 1,10,19,27 --mask-token-id 16 --eval-every 0 --steps "$steps" \
     --eval-prompts 0 --quiet --seed $SEED --labels $LABELS $resume $TRAIN_DEV $TRAIN "$@" >> "$WORK/$name.log" 2>&1
@@ -69,6 +72,7 @@ flags() {   # the sweep's drafts
     d1b8) echo "$STEPS1 --num-layers 1 --block-size 8 --lr 2e-3" ;;
     d1b16) echo "$STEPS1 --num-layers 1 --block-size 16 --lr 2e-3" ;;
     d2b16) echo "$STEPS2 --num-layers 2 --block-size 16 --lr 1e-3" ;;
+    d2b8) echo "$STEPS2 --num-layers 2 --block-size 8 --lr 1e-3" ;;
   esac
 }
 
@@ -82,7 +86,7 @@ pack() {   # pack NAME: WORK/NAME's files gzipped into OUT, in pieces of 15 MB (
 }
 
 for d in $SWEEP; do
-  [ -n "$(flags "$d")" ] || { echo "SWEEP: unknown draft $d (d1b8, d1b16, d2b16)" >&2; exit 1; }
+  [ -n "$(flags "$d")" ] || { echo "SWEEP: unknown draft $d (d1b8, d1b16, d2b16, d2b8)" >&2; exit 1; }
 done
 [ -f "$WORK/prompts.train.jsonl" ] || stage prompts $T_PROMPTS python scripts/smollm2_recipe.py prompts --target "$GGUF" --work "$WORK" --seed $SEED $DEV $PROMPTS || exit 1
 [ -f "$WORK/responses.jsonl" ] || stage responses $T_RESPONSES python scripts/smollm2_recipe.py responses --target "$GGUF" --work "$WORK" --seed $SEED $DEV $RESPONSES || exit 1

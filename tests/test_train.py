@@ -191,6 +191,24 @@ def test_target_labels_are_the_targets_greedy_choices(tiny_target, tiny_data, tm
         config(tiny_target, sampled, tmp_path / "x", labels="soft")
 
 
+def test_init_from_starts_from_a_saved_drafts_weights(tiny_target, tiny_data, tmp_path):
+    """--init-from: the run's draft starts as the saved one (bf16 weights as saved, now fp32) and
+    trains from there; a draft of another shape or layer ids is a one-line error."""
+    from blockspec.train.loop import Ranks, Trainer, TrainError
+    train(config(tiny_target, tiny_data[0], tmp_path / "first", steps=6, save_every=0))
+    saved = load_file(str(tmp_path / "first" / "model.safetensors"))
+    trainer = Trainer(config(tiny_target, tiny_data[0], tmp_path / "second", init_from=str(tmp_path / "first"),
+                             block_size=8), Ranks(0, 1, torch.device("cpu")))
+    mine = trainer.draft.state_dict()
+    assert saved.keys() <= mine.keys()
+    assert all(torch.equal(mine[k], saved[k].float()) for k in saved)
+    fresh = Trainer(config(tiny_target, tiny_data[0], tmp_path / "third"), Ranks(0, 1, torch.device("cpu")))
+    assert not torch.equal(fresh.draft.state_dict()["fc.weight"], mine["fc.weight"])
+    with pytest.raises(TrainError, match="other settings \\(num_hidden_layers"):
+        Trainer(config(tiny_target, tiny_data[0], tmp_path / "fourth", init_from=str(tmp_path / "first"), num_layers=2),
+                Ranks(0, 1, torch.device("cpu")))
+
+
 def test_block_sparse_mask_sees_the_past_context_and_its_own_block():
     mask = blockwise.block_sparse_mask(torch.tensor([[2, 5]]), seq_len=6, block_size=2)[0, 0]
     assert mask.shape == (4, 6 + 4)

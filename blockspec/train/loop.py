@@ -27,7 +27,7 @@ MASK_TOKEN_NAMES = ("<|mask|>", "<mask>", "[MASK]", "<|MASK|>")
 PAD_TOKEN_NAMES = ("<|fim_pad|>", "<|pad|>", "<pad>", "[PAD]")
 # Settings that must match for --resume to continue the same run (steps may grow).
 RUN_KEYS = ("target", "data", "num_layers", "block_size", "target_layer_ids", "mask_token_id",
-            "batch_size", "lr", "seq_len", "num_anchors", "seed", "labels")
+            "batch_size", "lr", "seq_len", "num_anchors", "seed", "labels", "init_from")
 # What slot k of the block at anchor a learns: the row's own token at a + k, or the target's greedy
 # choice there, teacher-forced on the row. They are the same on greedy rows; on sampled rows the
 # row's token is often not what greedy verification accepts (BENCHMARKS.md, issue 32).
@@ -63,6 +63,7 @@ class TrainConfig:
     show_progress: bool = True
     max_seconds: float | None = None    # stop (saving a checkpoint and the draft) after this long
     labels: str = "tokens"              # LABELS
+    init_from: str | None = None        # a draft directory whose weights start the run (its own schedule)
 
     def __post_init__(self) -> None:
         positive = {"--num-layers": self.num_layers, "--steps": self.steps, "--batch-size": self.batch_size,
@@ -208,11 +209,31 @@ class Trainer:
         self.mask_token_id = int(self.draft_config["dflash_config"]["mask_token_id"])
         self.train_data, self.eval_data = self.read_data()
         self.draft = checkpoint.build_draft(self.draft_config, self.device, config.seed)
+        if config.init_from:
+            self.start_from(config.init_from)
         self.optimizer = torch.optim.AdamW(self.draft.parameters(), lr=config.lr, betas=(0.9, 0.95),
                                            weight_decay=0.01)
         self.weights = blockwise.position_weights(config.block_size, self.device)
         self.save_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.step = 0
+
+    def start_from(self, path: str) -> None:
+        """The weights of a saved draft of the same shape, layer ids and mask token (its block size
+        may differ: the weights do not depend on it), to train on from there: a run that
+        continues an earlier one's draft on a new machine, with a schedule and optimizer of its own."""
+        from blockspec.loader import load_draft
+        config_file = Path(path).expanduser() / "config.json"
+        try:
+            saved = json.loads(config_file.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise TrainError(f"--init-from {path}: no draft config.json there ({exc})") from None
+        keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "dflash_config")
+        differ = [k for k in keys if saved.get(k) != self.draft_config.get(k)]
+        if differ:
+            raise TrainError(f"--init-from {path}: that draft has other settings ({', '.join(differ)}) than this run's")
+        weights = load_draft(str(config_file.parent), self.target).state_dict()
+        self.draft.load_state_dict(weights)       # copied into the fp32 parameters
 
     def make_draft_config(self) -> dict[str, Any]:
         from blockspec.models.dflash import default_target_layer_ids
@@ -317,7 +338,7 @@ class Trainer:
         if found is None:
             raise TrainError(f"--resume: no checkpoint under {self.out / 'checkpoints'}")
         state = checkpoint.load_state(found, self.device)
-        saved = {"labels": "tokens", **state["run_args"]}           # checkpoints from before --labels
+        saved = {"labels": "tokens", "init_from": None, **state["run_args"]}   # checkpoints from before them
         changed = [k for k, v in self.run_args().items() if saved.get(k) != v]
         if changed:
             raise TrainError(f"--resume: {found} was trained with other settings ({', '.join(changed)}); "
