@@ -27,8 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from draft_overfit import BLOCK, greedy_rows, log, make_trainer, mean, replayed  # noqa: E402
-from smollm2_prompts import HELD_OUT  # noqa: E402
+from draft_overfit import BLOCK, log, make_trainer, mean, replayed, start  # noqa: E402
 
 from blockspec.engine.oneshot import forward_sequences  # noqa: E402
 from blockspec.train import blockwise  # noqa: E402
@@ -96,13 +95,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="where the fine-tuned draft is saved")
     args = parser.parse_args()
-    if args.gguf is None:
-        from blockspec import named
-        args.gguf = str(named.resolve("smollm2"))
-    torch.set_num_threads(args.threads)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    chat = greedy_rows(args.gguf, HELD_OUT[: args.chat_prompts], args.tokens, work / "responses.jsonl")
+    work, chat = start(args, args.chat_prompts)
     sets = rows_by_kind(Path(args.data), args.rows, 0, args.seq_len)
     kinds = [k for k in args.finetune_kinds.split(",") if k]
     train_path = work / "finetune.jsonl"

@@ -167,6 +167,18 @@ def train(trainer: loop.Trainer) -> list[float]:
     return losses
 
 
+def start(args, prompts: int) -> tuple[Path, list[dict]]:
+    """args.gguf resolved (default: --model smollm2's file), torch's threads set, WORK made, and
+    the target's greedy answers to the first `prompts` HELD_OUT chat prompts (cached there)."""
+    if args.gguf is None:
+        from blockspec import named
+        args.gguf = str(named.resolve("smollm2"))
+    torch.set_num_threads(args.threads)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    return work, greedy_rows(args.gguf, HELD_OUT[:prompts], args.tokens, work / "responses.jsonl")
+
+
 def record(work: Path, result: dict) -> None:
     log(json.dumps(result))
     with (work / "results.jsonl").open("a") as f:
@@ -197,13 +209,7 @@ def main() -> int:
     parser.add_argument("--draft", default=str(SHIPPED), help="the draft --stage shipped measures")
     parser.add_argument("--engine", action="store_true", help="also measure with our engine (slower)")
     args = parser.parse_args()
-    if args.gguf is None:
-        from blockspec import named
-        args.gguf = str(named.resolve("smollm2"))
-    torch.set_num_threads(args.threads)
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    chat = greedy_rows(args.gguf, HELD_OUT[: args.prompts], args.tokens, work / "responses.jsonl")
+    work, chat = start(args, args.prompts)
     data_path = work / "responses.jsonl"
     log(f"{len(chat)} chat answers, {sum(len(r['token_ids']) - r['prompt_len'] for r in chat)} answer tokens")
     if args.stage == "shipped":
