@@ -16,7 +16,7 @@ from scipy.stats import chi2_contingency
 import fixtures
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.engine.spec.dflash import Proposal, accept
-from blockspec.engine.spec.policy import (WARMUP_OBSERVATIONS, Calibration, CostTable, Speculation, allocate,
+from blockspec.engine.spec.policy import (NUM_BINS, WARMUP_OBSERVATIONS, Calibration, CostTable, Speculation, allocate,
                                           expected_committed, forwards_ms, interpolate)
 from blockspec.loader import load_draft, load_model
 from blockspec.sampling import SamplingParams
@@ -194,6 +194,26 @@ def test_calibration_learns_an_overconfident_draft_and_each_sequence_its_own():
     assert float(cal.predicted(torch.tensor([2]))[0, 0]) > 0.3
     cal.reset(0)
     assert cal.calibrate(conf, rows)[0, 0] != calibrated[0, 0]
+
+
+def test_a_new_sequence_starts_from_what_the_engines_sequences_realised():
+    """A weak draft whose confidences sit in the middle bins never informs the top bin, so a new
+    sequence predicted at the top bin's estimate would verify whole blocks again (on CPU, SmolLM2's
+    draft: ~20 cycles of each request). It starts from the engine's recent cycles instead; before
+    any, at the top bin (a fresh draft is tried); and the average is the same however the cycles
+    were batched."""
+    conf = np.full((2, 4), 0.35)
+    one, two = Calibration(4), Calibration(4)
+    assert one.predicted([5])[0, 0] > 0.9                                   # nothing seen: try it
+    for _ in range(60):
+        calibrated = one.calibrate(conf, [0, 1])
+        one.observe(conf[:1], calibrated[:1], [4], [0], [0])
+        one.observe(conf[1:], calibrated[1:], [4], [0], [1])
+        two.observe(conf, two.calibrate(conf, [0, 1]), [4, 4], [0, 0], [0, 1])
+    assert float(one.engine_estimate()[0, NUM_BINS - 1]) > 0.9              # the top bin: still its prior
+    newcomer = one.predicted([5])
+    assert newcomer[0, 0] < 0.4 and np.array_equal(newcomer, two.predicted([5]))
+    assert np.allclose(newcomer, one.predicted([0]), atol=0.05)               # what the others do now
 
 
 def test_speculation_skips_the_draft_when_nothing_pays_and_probes_now_and_then():

@@ -45,6 +45,7 @@ NUM_BINS = 10                       # confidence bins on [0, 1]
 PRIOR_STRENGTH = 4.0                # pseudo-observations behind each prior
 SEQUENCE_DECAY = 0.98               # a sequence's old observations fade (its text changes)
 SLOT_EMA = 0.3                      # weight of the newest cycle in a sequence's per-slot prediction
+ENGINE_EMA = 0.05                   # weight of each cycle in the engine-wide one a new sequence starts from
 
 
 def expected_committed(probs: Seq[float], k: int) -> float:
@@ -308,6 +309,7 @@ class Calibration:
         self.accepted = np.zeros((0, NUM_GROUPS, NUM_BINS))                          # [rows, G, bins]
         self.seen = np.zeros_like(self.accepted)
         self.recent = np.zeros((0, num_slots))                                         # [rows, L]
+        self.engine_recent = np.full(num_slots, math.nan)     # what sequences' cycles realised lately
         self.grow(capacity)
 
     def grow(self, capacity: int) -> None:
@@ -369,12 +371,18 @@ class Calibration:
         if np.isnan(products).any():
             fresh = np.cumprod(np.where(np.isnan(products), conditionals(old), conditionals(fresh)), axis=1)
         self.recent[rows] = fresh
+        for cycle in fresh[~np.isnan(fresh).any(axis=1)]:   # cycle by cycle: the same whatever the batch
+            self.engine_recent = cycle if np.isnan(self.engine_recent).any() else \
+                (1 - ENGINE_EMA) * self.engine_recent + ENGINE_EMA * cycle
 
     def predicted(self, rows) -> np.ndarray:
         """[B, L] per-slot p whose prefix products are each sequence's recent average ones; a
-        sequence never drafted yet gets the engine-wide estimate of the top confidence bin
-        (a fresh draft is tried)."""
-        default = np.cumprod(self.engine_estimate()[self.groups, NUM_BINS - 1])
+        sequence never drafted yet starts from what the engine's sequences realised lately (a
+        draft that stopped paying is not tried whole again by every new request), and before any
+        from the engine-wide estimate of the top confidence bin (a fresh draft is tried)."""
+        default = self.engine_recent
+        if np.isnan(default).any():
+            default = np.cumprod(self.engine_estimate()[self.groups, NUM_BINS - 1])
         products = self.recent[np.asarray(rows, dtype=np.int64)]
         products = np.where(np.isnan(products), default[None], products)
         return clamp(conditionals(products), 0.0, 1.0)
