@@ -37,12 +37,12 @@ if [ "$M" = 2 ]; then
   timeout ${SPLIT_S:-110} python3 scripts/host_split.py --shape qwen3-8b --concurrency 1 8 32 --profile \
     > "$OUT/host_split.txt" 2>&1; grep '^{' "$OUT/host_split.txt" | tee -a "$LOG"
 elif [ "$M" = 3 ]; then
-  stage "multi-turn Qwen3.5-4B 16k, empty Triton cache" env TRITON_CACHE_DIR=/tmp/triton-cold timeout ${MT_S:-300} \
+  stage "multi-turn Qwen3.5-4B 16k, empty Triton cache" env TRITON_CACHE_DIR=/tmp/triton-cold timeout ${MT_S:-260} \
     $B --shape qwen3.5-4b --multi-turn 1x3 --system-prompt-tokens 16000 --user-tokens 64 --max-tokens 128 \
     --accept-len 6.5 --out "$OUT/multiturn.json"
-  stage "hybrid Qwen3.5-4B at 1" timeout ${HYB_S:-200} $A --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid.json"
+  stage "hybrid Qwen3.5-4B at 1" timeout ${HYB_S:-150} $A --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid.json"
   echo "=== host split, hybrid at 1 ($(date +%T))" | tee -a "$LOG"    # where the cycle's 4 ms outside the forwards go
-  timeout ${HSPLIT_S:-120} python3 scripts/host_split.py --shape qwen3.5-4b --concurrency 1 \
+  timeout ${HSPLIT_S:-90} python3 scripts/host_split.py --shape qwen3.5-4b --concurrency 1 \
     > "$OUT/host_split_hybrid.txt" 2>&1; grep '^{' "$OUT/host_split_hybrid.txt" | tee -a "$LOG"
-  stage "images: Qwen3.5-4B shape with its tower (decode on the graphs)" timeout ${VIS_S:-100} python3 scripts/vision_bench.py
+  stage "images: Qwen3.5-4B shape with its tower (decode on the graphs)" timeout ${VIS_S:-80} python3 scripts/vision_bench.py
 fi
