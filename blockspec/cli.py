@@ -183,14 +183,6 @@ def check_device(device: str) -> None:
         raise UsageError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
 
 
-def device_type_of(device: str) -> str:
-    """cpu or cuda: what --device (auto, cpu, cuda, cuda:N) runs on."""
-    if device == "auto":
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device.split(":")[0]
-
-
 def use_demo_without_model(args: argparse.Namespace) -> None:
     """No --model: the demo target with its DFlash draft, on CPU unless --device says otherwise.
     A named model (--model smollm2) gets the draft shipped for it unless --draft says otherwise,
@@ -199,7 +191,8 @@ def use_demo_without_model(args: argparse.Namespace) -> None:
         from blockspec.named import default_draft, draft_attached_on
         shipped = default_draft(args.model)
         if args.draft is None and shipped is not None:
-            device_type = device_type_of(args.device)
+            from blockspec.loader import resolve_device
+            device_type = resolve_device(args.device).type
             if draft_attached_on(args.model, device_type):
                 args.draft = str(shipped)
             else:

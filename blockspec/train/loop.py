@@ -11,7 +11,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -338,7 +338,8 @@ class Trainer:
         if found is None:
             raise TrainError(f"--resume: no checkpoint under {self.out / 'checkpoints'}")
         state = checkpoint.load_state(found, self.device)
-        saved = {"labels": "tokens", "init_from": None, **state["run_args"]}   # checkpoints from before them
+        # A key an older checkpoint lacks (a flag added since) had its default then.
+        saved = {**{f.name: f.default for f in fields(TrainConfig) if f.name in RUN_KEYS}, **state["run_args"]}
         changed = [k for k, v in self.run_args().items() if saved.get(k) != v]
         if changed:
             raise TrainError(f"--resume: {found} was trained with other settings ({', '.join(changed)}); "
