@@ -1,7 +1,8 @@
 """The FP8 weight-only kernel against bf16 (cuBLAS through F.linear) at the Qwen3-8B linear
 shapes, graphed, at M = 1, 16, 256 rows; the FP8 × FP8 kernel at 256; per-channel scales
 against 128 × 128 blocks (speed here; accuracy: the relative error of each against the bf16
-product); a small sweep of the weight-only kernel's column tile and K split at M = 1 and 16; the
+product); a sweep of the weight-only kernels' tiles at M = 1 and 16 (the tl.dot kernel's column tile, K
+split and stages; the one-row GEMV's column tile, scale blocks an iteration, K split, warps); the
 auto-chosen tiles with the K split turned off.
 
 COPIES distinct weights per graph, so no weight is still in L2 from the replay before (a real
@@ -72,7 +73,9 @@ def shape_rows(name: str, out_features: int, in_features: int, bandwidth: float)
 
 
 def sweep(name: str, out_features: int, in_features: int) -> list[dict]:
-    """Weight-only tiles (BLOCK_M 16) at M = 1 and 16: the column tile and the K split."""
+    """Weight-only tiles at M = 1 and 16: the tl.dot kernel's column tile, K split and stages
+    (BLOCK_M 16), and at M = 1 the GEMV kernel's column tile, scale blocks an iteration, K split
+    and warps. Prints the three fastest of each (M, kernel) and the chosen tiles' time."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     blocks = [fp8.quantize((torch.randn(out_features, in_features, device="cuda", generator=gen) * 0.02))
               for _ in range(COPIES)]
@@ -80,15 +83,32 @@ def sweep(name: str, out_features: int, in_features: int) -> list[dict]:
     for m in (1, 16):
         x = torch.randn(m, in_features, device="cuda", generator=gen).to(torch.bfloat16)
         chosen = K.weight_only_tiles(m, out_features, in_features, K.num_sms(torch.device("cuda", 0)))
-        for block_n in (32, 64):
-            for split in (1, 2, 4, 8):
-                tiles = K.WeightOnlyTiles(16, block_n, 4, 4, split)
+        candidates = [K.WeightOnlyTiles(16, block_n, 4, stages, split) for block_n in (32, 64, 128)
+                      for split in (1, 2, 4, 8) for stages in (3, 4)]
+        if m == 1:
+            candidates += [K.WeightOnlyTiles(1, block_n, warps, 2, split, gemv=True, k_blocks=kb)
+                           for block_n in (16, 32, 64) for kb in (1, 2, 4) for split in (1, 2, 4, 8)
+                           for warps in (4, 8)]
+        if chosen not in candidates:
+            candidates.append(chosen)
+        rows = []
+        for tiles in candidates:
+            try:
                 us = per_linear_us(lambda: [K.weight_only_linear(x, q, s, fp8.ScaleBlock(), None, tiles)
                                             for q, s in blocks], COPIES)
-                out.append({"linear": name, "M": m, "block_n": block_n, "split_k": split, "us": round(us, 2),
-                            "chosen": tiles == chosen})
-        best = min((r for r in out if r["M"] == m), key=lambda r: r["us"])
-        print(json.dumps({"sweep_best": best, "chosen": str(chosen)}), flush=True)
+            except Exception as error:          # a tile that does not fit (shared memory, registers)
+                print(json.dumps({"linear": name, "M": m, "tiles": str(tiles), "error": str(error)[:120]}))
+                continue
+            rows.append({"linear": name, "M": m, "block_n": tiles.block_n, "split_k": tiles.split_k,
+                         "stages": tiles.num_stages, "warps": tiles.num_warps, "gemv": tiles.gemv,
+                         "k_blocks": tiles.k_blocks, "us": round(us, 2),
+                         "GBps": round(out_features * in_features / us / 1e3, 1), "chosen": tiles == chosen})
+        for gemv in (False, True):
+            ranked = sorted((r for r in rows if r["gemv"] == gemv), key=lambda r: r["us"])[:3]
+            if ranked:
+                print(json.dumps({"sweep_best": ranked, "gemv": gemv}), flush=True)
+        print(json.dumps({"sweep_chosen": [r for r in rows if r["chosen"]], "tiles": str(chosen)}), flush=True)
+        out += rows
     return out
 
 
@@ -101,7 +121,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copies": COPIES,
               "rows": [r for name, (n, k) in SHAPES.items() for r in shape_rows(name, n, k, bandwidth)]}
     if not args.no_sweep:
-        result["sweep"] = [r for name in ("o_proj", "down_proj") for r in sweep(name, *SHAPES[name])]
+        result["sweep"] = [r for name in SHAPES for r in sweep(name, *SHAPES[name])]
     total = {m: {key: sum(r[key] for r in result["rows"] if r["M"] == m) for key in ("bf16_us", "fp8_block_us",
                                                                                    "fp8_channel_us")}
              for m in ROWS}

@@ -2,9 +2,11 @@
 process (issue 31: adaptive measured 0.90× fixed at 8 sequences on the H200 with the same
 acceptance, i.e. a slower cycle, not fewer tokens). Each engine phase is wrapped with a wall
 clock; `collect` includes waiting for the device. Then the adaptive run again under cProfile,
-its top functions by own time.
+its top functions by own time; or (--torch-profile) the fixed run under torch's profiler, the
+host's ops and the device's kernels outside the graphs by own time (issue 31: the hybrid cycle's
+~4 ms outside its two graphed forwards).
 
-    python scripts/host_split.py --shape qwen3-8b --concurrency 8 [--profile]
+    python scripts/host_split.py --shape qwen3-8b --concurrency 8 [--profile] [--torch-profile]
 """
 from __future__ import annotations
 
@@ -48,7 +50,22 @@ def timed_phases(totals: dict[str, float]) -> list:
     return patches
 
 
-def measure(target, draft, mode: str, concurrency: int, block: int, profile, use_cprofile: bool) -> dict:
+def torch_profiled(engine, concurrency: int) -> str:
+    """A few closed-loop rounds under torch.profiler: the host's ops by own CPU time, then the
+    device's by own device time (a graph's replay is one cudaGraphLaunch on the host)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=activities) as prof:
+        run_batch(engine, concurrency, 128, 32, rounds=1)
+    table = prof.key_averages()
+    text = table.table(sort_by="self_cpu_time_total", row_limit=45)
+    if torch.cuda.is_available():
+        text += "\n" + table.table(sort_by="self_cuda_time_total", row_limit=25)
+    return text
+
+
+def measure(target, draft, mode: str, concurrency: int, block: int, profile, use_cprofile: bool,
+            use_torch_profile: bool = False) -> dict:
     engine = bench_engine(target, draft, block if draft is not None else 1, concurrency, 128, 128, mode)
     patches = []
     if draft is not None:
@@ -70,6 +87,7 @@ def measure(target, draft, mode: str, concurrency: int, block: int, profile, use
         out = {"tok_s": round(result["tok_s"], 1), "ms_per_cycle": round(result["ms_per_cycle"], 3),
                "acceptance": round(result["mean_acceptance_length"], 3), "steps": steps,
                **{f"{k}_ms": round(v * 1e3 / steps, 3) for k, v in totals.items()}}
+        print(json.dumps({"mode": mode, "concurrency": concurrency, **out}), flush=True)   # before any profile
         if use_cprofile:
             prof = cProfile.Profile()
             prof.enable()
@@ -78,6 +96,8 @@ def measure(target, draft, mode: str, concurrency: int, block: int, profile, use
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
             out["cprofile"] = text.getvalue()
+        if use_torch_profile:
+            out["cprofile"] = torch_profiled(engine, concurrency)
     finally:
         for p in reversed(patches):
             p.stop()
@@ -92,6 +112,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8])
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--profile", action="store_true", help="also the adaptive run under cProfile")
+    ap.add_argument("--torch-profile", action="store_true", help="also the fixed run under torch.profiler")
+    ap.add_argument("--modes", default="fixed,adaptive")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -99,10 +121,10 @@ def main() -> None:
     _, _, target, draft = build_models(SHAPES[args.shape], device, dtype, args.block_size)
     profile = parse_accept_profile("latent:6.5", args.block_size)
     for c in args.concurrency:
-        for mode in ("fixed", "adaptive"):
-            r = measure(target, draft, mode, c, args.block_size, profile, args.profile and mode == "adaptive")
+        for mode in args.modes.split(","):
+            r = measure(target, draft, mode, c, args.block_size, profile, args.profile and mode == "adaptive",
+                        args.torch_profile and mode == "fixed")
             text = r.pop("cprofile", None)
-            print(json.dumps({"mode": mode, "concurrency": c, **r}), flush=True)
             if text:
                 print(text, flush=True)
 

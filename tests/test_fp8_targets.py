@@ -266,16 +266,24 @@ import torch
 from blockspec.kernels import fp8 as K
 from blockspec.layers import fp8
 gen = torch.Generator().manual_seed(0)
+# ragged K and N (the masked loads), K and N the tiles divide (the mask-free ones), per channel
 for rows, n, k, block in [(1, 40, 200, fp8.ScaleBlock()), (5, 130, 256, fp8.ScaleBlock(rows=1)),
-                          (17, 64, 96, fp8.ScaleBlock(rows=1, cols=96))]:          # per channel
+                          (17, 64, 96, fp8.ScaleBlock(rows=1, cols=96)), (1, 64, 512, fp8.ScaleBlock()),
+                          (3, 96, 768, fp8.ScaleBlock()), (1, 32, 384, fp8.ScaleBlock(rows=1, cols=384))]:
     weight = torch.randn(n, k, generator=gen)
     q, scale = fp8.quantize(weight, block)
     x = torch.randn(rows, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     ref = K.reference_linear(x, q, scale, block, bias)
-    for split in (1, 2, 3):                                      # K split: partial sums added in order
-        out = K.weight_only_linear(x, q, scale, block, bias, tiles=K.WeightOnlyTiles(16, 32, 4, 2, split))
-        assert (out - ref).abs().max() < 1e-4 * ref.abs().max(), (rows, n, k, split)
+    tiles = [K.WeightOnlyTiles(16, 32, 4, 2, split) for split in (1, 2, 3)]   # K split: partials added in order
+    if rows == 1:                                # the GEMV: 1 or 2 scale blocks an iteration, split or not
+        tiles += [K.WeightOnlyTiles(1, 16, 4, 2, split, gemv=True, k_blocks=kb) for split in (1, 2) for kb in (1, 2)]
+    for t in tiles:
+        out = K.weight_only_linear(x, q, scale, block, bias, tiles=t)
+        assert (out - ref).abs().max() < 1e-4 * ref.abs().max(), (rows, n, k, t)
+        if t.gemv:
+            assert (K.weight_only_linear(x, q, scale, block, None, tiles=t) + bias - ref).abs().max() \
+                < 1e-4 * ref.abs().max(), (rows, n, k, t)
     # FP8 x FP8 against the product of its own quantized activations (the interpreter's e4m3
     # conversion truncates, so its codes are not torch's; the GPU test compares those too)
     x_q, x_scale = K.quantize_rows(x)

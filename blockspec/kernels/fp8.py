@@ -104,6 +104,10 @@ class WeightOnlyTiles:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    # GEMV (one row): no tl.dot, whose 16-row tile would be 15/16 padding; each program reduces
+    # its [BLOCK_N, k_blocks · 128] weight tile against x with fp32 FMAs.
+    gemv: bool = False
+    k_blocks: int = 1
 
 
 # K splits give each program at least this many 128-column tiles; at most MAX_SPLITS of them.
@@ -130,20 +134,34 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if num_rows == 0:
         return out
     tiles = tiles or weight_only_tiles(num_rows, out_features, in_features, num_sms(x.device))
-    k_tiles = triton.cdiv(in_features, BLOCK)
+    if tiles.gemv and num_rows != 1:
+        raise ValueError(f"the GEMV tiles take one row, not {num_rows}")
+    step = BLOCK * (tiles.k_blocks if tiles.gemv else 1)      # columns one loop iteration reads
+    k_tiles = triton.cdiv(in_features, step)
     split = min(tiles.split_k, k_tiles)
     tiles_per_split = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, tiles_per_split)              # no empty split
     partial = (torch.empty(split, num_rows, out_features, dtype=torch.float32, device=x.device)
                if split > 1 else out)                                                    # [S, M, N]
-    grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split)
-    _weight_only_kernel[grid](
-        x, weight, scale, bias if bias is not None else x, partial, num_rows, out_features, in_features,
-        tiles_per_split * BLOCK, x.stride(0), weight.stride(0), scale.stride(0), partial.stride(-2),
-        num_rows * out_features, SCALE_ROWS=block.rows, SCALE_COLS=scale_cols(block, in_features),
-        HAS_BIAS=bias is not None and split == 1, PRECISION="ieee" if x.dtype == torch.float32 else None,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+    k_per_split = tiles_per_split * step
+    # Loads without masks where the shape allows (every real checkpoint's K and N): the masks'
+    # runtime bounds keep Triton from issuing the widest vector loads.
+    even_k = in_features % k_per_split == 0
+    even_n = out_features % tiles.block_n == 0
+    common = dict(SCALE_ROWS=block.rows, SCALE_COLS=scale_cols(block, in_features),
+                  HAS_BIAS=bias is not None and split == 1, EVEN_K=even_k, EVEN_N=even_n,
+                  BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    if tiles.gemv:
+        _gemv_kernel[(triton.cdiv(out_features, tiles.block_n), split)](
+            x, weight, scale, bias if bias is not None else x, partial, out_features, in_features, k_per_split,
+            weight.stride(0), scale.stride(0), out_features, KB=tiles.k_blocks, BLOCK_K=BLOCK, **common)
+    else:
+        grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split)
+        _weight_only_kernel[grid](
+            x, weight, scale, bias if bias is not None else x, partial, num_rows, out_features, in_features,
+            k_per_split, x.stride(0), weight.stride(0), scale.stride(0), partial.stride(-2),
+            num_rows * out_features, PRECISION="ieee" if x.dtype == torch.float32 else None,
+            BLOCK_M=tiles.block_m, BLOCK_K=BLOCK, **common)
     if split > 1:
         size = num_rows * out_features
         _split_sum_kernel[(triton.cdiv(size, 1024),)](partial, bias if bias is not None else x, out, size,
@@ -198,10 +216,12 @@ if triton is not None:
     @triton.jit
     def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
                             stride_sn, stride_om, stride_split, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
         """out[split, m, n] = Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[m, k] · w[n, k] over
-        the split's columns K_PER_SPLIT · split … (+ bias[n]); one split: out[m, n] in out's dtype."""
+        the split's columns K_PER_SPLIT · split … (+ bias[n]); one split: out[m, n] in out's dtype.
+        EVEN_K: K is a multiple of K_PER_SPLIT; EVEN_N: N of BLOCK_N (no masks on the weight)."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k_start = tl.program_id(2) * K_PER_SPLIT
@@ -212,11 +232,15 @@ if triton is not None:
         s_ptrs = s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
-            k_ok = offs_k < K - k
-            a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs) if EVEN_N else tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k < K - k
+                a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             partial = tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
-            s = tl.load(s_ptrs + k // SCALE_COLS, mask=n_ok, other=0.0)
+            s = tl.load(s_ptrs + k // SCALE_COLS) if EVEN_N else tl.load(s_ptrs + k // SCALE_COLS, mask=n_ok, other=0.0)
             acc += partial * s[None, :]
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -225,6 +249,40 @@ if triton is not None:
         out_ptrs = (out_ptr + tl.program_id(2).to(tl.int64) * stride_split + offs_m[:, None].to(tl.int64) * stride_om
                     + offs_n[None, :])
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, K_PER_SPLIT, stride_wn, stride_sn, stride_split,
+                     SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                     EVEN_N: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One row: out[split, 0, n] = Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[k] · w[n, k]
+        (+ bias[n]) over the split's columns, KB blocks of BLOCK_K (one scale each) an iteration;
+        products and sums in fp32 (an e4m3 times a bf16 value is exact in fp32)."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_start = tl.program_id(1) * K_PER_SPLIT
+        offs_k = tl.arange(0, KB * BLOCK_K)
+        n_ok = offs_n < N
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k_start + offs_k[None, :]   # [BLOCK_N, KB·BLOCK_K]
+        s_rows = s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), KB * BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptr + k + offs_k).to(tl.float32)
+                w = tl.load(w_ptrs) if EVEN_N else tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < K - k
+                x = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            products = tl.reshape(w.to(tl.float32) * x[None, :], [BLOCK_N, KB, BLOCK_K])
+            block_sums = tl.sum(products, axis=2)                                             # [BLOCK_N, KB]
+            columns = (k + tl.arange(0, KB) * BLOCK_K) // SCALE_COLS
+            s_mask = n_ok[:, None] & ((k + tl.arange(0, KB) * BLOCK_K) < K)[None, :]
+            s = tl.load(s_rows[:, None] + columns[None, :], mask=s_mask, other=0.0)
+            acc += tl.sum(block_sums * s, axis=1)
+            w_ptrs += KB * BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * stride_split + offs_n, acc.to(out_ptr.dtype.element_ty),
+                 mask=n_ok)
 
     @triton.jit
     def _split_sum_kernel(partial_ptr, b_ptr, out_ptr, size, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
