@@ -6,7 +6,8 @@
 #                                   # fixed vs plain 1…256, HTTP bursts with fresh connections
 #   bash scripts/gpu_round42.sh 2   # the FP8 weight-only tiles swept (the tl.dot kernel's and the one-row
 #                                   # GEMV's), tests/gpu/test_fp8.py beside the hybrid cycle's torch profile
-#   bash scripts/gpu_round42.sh 3   # what the sweep chose, in the engine: FP8 vs bf16 steps; tests/gpu
+#   bash scripts/gpu_round42.sh 3   # the sweep's choice in the engine (FP8 vs bf16 steps), tests/gpu/test_fp8.py
+#                                   # beside the hybrid's decode cycles profiled, fused vs unfused output norm
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -29,6 +30,17 @@ if [ "$M" = 2 ]; then
   echo "=== host split + torch profile, hybrid Qwen3.5-4B at 1 ($(date +%T))" | tee -a "$LOG"
   timeout ${HSPLIT_S:-220} python3 scripts/host_split.py --shape qwen3.5-4b --concurrency 1 --modes fixed --torch-profile \
     > "$OUT/host_split_hybrid.txt" 2>&1; grep '^{' "$OUT/host_split_hybrid.txt" | tee -a "$LOG"
+  wait
+  summary
+fi
+if [ "$M" = 3 ]; then
+  stage "FP8 kernels (the one-row GEMV chosen)" timeout ${FP8K_S:-40} python3 scripts/fp8_kernel_bench.py --no-sweep
+  stage "FP8 vs bf16, Qwen3-8B" timeout ${FP8_S:-80} $B --shape qwen3-8b --accept-len 6.5 --quantization fp8 \
+    --concurrency 1 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
+  timeout ${TESTS_S:-230} $T tests/gpu/test_fp8.py > "$OUT/t_fp8.log" 2>&1 &
+  echo "=== hybrid Qwen3.5-4B at 1: fused vs unfused output norm, decode cycles profiled ($(date +%T))" | tee -a "$LOG"
+  timeout ${HSPLIT_S:-230} python3 scripts/host_split.py --shape qwen3.5-4b --concurrency 1 --modes fixed,fixed-unfused \
+    --torch-profile > "$OUT/host_split_hybrid.txt" 2>&1; grep '^{' "$OUT/host_split_hybrid.txt" | tee -a "$LOG"
   wait
   summary
 fi

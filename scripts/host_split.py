@@ -21,7 +21,7 @@ from unittest import mock
 
 import torch
 
-from blockspec.bench.common import SHAPES, bench_engine, build_models, release, run_batch
+from blockspec.bench.common import SHAPES, bench_engine, build_models, release, run_batch, synchronize
 from blockspec.bench.speculation import parse_accept_profile
 from blockspec.engine import model_runner
 from blockspec.engine.engine import Engine
@@ -50,13 +50,30 @@ def timed_phases(totals: dict[str, float]) -> list:
     return patches
 
 
-def torch_profiled(engine, concurrency: int) -> str:
-    """A few closed-loop rounds under torch.profiler: the host's ops by own CPU time, then the
-    device's by own device time (a graph's replay is one cudaGraphLaunch on the host)."""
+def torch_profiled(engine, concurrency: int, cycles: int = 12) -> str:
+    """`cycles` decode cycles under torch.profiler, after every request's prefill (so only
+    what a cycle runs is in it): the host's ops by own CPU time, then the device's by own
+    device time (a graph's replay is one cudaGraphLaunch on the host)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from blockspec.engine.request import Request
+    from blockspec.sampling import SamplingParams
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    gen = torch.Generator().manual_seed(1)
+    requests = [Request(f"profiled-{i}", torch.randint(1000, 100000, (128,), generator=gen).tolist(),
+                        SamplingParams(max_tokens=cycles * 16 + 16), frozenset(), engine.config.max_model_len)
+                for i in range(concurrency)]
+    for request in requests:
+        engine.submit(request, lambda event: None)
+    while not all(r.output_ids for r in requests):
+        engine.step()
+    synchronize()
     with torch_profile(activities=activities) as prof:
-        run_batch(engine, concurrency, 128, 32, rounds=1)
+        for _ in range(cycles):
+            engine.step()
+        synchronize()
+    while not all(r.is_finished for r in requests):
+        engine.step()
     table = prof.key_averages()
     text = table.table(sort_by="self_cpu_time_total", row_limit=45)
     if torch.cuda.is_available():
@@ -65,7 +82,7 @@ def torch_profiled(engine, concurrency: int) -> str:
 
 
 def measure(target, draft, mode: str, concurrency: int, block: int, profile, use_cprofile: bool,
-            use_torch_profile: bool = False) -> dict:
+            use_torch_profile: bool = False, label: str | None = None) -> dict:
     engine = bench_engine(target, draft, block if draft is not None else 1, concurrency, 128, 128, mode)
     patches = []
     if draft is not None:
@@ -87,7 +104,7 @@ def measure(target, draft, mode: str, concurrency: int, block: int, profile, use
         out = {"tok_s": round(result["tok_s"], 1), "ms_per_cycle": round(result["ms_per_cycle"], 3),
                "acceptance": round(result["mean_acceptance_length"], 3), "steps": steps,
                **{f"{k}_ms": round(v * 1e3 / steps, 3) for k, v in totals.items()}}
-        print(json.dumps({"mode": mode, "concurrency": concurrency, **out}), flush=True)   # before any profile
+        print(json.dumps({"mode": label or mode, "concurrency": concurrency, **out}), flush=True)   # before any profile
         if use_cprofile:
             prof = cProfile.Profile()
             prof.enable()
@@ -113,7 +130,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--profile", action="store_true", help="also the adaptive run under cProfile")
     ap.add_argument("--torch-profile", action="store_true", help="also the fixed run under torch.profiler")
-    ap.add_argument("--modes", default="fixed,adaptive")
+    ap.add_argument("--modes", default="fixed,adaptive",
+                    help="of fixed, adaptive, and fixed-unfused: fixed with the GDN output norm outside the "
+                         "recurrent kernel for every verify (models/gated_delta.FUSE_NORM_MAX_ROWS = 1)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -122,8 +141,15 @@ def main() -> None:
     profile = parse_accept_profile("latent:6.5", args.block_size)
     for c in args.concurrency:
         for mode in args.modes.split(","):
-            r = measure(target, draft, mode, c, args.block_size, profile, args.profile and mode == "adaptive",
-                        args.torch_profile and mode == "fixed")
+            from blockspec.models import gated_delta
+            fused_max, gated_delta.FUSE_NORM_MAX_ROWS = gated_delta.FUSE_NORM_MAX_ROWS, (
+                1 if mode == "fixed-unfused" else gated_delta.FUSE_NORM_MAX_ROWS)
+            try:
+                r = measure(target, draft, mode.split("-")[0], c, args.block_size, profile,
+                            args.profile and mode == "adaptive", args.torch_profile and mode.startswith("fixed"),
+                            label=mode)
+            finally:
+                gated_delta.FUSE_NORM_MAX_ROWS = fused_max
             text = r.pop("cprofile", None)
             if text:
                 print(text, flush=True)

@@ -278,6 +278,8 @@ for rows, n, k, block in [(1, 40, 200, fp8.ScaleBlock()), (5, 130, 256, fp8.Scal
     tiles = [K.WeightOnlyTiles(16, 32, 4, 2, split) for split in (1, 2, 3)]   # K split: partials added in order
     if rows == 1:                                # the GEMV: 1 or 2 scale blocks an iteration, split or not
         tiles += [K.WeightOnlyTiles(1, 16, 4, 2, split, gemv=True, k_blocks=kb) for split in (1, 2) for kb in (1, 2)]
+        assert K.weight_only_tiles(1, n, k, 1).gemv                               # the default at one row
+        assert (K.weight_only_linear(x, q, scale, block, bias) - ref).abs().max() < 1e-4 * ref.abs().max()
     for t in tiles:
         out = K.weight_only_linear(x, q, scale, block, bias, tiles=t)
         assert (out - ref).abs().max() < 1e-4 * ref.abs().max(), (rows, n, k, t)

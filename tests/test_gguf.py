@@ -72,14 +72,21 @@ def reference(smollm2_path, reference_tokenizer):
     model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, dtype=torch.float32,
                                                               gguf_file=smollm2_path.name)
     model.eval()
+    # One left-padded batch with its attention mask (a third of the time of ten generate calls on
+    # the CI's two cores; the same tokens, checked against the one-by-one calls when written):
+    # each row is cut after its first end of turn, where a lone generate would stop.
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = [tokenizer.apply_chat_template(messages(prompt), add_generation_prompt=True, tokenize=True,
+                                         return_dict=False) for prompt in PROMPTS]
+    width, pad = max(map(len, ids)), eos
+    batch = torch.tensor([[pad] * (width - len(row)) + row for row in ids])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in ids])
+    with torch.no_grad():
+        out = model.generate(batch, attention_mask=mask, max_new_tokens=MAX_TOKENS, do_sample=False,
+                             eos_token_id=eos, pad_token_id=pad)
     outputs = []
-    for prompt in PROMPTS:
-        ids = tokenizer.apply_chat_template(messages(prompt), add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        outputs.append(out[0, len(ids):].tolist())
+    for row in out[:, width:].tolist():
+        outputs.append(row[:row.index(eos) + 1] if eos in row else row)
     return tokenizer, outputs
 
 

@@ -18,8 +18,9 @@ kernels, chosen by the number of rows M (both fixed-shape, no host sync: inside 
 
 Measured on the H200 at the Qwen3-8B shapes (scripts/fp8_kernel_bench.py, BENCHMARKS.md): at
 256 rows the FP8 × FP8 kernel took 0.39-0.52 × the weight-only kernel's time, hence the
-threshold of 64 rows (not 256); at 1 and 16 rows 32-column tiles with 4 stages were the best
-of the swept ones, within 3 % or better.
+threshold of 64 rows (not 256); at 16 rows 32-column tiles with 4 stages were the best of the
+swept ones, within 3 % or better; at one row a GEMV without tl.dot (`gemv_tiles`) is 1.2-1.35 ×
+faster than the best tl.dot tiles.
 torch._scaled_mm's block-wise scaling is not used: ours runs the same on every torch version.
 """
 from __future__ import annotations
@@ -114,9 +115,28 @@ class WeightOnlyTiles:
 MIN_TILES_PER_SPLIT, MAX_SPLITS = 4, 8
 
 
+# The one-row GEMV: 32 columns × 4 scale blocks (512 K columns, 16 KB of e4m3) a program and
+# iteration, 4 warps. Measured on the H200 (scripts/fp8_kernel_bench.py, BENCHMARKS.md) at the
+# Qwen3-8B shapes: 12.6 / 9.9 / 30.7 / 18.5 µs for qkv / o / gate_up / down against the tl.dot
+# kernel's best 15.6 / 12.3 / 40.9 / 24.4 (bf16 cuBLAS: 18.2 / 14.8 / 51.3 / 31.2).
+GEMV_COLUMNS, GEMV_K_BLOCKS = 32, 4
+
+
+def gemv_tiles(out_features: int, in_features: int, sms: int) -> WeightOnlyTiles:
+    """One row: K split into the fewest equal parts (a divisor of the 512-column steps, so every
+    load is mask-free) that give about four programs per SM, each part at least two steps long."""
+    programs = triton.cdiv(out_features, GEMV_COLUMNS)
+    steps = triton.cdiv(in_features, GEMV_K_BLOCKS * BLOCK)
+    divisors = [d for d in range(1, MAX_SPLITS + 1) if steps % d == 0 and (steps // d >= 2 or d == 1)]
+    split = next((d for d in divisors if programs * d >= 4 * sms), divisors[-1])
+    return WeightOnlyTiles(1, GEMV_COLUMNS, 4, 2, split, gemv=True, k_blocks=GEMV_K_BLOCKS)
+
+
 def weight_only_tiles(num_rows: int, out_features: int, in_features: int, sms: int) -> WeightOnlyTiles:
-    """Rows rounded up to a tl.dot tile; 32 columns per program (the sweep's best at 1 and 16
-    rows); K split until there are about four programs per SM."""
+    """One row: the GEMV. More: rows rounded up to a tl.dot tile; 32 columns per program (the
+    sweep's best at 16 rows); K split until there are about four programs per SM."""
+    if num_rows == 1:
+        return gemv_tiles(out_features, in_features, sms)
     block_m = min(64, max(16, triton.next_power_of_2(num_rows)))
     programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, 32)
     k_tiles = triton.cdiv(in_features, BLOCK)
