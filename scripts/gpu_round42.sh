@@ -8,6 +8,8 @@
 #                                   # GEMV's), tests/gpu/test_fp8.py beside the hybrid cycle's torch profile
 #   bash scripts/gpu_round42.sh 3   # the sweep's choice in the engine (FP8 vs bf16 steps), tests/gpu/test_fp8.py
 #                                   # beside the hybrid's decode cycles profiled, fused vs unfused output norm
+#   bash scripts/gpu_round42.sh 4   # FP8 swapped-operand tiles swept; the hybrid at 1 with the norm fused up to
+#                                   # 8 rows, beside its warm-up and GDN kernel tests
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -41,6 +43,17 @@ if [ "$M" = 3 ]; then
   echo "=== hybrid Qwen3.5-4B at 1: fused vs unfused output norm, decode cycles profiled ($(date +%T))" | tee -a "$LOG"
   timeout ${HSPLIT_S:-230} python3 scripts/host_split.py --shape qwen3.5-4b --concurrency 1 --modes fixed,fixed-unfused \
     --torch-profile > "$OUT/host_split_hybrid.txt" 2>&1; grep '^{' "$OUT/host_split_hybrid.txt" | tee -a "$LOG"
+  wait
+  summary
+fi
+if [ "$M" = 4 ]; then
+  echo "=== FP8: the swapped-operand tiles at 4 and 16 rows ($(date +%T))" | tee -a "$LOG"
+  timeout ${SWAP_S:-70} python3 scripts/fp8_kernel_bench.py --swap-sweep --out "$OUT/fp8_swap.json" > "$OUT/fp8_swap.txt" 2>&1
+  grep '"swap_best"\|error' "$OUT/fp8_swap.txt" | tee -a "$LOG"
+  timeout ${TESTS_S:-150} $T tests/gpu/test_warm_gpu.py::test_hybrid_compiles_nothing_after_startup \
+    tests/gpu/test_gdn_kernel.py > "$OUT/t_hyb.log" 2>&1 &
+  stage "hybrid Qwen3.5-4B at 1 (norm fused up to 8 rows)" timeout ${HYB_S:-150} $A --shape qwen3.5-4b --concurrency 1 \
+    --out "$OUT/hybrid.json"
   wait
   summary
 fi

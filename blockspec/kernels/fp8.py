@@ -109,6 +109,10 @@ class WeightOnlyTiles:
     # its [BLOCK_N, k_blocks · 128] weight tile against x with fp32 FMAs.
     gemv: bool = False
     k_blocks: int = 1
+    # Swapped operands (a few rows): out[:, n]ᵀ = W[n, :] · xᵀ, the weight tile [BLOCK_N, 128]
+    # the dot's first operand (widened in registers, where Hopper's MMA can take it from) and
+    # the rows [128, BLOCK_M] its second, rather than 16 padded rows times a staged weight tile.
+    swap: bool = False
 
 
 # K splits give each program at least this many 128-column tiles; at most MAX_SPLITS of them.
@@ -175,6 +179,13 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         _gemv_kernel[(triton.cdiv(out_features, tiles.block_n), split)](
             x, weight, scale, bias if bias is not None else x, partial, out_features, in_features, k_per_split,
             weight.stride(0), scale.stride(0), out_features, KB=tiles.k_blocks, BLOCK_K=BLOCK, **common)
+    elif tiles.swap:
+        grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split)
+        _weight_only_swap_kernel[grid](
+            x, weight, scale, bias if bias is not None else x, partial, num_rows, out_features, in_features,
+            k_per_split, x.stride(0), weight.stride(0), scale.stride(0), partial.stride(-2),
+            num_rows * out_features, PRECISION="ieee" if x.dtype == torch.float32 else None,
+            BLOCK_M=tiles.block_m, BLOCK_K=BLOCK, **common)
     else:
         grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split)
         _weight_only_kernel[grid](
@@ -269,6 +280,42 @@ if triton is not None:
         out_ptrs = (out_ptr + tl.program_id(2).to(tl.int64) * stride_split + offs_m[:, None].to(tl.int64) * stride_om
                     + offs_n[None, :])
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _weight_only_swap_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
+                                 stride_sn, stride_om, stride_split, SCALE_ROWS: tl.constexpr,
+                                 SCALE_COLS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                                 EVEN_N: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """_weight_only_kernel's result with the operands swapped: acc [BLOCK_N, BLOCK_M] =
+        Σ_kb scale[n, kb] · w[n, kb] · x[m, kb]ᵀ, stored transposed."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_start = tl.program_id(2) * K_PER_SPLIT
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = offs_m < M, offs_n < N
+        x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + k_start + offs_k[:, None]   # [BLOCK_K, BLOCK_M]
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k_start + offs_k[None, :]   # [BLOCK_N, BLOCK_K]
+        s_ptrs = s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs) if EVEN_N else tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            else:
+                k_ok = offs_k < K - k
+                a = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            partial = tl.dot(w.to(a.dtype), a, input_precision=PRECISION)
+            s = tl.load(s_ptrs + k // SCALE_COLS) if EVEN_N else tl.load(s_ptrs + k // SCALE_COLS, mask=n_ok, other=0.0)
+            acc += partial * s[:, None]
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = (out_ptr + tl.program_id(2).to(tl.int64) * stride_split + offs_m[None, :].to(tl.int64) * stride_om
+                    + offs_n[:, None])
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, K_PER_SPLIT, stride_wn, stride_sn, stride_split,
