@@ -57,3 +57,12 @@ if [ "$M" = 4 ]; then
   wait
   summary
 fi
+if [ "$M" = 5 ]; then      # the last short call: the draft readout on graphs, beside the swap sweep
+  timeout ${TESTS_S:-150} $T tests/gpu/test_adaptive_graphs.py "tests/gpu/test_gpu.py::test_cuda_graphs_equal_eager_for_batches" \
+    > "$OUT/t_readout.log" 2>&1 &
+  echo "=== FP8: the swapped-operand tiles at 4 and 16 rows, beside the tests ($(date +%T))" | tee -a "$LOG"
+  timeout ${SWAP_S:-70} python3 scripts/fp8_kernel_bench.py --swap-sweep --out "$OUT/fp8_swap.json" > "$OUT/fp8_swap.txt" 2>&1
+  grep '"swap_best"\|error' "$OUT/fp8_swap.txt" | tee -a "$LOG"
+  wait
+  summary
+fi
