@@ -179,16 +179,10 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         _gemv_kernel[(triton.cdiv(out_features, tiles.block_n), split)](
             x, weight, scale, bias if bias is not None else x, partial, out_features, in_features, k_per_split,
             weight.stride(0), scale.stride(0), out_features, KB=tiles.k_blocks, BLOCK_K=BLOCK, **common)
-    elif tiles.swap:
-        grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split)
-        _weight_only_swap_kernel[grid](
-            x, weight, scale, bias if bias is not None else x, partial, num_rows, out_features, in_features,
-            k_per_split, x.stride(0), weight.stride(0), scale.stride(0), partial.stride(-2),
-            num_rows * out_features, PRECISION="ieee" if x.dtype == torch.float32 else None,
-            BLOCK_M=tiles.block_m, BLOCK_K=BLOCK, **common)
     else:
+        kernel = _weight_only_swap_kernel if tiles.swap else _weight_only_kernel
         grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split)
-        _weight_only_kernel[grid](
+        kernel[grid](
             x, weight, scale, bias if bias is not None else x, partial, num_rows, out_features, in_features,
             k_per_split, x.stride(0), weight.stride(0), scale.stride(0), partial.stride(-2),
             num_rows * out_features, PRECISION="ieee" if x.dtype == torch.float32 else None,
