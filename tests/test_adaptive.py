@@ -164,6 +164,17 @@ def test_cost_table_interpolates_and_extrapolates():
         CostTable((4, 2), (1.0, 1.0), (1,), (1.0,))
 
 
+def test_a_measured_table_is_the_least_squares_monotone_fit():
+    """One slow sample does not lift the buckets after it (a running maximum made 32 … 64
+    verify tokens look free on a shared CPU); already monotone times stay as measured."""
+    from blockspec.engine.graphs import monotone
+    assert monotone([13.5, 18.2, 20.5, 20.5, 29.0]) == [13.5, 18.2, 20.5, 20.5, 29.0]
+    assert monotone([10.0, 40.0, 20.0, 30.0, 50.0]) == [10.0, 30.0, 30.0, 30.0, 50.0]
+    fitted = monotone([3.0, 1.0, 2.0])
+    assert fitted == sorted(fitted) and sum(fitted) == pytest.approx(6.0)   # the mean kept: least squares
+    assert monotone([]) == []
+
+
 # ---- calibration -----------------------------------------------------------------------------
 
 def test_calibration_learns_an_overconfident_draft_and_each_sequence_its_own():

@@ -376,21 +376,29 @@ class GraphDispatcher:
         draft sequence bucket, {"verify": {tokens: ms}, "draft": {seqs: ms}} (the full block),
         and "narrow": {width: {seqs: ms}} for each narrower draft width; each the median of
         `repeat` runs after a warm one, through the path a step of that shape takes (its graph's
-        replay), on padding rows; monotone in the bucket. Measured once (cached in .costs)."""
+        replay), on padding rows; monotone in the bucket. The runs go round the buckets in turn
+        (each repeat times every bucket once), so a stretch of load on a shared host lands on all
+        of them rather than on one bucket's every sample. Measured once (cached in .costs)."""
         if self.costs is not None:
             return self.costs
-        def median_ms(kind: str, size: int, width: int | None = None) -> float:
-            self.probe(kind, size, width)
-            times = []
-            for _ in range(repeat):
+        widths = self.draft_widths if self.has_draft else ()
+        probes = ([("verify", size, None) for size in self.full_tokens]
+                  + [("propose", size, w) for w in widths for size in self.draft_sizes])
+        for probe in probes:
+            self.probe(*probe)                           # warm
+        times: dict[tuple, list[float]] = {probe: [] for probe in probes}
+        for _ in range(repeat):
+            for probe in probes:
                 sync(self.device)
                 start = time.perf_counter()
-                self.probe(kind, size, width)
+                self.probe(*probe)
                 sync(self.device)
-                times.append((time.perf_counter() - start) * 1e3)
-            return sorted(times)[len(times) // 2]
+                times[probe].append((time.perf_counter() - start) * 1e3)
+
+        def median_ms(kind: str, size: int, width: int | None = None) -> float:
+            samples = sorted(times[(kind, size, width)])
+            return samples[len(samples) // 2]
         verify = [median_ms("verify", size) for size in self.full_tokens]
-        widths = self.draft_widths if self.has_draft else ()
         draft = {w: monotone([median_ms("propose", size, w) for size in self.draft_sizes]) for w in widths}
         self.costs = {"verify": dict(zip(self.full_tokens, monotone(verify))),
                       "draft": dict(zip(self.draft_sizes, draft.get(self.width, []))),
@@ -411,12 +419,18 @@ class GraphDispatcher:
 
 
 def monotone(values: list[float]) -> list[float]:
-    """More rows never cost less: measurement noise must not make a policy chase it."""
-    out, best = [], 0.0
+    """More rows never cost less: the least-squares non-decreasing fit of the measured times
+    (pool adjacent violators), so measurement noise does not make a policy chase it. Unlike a
+    running maximum, one slow sample does not lift every bucket after it: on a shared CPU a
+    noisy 32-token verify made 32 … 64 tokens look free and the policy drop rows that paid."""
+    blocks: list[list[float]] = []                 # [mean, count] of each pooled run
     for value in values:
-        best = max(best, value)
-        out.append(best)
-    return out
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            blocks[-1] = [(blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count),
+                          blocks[-1][1] + count]
+    return [mean for mean, count in blocks for _ in range(int(count))]
 
 
 def sync(device: torch.device) -> None:

@@ -25,6 +25,9 @@ from blockspec.engine.spec.policy import CostTable
 logger = logging.getLogger("blockspec.engine")
 _CACHE: dict[tuple, tuple[tuple, CostTable]] = {}
 REPEAT = 3
+# Unpadded (eager, as on CPU) forwards are cheap to time and their host is often shared: more
+# samples a bucket (the table still takes a few seconds there).
+EAGER_REPEAT = 9
 
 
 class CostSource(Protocol):
@@ -48,7 +51,7 @@ def measure_costs(source: CostSource, padded: bool, key: tuple | None = None, ow
     if cached is not None and all(a is b for a, b in zip(cached[0], owners)):
         return cached[1]
     started = time.perf_counter()
-    table = cost_table(source.measure_costs(REPEAT), padded)
+    table = cost_table(source.measure_costs(REPEAT if padded else EAGER_REPEAT), padded)
     if full_key is not None:
         _CACHE[full_key] = (owners, table)
     if log:
