@@ -10,6 +10,8 @@
 #                                   # beside the hybrid's decode cycles profiled, fused vs unfused output norm
 #   bash scripts/gpu_round42.sh 4   # FP8 swapped-operand tiles swept; the hybrid at 1 with the norm fused up to
 #                                   # 8 rows, beside its warm-up and GDN kernel tests
+#   bash scripts/gpu_round42.sh 5   # tests/gpu/test_adaptive_graphs.py + the DFlash graph test beside the swap
+#                                   # sweep (what branch readout-in-graph needs before it can land)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -57,7 +59,7 @@ if [ "$M" = 4 ]; then
   wait
   summary
 fi
-if [ "$M" = 5 ]; then      # the last short call: the draft readout on graphs, beside the swap sweep
+if [ "$M" = 5 ]; then
   timeout ${TESTS_S:-150} $T tests/gpu/test_adaptive_graphs.py "tests/gpu/test_gpu.py::test_cuda_graphs_equal_eager_for_batches" \
     > "$OUT/t_readout.log" 2>&1 &
   echo "=== FP8: the swapped-operand tiles at 4 and 16 rows, beside the tests ($(date +%T))" | tee -a "$LOG"
