@@ -112,49 +112,11 @@ def sweep(name: str, out_features: int, in_features: int) -> list[dict]:
     return out
 
 
-def swap_sweep(name: str, out_features: int, in_features: int, rows: tuple[int, ...] = (4, 16)) -> list[dict]:
-    """The swapped-operand tiles (weight first in the dot) against the chosen tl.dot tiles at a
-    few rows: column tile, K split, stages, warps. Prints the three fastest and the chosen."""
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    blocks = [fp8.quantize((torch.randn(out_features, in_features, device="cuda", generator=gen) * 0.02))
-              for _ in range(COPIES)]
-    out = []
-    for m in rows:
-        x = torch.randn(m, in_features, device="cuda", generator=gen).to(torch.bfloat16)
-        chosen = K.weight_only_tiles(m, out_features, in_features, K.num_sms(torch.device("cuda", 0)))
-        candidates = [chosen] + [K.WeightOnlyTiles(16, block_n, warps, stages, split, swap=True)
-                                 for block_n in (64, 128) for split in (1, 2, 4, 8) for stages in (3, 4)
-                                 for warps in (4, 8)]
-        rows_out = []
-        for tiles in candidates:
-            try:
-                us = per_linear_us(lambda: [K.weight_only_linear(x, q, s, fp8.ScaleBlock(), None, tiles)
-                                            for q, s in blocks], COPIES)
-            except Exception as error:
-                print(json.dumps({"linear": name, "M": m, "tiles": str(tiles), "error": str(error)[:120]}))
-                continue
-            rows_out.append({"linear": name, "M": m, "block_n": tiles.block_n, "split_k": tiles.split_k,
-                             "stages": tiles.num_stages, "warps": tiles.num_warps, "swap": tiles.swap,
-                             "us": round(us, 2), "GBps": round(out_features * in_features / us / 1e3, 1),
-                             "chosen": tiles == chosen})
-        ranked = sorted(rows_out, key=lambda r: r["us"])[:3]
-        print(json.dumps({"swap_best": ranked, "chosen": [r for r in rows_out if r["chosen"]]}), flush=True)
-        out += rows_out
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--swap-sweep", action="store_true", help="only the swapped-operand tiles at 4 and 16 rows")
     args = parser.parse_args()
-    if args.swap_sweep:
-        rows = [r for name in SHAPES for r in swap_sweep(name, *SHAPES[name])]
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"device": torch.cuda.get_device_name(), "swap_sweep": rows}, f, indent=1)
-        return
     bandwidth = copy_bandwidth(torch.device("cuda"))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copies": COPIES,
               "rows": [r for name, (n, k) in SHAPES.items() for r in shape_rows(name, n, k, bandwidth)]}

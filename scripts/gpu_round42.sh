@@ -8,10 +8,10 @@
 #                                   # GEMV's), tests/gpu/test_fp8.py beside the hybrid cycle's torch profile
 #   bash scripts/gpu_round42.sh 3   # the sweep's choice in the engine (FP8 vs bf16 steps), tests/gpu/test_fp8.py
 #                                   # beside the hybrid's decode cycles profiled, fused vs unfused output norm
-#   bash scripts/gpu_round42.sh 4   # FP8 swapped-operand tiles swept; the hybrid at 1 with the norm fused up to
-#                                   # 8 rows, beside its warm-up and GDN kernel tests
-#   bash scripts/gpu_round42.sh 5   # tests/gpu/test_adaptive_graphs.py + the DFlash graph test beside the swap
-#                                   # sweep (what branch readout-in-graph needs before it can land)
+#   bash scripts/gpu_round42.sh 4   # the hybrid at 1 with the norm fused up to 8 rows, beside its warm-up and
+#                                   # GDN kernel tests (round 42's swapped-operand sweep ran on a kernel since removed)
+#   bash scripts/gpu_round42.sh 5   # tests/gpu/test_adaptive_graphs.py + the DFlash graph test (what branch
+#                                   # readout-in-graph needs before it can land)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -49,9 +49,6 @@ if [ "$M" = 3 ]; then
   summary
 fi
 if [ "$M" = 4 ]; then
-  echo "=== FP8: the swapped-operand tiles at 4 and 16 rows ($(date +%T))" | tee -a "$LOG"
-  timeout ${SWAP_S:-70} python3 scripts/fp8_kernel_bench.py --swap-sweep --out "$OUT/fp8_swap.json" > "$OUT/fp8_swap.txt" 2>&1
-  grep '"swap_best"\|error' "$OUT/fp8_swap.txt" | tee -a "$LOG"
   timeout ${TESTS_S:-150} $T tests/gpu/test_warm_gpu.py::test_hybrid_compiles_nothing_after_startup \
     tests/gpu/test_gdn_kernel.py > "$OUT/t_hyb.log" 2>&1 &
   stage "hybrid Qwen3.5-4B at 1 (norm fused up to 8 rows)" timeout ${HYB_S:-150} $A --shape qwen3.5-4b --concurrency 1 \
@@ -62,9 +59,6 @@ fi
 if [ "$M" = 5 ]; then
   timeout ${TESTS_S:-150} $T tests/gpu/test_adaptive_graphs.py "tests/gpu/test_gpu.py::test_cuda_graphs_equal_eager_for_batches" \
     > "$OUT/t_readout.log" 2>&1 &
-  echo "=== FP8: the swapped-operand tiles at 4 and 16 rows, beside the tests ($(date +%T))" | tee -a "$LOG"
-  timeout ${SWAP_S:-70} python3 scripts/fp8_kernel_bench.py --swap-sweep --out "$OUT/fp8_swap.json" > "$OUT/fp8_swap.txt" 2>&1
-  grep '"swap_best"\|error' "$OUT/fp8_swap.txt" | tee -a "$LOG"
   wait
   summary
 fi

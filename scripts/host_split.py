@@ -11,6 +11,7 @@ host's ops and the device's kernels outside the graphs by own time (issue 31: th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -28,6 +29,7 @@ from blockspec.engine.engine import Engine
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.spec.policy import Speculation
+from blockspec.models import gated_delta
 
 PHASES = {"schedule": (Scheduler, "schedule"), "planned_widths": (Speculation, "planned_widths"),
           "launch": (ModelRunner, "launch"), "propose_for": (ModelRunner, "propose_for"),
@@ -112,9 +114,9 @@ def measure(target, draft, mode: str, concurrency: int, block: int, profile, use
             prof.disable()
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-            out["cprofile"] = text.getvalue()
+            out["profile"] = text.getvalue()
         if use_torch_profile:
-            out["cprofile"] = torch_profiled(engine, concurrency)
+            out["profile"] = torch_profiled(engine, concurrency)
     finally:
         for p in reversed(patches):
             p.stop()
@@ -141,16 +143,13 @@ def main() -> None:
     profile = parse_accept_profile("latent:6.5", args.block_size)
     for c in args.concurrency:
         for mode in args.modes.split(","):
-            from blockspec.models import gated_delta
-            fused_max, gated_delta.FUSE_NORM_MAX_ROWS = gated_delta.FUSE_NORM_MAX_ROWS, (
-                1 if mode == "fixed-unfused" else gated_delta.FUSE_NORM_MAX_ROWS)
-            try:
+            unfused = (mock.patch.object(gated_delta, "FUSE_NORM_MAX_ROWS", 1) if mode == "fixed-unfused"
+                       else contextlib.nullcontext())
+            with unfused:
                 r = measure(target, draft, mode.split("-")[0], c, args.block_size, profile,
                             args.profile and mode == "adaptive", args.torch_profile and mode.startswith("fixed"),
                             label=mode)
-            finally:
-                gated_delta.FUSE_NORM_MAX_ROWS = fused_max
-            text = r.pop("cprofile", None)
+            text = r.pop("profile", None)
             if text:
                 print(text, flush=True)
 

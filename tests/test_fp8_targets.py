@@ -276,7 +276,6 @@ for rows, n, k, block in [(1, 40, 200, fp8.ScaleBlock()), (5, 130, 256, fp8.Scal
     bias = torch.randn(n, generator=gen)
     ref = K.reference_linear(x, q, scale, block, bias)
     tiles = [K.WeightOnlyTiles(16, 32, 4, 2, split) for split in (1, 2, 3)]   # K split: partials added in order
-    tiles += [K.WeightOnlyTiles(16, 64, 4, 2, split, swap=True) for split in (1, 2)]   # the operands swapped
     if rows == 1:                                # the GEMV: 1 or 2 scale blocks an iteration, split or not
         tiles += [K.WeightOnlyTiles(1, 16, 4, 2, split, gemv=True, k_blocks=kb) for split in (1, 2) for kb in (1, 2)]
         assert K.weight_only_tiles(1, n, k, 1).gemv                               # the default at one row

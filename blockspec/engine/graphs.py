@@ -423,14 +423,14 @@ def monotone(values: list[float]) -> list[float]:
     (pool adjacent violators), so measurement noise does not make a policy chase it. Unlike a
     running maximum, one slow sample does not lift every bucket after it: on a shared CPU a
     noisy 32-token verify made 32 … 64 tokens look free and the policy drop rows that paid."""
-    blocks: list[list[float]] = []                 # [mean, count] of each pooled run
+    pools: list[tuple[float, int]] = []            # (sum, count) of each run pooled to its mean
     for value in values:
-        blocks.append([float(value), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            mean, count = blocks.pop()
-            blocks[-1] = [(blocks[-1][0] * blocks[-1][1] + mean * count) / (blocks[-1][1] + count),
-                          blocks[-1][1] + count]
-    return [mean for mean, count in blocks for _ in range(int(count))]
+        total, count = float(value), 1
+        while pools and pools[-1][0] / pools[-1][1] > total / count:
+            previous_total, previous_count = pools.pop()
+            total, count = total + previous_total, count + previous_count
+        pools.append((total, count))
+    return [total / count for total, count in pools for _ in range(count)]
 
 
 def sync(device: torch.device) -> None:

@@ -19,7 +19,8 @@ kernels, chosen by the number of rows M (both fixed-shape, no host sync: inside 
 Measured on the H200 at the Qwen3-8B shapes (scripts/fp8_kernel_bench.py, BENCHMARKS.md): at
 256 rows the FP8 × FP8 kernel took 0.39-0.52 × the weight-only kernel's time, hence the
 threshold of 64 rows (not 256); at 16 rows 32-column tiles with 4 stages were the best of the
-swept ones, within 3 % or better; at one row a GEMV without tl.dot (`gemv_tiles`) is 1.2-1.35 ×
+swept ones, within 3 % or better (swapping the dot's operands, weight tile first, was no
+better: BENCHMARKS.md, round 42); at one row a GEMV without tl.dot (`gemv_tiles`) is 1.2-1.35 ×
 faster than the best tl.dot tiles.
 torch._scaled_mm's block-wise scaling is not used: ours runs the same on every torch version.
 """
@@ -109,10 +110,6 @@ class WeightOnlyTiles:
     # its [BLOCK_N, k_blocks · 128] weight tile against x with fp32 FMAs.
     gemv: bool = False
     k_blocks: int = 1
-    # Swapped operands (a few rows): out[:, n]ᵀ = W[n, :] · xᵀ, the weight tile [BLOCK_N, 128]
-    # the dot's first operand (widened in registers, where Hopper's MMA can take it from) and
-    # the rows [128, BLOCK_M] its second, rather than 16 padded rows times a staged weight tile.
-    swap: bool = False
 
 
 # K splits give each program at least this many 128-column tiles; at most MAX_SPLITS of them.
@@ -136,6 +133,7 @@ def gemv_tiles(out_features: int, in_features: int, sms: int) -> WeightOnlyTiles
     return WeightOnlyTiles(1, GEMV_COLUMNS, 4, 2, split, gemv=True, k_blocks=GEMV_K_BLOCKS)
 
 
+@functools.lru_cache(maxsize=None)       # a pure function of ints, asked once per linear per eager step
 def weight_only_tiles(num_rows: int, out_features: int, in_features: int, sms: int) -> WeightOnlyTiles:
     """One row: the GEMV. More: rows rounded up to a tl.dot tile; 32 columns per program (the
     sweep's best at 16 rows); K split until there are about four programs per SM."""
@@ -180,9 +178,8 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
             x, weight, scale, bias if bias is not None else x, partial, out_features, in_features, k_per_split,
             weight.stride(0), scale.stride(0), out_features, KB=tiles.k_blocks, BLOCK_K=BLOCK, **common)
     else:
-        kernel = _weight_only_swap_kernel if tiles.swap else _weight_only_kernel
         grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split)
-        kernel[grid](
+        _weight_only_kernel[grid](
             x, weight, scale, bias if bias is not None else x, partial, num_rows, out_features, in_features,
             k_per_split, x.stride(0), weight.stride(0), scale.stride(0), partial.stride(-2),
             num_rows * out_features, PRECISION="ieee" if x.dtype == torch.float32 else None,
@@ -274,42 +271,6 @@ if triton is not None:
         out_ptrs = (out_ptr + tl.program_id(2).to(tl.int64) * stride_split + offs_m[:, None].to(tl.int64) * stride_om
                     + offs_n[None, :])
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _weight_only_swap_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
-                                 stride_sn, stride_om, stride_split, SCALE_ROWS: tl.constexpr,
-                                 SCALE_COLS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                                 EVEN_N: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """_weight_only_kernel's result with the operands swapped: acc [BLOCK_N, BLOCK_M] =
-        Σ_kb scale[n, kb] · w[n, kb] · x[m, kb]ᵀ, stored transposed."""
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_start = tl.program_id(2) * K_PER_SPLIT
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok, n_ok = offs_m < M, offs_n < N
-        x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + k_start + offs_k[:, None]   # [BLOCK_K, BLOCK_M]
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k_start + offs_k[None, :]   # [BLOCK_N, BLOCK_K]
-        s_ptrs = s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
-            if EVEN_K:
-                a = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs) if EVEN_N else tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
-            else:
-                k_ok = offs_k < K - k
-                a = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            partial = tl.dot(w.to(a.dtype), a, input_precision=PRECISION)
-            s = tl.load(s_ptrs + k // SCALE_COLS) if EVEN_N else tl.load(s_ptrs + k // SCALE_COLS, mask=n_ok, other=0.0)
-            acc += partial * s[:, None]
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        out_ptrs = (out_ptr + tl.program_id(2).to(tl.int64) * stride_split + offs_m[None, :].to(tl.int64) * stride_om
-                    + offs_n[:, None])
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, K_PER_SPLIT, stride_wn, stride_sn, stride_split,
