@@ -599,14 +599,16 @@ def test_a_sequence_that_skips_drafting_keeps_the_drafts_context_exact(dense, re
     there equal those of a run that drafted every cycle (alone, and in a batch next to one that
     drafts every cycle), and its output equals plain decoding's."""
     from blockspec.engine import model_runner
+    from blockspec.engine.spec.dflash import DraftReadout
     target, draft = dense
     real = model_runner.propose
     seen: dict[str, dict[int, torch.Tensor]] = {}
 
     def recording(out, seqs, confidence=False):
+        logits = out.logits if isinstance(out, DraftReadout) else out
         for b, seq in enumerate(seqs):
             if seq.request_id == "r":
-                seen.setdefault(tag, {})[seq.num_cached] = out[b].clone()
+                seen.setdefault(tag, {})[seq.num_cached] = logits[b].clone()
         return real(out, seqs, confidence)
     monkeypatch.setattr(model_runner, "propose", recording)
     other = [int(t) for t in torch.randint(0, 151643, (11,), generator=torch.Generator().manual_seed(7))]
@@ -726,7 +728,7 @@ def test_narrower_draft_blocks_are_lossless_and_run_at_the_width_they_need(dense
     real, blocks = model_runner.propose, []
 
     def recording(out, seqs, confidence=False):
-        blocks.append(out.shape[1] + 1)
+        blocks.append(out.greedy.shape[1] + 1)          # DraftReadout: the forward's argmax [B, W − 1]
         return real(out, seqs, confidence)
     monkeypatch.setattr(model_runner, "propose", recording)
     costs = CostTable((1, 4096), (5.0, 46.0), (1, 64), draft_by_width(BLOCK),
@@ -899,3 +901,53 @@ def test_latent_profile_hits_its_mean_and_its_confidence_is_informative():
     for bad in ("latent", "latent:x", "flat:3", "latent:20", "latent:3:0"):
         with pytest.raises(ValueError):
             parse_accept_profile(bad, 16)
+
+
+def test_the_readout_in_the_draft_forward_proposes_what_the_logits_would(dense, qwen3_dir, monkeypatch):
+    """The draft forward takes the argmax and the confidences itself (`DraftReadout`, inside the
+    propose graph on CUDA): for greedy, seeded-sampling and grammar-processed sequences in one
+    adaptive batch, every cycle's drafts and confidences equal what `propose` makes from the
+    bare logits (the path before), and the outputs equal each request's alone."""
+    from test_logits import PROMPT as JSON_PROMPT, SCHEMA
+    from blockspec.engine import model_runner
+    from blockspec.engine.request import Request
+    from blockspec.engine.spec.dflash import DraftReadout, draft_confidence, with_sampled
+    from blockspec.structured import GrammarSpec, compile_grammar, grammar_compiler
+    from blockspec.tokenizer import Tokenizer
+    target, draft = dense
+    grammar = compile_grammar(grammar_compiler(Tokenizer.from_dir(qwen3_dir), target.lm_head.weight.shape[0]),
+                              GrammarSpec("json_schema", SCHEMA))
+    stops = frozenset({fixtures.IM_END_ID, fixtures.ENDOFTEXT_ID})
+
+    def requests():
+        return [Request("greedy", PROMPT, SamplingParams(max_tokens=24), stops, 1024),
+                Request("sampled", PROMPT[:20], SamplingParams(max_tokens=24, temperature=0.9, seed=5), stops, 1024),
+                Request("json", JSON_PROMPT, SamplingParams(max_tokens=24), stops, 1024, grammar=grammar)]
+    alone = {r.request_id: run_alone(lambda: make_engine(target, draft, block_size=BLOCK, speculation="adaptive"),
+                                     r).output_ids for r in requests()}
+    real, compared, redrawn = model_runner.propose, [], []
+
+    def both_ways(out, seqs, confidence=False):
+        assert isinstance(out, DraftReadout) and (out.confidence is not None) == confidence
+        states = [seq.generator.get_state() if seq.generator is not None else None for seq in seqs]
+        before = real(out.logits.clone(), seqs, confidence)
+        for seq, state in zip(seqs, states):
+            if state is not None:
+                seq.generator.set_state(state)
+        proposal = real(out, seqs, confidence)
+        assert torch.equal(proposal.drafts, before.drafts)
+        assert (proposal.confidence is None) == (before.confidence is None)
+        if proposal.confidence is not None:       # the rule before: p(d) of every draft, q(d) where sampled
+            logits = out.logits[: len(seqs)]
+            assert torch.equal(proposal.confidence, with_sampled(draft_confidence(logits, before.drafts), before))
+        compared.append({seq.request_id for seq in seqs})
+        redrawn.extend(seq.logits_processor is not None and not torch.equal(proposal.drafts[b], out.greedy[b])
+                       for b, seq in enumerate(seqs))
+        return proposal
+    monkeypatch.setattr(model_runner, "propose", both_ways)
+    engine = make_engine(target, draft, block_size=BLOCK, max_num_seqs=3, speculation="adaptive")
+    assert engine.runner.speculation.reads_confidences
+    _, runs = run_batch(lambda: engine, requests())
+    assert [run.output_ids for run in runs] == [alone[r.request_id] for r in requests()]
+    assert any(ids == {"greedy", "sampled", "json"} for ids in compared)
+    assert any(redrawn)                     # the grammar changed some drafts away from the argmax

@@ -199,7 +199,8 @@ def oracle_drafts(references: dict[tuple[int, ...], list[int]], wrong_every: int
     `wrong_every`-th output position wrong: whole blocks and partial ones get accepted."""
     from blockspec.engine.spec.dflash import Proposal
 
-    def propose(logits: torch.Tensor, seqs: list[Sequence], confidence: bool = False) -> Proposal:
+    def propose(out, seqs: list[Sequence], confidence: bool = False) -> Proposal:
+        logits = out.logits                             # the forward's DraftReadout
         rows = []
         for seq in seqs:
             reference = references[tuple(seq.request.prompt_ids)] + [0] * logits.shape[1]

@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import torch
 
+from blockspec.engine.spec.dflash import DraftReadout
 from blockspec.layers import AttentionMetadata
 from blockspec.layers.attention import TOKEN_ROWS, padding_zeroed, unpack
 
@@ -341,8 +342,12 @@ class GraphDispatcher:
         per (bucket, width) of a 150k vocabulary at 256 sequences summed to ~10 GiB on the
         H200). Safe because each step's proposal is read from it before the next draft forward
         runs. Eager forwards, and DFlash 2's small candidate walks, return their own."""
-        if not (self.capture and torch.cuda.is_current_stream_capturing() and isinstance(out, torch.Tensor)):
+        if not (self.capture and torch.cuda.is_current_stream_capturing()
+                and isinstance(out, (torch.Tensor, DraftReadout))):
             return out
+        if isinstance(out, DraftReadout):          # its argmax and confidences beside the logits
+            return DraftReadout(*(None if part is None else self.draft_output(part)
+                                  for part in (out.logits, out.greedy, out.confidence)))
         key = ("draft", tuple(out.shape[2:]), out.dtype)
         if key not in self.scratch:
             self.scratch[key] = torch.empty(self.max_draft_seqs, self.width - 1, *out.shape[2:], dtype=out.dtype,

@@ -33,7 +33,7 @@ from blockspec.engine.warm import warm_kernels
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.spec.dflash import Proposal, accept, process_verify, propose
+from blockspec.engine.spec.dflash import DraftReadout, Proposal, accept, process_verify, propose
 from blockspec.engine.spec.policy import Speculation
 from blockspec.layers import AttentionMetadata
 from blockspec.models.base import MultimodalRows
@@ -597,8 +597,10 @@ class ModelRunner:
                                          states=None, state_slots=None, keep_steps=False, shared={})
         hidden = self.draft(self.target.embed(meta.input_ids), meta.positions, draft_meta)
         anchors = meta.input_ids.view(meta.num_seqs, width)[:, 0]
-        return self.graphs.draft_output(self.draft.propose(hidden.view(meta.num_seqs, width, -1), anchors,
-                                                           self.target.lm_head))
+        out = self.draft.propose(hidden.view(meta.num_seqs, width, -1), anchors, self.target.lm_head)
+        if isinstance(out, torch.Tensor):       # DFlash 1: argmax (+ confidences) inside the forward
+            out = DraftReadout.of(out, self.speculation.reads_confidences)
+        return self.graphs.draft_output(out)
 
     def target_forward(self, meta: AttentionMetadata, multimodal: MultimodalRows | None = None) -> torch.Tensor:
         """Target forward → hidden [N, hidden], rotating at meta.rope_positions (multimodal: at its

@@ -22,13 +22,31 @@ from blockspec.sampling import device_longs, probs_from_logits, rejection_sample
 
 
 @dataclass
+class DraftReadout:
+    """DFlash 1's draft output as the propose forward returns it (inside its graph): the logits
+    [B, T − 1, V], their argmax (every greedy sequence's drafts) and, for the adaptive policy,
+    the draft's probability of that argmax (`draft_confidence`). Computed with the forward, they
+    cost no launches between the draft and the verify; rows that sample or process their logits
+    are drawn from the logits on the host side as before."""
+    logits: torch.Tensor
+    greedy: torch.Tensor
+    confidence: torch.Tensor | None = None
+
+    @staticmethod
+    def of(logits: torch.Tensor, confidence: bool) -> "DraftReadout":
+        greedy = logits.argmax(-1)
+        return DraftReadout(logits, greedy, draft_confidence(logits, greedy) if confidence else None)
+
+
+@dataclass
 class Proposal:
     drafts: torch.Tensor                       # [B, T − 1] on the device
     probs: list[torch.Tensor | None]           # per sequence: q [T − 1, V] when it samples, else None
     confidence: torch.Tensor | None = None     # [B, T − 1]: the draft's own probability of each draft
 
 
-def propose(out: torch.Tensor | CandidateWalk, seqs: list[Sequence], confidence: bool = False) -> Proposal:
+def propose(out: torch.Tensor | DraftReadout | CandidateWalk, seqs: list[Sequence],
+            confidence: bool = False) -> Proposal:
     """The draft's output for the (possibly padded) batch → the drafts of its first len(seqs) rows;
     with `confidence`, also the draft's probability of each (adaptive speculation, policy.py)."""
     if isinstance(out, CandidateWalk):
@@ -37,10 +55,22 @@ def propose(out: torch.Tensor | CandidateWalk, seqs: list[Sequence], confidence:
         if confidence:
             proposal.confidence = with_sampled(walk_confidence(walk, proposal.drafts), proposal)
         return proposal
-    logits = out[: len(seqs)]
-    proposal = sample_drafts(logits, seqs)
+    if isinstance(out, torch.Tensor):
+        out = DraftReadout.of(out, confidence)
+    n = len(seqs)
+    logits = out.logits[:n]
+    # Clones: a graph's readout lives in buffers the next draft forward overwrites.
+    proposal = sample_drafts(logits, seqs, greedy=out.greedy[:n].clone())
     if confidence:
-        proposal.confidence = with_sampled(draft_confidence(logits, proposal.drafts), proposal)
+        chosen = out.confidence[:n] if out.confidence is not None else draft_confidence(logits, proposal.drafts)
+        # Rows whose drafts are not the argmax: a processed greedy row gets the draft's
+        # probability of what it chose, a sampled one q(d) (with_sampled).
+        if any(seq.logits_processor is not None or q is not None for seq, q in zip(seqs, proposal.probs)):
+            chosen = chosen.clone()
+            for b, seq in enumerate(seqs):
+                if seq.logits_processor is not None and proposal.probs[b] is None:
+                    chosen[b] = draft_confidence(logits[b: b + 1], proposal.drafts[b: b + 1])[0].to(chosen.dtype)
+        proposal.confidence = with_sampled(chosen, proposal)
     return proposal
 
 
@@ -69,10 +99,11 @@ def with_sampled(confidence: torch.Tensor, proposal: Proposal) -> torch.Tensor:
     return confidence
 
 
-def sample_drafts(logits: torch.Tensor, seqs: list[Sequence]) -> Proposal:
-    """Draft logits [B, T − 1, V] → drafts: argmax for greedy sequences, a seeded draw from q
-    (the same filters as the target's p) for sampling ones."""
-    drafts = logits.argmax(-1)
+def sample_drafts(logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tensor | None = None) -> Proposal:
+    """Draft logits [B, T − 1, V] → drafts: argmax for greedy sequences (`greedy`, when the
+    forward already took it: a tensor this may overwrite), a seeded draw from q (the same
+    filters as the target's p) for sampling ones."""
+    drafts = logits.argmax(-1) if greedy is None else greedy
     probs: list[torch.Tensor | None] = [None] * len(seqs)
     for b, seq in enumerate(seqs):
         params = seq.request.params

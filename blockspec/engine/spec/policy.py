@@ -443,6 +443,12 @@ class Speculation:
         self._xty = np.zeros(3)
 
     @property
+    def reads_confidences(self) -> bool:
+        """Whether draft forwards should read out the draft's confidences (adaptive mode; unlike
+        `adaptive`, this measures nothing: the cost table's own draft forwards ask it)."""
+        return self.mode == "adaptive" and self.num_slots > 0
+
+    @property
     def adaptive(self) -> bool:
         """Whether widths are allocated (the first time: the cost table is measured now, unless
         the engine measured it at startup)."""
