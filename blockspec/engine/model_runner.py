@@ -94,6 +94,11 @@ class ModelRunner:
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
         self.deferred: list[Callable[[], None]] = []     # see defer
         graphed = config.cuda_graphs and self.device.type == "cuda"
+        # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
+        # step (verify_widths). Made before any forward: a draft forward (the pool's profile, the
+        # graphs' capture) reads out the confidences when the policy reads them.
+        self.speculation = Speculation(config.speculation if self.draft is not None else "fixed", self.width - 1,
+                                       measure=self.measure_costs)
         self.graphs = self.make_graphs(capture=False, padded=False)     # the profile runs eagerly
         # The pool: measured after the weights and one full-budget forward (engine/memory.py).
         self.pool_size = self.size_pool(graphed)
@@ -106,11 +111,8 @@ class ModelRunner:
         warm_kernels(self)                        # every variant a step can choose (engine/warm.py)
         if graphed:
             self.warm_up()
-        # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
-        # step (verify_widths); adaptive's cost table is measured now, on the forwards the steps
-        # will run (engine/spec/costs.py), and logged.
-        self.speculation = Speculation(config.speculation if self.draft is not None else "fixed", self.width - 1,
-                                       measure=self.measure_costs)
+        # Adaptive's cost table is measured now, on the forwards the steps will run
+        # (engine/spec/costs.py), and logged.
         if self.speculation.mode == "adaptive":
             self.speculation.costs = self.measure_costs()
 
