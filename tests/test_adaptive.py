@@ -951,3 +951,24 @@ def test_the_readout_in_the_draft_forward_proposes_what_the_logits_would(dense, 
     assert [run.output_ids for run in runs] == [alone[r.request_id] for r in requests()]
     assert any(ids == {"greedy", "sampled", "json"} for ids in compared)
     assert any(redrawn)                     # the grammar changed some drafts away from the argmax
+
+
+def test_the_pools_profile_runs_a_draft_forward_before_any_step(dense, monkeypatch):
+    """On CUDA the pool is sized by a profile that runs a full decode batch through the draft
+    before anything else (ModelRunner.profile); that forward reads out the confidences when the
+    policy reads them, so the policy must exist by then (round 42's H200 run failed at startup
+    on exactly this). Here the profile runs on CPU too, at the same point of the startup."""
+    from blockspec.engine.model_runner import ModelRunner
+    target, draft = dense
+    real, profiled = ModelRunner.size_pool, []
+
+    def profiling_first(self, graphed):
+        self.profile(self.config.max_num_batched_tokens // self.page_size + 2)
+        profiled.append(self.speculation.reads_confidences)
+        return real(self, graphed)
+    monkeypatch.setattr(ModelRunner, "size_pool", profiling_first)
+    engine = make_engine(target, draft, block_size=BLOCK, speculation="adaptive")
+    assert profiled == [True]
+    request = make_request("r", PROMPT, max_tokens=12)
+    reference = run_alone(lambda: make_engine(target, None), make_request("r", PROMPT, max_tokens=12))
+    assert run_alone(lambda: engine, request).output_ids == reference.output_ids
