@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# This session's H200 calls (issues 30, 31, 33), each stage under its own timeout, logs and JSON
+# under $OUT:
+#   bash scripts/gpu_round43.sh 1   # the draft readout inside the draft graph (re-landed) and the GDN norm
+#                                   # threshold under their GPU tests; the hybrid's cycle profiled at 1;
+#                                   # adaptive vs fixed vs plain, Qwen3-8B, 1…64 (closed loop)
+#   bash scripts/gpu_round43.sh 2   # this round's second call (see BENCHMARKS.md "Round 43")
+. "$(dirname "$0")/gpu_prelude.sh"
+M=${1:-1}
+if [ "$M" = 1 ]; then
+  timeout ${TESTS_S:-300} $T tests/gpu/test_adaptive_graphs.py "tests/gpu/test_gpu.py::test_cuda_graphs_equal_eager_for_batches" \
+    > "$OUT/t_readout.log" 2>&1 &
+  timeout ${TESTS_S:-300} $T tests/gpu/test_warm_gpu.py::test_hybrid_compiles_nothing_after_startup \
+    tests/gpu/test_gdn_kernel.py > "$OUT/t_hyb.log" 2>&1 &
+  echo "=== host split + torch profile, hybrid Qwen3.5-4B at 1 ($(date +%T))" | tee -a "$LOG"
+  timeout ${HSPLIT_S:-200} python3 scripts/host_split.py --shape qwen3.5-4b --concurrency 1 --modes fixed --torch-profile \
+    > "$OUT/host_split_hybrid.txt" 2>&1; grep '^{' "$OUT/host_split_hybrid.txt" | tee -a "$LOG"
+  wait
+  summary
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1…64 (closed loop)" timeout ${ADAPT_S:-200} \
+    $A --shape qwen3-8b --concurrency 1,8,32,64 --max-num-batched-tokens 4096 --out "$OUT/adaptive_qwen3_8b.json"
+fi
