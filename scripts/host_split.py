@@ -6,7 +6,12 @@ its top functions by own time; or (--torch-profile) the fixed run under torch's 
 host's ops and the device's kernels outside the graphs by own time (issue 31: the hybrid cycle's
 ~4 ms outside its two graphed forwards).
 
-    python scripts/host_split.py --shape qwen3-8b --concurrency 8 [--profile] [--torch-profile]
+    python scripts/host_split.py --shape qwen3-8b --concurrency 8 [--profile] [--torch-profile] [--sync-debug]
+
+--profile-modes picks which runs go under cProfile (default: adaptive), printed by own time and by
+cumulative time; --sync-debug runs a few of the first mode's decode cycles with torch's
+synchronisation debug mode on, each host↔device sync once with the frames that made it (a hybrid
+step launched 6× slower than a dense one on the H200: a sync is the first suspect).
 """
 from __future__ import annotations
 
@@ -17,7 +22,9 @@ import io
 import json
 import pstats
 import time
-from collections import defaultdict
+import traceback
+import warnings
+from collections import Counter, defaultdict
 from unittest import mock
 
 import torch
@@ -83,8 +90,45 @@ def torch_profiled(engine, concurrency: int, cycles: int = 12) -> str:
     return text
 
 
+def synced_cycles(engine, concurrency: int, cycles: int = 6) -> str:
+    """`cycles` decode steps with torch.cuda's sync debug mode on: every operation that waits for
+    the device, with the blockspec frames that called it, counted (after every prefill)."""
+    from blockspec.engine.request import Request
+    from blockspec.sampling import SamplingParams
+    gen = torch.Generator().manual_seed(2)
+    requests = [Request(f"synced-{i}", torch.randint(1000, 100000, (128,), generator=gen).tolist(),
+                        SamplingParams(max_tokens=cycles * 16 + 16), frozenset(), engine.config.max_model_len)
+                for i in range(concurrency)]
+    for request in requests:
+        engine.submit(request, lambda event: None)
+    while not all(r.output_ids for r in requests):
+        engine.step()
+    seen: Counter = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "blockspec" in f.filename or "scripts" in f.filename]
+        where = " < ".join(f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in reversed(frames[-6:]))
+        seen[f"{str(message)[:60]} @ {where}"] += 1
+    real_show = warnings.showwarning
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            for _ in range(cycles):
+                engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = real_show
+    while not all(r.is_finished for r in requests):
+        engine.step()
+    lines = [f"{n:4d} × {what}" for what, n in seen.most_common()]
+    return f"syncs in {cycles} decode steps ({sum(seen.values())} in all):\n" + "\n".join(lines)
+
+
 def measure(target, draft, mode: str, concurrency: int, block: int, profile, use_cprofile: bool,
-            use_torch_profile: bool = False, label: str | None = None) -> dict:
+            use_torch_profile: bool = False, label: str | None = None, sync_debug: bool = False) -> dict:
     engine = bench_engine(target, draft, block if draft is not None else 1, concurrency, 128, 128, mode)
     patches = []
     if draft is not None:
@@ -114,9 +158,12 @@ def measure(target, draft, mode: str, concurrency: int, block: int, profile, use
             prof.disable()
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
             out["profile"] = text.getvalue()
         if use_torch_profile:
             out["profile"] = torch_profiled(engine, concurrency)
+        if sync_debug and torch.cuda.is_available():
+            out["profile"] = out.get("profile", "") + "\n" + synced_cycles(engine, concurrency)
     finally:
         for p in reversed(patches):
             p.stop()
@@ -130,7 +177,10 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-8b")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[8])
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--profile", action="store_true", help="also the adaptive run under cProfile")
+    ap.add_argument("--profile", action="store_true", help="also the --profile-modes runs under cProfile")
+    ap.add_argument("--profile-modes", default="adaptive")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="also a few decode steps of the first mode with torch.cuda's sync debug mode on")
     ap.add_argument("--torch-profile", action="store_true", help="also the fixed run under torch.profiler")
     ap.add_argument("--modes", default="fixed,adaptive",
                     help="of fixed, adaptive, and fixed-unfused: fixed with the GDN output norm outside the "
@@ -142,13 +192,14 @@ def main() -> None:
     _, _, target, draft = build_models(SHAPES[args.shape], device, dtype, args.block_size)
     profile = parse_accept_profile("latent:6.5", args.block_size)
     for c in args.concurrency:
-        for mode in args.modes.split(","):
+        for i, mode in enumerate(args.modes.split(",")):
             unfused = (mock.patch.object(gated_delta, "FUSE_NORM_MAX_ROWS", 1) if mode == "fixed-unfused"
                        else contextlib.nullcontext())
             with unfused:
                 r = measure(target, draft, mode.split("-")[0], c, args.block_size, profile,
-                            args.profile and mode == "adaptive", args.torch_profile and mode.startswith("fixed"),
-                            label=mode)
+                            args.profile and mode in args.profile_modes.split(","),
+                            args.torch_profile and mode.startswith("fixed"), label=mode,
+                            sync_debug=args.sync_debug and i == 0)
             text = r.pop("profile", None)
             if text:
                 print(text, flush=True)
