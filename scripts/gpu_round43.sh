@@ -4,7 +4,8 @@
 #   bash scripts/gpu_round43.sh 1   # the draft readout inside the draft graph (re-landed) and the GDN norm
 #                                   # threshold under their GPU tests; the hybrid's cycle profiled at 1;
 #                                   # adaptive vs fixed vs plain, Qwen3-8B, 1…64 (closed loop)
-#   bash scripts/gpu_round43.sh 2   # this round's second call (see BENCHMARKS.md "Round 43")
+#   bash scripts/gpu_round43.sh 2   # the hybrid's launch (4.9 ms of host time against the dense's 0.8): each sync of a
+#                                   # decode step with its frames, the launch under cProfile; the dense beside it
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -19,4 +20,13 @@ if [ "$M" = 1 ]; then
   summary
   stage "adaptive vs fixed vs plain, Qwen3-8B, 1…64 (closed loop)" timeout ${ADAPT_S:-200} \
     $A --shape qwen3-8b --concurrency 1,8,32,64 --max-num-batched-tokens 4096 --out "$OUT/adaptive_qwen3_8b.json"
+fi
+if [ "$M" = 2 ]; then
+  echo "=== hybrid Qwen3.5-4B at 1: each sync of a decode step, the launch under cProfile; dense beside it ($(date +%T))" | tee -a "$LOG"
+  timeout ${HSPLIT_S:-240} python3 scripts/host_split.py --shape qwen3.5-4b --concurrency 1 --modes fixed \
+    --profile --profile-modes fixed --sync-debug > "$OUT/host_split_hybrid_sync.txt" 2>&1
+  grep -A60 '^syncs in' "$OUT/host_split_hybrid_sync.txt" | head -40 | tee -a "$LOG"
+  timeout ${HSPLIT_S:-150} python3 scripts/host_split.py --shape qwen3-8b --concurrency 1 --modes fixed \
+    --sync-debug > "$OUT/host_split_dense_sync.txt" 2>&1
+  grep -A40 '^syncs in' "$OUT/host_split_dense_sync.txt" | head -30 | tee -a "$LOG"
 fi
