@@ -6,6 +6,7 @@
 #                                   # adaptive vs fixed vs plain, Qwen3-8B, 1…64 (closed loop)
 #   bash scripts/gpu_round43.sh 2   # the hybrid's launch (4.9 ms of host time against the dense's 0.8): each sync of a
 #                                   # decode step with its frames, the launch under cProfile; the dense beside it
+#   bash scripts/gpu_round43.sh 3   # the hybrid's and the dense's decode cycles as timelines: where the device waits, by host phase
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -29,4 +30,13 @@ if [ "$M" = 2 ]; then
   timeout ${HSPLIT_S:-150} python3 scripts/host_split.py --shape qwen3-8b --concurrency 1 --modes fixed \
     --sync-debug > "$OUT/host_split_dense_sync.txt" 2>&1
   grep -A40 '^syncs in' "$OUT/host_split_dense_sync.txt" | head -30 | tee -a "$LOG"
+fi
+if [ "$M" = 3 ]; then
+  for shape in qwen3.5-4b qwen3-8b; do
+    echo "=== $shape at 1: the decode cycle's timeline, where the device waits ($(date +%T))" | tee -a "$LOG"
+    timeout ${HSPLIT_S:-200} python3 scripts/host_split.py --shape $shape --concurrency 1 --modes fixed --torch-profile \
+      --trace /tmp/trace_$shape.json > "$OUT/host_split_trace_$shape.txt" 2>&1; grep '^{' "$OUT/host_split_trace_$shape.txt" | tee -a "$LOG"
+    python3 scripts/trace_gaps.py /tmp/trace_$shape.json | tee -a "$LOG"
+    gzip -c /tmp/trace_$shape.json > "$OUT/trace_$shape.json.gz"
+  done
 fi

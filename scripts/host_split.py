@@ -32,7 +32,9 @@ import torch
 from blockspec.bench.common import SHAPES, bench_engine, build_models, release, run_batch, synchronize
 from blockspec.bench.speculation import parse_accept_profile
 from blockspec.engine import model_runner
+from blockspec.cache import StatePool
 from blockspec.engine.engine import Engine
+from blockspec.engine.graphs import GraphDispatcher
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.spec.policy import Speculation
@@ -41,7 +43,11 @@ from blockspec.models import gated_delta
 PHASES = {"schedule": (Scheduler, "schedule"), "planned_widths": (Speculation, "planned_widths"),
           "launch": (ModelRunner, "launch"), "propose_for": (ModelRunner, "propose_for"),
           "learn": (ModelRunner, "learn"), "send_events": (Engine, "_send_events"),
-          "collect": (ModelRunner, "collect"), "step": (Engine, "step")}
+          "collect": (ModelRunner, "collect"), "step": (Engine, "step"),
+          # finer, for a --trace timeline (their times are inside the ones above)
+          "finish_decode": (ModelRunner, "finish_decode"), "state_select": (StatePool, "select"),
+          "snapshot_boundaries": (ModelRunner, "snapshot_page_boundaries"), "prepare": (ModelRunner, "prepare"),
+          "graph_run": (GraphDispatcher, "run"), "postprocess_decode": (Scheduler, "postprocess_decode")}
 
 
 def timed_phases(totals: dict[str, float]) -> list:
@@ -52,14 +58,15 @@ def timed_phases(totals: dict[str, float]) -> list:
         def wrapper(*args, _real=real, _name=name, **kwargs):
             started = time.perf_counter()
             try:
-                return _real(*args, **kwargs)
+                with torch.profiler.record_function(f"phase:{_name}"):      # named in a --trace timeline
+                    return _real(*args, **kwargs)
             finally:
                 totals[_name] += time.perf_counter() - started
         patches.append(mock.patch.object(owner, attr, wrapper))
     return patches
 
 
-def torch_profiled(engine, concurrency: int, cycles: int = 12) -> str:
+def torch_profiled(engine, concurrency: int, cycles: int = 12, trace: str | None = None) -> str:
     """`cycles` decode cycles under torch.profiler, after every request's prefill (so only
     what a cycle runs is in it): the host's ops by own CPU time, then the device's by own
     device time (a graph's replay is one cudaGraphLaunch on the host)."""
@@ -77,10 +84,18 @@ def torch_profiled(engine, concurrency: int, cycles: int = 12) -> str:
     while not all(r.output_ids for r in requests):
         engine.step()
     synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    phases = timed_phases(totals) if trace else []
+    for p in phases:
+        p.start()
     with torch_profile(activities=activities) as prof:
         for _ in range(cycles):
             engine.step()
         synchronize()
+    for p in reversed(phases):
+        p.stop()
+    if trace:
+        prof.export_chrome_trace(trace)
     while not all(r.is_finished for r in requests):
         engine.step()
     table = prof.key_averages()
@@ -128,7 +143,8 @@ def synced_cycles(engine, concurrency: int, cycles: int = 6) -> str:
 
 
 def measure(target, draft, mode: str, concurrency: int, block: int, profile, use_cprofile: bool,
-            use_torch_profile: bool = False, label: str | None = None, sync_debug: bool = False) -> dict:
+            use_torch_profile: bool = False, label: str | None = None, sync_debug: bool = False,
+            trace: str | None = None) -> dict:
     engine = bench_engine(target, draft, block if draft is not None else 1, concurrency, 128, 128, mode)
     patches = []
     if draft is not None:
@@ -161,7 +177,7 @@ def measure(target, draft, mode: str, concurrency: int, block: int, profile, use
             pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
             out["profile"] = text.getvalue()
         if use_torch_profile:
-            out["profile"] = torch_profiled(engine, concurrency)
+            out["profile"] = torch_profiled(engine, concurrency, trace=trace)
         if sync_debug and torch.cuda.is_available():
             out["profile"] = out.get("profile", "") + "\n" + synced_cycles(engine, concurrency)
     finally:
@@ -179,6 +195,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--profile", action="store_true", help="also the --profile-modes runs under cProfile")
     ap.add_argument("--profile-modes", default="adaptive")
+    ap.add_argument("--trace", help="with --torch-profile: the profiled cycles' timeline (Chrome trace JSON, "
+                                    "engine phases named), for scripts/trace_gaps.py")
     ap.add_argument("--sync-debug", action="store_true",
                     help="also a few decode steps of the first mode with torch.cuda's sync debug mode on")
     ap.add_argument("--torch-profile", action="store_true", help="also the fixed run under torch.profiler")
@@ -199,7 +217,7 @@ def main() -> None:
                 r = measure(target, draft, mode.split("-")[0], c, args.block_size, profile,
                             args.profile and mode in args.profile_modes.split(","),
                             args.torch_profile and mode.startswith("fixed"), label=mode,
-                            sync_debug=args.sync_debug and i == 0)
+                            sync_debug=args.sync_debug and i == 0, trace=args.trace if i == 0 else None)
             text = r.pop("profile", None)
             if text:
                 print(text, flush=True)
