@@ -7,6 +7,8 @@
 #   bash scripts/gpu_round43.sh 2   # the hybrid's launch (4.9 ms of host time against the dense's 0.8): each sync of a
 #                                   # decode step with its frames, the launch under cProfile; the dense beside it
 #   bash scripts/gpu_round43.sh 3   # the hybrid's and the dense's decode cycles as timelines: where the device waits, by host phase
+#   bash scripts/gpu_round43.sh 4   # the hybrid's rollback issued after the next draft: its GPU tests (graphs = eager,
+#                                   # dispatch, warm, overlap), the timeline again, hybrid and adaptive benches
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -39,4 +41,20 @@ if [ "$M" = 3 ]; then
     python3 scripts/trace_gaps.py /tmp/trace_$shape.json | tee -a "$LOG"
     gzip -c /tmp/trace_$shape.json > "$OUT/trace_$shape.json.gz"
   done
+fi
+if [ "$M" = 4 ]; then
+  timeout ${TESTS_S:-300} $T "tests/gpu/test_gpu.py::test_hybrid_graphs_equal_eager" tests/gpu/test_graph_dispatch.py \
+    > "$OUT/t_dispatch.log" 2>&1 &
+  timeout ${TESTS_S:-300} $T tests/gpu/test_warm_gpu.py::test_hybrid_compiles_nothing_after_startup tests/gpu/test_overlap_gpu.py \
+    > "$OUT/t_warm_overlap.log" 2>&1 &
+  echo "=== qwen3.5-4b at 1, the rollback after the next draft: the cycle's timeline ($(date +%T))" | tee -a "$LOG"
+  timeout ${HSPLIT_S:-200} python3 scripts/host_split.py --shape qwen3.5-4b --concurrency 1 --modes fixed --torch-profile \
+    --trace /tmp/trace_hybrid.json > "$OUT/host_split_trace_hybrid.txt" 2>&1; grep '^{' "$OUT/host_split_trace_hybrid.txt" | tee -a "$LOG"
+  python3 scripts/trace_gaps.py /tmp/trace_hybrid.json | tee -a "$LOG"
+  wait
+  summary
+  stage "hybrid Qwen3.5-4B at 1 (plain, fixed, adaptive)" timeout ${HYB_S:-150} $A --shape qwen3.5-4b --concurrency 1 \
+    --out "$OUT/hybrid.json"
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1 and 8 (unjudged slots drift)" timeout ${ADAPT_S:-150} \
+    $A --shape qwen3-8b --concurrency 1,8 --max-num-batched-tokens 4096 --out "$OUT/adaptive_qwen3_8b.json"
 fi

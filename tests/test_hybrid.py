@@ -379,3 +379,51 @@ def test_oracle_bookkeeping_on_hybrids(hybrids, hybrid_drafts, kind):
     partial = dflash(target, OracleDraft(draft, ids + corrupted), ids, 8, stops=frozenset(), max_tokens=33)
     assert partial.output_ids == reference
     assert any(1 < n < 8 for n in partial.stats.acceptance_lengths)
+
+
+def test_the_rollback_waits_for_the_next_draft_and_a_reused_slot_stays_exact(hybrids, hybrid_drafts):
+    """A verify's rollback (StatePool.select) is issued after the next cycle's draft forward,
+    which reads no recurrent state, and before the target forward that does (ModelRunner.
+    flush_states); a step that prefills issues it first, because a finished sequence's slot may
+    be the new one's. Three requests on two seats, so a slot is handed on while its last
+    rollback waits: every output equals its request decoded plainly alone."""
+    from helpers import make_engine, make_request, run_alone, run_batch
+    from blockspec.cache import StatePool
+    from blockspec.engine.model_runner import ModelRunner
+    target, draft = hybrids["qwen3_5"][1], hybrid_drafts["qwen3_5"]
+    prompts = {"a": HYBRID_PROMPTS["short"], "b": HYBRID_PROMPTS["long"][:40], "c": HYBRID_PROMPTS["long"][40:71]}
+    lengths = {"a": 9, "b": 30, "c": 20}
+
+    def requests():
+        return [make_request(name, prompt, max_tokens=lengths[name]) for name, prompt in prompts.items()]
+    alone = {r.request_id: run_alone(lambda: make_engine(target), r).output_ids for r in requests()}
+    order: list[str] = []
+    real_select, real_propose, real_forward = StatePool.select, ModelRunner.propose_blocks, ModelRunner.forward
+
+    def select(self, slots, kept, keep_stash=False, rows=None):
+        if not keep_stash:                       # the rollback, not a prefix snapshot's copy
+            order.append("select")
+        return real_select(self, slots, kept, keep_stash, rows)
+
+    def propose(self, blocks):
+        order.append("draft")
+        return real_propose(self, blocks)
+
+    def forward(self, entries, num_prefill_seqs=0, drafts=None):
+        hidden = real_forward(self, entries, num_prefill_seqs, drafts)   # named after: its own flush comes first
+        decoding = len(entries) > num_prefill_seqs
+        order.append(("mixed" if num_prefill_seqs else "verify") if decoding else "prefill")
+        return hidden
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StatePool, "select", select)
+        patch.setattr(ModelRunner, "propose_blocks", propose)
+        patch.setattr(ModelRunner, "forward", forward)
+        engine, runs = run_batch(lambda: make_engine(target, draft, block_size=4, max_num_seqs=2), requests())
+    assert {run.request.request_id: run.output_ids for run in runs} == alone
+    assert "verify draft select verify" in " ".join(order)      # a decode-only cycle: the draft went first
+    forwards = [i for i, what in enumerate(order) if what in ("verify", "mixed", "prefill")]
+    for this, after in zip(forwards, forwards[1:]):             # each verify's rollback, before the next forward
+        between = order[this + 1: after]
+        assert between.count("select") == (order[this] != "prefill"), (this, order[this: after + 1])
+    assert order[-1] == "verify" and engine.runner.pending_select is not None   # the last one still waits
+    assert "select draft mixed" in " ".join(order)     # a step that prefills: the rollback before anything

@@ -93,6 +93,7 @@ class ModelRunner:
                        if shapes else None)
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
         self.deferred: list[Callable[[], None]] = []     # see defer
+        self.pending_select: tuple[torch.Tensor, list[int]] | None = None    # see flush_states
         graphed = config.cuda_graphs and self.device.type == "cuda"
         # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
         # step (verify_widths). Made before any forward: a draft forward (the pool's profile, the
@@ -330,6 +331,7 @@ class ModelRunner:
         the proposal and each decoding entry's k_b, written into its verify rows) → hidden
         [≥ rows, hidden], its rows in the entries' order (a graph's static output: read it
         before the next forward)."""
+        self.flush_states()                 # the last verify's rollback reads the stash this overwrites
         multimodal = step_rows(self.target.visual, entries, self.device)    # images: M-RoPE, the tower's tokens
         plan = self.plan(entries, num_prefill_seqs, eager=multimodal is not None)
         meta = self.prepare(entries, num_prefill_seqs, plan)
@@ -435,6 +437,8 @@ class ModelRunner:
         (on CUDA they may still be running when this returns: the engine works meanwhile)."""
         for seq in [s for s, _ in batch.prefill] + batch.decode:
             self.processor_of(seq)
+        if batch.prefill:                   # a slot the rollback writes may be a new sequence's now
+            self.flush_states()
         self.clear_states([seq for seq, _ in batch.prefill])
         self.restore_snapshots([seq for seq, _ in batch.prefill])
         logits, proposal, first_logits = self.forward_step(batch)
@@ -572,10 +576,22 @@ class ModelRunner:
         if self.is_hybrid:
             self.snapshot_page_boundaries(decode, num_accepted, from_stash=self.draft is not None)
         if self.is_hybrid and self.draft is not None:
-            slots = self.device_ints([seq.state_slot for seq in decode])
-            self.states.select(slots, [a + 1 for a in num_accepted])
+            self.flush_states()
+            self.pending_select = (self.device_ints([seq.state_slot for seq in decode]), [a + 1 for a in num_accepted])
         logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(decode, raw, new_tokens)]
         return DecodeResult(num_accepted, new_tokens, logprobs, list(num_drafts))
+
+    def flush_states(self) -> None:
+        """Each verified sequence's recurrent state set to its last accepted row (StatePool.select
+        from the verify's stash), deferred from finish_decode to the next target forward (or the
+        next step that prefills: its slots may have been a finished sequence's): the next draft
+        forward, which reads no recurrent state, is launched first, so the device runs it while
+        the host issues these copies instead of waiting for them (0.45 ms a cycle of Qwen3.5-4B
+        at one sequence on the H200, issue 31). Nothing reads a sequence's slot in between."""
+        if self.pending_select is not None:
+            slots, kept = self.pending_select
+            self.pending_select = None
+            self.states.select(slots, kept)
 
     @staticmethod
     def raw_logprobs(seqs: list[Sequence], logits: torch.Tensor) -> list[torch.Tensor | None]:
