@@ -9,6 +9,7 @@
 #   bash scripts/gpu_round43.sh 3   # the hybrid's and the dense's decode cycles as timelines: where the device waits, by host phase
 #   bash scripts/gpu_round43.sh 4   # the hybrid's rollback issued after the next draft: its GPU tests (graphs = eager,
 #                                   # dispatch, warm, overlap), the timeline again, hybrid and adaptive benches
+#   bash scripts/gpu_round43.sh 5   # the hybrid's timeline with nothing beside it; the MoE hybrid (Qwen3.5-35B-A3B) at 1
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -57,4 +58,12 @@ if [ "$M" = 4 ]; then
     --out "$OUT/hybrid.json"
   stage "adaptive vs fixed vs plain, Qwen3-8B, 1 and 8 (unjudged slots drift)" timeout ${ADAPT_S:-150} \
     $A --shape qwen3-8b --concurrency 1,8 --max-num-batched-tokens 4096 --out "$OUT/adaptive_qwen3_8b.json"
+fi
+if [ "$M" = 5 ]; then
+  echo "=== qwen3.5-4b at 1, the rollback after the next draft: the cycle's timeline, nothing beside it ($(date +%T))" | tee -a "$LOG"
+  timeout ${HSPLIT_S:-150} python3 scripts/host_split.py --shape qwen3.5-4b --concurrency 1 --modes fixed --torch-profile \
+    --trace /tmp/trace_hybrid.json > "$OUT/host_split_trace_hybrid.txt" 2>&1; grep '^{' "$OUT/host_split_trace_hybrid.txt" | tee -a "$LOG"
+  python3 scripts/trace_gaps.py /tmp/trace_hybrid.json | tee -a "$LOG"
+  stage "MoE Qwen3.5-35B-A3B at 1 (plain, fixed, adaptive)" timeout ${MOE_S:-200} $A --shape qwen3.5-35b-a3b --concurrency 1 \
+    --out "$OUT/moe.json"
 fi
