@@ -27,7 +27,7 @@ from blockspec.engine.memory import PoolSize
 from blockspec.engine.model_runner import DecodeResult, Launched, ModelRunner, StepResult
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.spec.dflash import Proposal
+from blockspec.engine.spec.dflash import DraftReadout, Proposal
 from blockspec.models.dflash2 import CandidateWalk
 
 
@@ -164,7 +164,10 @@ class WorkerRunner(ModelRunner):
         self.step(plan.batch())
 
     def proposal_of(self, drafted, seqs: list[SeqView]) -> Proposal:
-        num_slots = (drafted.drafts if isinstance(drafted, CandidateWalk) else drafted).shape[1]   # W − 1
+        # W − 1 drafts a block: DFlash 2's walk, or DFlash 1's readout (its argmax; bare logits before it)
+        slots_of = drafted.drafts if isinstance(drafted, CandidateWalk) else \
+            drafted.greedy if isinstance(drafted, DraftReadout) else drafted
+        num_slots = slots_of.shape[1]
         drafts = torch.empty(len(seqs), num_slots, dtype=torch.long, device=self.device)
         return Proposal(self.tp.broadcast_tensor(drafts), [None] * len(seqs))
 
