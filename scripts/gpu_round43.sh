@@ -10,6 +10,7 @@
 #   bash scripts/gpu_round43.sh 4   # the hybrid's rollback issued after the next draft: its GPU tests (graphs = eager,
 #                                   # dispatch, warm, overlap), the timeline again, hybrid and adaptive benches
 #   bash scripts/gpu_round43.sh 5   # the hybrid's timeline with nothing beside it; the MoE hybrid (Qwen3.5-35B-A3B) at 1
+#   bash scripts/gpu_round43.sh 6   # every other GPU test a DFlash step runs the readout in (graphs, ragged, MoE, vision, FP8)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -66,4 +67,11 @@ if [ "$M" = 5 ]; then
   python3 scripts/trace_gaps.py /tmp/trace_hybrid.json | tee -a "$LOG"
   stage "MoE Qwen3.5-35B-A3B at 1 (plain, fixed, adaptive)" timeout ${MOE_S:-200} $A --shape qwen3.5-35b-a3b --concurrency 1 \
     --out "$OUT/moe.json"
+fi
+if [ "$M" = 6 ]; then
+  timeout ${TESTS_S:-165} $T tests/gpu/test_gpu.py tests/gpu/test_ragged_graphs.py > "$OUT/t_gpu_ragged.log" 2>&1 &
+  timeout ${TESTS_S:-165} $T tests/gpu/test_moe_gpu.py tests/gpu/test_vision_gpu.py > "$OUT/t_moe_vision.log" 2>&1 &
+  timeout ${TESTS_S:-165} $T tests/gpu/test_fp8.py -k "decode_on_the_gpu" > "$OUT/t_fp8_dflash.log" 2>&1 &
+  wait
+  summary
 fi
