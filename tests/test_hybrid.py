@@ -287,6 +287,31 @@ def test_a_stacked_pools_select_copy_and_clear_equal_the_per_layer_ones():
     assert not fast.conv_all[:, 5].any() and torch.equal(fast.ssm_all[:, 0], fast.ssm_all[:, 3])
 
 
+def test_whether_a_stash_is_in_the_space_is_answered_for_its_entries():
+    """in_space() is remembered for the entries it was asked of (a graph's replay hands over a
+    copy of the same list every cycle), and asked again when any entry changes: in place, by
+    stash(), or a list of other entries."""
+    from blockspec.cache.state_pool import RecurrentShape, StatePool
+    shapes = [RecurrentShape(conv_dim=6, conv_kernel=4, num_v_heads=2, k_dim=3, v_dim=5)] * 3
+    pool = StatePool(6, shapes, torch.float32, torch.device("cpu"))
+    pool.reserve_space(4, 5)
+    for layer in range(3):
+        pool.stash(layer, *pool.space_for(layer, 2, 5))
+    graphs_list = list(pool.stashed)
+    assert pool.in_space()
+    pool.stashed = list(graphs_list)                    # a replay's copy: the same entries
+    assert pool.in_space()
+    steps, conv = pool.stashed[1]
+    pool.stashed[1] = (steps.clone(), conv.clone())     # in place, outside the space
+    assert not pool.in_space()
+    pool.stashed = list(graphs_list)
+    assert pool.in_space()
+    pool.stash(2, *pool.space_for(2, 3, 5))             # a different count of rows than the others
+    assert not pool.in_space()
+    pool.stashed = [None] * 3
+    assert not pool.in_space()
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_graph_shaped_metadata_equals_eager_on_hybrids(hybrids, kind):
     """Padded rows (page 0, state slot 0) and keys over the whole capacity, as a CUDA graph
