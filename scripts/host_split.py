@@ -66,23 +66,30 @@ def timed_phases(totals: dict[str, float]) -> list:
     return patches
 
 
-def torch_profiled(engine, concurrency: int, cycles: int = 12, trace: str | None = None) -> str:
-    """`cycles` decode cycles under torch.profiler, after every request's prefill (so only
-    what a cycle runs is in it): the host's ops by own CPU time, then the device's by own
-    device time (a graph's replay is one cudaGraphLaunch on the host)."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
-
+def decoding(engine, concurrency: int, cycles: int, name: str, seed: int) -> list:
+    """`concurrency` requests of 128 random prompt tokens submitted and stepped past their
+    prefill, with room for `cycles` more decode cycles: what the measured steps then run."""
     from blockspec.engine.request import Request
     from blockspec.sampling import SamplingParams
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    gen = torch.Generator().manual_seed(1)
-    requests = [Request(f"profiled-{i}", torch.randint(1000, 100000, (128,), generator=gen).tolist(),
+    gen = torch.Generator().manual_seed(seed)
+    requests = [Request(f"{name}-{i}", torch.randint(1000, 100000, (128,), generator=gen).tolist(),
                         SamplingParams(max_tokens=cycles * 16 + 16), frozenset(), engine.config.max_model_len)
                 for i in range(concurrency)]
     for request in requests:
         engine.submit(request, lambda event: None)
     while not all(r.output_ids for r in requests):
         engine.step()
+    return requests
+
+
+def torch_profiled(engine, concurrency: int, cycles: int = 12, trace: str | None = None) -> str:
+    """`cycles` decode cycles under torch.profiler, after every request's prefill (so only
+    what a cycle runs is in it): the host's ops by own CPU time, then the device's by own
+    device time (a graph's replay is one cudaGraphLaunch on the host)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    requests = decoding(engine, concurrency, cycles, "profiled", seed=1)
     synchronize()
     totals: dict[str, float] = defaultdict(float)
     phases = timed_phases(totals) if trace else []
@@ -108,16 +115,7 @@ def torch_profiled(engine, concurrency: int, cycles: int = 12, trace: str | None
 def synced_cycles(engine, concurrency: int, cycles: int = 6) -> str:
     """`cycles` decode steps with torch.cuda's sync debug mode on: every operation that waits for
     the device, with the blockspec frames that called it, counted (after every prefill)."""
-    from blockspec.engine.request import Request
-    from blockspec.sampling import SamplingParams
-    gen = torch.Generator().manual_seed(2)
-    requests = [Request(f"synced-{i}", torch.randint(1000, 100000, (128,), generator=gen).tolist(),
-                        SamplingParams(max_tokens=cycles * 16 + 16), frozenset(), engine.config.max_model_len)
-                for i in range(concurrency)]
-    for request in requests:
-        engine.submit(request, lambda event: None)
-    while not all(r.output_ids for r in requests):
-        engine.step()
+    requests = decoding(engine, concurrency, cycles, "synced", seed=2)
     seen: Counter = Counter()
 
     def record(message, category, filename, lineno, file=None, line=None):
