@@ -84,8 +84,7 @@ class OneSequence:
         assert start is not None and start <= length <= self.length
         if self.states is not None:
             assert length > start
-            slots = torch.tensor([self.state_slot], device=self.device)
-            self.states.select(slots, [length - start])
+            self.states.select([self.state_slot], [length - start])
         self.length = length
 
     def recurrent_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

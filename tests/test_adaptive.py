@@ -728,7 +728,7 @@ def test_narrower_draft_blocks_are_lossless_and_run_at_the_width_they_need(dense
     real, blocks = model_runner.propose, []
 
     def recording(out, seqs, confidence=False):
-        blocks.append(out.greedy.shape[1] + 1)          # DraftReadout: the forward's argmax [B, W − 1]
+        blocks.append(out.drafts.shape[1] + 1)          # DraftReadout: the forward's argmax [B, W − 1]
         return real(out, seqs, confidence)
     monkeypatch.setattr(model_runner, "propose", recording)
     costs = CostTable((1, 4096), (5.0, 46.0), (1, 64), draft_by_width(BLOCK),
@@ -941,7 +941,7 @@ def test_the_readout_in_the_draft_forward_proposes_what_the_logits_would(dense, 
             logits = out.logits[: len(seqs)]
             assert torch.equal(proposal.confidence, with_sampled(draft_confidence(logits, before.drafts), before))
         compared.append({seq.request_id for seq in seqs})
-        redrawn.extend(seq.logits_processor is not None and not torch.equal(proposal.drafts[b], out.greedy[b])
+        redrawn.extend(seq.logits_processor is not None and not torch.equal(proposal.drafts[b], out.drafts[b])
                        for b, seq in enumerate(seqs))
         return proposal
     monkeypatch.setattr(model_runner, "propose", both_ways)

@@ -241,7 +241,7 @@ def test_select_refuses_keeping_nothing_of_the_block(hybrids):
     seq.forward(torch.arange(10, 14), keep_steps=True)
     for bad in (0, 5):
         with pytest.raises(ValueError, match="keeps 1..4 positions"):
-            seq.states.select(torch.tensor([seq.state_slot]), [bad])
+            seq.states.select([seq.state_slot], [bad])
 
 
 def test_a_stacked_pools_select_copy_and_clear_equal_the_per_layer_ones():
@@ -274,8 +274,8 @@ def test_a_stacked_pools_select_copy_and_clear_equal_the_per_layer_ones():
     fast, slow = pool_pair()
     stash(fast, slow, 3)
     for pool in (fast, slow):
-        pool.select(torch.tensor([4, 1]), [2, 5], keep_stash=True, rows=[2, 0])
-        pool.select(torch.tensor([1, 3, 5]), [1, 3, 5])
+        pool.select([4, 1], [2, 5], keep_stash=True, rows=[2, 0])
+        pool.select([1, 3, 5], [1, 3, 5])
     assert fast.stashed == [None] * 3 == slow.stashed
     for a, b in zip(fast.conv + fast.ssm, slow.conv + slow.ssm):
         assert torch.equal(a, b)

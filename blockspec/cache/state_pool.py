@@ -134,9 +134,9 @@ class StatePool:
         self.stashed[layer] = (step_states, conv_inputs)
         self._in_space = None
 
-    def select(self, slots: torch.Tensor, num_kept: list[int], keep_stash: bool = False,
+    def select(self, slots: list[int], num_kept: list[int], keep_stash: bool = False,
                rows: list[int] | None = None) -> None:
-        """After a verify: sequence b keeps num_kept[b] (1..T) positions of its block.
+        """After a verify: the sequence in slot slots[b] keeps num_kept[b] (1..T) positions of its block.
         keep_stash: the stash stays for another select; rows: the batch rows the slots take
         their state from (default 0 … len(slots) − 1); both for prefix snapshots at page
         boundaries (cache/prefix.py).
@@ -149,12 +149,13 @@ class StatePool:
         if any(not 1 <= kept <= width for kept in num_kept):
             raise ValueError(f"each sequence keeps 1..{width} positions of its block, got {num_kept}")
         # One host→device copy (this runs every hybrid cycle, its host time on the step's path):
-        # the batch rows, the last kept row and the K−1 conv columns of each sequence.
-        num_seqs, window = slots.shape[0], self.conv[0].shape[-1]
+        # the slots, the batch rows, the last kept row and the K−1 conv columns of each sequence.
+        num_seqs, window = len(slots), self.conv[0].shape[-1]
         rows = list(range(num_seqs)) if rows is None else list(rows)
-        index = device_longs(rows + [kept - 1 for kept in num_kept]
-                             + [kept + j for kept in num_kept for j in range(window)], slots.device)
-        rows_t, last, columns = index[:num_seqs], index[num_seqs: 2 * num_seqs], index[2 * num_seqs:].view(num_seqs, window)
+        index = device_longs(list(slots) + rows + [kept - 1 for kept in num_kept]
+                             + [kept + j for kept in num_kept for j in range(window)], self.conv[0].device)
+        slots, rows_t, last = index[:num_seqs], index[num_seqs: 2 * num_seqs], index[2 * num_seqs: 3 * num_seqs]
+        columns = index[3 * num_seqs:].view(num_seqs, window)
         if self.in_space():
             self.select_stacked(slots, rows_t, last, columns)
             if not keep_stash:

@@ -27,8 +27,7 @@ from blockspec.engine.memory import PoolSize
 from blockspec.engine.model_runner import DecodeResult, Launched, ModelRunner, StepResult
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence
-from blockspec.engine.spec.dflash import DraftReadout, Proposal
-from blockspec.models.dflash2 import CandidateWalk
+from blockspec.engine.spec.dflash import Proposal
 
 
 @dataclass(frozen=True)
@@ -164,10 +163,7 @@ class WorkerRunner(ModelRunner):
         self.step(plan.batch())
 
     def proposal_of(self, drafted, seqs: list[SeqView]) -> Proposal:
-        # W − 1 drafts a block: DFlash 2's walk, or DFlash 1's readout (its argmax; bare logits before it)
-        slots_of = drafted.drafts if isinstance(drafted, CandidateWalk) else \
-            drafted.greedy if isinstance(drafted, DraftReadout) else drafted
-        num_slots = slots_of.shape[1]
+        num_slots = drafted.drafts.shape[1]         # W − 1: DFlash 2's walk or DFlash 1's readout
         drafts = torch.empty(len(seqs), num_slots, dtype=torch.long, device=self.device)
         return Proposal(self.tp.broadcast_tensor(drafts), [None] * len(seqs))
 
@@ -185,8 +181,7 @@ class WorkerRunner(ModelRunner):
             return
         self.snapshot_page_boundaries(self._verified, accepted, from_stash=self.draft is not None)
         if self.draft is not None:
-            slots = torch.tensor([seq.state_slot for seq in self._verified], device=self.device)
-            self.states.select(slots, [a + 1 for a in accepted])
+            self.states.select([seq.state_slot for seq in self._verified], [a + 1 for a in accepted])
 
 
 @dataclass

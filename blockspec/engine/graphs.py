@@ -347,7 +347,7 @@ class GraphDispatcher:
             return out
         if isinstance(out, DraftReadout):          # its argmax and confidences beside the logits
             return DraftReadout(*(None if part is None else self.draft_output(part)
-                                  for part in (out.logits, out.greedy, out.confidence)))
+                                  for part in (out.logits, out.drafts, out.confidence)))
         key = ("draft", tuple(out.shape[2:]), out.dtype)
         if key not in self.scratch:
             self.scratch[key] = torch.empty(self.max_draft_seqs, self.width - 1, *out.shape[2:], dtype=out.dtype,

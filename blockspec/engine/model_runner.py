@@ -93,7 +93,7 @@ class ModelRunner:
                        if shapes else None)
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
         self.deferred: list[Callable[[], None]] = []     # see defer
-        self.pending_select: tuple[torch.Tensor, list[int]] | None = None    # see flush_states
+        self.pending_select: tuple[list[int], list[int]] | None = None    # (slots, kept): see flush_states
         graphed = config.cuda_graphs and self.device.type == "cuda"
         # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
         # step (verify_widths). Made before any forward: a draft forward (the pool's profile, the
@@ -401,7 +401,7 @@ class ModelRunner:
             slots.append(seq.pending_slot)
             kept.append(boundary - seq.num_cached)
         if slots and from_stash:
-            self.states.select(self.device_ints(slots), kept, keep_stash=True, rows=rows)
+            self.states.select(slots, kept, keep_stash=True, rows=rows)
         elif slots:
             for row, slot in zip(rows, slots):
                 self.states.copy(seqs[row].state_slot, slot)
@@ -577,7 +577,7 @@ class ModelRunner:
             self.snapshot_page_boundaries(decode, num_accepted, from_stash=self.draft is not None)
         if self.is_hybrid and self.draft is not None:
             self.flush_states()
-            self.pending_select = (self.device_ints([seq.state_slot for seq in decode]), [a + 1 for a in num_accepted])
+            self.pending_select = ([seq.state_slot for seq in decode], [a + 1 for a in num_accepted])
         logprobs = [self.scored(seq, rows, tokens) for seq, rows, tokens in zip(decode, raw, new_tokens)]
         return DecodeResult(num_accepted, new_tokens, logprobs, list(num_drafts))
 

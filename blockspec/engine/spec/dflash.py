@@ -24,18 +24,18 @@ from blockspec.sampling import device_longs, probs_from_logits, rejection_sample
 @dataclass
 class DraftReadout:
     """DFlash 1's draft output as the propose forward returns it (inside its graph): the logits
-    [B, T − 1, V], their argmax (every greedy sequence's drafts) and, for the adaptive policy,
-    the draft's probability of that argmax (`draft_confidence`). Computed with the forward, they
+    [B, T − 1, V], their argmax `drafts` (every greedy sequence's; CandidateWalk.drafts is DFlash
+    2's) and, for the adaptive policy, the draft's probability of that argmax (`draft_confidence`). Computed with the forward, they
     cost no launches between the draft and the verify; rows that sample or process their logits
     are drawn from the logits on the host side as before."""
     logits: torch.Tensor
-    greedy: torch.Tensor
+    drafts: torch.Tensor
     confidence: torch.Tensor | None = None
 
     @staticmethod
     def of(logits: torch.Tensor, confidence: bool) -> "DraftReadout":
-        greedy = logits.argmax(-1)
-        return DraftReadout(logits, greedy, draft_confidence(logits, greedy) if confidence else None)
+        drafts = logits.argmax(-1)
+        return DraftReadout(logits, drafts, draft_confidence(logits, drafts) if confidence else None)
 
 
 @dataclass
@@ -60,7 +60,7 @@ def propose(out: torch.Tensor | DraftReadout | CandidateWalk, seqs: list[Sequenc
     n = len(seqs)
     logits = out.logits[:n]
     # Clones: a graph's readout lives in buffers the next draft forward overwrites.
-    proposal = sample_drafts(logits, seqs, greedy=out.greedy[:n].clone())
+    proposal = sample_drafts(logits, seqs, greedy=out.drafts[:n].clone())
     if confidence:
         chosen = out.confidence[:n] if out.confidence is not None else draft_confidence(logits, proposal.drafts)
         # Rows whose drafts are not the argmax: a processed greedy row gets the draft's
