@@ -136,6 +136,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    "at each position of the data (for data sampled at a temperature)")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from this saved draft's weights (same shape, layer ids and mask token; "
+                   "a draft of fewer layers grows into --num-layers, its function unchanged; "
                    "a new schedule and optimizer)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -16,12 +16,13 @@ case ${1:-} in
   split)
     gguf=${2:-$(python3 -c 'from blockspec import named; print(named.resolve("smollm2"))')}
     mkdir -p .gguf && rm -f .gguf/p*
+    grep -qx '/.gguf/' .git/info/exclude 2>/dev/null || echo /.gguf/ >> .git/info/exclude
     xz -T2 -6 -c "$gguf" > .gguf/all.xz
     head -c 25000000 .gguf/all.xz > .gguf/p0
-    tail -c +25000001 .gguf/all.xz | head -c 33500000 > .gguf/p1
+    # dd, not tail | head: head closing the pipe early fails the pipeline under pipefail
+    dd if=.gguf/all.xz of=.gguf/p1 iflag=skip_bytes,count_bytes skip=25000000 count=33500000 status=none
     tail -c +58500001 .gguf/all.xz > .gguf/p2
     rm .gguf/all.xz
-    grep -qx '/.gguf/' .git/info/exclude 2>/dev/null || echo /.gguf/ >> .git/info/exclude
     ls -l .gguf ;;
   keep)
     mkdir -p $KEEP && cp .gguf/p* $KEEP/ && ls -l $KEEP ;;

@@ -3,8 +3,14 @@
 # commands they share ($B: plain vs DFlash at block 16; $A: adaptive vs fixed vs plain, latent 6.5; $T:
 # pytest; `summary`: the tests logs t_*.log, their results). The wheels: scripts/device_wheels.sh.
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+# A call that carries no wheels (its room went to a GGUF piece) uses what an earlier call on the same
+# warm machine installed.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+elif [ ! -d /tmp/site ]; then
+  echo "gpu_prelude: no .whl carried and no /tmp/site from an earlier call on this machine" >&2; exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton}
 mkdir -p "$OUT"
 LOG="$OUT/bench.log"

@@ -436,17 +436,25 @@ def measure(args) -> dict[str, Any]:
 
 
 def speeds(args, prompts: list[list[int]], best: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
-    """Plain vs DFlash (the best draft and block) output tok/s at each concurrency."""
+    """Plain vs DFlash (the best draft and block; every draft verified, and --speculation
+    adaptive) output tok/s at each concurrency, the three engines side by side."""
     if "draft" not in best:
         return {}
-    spec = open_llm(args.target, 1024, max(args.concurrency), draft=best["draft"], block_size=best["block_size"], **opts)
-    base = open_llm(args.target, 1024, max(args.concurrency), **opts)
+    size = max(args.concurrency)
+    engines = {mode: open_llm(args.target, 1024, size, draft=best["draft"], block_size=best["block_size"],
+                              speculation=mode, **opts) for mode in ("fixed", "adaptive")}
+    base = open_llm(args.target, 1024, size, **opts)
     speed: dict[str, Any] = {"draft": best["draft"], "block_size": best["block_size"]}
     for c in args.concurrency:
         rounds = 4 if c == 1 else 1
-        p, d = tok_s(base, prompts, c, args.max_tokens, rounds), tok_s(spec, prompts, c, args.max_tokens, rounds)
-        speed[str(c)] = {"plain": round(p, 1), "dflash": round(d, 1), "speedup": round(d / p, 3)}
-        log(f"c={c}: {speed[str(c)]}")
+        p = tok_s(base, prompts, c, args.max_tokens, rounds)
+        row: dict[str, Any] = {"plain": round(p, 1)}
+        for mode, llm in engines.items():
+            d = tok_s(llm, prompts, c, args.max_tokens, rounds)
+            name = "dflash" if mode == "fixed" else mode
+            row[name], row[f"{name}_speedup"] = round(d, 1), round(d / p, 3)
+        speed[str(c)] = row
+        log(f"c={c}: {row}")
     return speed
 
 

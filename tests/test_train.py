@@ -204,9 +204,38 @@ def test_init_from_starts_from_a_saved_drafts_weights(tiny_target, tiny_data, tm
     assert all(torch.equal(mine[k], saved[k].float()) for k in saved)
     fresh = Trainer(config(tiny_target, tiny_data[0], tmp_path / "third"), Ranks(0, 1, torch.device("cpu")))
     assert not torch.equal(fresh.draft.state_dict()["fc.weight"], mine["fc.weight"])
-    with pytest.raises(TrainError, match="other settings \\(num_hidden_layers"):
-        Trainer(config(tiny_target, tiny_data[0], tmp_path / "fourth", init_from=str(tmp_path / "first"), num_layers=2),
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "first", other)
+    saved_config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**saved_config, "intermediate_size": 96}))
+    with pytest.raises(TrainError, match="other settings \\(intermediate_size"):
+        Trainer(config(tiny_target, tiny_data[0], tmp_path / "fourth", init_from=str(other)),
                 Ranks(0, 1, torch.device("cpu")))
+
+
+def test_init_from_grows_a_shallower_draft_computing_what_it_did(tiny_target, tiny_data, tmp_path):
+    """--init-from a 1-layer draft into a 2-layer run: the saved layer first, the new one with
+    zero output projections, so every block's logits are the saved draft's exactly; training
+    then moves the new layer (its projections' gradients are not zero). A deeper saved draft
+    than the run's is a one-line error."""
+    from blockspec.train.loop import Ranks, Trainer, TrainError
+    cpu = Ranks(0, 1, torch.device("cpu"))
+    train(config(tiny_target, tiny_data[0], tmp_path / "first", steps=6, save_every=0))
+    same = Trainer(config(tiny_target, tiny_data[0], tmp_path / "same", init_from=str(tmp_path / "first")), cpu)
+    grown = Trainer(config(tiny_target, tiny_data[0], tmp_path / "grown", init_from=str(tmp_path / "first"),
+                           num_layers=2, target_layer_ids=same.layer_ids), cpu)
+    assert len(grown.draft.layers) == 2 and not torch.all(grown.draft.layers[1].self_attn.qkv_proj.weight == 0)
+    ids = torch.tensor(json.loads(tiny_data[0].read_text().splitlines()[0])["token_ids"])[None]
+    anchors = torch.tensor([[3, 11, 20, 40]])
+    expected, logits = same.block_logits(ids, anchors), grown.block_logits(ids, anchors)
+    assert torch.equal(logits, expected)
+    logits.float().logsumexp(-1).sum().backward()
+    layer = grown.draft.layers[1]
+    assert layer.self_attn.o_proj.weight.grad.abs().sum() > 0 and layer.mlp.down_proj.weight.grad.abs().sum() > 0
+    train(config(tiny_target, tiny_data[0], tmp_path / "deep", steps=2, save_every=0, num_layers=2,
+                 target_layer_ids=same.layer_ids))
+    with pytest.raises(TrainError, match="other settings \\(num_hidden_layers"):
+        Trainer(config(tiny_target, tiny_data[0], tmp_path / "fourth", init_from=str(tmp_path / "deep")), cpu)
 
 
 def test_block_sparse_mask_sees_the_past_context_and_its_own_block():

@@ -220,20 +220,34 @@ class Trainer:
     def start_from(self, path: str) -> None:
         """The weights of a saved draft of the same shape, layer ids and mask token (its block size
         may differ: the weights do not depend on it), to train on from there: a run that
-        continues an earlier one's draft on a new machine, with a schedule and optimizer of its own."""
+        continues an earlier one's draft on a new machine, with a schedule and optimizer of its own.
+        A saved draft of fewer layers grows into this run's: its layers come first and each new
+        layer starts with zero output projections (o_proj, down_proj), so the grown draft computes
+        exactly what the saved one does (the new layers add nothing to the residual stream) and
+        its extra depth is learnt from there, not from a random start."""
         from blockspec.loader import load_draft
         config_file = Path(path).expanduser() / "config.json"
         try:
             saved = json.loads(config_file.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise TrainError(f"--init-from {path}: no draft config.json there ({exc})") from None
-        keys = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                "head_dim", "dflash_config")
+        keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "dflash_config")
         differ = [k for k in keys if saved.get(k) != self.draft_config.get(k)]
+        num_saved, num_layers = int(saved.get("num_hidden_layers", 0)), int(self.draft_config["num_hidden_layers"])
+        types = self.draft_config.get("layer_types") or ["full_attention"] * num_layers
+        saved_types = saved.get("layer_types") or ["full_attention"] * num_saved
+        if not 0 < num_saved <= num_layers or saved_types != types[:num_saved]:
+            differ.insert(0, "num_hidden_layers")
         if differ:
             raise TrainError(f"--init-from {path}: that draft has other settings ({', '.join(differ)}) than this run's")
         weights = load_draft(str(config_file.parent), self.target).state_dict()
-        self.draft.load_state_dict(weights)       # copied into the fp32 parameters
+        missing, unexpected = self.draft.load_state_dict(weights, strict=False)   # copied into the fp32 parameters
+        assert not unexpected and all(int(k.split(".")[1]) >= num_saved for k in missing), (missing, unexpected)
+        with torch.no_grad():
+            for layer in self.draft.layers[num_saved:]:
+                layer.self_attn.o_proj.weight.zero_()
+                layer.mlp.down_proj.weight.zero_()
 
     def make_draft_config(self) -> dict[str, Any]:
         from blockspec.models.dflash import default_target_layer_ids
