@@ -8,7 +8,8 @@
 #   device: bash scripts/gguf_pieces.sh keep              # this call's .gguf/p* into /tmp/gguf-pieces
 #   device: bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf   # all pieces → the file, hash checked
 # The first piece is the smallest: the first call also carries the wheels (.whl, 9 MB:
-# scripts/device_wheels.sh). Round 41 carried 28 + 34 + 28.5 MB with 6 MB of wheels.
+# scripts/device_wheels.sh). Round 41 carried 28 + 34 + 28.5 MB with 6 MB of wheels; round 44, beside a 33 MB
+# tree, 24.6 + 33.9 + 32 MB.
 set -euo pipefail
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53   # blockspec/named.py's smollm2
 KEEP=/tmp/gguf-pieces
@@ -18,9 +19,9 @@ case ${1:-} in
     mkdir -p .gguf && rm -f .gguf/p*
     grep -qx '/.gguf/' .git/info/exclude 2>/dev/null || echo /.gguf/ >> .git/info/exclude
     xz -T2 -6 -c "$gguf" > .gguf/all.xz
-    head -c 25000000 .gguf/all.xz > .gguf/p0
+    head -c 24600000 .gguf/all.xz > .gguf/p0
     # dd, not tail | head: head closing the pipe early fails the pipeline under pipefail
-    dd if=.gguf/all.xz of=.gguf/p1 iflag=skip_bytes,count_bytes skip=25000000 count=33500000 status=none
+    dd if=.gguf/all.xz of=.gguf/p1 iflag=skip_bytes,count_bytes skip=24600000 count=33900000 status=none
     tail -c +58500001 .gguf/all.xz > .gguf/p2
     rm .gguf/all.xz
     ls -l .gguf ;;
