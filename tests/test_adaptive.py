@@ -301,7 +301,8 @@ def test_a_reused_calibration_row_starts_fresh():
 def test_widths_planned_ahead_are_the_widths_planned_then():
     """plan_ahead (made while the device runs step N) gives step N + 1 exactly the widths that
     planning at N + 1 would, from the same calibration; cut to a cap that step N's tokens
-    lowered; ignored for another batch of sequences or another order, and used once."""
+    lowered; each sequence's own width in another order; ignored for any other batch of
+    sequences (one fewer, or one it was not made for), and used once."""
     def trained() -> tuple[Speculation, list]:
         """Past the warm-up, with a different picture per sequence (built twice: the same state)."""
         probs = np.array([0.97, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1])
@@ -328,10 +329,14 @@ def test_widths_planned_ahead_are_the_widths_planned_then():
         seqs[b].request.num_allowed = twin_seqs[b].request.num_allowed = 100
     spec.plan_ahead(seqs)
     assert spec.planned_widths([]) == [] and spec._ahead is None      # nothing decodes: no plan left over
+    spec.plan_ahead(seqs)                                 # another order: each sequence's own width
+    assert spec.planned_widths(seqs[::-1]) == planned_then[::-1] == twin.planned_widths(twin_seqs[::-1])
     sentinel = np.full(6, 3)
     assert planned_then != sentinel.tolist()
-    for batch, twin_batch in ((seqs[::-1], twin_seqs[::-1]), (seqs[:5], twin_seqs[:5])):
-        spec._ahead = (list(seqs), sentinel)              # planned for the whole batch in its order
+    newcomer, twin_newcomer = request_of(), request_of()
+    for batch, twin_batch in ((seqs[:5], twin_seqs[:5]), (seqs[:5] + [newcomer], twin_seqs[:5] + [twin_newcomer]),
+                              ([newcomer] + seqs, [twin_newcomer] + twin_seqs)):
+        spec._ahead = (list(seqs), sentinel)              # nothing planned for the newcomer: anew
         assert spec.planned_widths(batch) == twin.planned_widths(twin_batch) != sentinel[:len(batch)].tolist()
 
 
