@@ -10,6 +10,8 @@
 #   bash scripts/gpu_round44.sh 4   # two drafts trained side by side: the shipped d1b8 continued, and a 2-layer
 #        # block-16 draft grown from it (train-draft --init-from a shallower draft), both on the target's labels
 #   bash scripts/gpu_round44.sh 5   # held-out acceptance of all three, and plain vs fixed vs adaptive tok/s
+#   bash scripts/gpu_round44.sh 6   # carry .whl (a fresh machine): which GEMMs round a row by the rows beside it
+#        # (bf16 DFlash ≠ plain on 26 of 32 SmolLM2 prompts); adaptive vs fixed at 1 and 8 sequences again
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 GGUF=/tmp/smollm2.gguf; WORK=/tmp/w
@@ -39,4 +41,9 @@ fi
 if [ "$M" = 5 ]; then
   touch $WORK/train.done
   scripts/smollm2_device_run.sh $GGUF $WORK "$OUT" full 2>&1 | tail -60 | tee -a "$LOG"
+fi
+if [ "$M" = 6 ]; then
+  stage "F.linear over M rows vs each row alone, bf16 and fp32" timeout 60 python3 scripts/batch_invariance.py
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1 and 8" timeout ${ADAPT_S:-130} \
+    $A --shape qwen3-8b --concurrency 1,8 --max-num-batched-tokens 4096 --out "$OUT/adaptive_qwen3_8b.json"
 fi
