@@ -60,3 +60,49 @@ def test_interpreted_kernels_match_reference():
         assert finite, name
         assert err < (2e-3 if name == "fp16" else 1e-5), (name, err)
         assert dtype == ("torch.float16" if name == "fp16" else "torch.float32"), name
+
+
+INVARIANCE_CHILD = """
+import json, torch
+from attention_cases import make_case
+from blockspec.kernels import attention
+C, W = 300, 8            # a sequence of 300 keys; its last 8 positions as a verify block
+case = make_case([C], W, 9, 3, 64, torch.float16, "cpu", seed=1)          # SmolLM2's heads
+m = case.meta
+
+def row(rows, bound=None, copies=1):
+    # The verify's last position computed with these of its rows as the call's queries (their own
+    # positions, keys up to the last of them), the sequence repeated `copies` times as a batch,
+    # max_context_len = bound (a CUDA graph passes the pool's capacity).
+    n = len(rows)
+    out = attention.paged_attention(
+        case.q[rows].repeat(copies, 1, 1), case.k_pool, case.v_pool, m.block_tables.repeat(copies, 1),
+        torch.full((copies,), C - (W - 1 - rows[-1])), m.positions[rows].repeat(copies),
+        torch.arange(copies + 1) * n, n, m.page_size, bound or C, case.scale, True, None)
+    return out[n - 1]
+
+shapes = {"decode alone": ([W - 1], None, 1), "decode, a graph's bound": ([W - 1], 4096, 1),
+          "decode among 32": ([W - 1], 4096, 32), "verify of 8": (list(range(W)), None, 1),
+          "verify of 8, a graph's bound": (list(range(W)), 4096, 1), "verify of 8 among 32": (list(range(W)), 4096, 32),
+          "verify of 3": ([5, 6, 7], None, 1)}
+result = {}
+for invariant in (False, True):
+    attention.BATCH_INVARIANT = invariant
+    base = row(*shapes["decode alone"])
+    result[str(invariant)] = {name: int((row(*args) != base).sum()) for name, args in shapes.items()}
+print(json.dumps(result))
+"""
+
+
+def test_batch_invariant_attention_gives_a_row_the_same_bits_in_any_call():
+    """BLOCKSPEC_BATCH_INVARIANT: one query row (the last of a verify block, fp16) has the same
+    output bits decoded alone, under a graph's key bound, among 32 sequences, and as a row of a
+    verify of 3 or 8; without it the split count follows the call, and some of these differ
+    (what made bf16 DFlash differ from plain decoding on the H200)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", INVARIANCE_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(n == 0 for n in result["True"].values()), result["True"]
+    assert any(n > 0 for n in result["False"].values()), result["False"]

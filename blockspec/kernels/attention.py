@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -171,13 +172,22 @@ def num_sms(device: torch.device) -> int:
 
 
 MAX_SPLITS = 16
+# BLOCKSPEC_BATCH_INVARIANT=1: keys are never split, so each row's softmax and weighted sum run
+# over its own keys in their order, in chunks of BLOCK_N from key 0, however many rows, sequences
+# or graph bound share the call. Split counts otherwise follow the batch (below), and a split
+# merged is rounded otherwise than one pass: in bf16 a row verified among 8 of its sequence then
+# differs from the same row decoded alone, and a greedy near-tie can flip (BENCHMARKS.md, round
+# 44). The price: one program per (tile, sequence, KV head), so few sequences over long contexts
+# leave SMs idle (flash-decoding's reason to split).
+BATCH_INVARIANT = os.environ.get("BLOCKSPEC_BATCH_INVARIANT", "") == "1"
 
 
 def choose_num_splits(num_programs: int, max_keys: int, block_n: int, sms: int) -> int:
     """Split the keys only while the batch leaves SMs idle; each split keeps ≥ 4 chunks of keys
     (max_keys is a bound: the batch's longest eagerly, the pool's capacity under a graph). A power
-    of two ≤ MAX_SPLITS, so the merge kernel compiles at most four ways."""
-    if num_programs >= sms:
+    of two ≤ MAX_SPLITS, so the merge kernel compiles at most four ways. Never under
+    BATCH_INVARIANT."""
+    if BATCH_INVARIANT or num_programs >= sms:
         return 1
     wanted = max(1, min(triton.cdiv(2 * sms, num_programs), triton.cdiv(max_keys, 4 * block_n), MAX_SPLITS))
     return 1 << (wanted.bit_length() - 1)

@@ -91,3 +91,31 @@ def test_dispatch_and_reference_switch(monkeypatch):
     slow = attention.paged_attention(*args)
     assert calls == [1, 1]
     assert (fast - slow).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("heads", [(9, 3, 64), (32, 8, 128)])          # SmolLM2's, Qwen3-8B's
+def test_batch_invariant_attention_gives_a_row_the_same_bits_in_any_call(monkeypatch, heads):
+    """BLOCKSPEC_BATCH_INVARIANT (kernels.attention.BATCH_INVARIANT): one bf16 query row, the last
+    of a verify block over 3,000 keys, has the same output bits decoded alone, under a graph's
+    key bound, among 32 sequences, and as a row of a verify of 3 or 8 (tests/test_attention_interpreter.py
+    holds the same in fp16 on the CPU); the bf16 DFlash-vs-plain differences of BENCHMARKS.md's round 44."""
+    from blockspec.kernels import attention
+    num_heads, num_kv_heads, head_dim = heads
+    keys, width = 3000, 8
+    case = make_case([keys], width, num_heads, num_kv_heads, head_dim, torch.bfloat16, "cuda", seed=3)
+    m = case.meta
+
+    def row(rows: list[int], bound: int | None = None, copies: int = 1) -> torch.Tensor:
+        n = len(rows)
+        out = attention.paged_attention(
+            case.q[rows].repeat(copies, 1, 1), case.k_pool, case.v_pool, m.block_tables.repeat(copies, 1),
+            torch.full((copies,), keys - (width - 1 - rows[-1]), device="cuda"), m.positions[rows].repeat(copies),
+            torch.arange(copies + 1, device="cuda") * n, n, m.page_size, bound or keys, case.scale, True, None)
+        return out[n - 1]
+    monkeypatch.setattr(attention, "BATCH_INVARIANT", True)
+    alone = row([width - 1])
+    for rows, bound, copies in (([width - 1], 8192, 1), ([width - 1], 8192, 32), (list(range(width)), None, 1),
+                                (list(range(width)), 8192, 32), ([5, 6, 7], None, 1)):
+        assert torch.equal(row(rows, bound, copies), alone), (len(rows), bound, copies)
+    err = (alone.double() - reference(case)[-1]).abs().max().item()
+    assert err < TOLERANCE[torch.bfloat16], err
