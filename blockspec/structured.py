@@ -70,14 +70,33 @@ def compile_grammar(compiler: Any, spec: GrammarSpec) -> Any:
         if spec.kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(json.dumps(spec.schema), any_whitespace=False, strict_mode=spec.strict)
+            return compiler.compile_grammar(schema_grammar(spec.schema, spec.strict))
         if spec.kind == "tool_call":
-            body = xgrammar.Grammar.from_json_schema(json.dumps(spec.schema), any_whitespace=False, strict_mode=True)
+            body = schema_grammar(spec.schema, strict=True)
             grammar = xgrammar.Grammar.concat(literal(TOOL_CALL_OPEN), body, literal(TOOL_CALL_CLOSE))
             return compiler.compile_grammar(grammar)
     except Exception as exc:  # noqa: BLE001 - whatever the client's schema trips on is the client's error
         raise GrammarError(error_text(exc)) from None
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+
+
+# xgrammar (0.2.9, and its main branch) writes a string with minLength / maxLength as a run of
+# [^"\\\r\n]: a raw tab or any other control character U+0000–U+001F fits it, and JSON forbids
+# them unescaped, so a strict parser (pydantic, what OpenAI's SDK parses with) rejects the output
+# (seen as a sampled tab in a 6-character name). Its unconstrained strings exclude them already.
+LOOSE_STRING_CHARACTER = r'[^\"\\\r\n]'
+JSON_STRING_CHARACTER = r'[^\0-\x1f\"\\\r\n]'
+
+
+def schema_grammar(schema: dict[str, Any], strict: bool) -> Any:
+    """The xgrammar Grammar of a JSON schema, its length-bounded strings without raw control
+    characters (the grammar's EBNF with that one character class narrowed, parsed again)."""
+    import xgrammar
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=strict)
+    text = str(grammar)
+    if LOOSE_STRING_CHARACTER not in text:
+        return grammar
+    return xgrammar.Grammar.from_ebnf(text.replace(LOOSE_STRING_CHARACTER, JSON_STRING_CHARACTER))
 
 
 def literal(text: str) -> Any:

@@ -21,7 +21,8 @@ from blockspec.loader import load_draft, load_model
 from blockspec.models.dflash2 import CandidateWalk
 from blockspec.sampling import SamplingParams
 from blockspec.server.parsers import ToolCallParser
-from blockspec.structured import GrammarError, GrammarSpec, compile_grammar, grammar_compiler, tool_call_schema
+from blockspec.structured import (TOOL_CALL_OPEN, GrammarError, GrammarSpec, compile_grammar, grammar_compiler,
+                                  tool_call_schema)
 from blockspec.tokenizer import Tokenizer
 from helpers import make_engine, padded, run_alone, run_batch
 
@@ -136,6 +137,33 @@ def test_min_tokens_yields_to_a_completed_grammar(dense):
     for run in (plain(target, request(grammar=grammar, min_tokens=10)),
                 dflash(target, draft, request(grammar=grammar, min_tokens=10), 4)):
         assert run.finish_reason == "stop" and text_of(tokenizer, run) in ("true", "false")
+
+
+def test_a_length_bounded_string_refuses_raw_control_characters(dense):
+    """JSON forbids U+0000–U+001F unescaped in a string; xgrammar's run for a string with
+    maxLength / minLength lets them through (a sampled tab broke a client's strict parse). Our
+    grammar refuses them there as in any other string, in schemas and in tool calls, and still
+    takes what it took; the token-level matcher over our tokenizer agrees."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    from blockspec.structured import schema_grammar
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "city": {"type": "string", "minLength": 2}, "note": {"type": "string"}},
+              "required": ["name", "city", "note"]}
+    loose = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    ours = schema_grammar(schema, strict=True)
+    good, tabbed = '{"name": "Ada", "city": "Oslo", "note": "a\\tb"}', '{"name": "A\tda", "city": "Oslo", "note": ""}'
+    controls = [f'{{"name": "Ada", "city": "O{chr(c)}slo", "note": ""}}' for c in (0, 1, 9, 0x1f)]
+    assert accepts(loose, tabbed) and all(accepts(loose, text) for text in controls)      # xgrammar's own
+    assert accepts(ours, good) and not accepts(ours, tabbed) and not any(accepts(ours, text) for text in controls)
+    assert not accepts(ours, '{"name": "Ada Lovelace", "city": "Oslo", "note": ""}')    # maxLength kept
+    target, _, tokenizer = dense
+    compiler = grammar_compiler(tokenizer, target.lm_head.weight.shape[0])
+    tool = tool_call_schema([{"type": "function", "function": {"name": "f", "parameters": schema}}], "f")
+    for spec, prefix in ((GrammarSpec("json_schema", schema), '{"name": "A'),
+                         (GrammarSpec("tool_call", tool), TOOL_CALL_OPEN + '{"name": "f", "arguments": {"name": "A')):
+        matcher = xgrammar.GrammarMatcher(compile_grammar(compiler, spec), terminate_without_stop_token=True)
+        assert matcher.accept_string(prefix) and not matcher.accept_string("\t") and matcher.accept_string("da")
 
 
 def test_invalid_schema_is_refused_by_name(dense):
