@@ -977,3 +977,56 @@ def test_the_pools_profile_runs_a_draft_forward_before_any_step(dense, monkeypat
     request = make_request("r", PROMPT, max_tokens=12)
     reference = run_alone(lambda: make_engine(target, None), make_request("r", PROMPT, max_tokens=12))
     assert run_alone(lambda: engine, request).output_ids == reference.output_ids
+
+
+class PlanCounter(Speculation):
+    """The real adaptive policy, recording each step's batch and whether its widths were planned
+    on the spot (between the sync and the launch) rather than taken from plan_ahead."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps: list[tuple[frozenset, bool]] = []
+        self._planning = False
+
+    def planned_widths(self, seqs):
+        self._planning, self._on_the_spot = True, False
+        planned = {} if self._ahead is None else {id(seq): k for seq, k in zip(*self._ahead)}
+        capped = any(planned.get(id(seq), 0) > cap for seq, cap in zip(seqs, self.caps(seqs)))
+        try:
+            return super().planned_widths(seqs)
+        finally:
+            self._planning = False
+            if seqs:
+                self.steps.append((frozenset(seq.request_id for seq in seqs), self._on_the_spot, capped))
+
+    def allocation(self, seqs):
+        self._on_the_spot = self._on_the_spot or self._planning
+        return super().allocation(seqs)
+
+
+def test_an_arrival_is_planned_for_while_its_prompt_runs(dense, reference, monkeypatch):
+    """plan_ahead covers the sequences whose prompt the step completes: the first decode step
+    of the batch (the prompts of two requests) and of a request arriving mid-run take the widths
+    made while the step before ran; only a step after a sequence ended plans on the spot. The
+    outputs are plain decoding's."""
+    from blockspec.engine.spec import policy
+    monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)
+    target, _ = dense
+    spec = PlanCounter("adaptive", BLOCK - 1, costs=CostTable.analytic(flat_rows=64, ms_flat=5.0, ms_per_row=0.05,
+                                                                       draft_ms=1.0))
+    spec.record_cycle = lambda *_: None
+    spec.learning_interval = lambda num_seqs: math.inf              # no learning cycles: plans only
+    engine, _ = oracle_engine(dense, reference, spec, max_num_seqs=3)
+    _, runs = run_batch(lambda: engine, [make_request("a", PROMPT, max_tokens=30), make_request("b", PROMPT, max_tokens=18)],
+                        arrivals={3: [make_request("c", PROMPT, max_tokens=24)]})
+    assert [run.output_ids for run in runs] == [reference, reference[:18], reference[:24]]
+    batches = [ids for ids, _, _ in spec.steps]
+    assert batches[0] == {"a", "b"} and {"a", "b", "c"} in batches
+    joined = batches.index(frozenset({"a", "b", "c"}))
+    assert not spec.steps[0][1] and not spec.steps[joined][1]       # planned ahead, arrival included
+    ended = 0
+    for (before, _, _), (ids, on_the_spot, capped) in zip(spec.steps, spec.steps[1:]):
+        # On the spot only after an end, or where a request's last tokens cut a planned width.
+        assert on_the_spot == (ids < before or capped), (before, ids, capped)
+        ended += ids < before
+    assert ended == 2

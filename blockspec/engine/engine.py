@@ -218,8 +218,12 @@ class Engine:
         self.runner.learn()                                  # while the device runs this step
         if self.overlap:
             self._send_events()
-        if batch.decode:                                     # the next step's widths, likewise
-            self.runner.speculation.plan_ahead(batch.decode)
+        # The next step's widths, likewise, for the sequences it will decode unless one ends now:
+        # these, and those whose prompt this step completes (an arrival is then planned for
+        # here, not on the spot after the next sync).
+        upcoming = batch.decode + [seq for seq, n in batch.prefill if seq.num_cached + n >= seq.prefill_len]
+        if upcoming:
+            self.runner.speculation.plan_ahead(upcoming)
         result = self.runner.collect(launched)
         if result.decode is not None and self.runner.draft is not None:
             self._count_speculation(result.decode)

@@ -544,8 +544,9 @@ class Speculation:
         """While the device runs step N (after the engine's `learn`): the allocation planned_widths
         would make for these sequences at step N + 1, made now. It reads the same state — the
         observations of steps up to N − 1 (step N's are learnt during step N + 1) — so only the
-        caps can differ then (tokens committed at N). Used only if step N + 1 decodes exactly
-        these sequences in this order and no cap fell below its width; else planned there."""
+        caps can differ then (tokens committed at N). The engine passes the sequences step N
+        decodes and those whose prompt it completes. Used only if step N + 1 decodes exactly
+        these sequences (in any order) and no cap fell below its width; else planned there."""
         if not self.adaptive or not seqs or self.learns(len(seqs), self._cycles_since_learning + 1):
             return                                         # a learning cycle's widths are its caps
         seqs = list(seqs)
