@@ -143,18 +143,17 @@ def test_a_length_bounded_string_refuses_raw_control_characters(dense):
     """JSON forbids U+0000–U+001F unescaped in a string; xgrammar's run for a string with
     maxLength / minLength lets them through (a sampled tab broke a client's strict parse). Our
     grammar refuses them there as in any other string, in schemas and in tool calls, and still
-    takes what it took; the token-level matcher over our tokenizer agrees."""
+    takes what it took; the token-level matcher over our tokenizer agrees. (Not asserted of
+    xgrammar's own grammar: a release that mends it leaves ours the same.)"""
     import xgrammar
     from xgrammar.testing import _is_grammar_accept_string as accepts
     from blockspec.structured import schema_grammar
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                                "city": {"type": "string", "minLength": 2}, "note": {"type": "string"}},
               "required": ["name", "city", "note"]}
-    loose = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
     ours = schema_grammar(schema, strict=True)
     good, tabbed = '{"name": "Ada", "city": "Oslo", "note": "a\\tb"}', '{"name": "A\tda", "city": "Oslo", "note": ""}'
     controls = [f'{{"name": "Ada", "city": "O{chr(c)}slo", "note": ""}}' for c in (0, 1, 9, 0x1f)]
-    assert accepts(loose, tabbed) and all(accepts(loose, text) for text in controls)      # xgrammar's own
     assert accepts(ours, good) and not accepts(ours, tabbed) and not any(accepts(ours, text) for text in controls)
     assert not accepts(ours, '{"name": "Ada Lovelace", "city": "Oslo", "note": ""}')    # maxLength kept
     target, _, tokenizer = dense
