@@ -243,7 +243,10 @@ class Trainer:
             raise TrainError(f"--init-from {path}: that draft has other settings ({', '.join(differ)}) than this run's")
         weights = load_draft(str(config_file.parent), self.target).state_dict()
         missing, unexpected = self.draft.load_state_dict(weights, strict=False)   # copied into the fp32 parameters
-        assert not unexpected and all(int(k.split(".")[1]) >= num_saved for k in missing), (missing, unexpected)
+        new_layers = tuple(f"layers.{i}." for i in range(num_saved, num_layers))
+        misfits = [*unexpected, *(k for k in missing if not k.startswith(new_layers))]
+        if misfits:
+            raise TrainError(f"--init-from {path}: its weights do not fit this run's draft ({', '.join(misfits[:3])})")
         with torch.no_grad():
             for layer in self.draft.layers[num_saved:]:
                 layer.self_attn.o_proj.weight.zero_()
