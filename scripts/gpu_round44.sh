@@ -18,11 +18,7 @@ GGUF=/tmp/smollm2.gguf; WORK=/tmp/w
 export SWEEP="d1b8 d2b16" LABELS=target INIT_d1b8=blockspec/demo/smollm2-draft INIT_d2b16=blockspec/demo/smollm2-draft
 export STEPS=${STEPS:-4000}
 if [ "$M" = 1 ]; then
-  timeout ${TESTS_S:-150} $T tests/gpu/test_gpu.py tests/gpu/test_ragged_graphs.py > "$OUT/t_gpu_ragged.log" 2>&1 &
-  timeout ${TESTS_S:-150} $T tests/gpu/test_moe_gpu.py tests/gpu/test_vision_gpu.py > "$OUT/t_moe_vision.log" 2>&1 &
-  timeout ${TESTS_S:-150} $T tests/gpu/test_fp8.py -k "decode_on_the_gpu" > "$OUT/t_fp8_dflash.log" 2>&1 &
-  wait
-  summary
+  TESTS_S=${TESTS_S:-150} bash "$(dirname "$0")/gpu_round43.sh" 6      # its three test groups, 150 s each
 fi
 if [ "$M" = 2 ]; then
   stage "hybrid Qwen3.5-4B at 1 (plain, fixed, adaptive; the rollback's one copy)" timeout ${HYB_S:-100} \

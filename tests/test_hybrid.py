@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -290,7 +291,8 @@ def test_a_stacked_pools_select_copy_and_clear_equal_the_per_layer_ones():
 def test_whether_a_stash_is_in_the_space_is_answered_for_its_entries():
     """in_space() is remembered for the entries it was asked of (a graph's replay hands over a
     copy of the same list every cycle), and asked again when any entry changes: in place, by
-    stash(), or a list of other entries."""
+    stash(), or a list of other entries; only a yes is remembered (an eager verify's stash is
+    not kept alive by it)."""
     from blockspec.cache.state_pool import RecurrentShape, StatePool
     shapes = [RecurrentShape(conv_dim=6, conv_kernel=4, num_v_heads=2, k_dim=3, v_dim=5)] * 3
     pool = StatePool(6, shapes, torch.float32, torch.device("cpu"))
@@ -304,7 +306,9 @@ def test_whether_a_stash_is_in_the_space_is_answered_for_its_entries():
     steps, conv = pool.stashed[1]
     pool.stashed[1] = (steps.clone(), conv.clone())     # in place, outside the space
     assert not pool.in_space()
+    eager = weakref.ref(pool.stashed[1][0])
     pool.stashed = list(graphs_list)
+    assert eager() is None                              # a no keeps nothing of an eager stash alive
     assert pool.in_space()
     pool.stash(2, *pool.space_for(2, 3, 5))             # a different count of rows than the others
     assert not pool.in_space()

@@ -49,7 +49,7 @@ class StatePool:
                         for s in shapes]
         # After a verify: per layer (states after each position [B, T, Hv, Dk, Dv], conv inputs [B, C, K−1+T]).
         self.stashed: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(shapes)
-        self._in_space: tuple[list, bool] | None = None      # in_space(): (the stash entries asked of, answer)
+        self._in_space: list | None = None      # in_space(): the stash entries last found in the space
         # Per layer, preallocated (steps [S, T, Hv, Dk, Dv], conv inputs [S, C, K−1+T]) that every
         # CUDA graph's verify stashes into (engine/graphs.py): a graph's own would stay allocated
         # for as long as the graph, one per graph.
@@ -132,7 +132,6 @@ class StatePool:
 
     def stash(self, layer: int, step_states: torch.Tensor, conv_inputs: torch.Tensor) -> None:
         self.stashed[layer] = (step_states, conv_inputs)
-        self._in_space = None
 
     def select(self, slots: list[int], num_kept: list[int], keep_stash: bool = False,
                rows: list[int] | None = None) -> None:
@@ -175,19 +174,21 @@ class StatePool:
         """Whether every layer's stash is the first rows of its view of the stacked space (a
         graphed verify's), the same rows for all."""
         # Asked every hybrid cycle of the same entries (a graph's replay hands over a copy of its
-        # own list, the same tuples each time): answered once per entries, by identity.
-        cached = self._in_space
-        if cached is not None and len(cached[0]) == len(self.stashed) and all(
-                a is b for a, b in zip(cached[0], self.stashed)):
-            return cached[1]
-        answer = self.stacked and bool(self.space) and all(s is not None for s in self.stashed)
-        if answer:
-            count = self.stashed[0][0].shape[0]
-            answer = all(steps.shape[0] == count and steps.data_ptr() == space[0].data_ptr()
-                         and conv.shape[0] == count and conv.data_ptr() == space[1].data_ptr()
-                         for (steps, conv), space in zip(self.stashed, self.space))
-        self._in_space = (list(self.stashed), answer)
-        return answer
+        # own list, the same tuples each time): a yes is remembered by their identity. Only a yes:
+        # those are views of the space, while remembering an eager verify's own stash would keep
+        # its tensors alive after select() has let them go.
+        known = self._in_space
+        if known is not None and len(known) == len(self.stashed) and all(a is b for a, b in zip(known, self.stashed)):
+            return True
+        if not self.stacked or not self.space or any(s is None for s in self.stashed):
+            return False
+        count = self.stashed[0][0].shape[0]
+        if not all(steps.shape[0] == count and steps.data_ptr() == space[0].data_ptr()
+                   and conv.shape[0] == count and conv.data_ptr() == space[1].data_ptr()
+                   for (steps, conv), space in zip(self.stashed, self.space)):
+            return False
+        self._in_space = list(self.stashed)
+        return True
 
     def select_stacked(self, slots: torch.Tensor, rows: torch.Tensor, last: torch.Tensor, columns: torch.Tensor) -> None:
         """`select` over all layers at once from the stacked space: the same copies (last: each

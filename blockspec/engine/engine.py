@@ -221,7 +221,7 @@ class Engine:
         # The next step's widths, likewise, for the sequences it will decode unless one ends now:
         # these, and those whose prompt this step completes (an arrival is then planned for
         # here, not on the spot after the next sync).
-        upcoming = batch.decode + [seq for seq, n in batch.prefill if seq.num_cached + n >= seq.prefill_len]
+        upcoming = batch.decode + [seq for seq, n in batch.prefill if seq.completes_prefill(n)]
         if upcoming:
             self.runner.speculation.plan_ahead(upcoming)
         result = self.runner.collect(launched)

@@ -444,7 +444,7 @@ class ModelRunner:
         logits, proposal, first_logits = self.forward_step(batch)
         self.take_snapshots([seq for seq, _ in batch.prefill])
         for seq, n in batch.prefill:        # the tower's tokens are kept only while a prompt's rows remain
-            if seq.num_cached + n >= seq.prefill_len:
+            if seq.completes_prefill(n):
                 seq.vision_outputs = {}
         return Launched(batch, logits, proposal, first_logits)
 
@@ -643,7 +643,7 @@ def confidence_to_host(proposal: Proposal) -> Proposal:
 
 def samples_first_token(seq: Sequence, num_tokens: int) -> bool:
     """Whether a chunk of num_tokens ends seq's prompt with nothing generated yet."""
-    return seq.num_cached + num_tokens >= seq.prefill_len and not seq.request.output_ids
+    return seq.completes_prefill(num_tokens) and not seq.request.output_ids
 
 
 def live_keys(entries: list[Entry]) -> int:

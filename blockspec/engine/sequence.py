@@ -69,6 +69,10 @@ class Sequence:
     def is_prefilling(self) -> bool:
         return self.num_cached < self.prefill_len
 
+    def completes_prefill(self, num_tokens: int) -> bool:
+        """Whether a chunk of num_tokens (from num_cached on) reaches the end of the prefill."""
+        return self.num_cached + num_tokens >= self.prefill_len
+
     @property
     def anchor(self) -> int:
         """The last committed token (read every decode step: no copy of the whole context)."""

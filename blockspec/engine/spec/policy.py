@@ -528,17 +528,12 @@ class Speculation:
         slots to the others (tests/test_adaptive.py's six sequences: the middle four keep 7
         slots of the six's plan, 12 of their own)."""
         planned, planned_widths = ahead
-        if len(planned) != len(seqs):
-            return None
-        if all(a is s for a, s in zip(planned, seqs)):
-            widths = planned_widths
-        else:
-            by_id = {id(seq): (seq, int(k)) for seq, k in zip(planned, planned_widths)}
-            found = [by_id.get(id(seq)) for seq in seqs]
-            if any(entry is None or entry[0] is not seq for entry, seq in zip(found, seqs)):
-                return None                       # a sequence the plan was not made for
-            widths = np.fromiter((entry[1] for entry in found), dtype=np.int64, count=len(seqs))
-        return widths.tolist() if np.all(widths <= self.caps(seqs)) else None
+        by_id = {id(seq): (seq, int(k)) for seq, k in zip(planned, planned_widths)}
+        found = [by_id.get(id(seq), (None, 0)) for seq in seqs]
+        if len(planned) != len(seqs) or any(mine is not seq for (mine, _), seq in zip(found, seqs)):
+            return None                           # another batch than the plan's
+        widths = [k for _, k in found]
+        return widths if np.all(np.asarray(widths) <= self.caps(seqs)) else None
 
     def plan_ahead(self, seqs: Seq) -> None:
         """While the device runs step N (after the engine's `learn`): the allocation planned_widths
