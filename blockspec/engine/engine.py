@@ -30,7 +30,7 @@ from blockspec.config import EngineConfig
 from blockspec.engine.model_runner import DecodeResult, ModelRunner
 from blockspec.engine.request import Request, TokenEvent
 from blockspec.engine.scheduler import Batch, Emitted, FirstToken, Scheduler
-from blockspec.engine.sequence import Sequence
+from blockspec.engine.sequence import Sequence, completes_prefill
 
 
 logger = logging.getLogger("blockspec.engine")
@@ -221,7 +221,7 @@ class Engine:
         # The next step's widths, likewise, for the sequences it will decode unless one ends now:
         # these, and those whose prompt this step completes (an arrival is then planned for
         # here, not on the spot after the next sync).
-        upcoming = batch.decode + [seq for seq, n in batch.prefill if seq.completes_prefill(n)]
+        upcoming = batch.decode + [seq for seq, n in batch.prefill if completes_prefill(seq, n)]
         if upcoming:
             self.runner.speculation.plan_ahead(upcoming)
         result = self.runner.collect(launched)

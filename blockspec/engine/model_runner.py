@@ -32,7 +32,7 @@ from blockspec.engine.multimodal import rope_offset, step_rows
 from blockspec.engine.warm import warm_kernels
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.scheduler import Batch, FirstToken
-from blockspec.engine.sequence import Sequence
+from blockspec.engine.sequence import Sequence, completes_prefill
 from blockspec.engine.spec.dflash import DraftReadout, Proposal, accept, process_verify, propose
 from blockspec.engine.spec.policy import Speculation
 from blockspec.layers import AttentionMetadata
@@ -444,7 +444,7 @@ class ModelRunner:
         logits, proposal, first_logits = self.forward_step(batch)
         self.take_snapshots([seq for seq, _ in batch.prefill])
         for seq, n in batch.prefill:        # the tower's tokens are kept only while a prompt's rows remain
-            if seq.completes_prefill(n):
+            if completes_prefill(seq, n):
                 seq.vision_outputs = {}
         return Launched(batch, logits, proposal, first_logits)
 
@@ -643,7 +643,7 @@ def confidence_to_host(proposal: Proposal) -> Proposal:
 
 def samples_first_token(seq: Sequence, num_tokens: int) -> bool:
     """Whether a chunk of num_tokens ends seq's prompt with nothing generated yet."""
-    return seq.completes_prefill(num_tokens) and not seq.request.output_ids
+    return completes_prefill(seq, num_tokens) and not seq.request.output_ids
 
 
 def live_keys(entries: list[Entry]) -> int:

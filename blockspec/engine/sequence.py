@@ -69,10 +69,6 @@ class Sequence:
     def is_prefilling(self) -> bool:
         return self.num_cached < self.prefill_len
 
-    def completes_prefill(self, num_tokens: int) -> bool:
-        """Whether a chunk of num_tokens (from num_cached on) reaches the end of the prefill."""
-        return self.num_cached + num_tokens >= self.prefill_len
-
     @property
     def anchor(self) -> int:
         """The last committed token (read every decode step: no copy of the whole context)."""
@@ -91,3 +87,9 @@ class Sequence:
     def mark_admitted(self) -> None:
         if self.admitted_at is None:
             self.admitted_at = time.perf_counter()
+
+
+def completes_prefill(seq, num_tokens: int) -> bool:
+    """Whether a chunk of num_tokens (from seq.num_cached on) reaches the end of its prefill: a
+    Sequence, or a tensor-parallel worker's SeqView of one (distributed/runner.py)."""
+    return seq.num_cached + num_tokens >= seq.prefill_len
