@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# What round 45 ran on the H200 (BENCHMARKS.md, "Round 45 on the H200"): round 44's open GPU checks, on one
+# warm machine, calls back to back, each stage under its own timeout, logs and JSON under $OUT:
+#   bash scripts/gguf_pieces.sh keep && bash scripts/gpu_round46.sh 1   # carry .whl .gguf/p0: the batch-invariant
+#        # attention's bf16 test; the pool test alone; what the unsplit attention costs at 4k-token prompts
+#   bash scripts/gguf_pieces.sh keep && bash scripts/gpu_round46.sh 2   # carry .gguf/p1: adaptive vs fixed vs plain
+#        # (Qwen3-8B, 1 and 8); then the MoE, vision and FP8 engine GPU tests side by side
+#   bash scripts/gguf_pieces.sh keep && bash scripts/gpu_round46.sh 3   # carry .gguf/p2: the GGUF joined; SmolLM2's
+#        # held-out DFlash-vs-plain equality in bf16 and fp32, then with BLOCKSPEC_BATCH_INVARIANT=1 in bf16 and its
+#        # tok/s at 1, 16 and 64 requests (plain, fixed, adaptive) with the variable set
+. "$(dirname "$0")/gpu_prelude.sh"
+M=${1:-1}
+GGUF=/tmp/smollm2.gguf
+if [ "$M" = 1 ]; then
+  timeout ${TESTS_S:-100} $T tests/gpu/test_attention_kernels.py -k batch_invariant > "$OUT/t_invariant.log" 2>&1
+  timeout ${TESTS_S:-100} $T tests/gpu/test_ragged_graphs.py::test_the_pool_fills_the_memory_it_is_given > "$OUT/t_pool.log" 2>&1
+  summary
+  for inv in 0 1; do
+    stage "plain vs DFlash, Qwen3-8B, 4k-token prompts, BLOCKSPEC_BATCH_INVARIANT=$inv" env BLOCKSPEC_BATCH_INVARIANT=$inv \
+      timeout ${BENCH_S:-115} $B --shape qwen3-8b --concurrency 1,8 --prompt-len 4096 --max-tokens 64 \
+      --accept-profile latent:6.5 --out "$OUT/invariant_$inv.json"
+  done
+fi
+if [ "$M" = 2 ]; then
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1 and 8" timeout ${ADAPT_S:-130} \
+    $A --shape qwen3-8b --concurrency 1,8 --max-num-batched-tokens 4096 --out "$OUT/adaptive_qwen3_8b.json"
+  timeout ${TESTS_S:-200} $T tests/gpu/test_moe_gpu.py tests/gpu/test_vision_gpu.py > "$OUT/t_moe_vision.log" 2>&1 &
+  timeout ${TESTS_S:-200} $T tests/gpu/test_fp8.py -k "decode_on_the_gpu" > "$OUT/t_fp8_dflash.log" 2>&1 &
+  wait
+  summary
+fi
+if [ "$M" = 3 ]; then
+  bash scripts/gguf_pieces.sh join $GGUF || exit 1
+  mkdir -p /tmp/w2
+  for run in "0 bfloat16" "0 float32"; do
+    set -- $run
+    echo "=== held-out equality, BLOCKSPEC_BATCH_INVARIANT=$1, $2 ($(date +%T))" | tee -a "$LOG"
+    BLOCKSPEC_BATCH_INVARIANT=$1 timeout 110 python3 scripts/smollm2_recipe.py measure --target $GGUF --work /tmp/w2 \
+      --device cuda --dtype $2 --drafts blockspec/demo/smollm2-draft --limit 32 --max-tokens 128 --concurrency "" \
+      --sets chat --block-sizes 8 2>&1 | grep "block 8" | tee -a "$LOG"
+  done
+  echo "=== held-out equality and tok/s, BLOCKSPEC_BATCH_INVARIANT=1, bf16 ($(date +%T))" | tee -a "$LOG"
+  BLOCKSPEC_BATCH_INVARIANT=1 timeout 200 python3 scripts/smollm2_recipe.py measure --target $GGUF --work /tmp/w2 \
+    --device cuda --dtype bfloat16 --drafts blockspec/demo/smollm2-draft --limit 32 --max-tokens 128 \
+    --concurrency 1,16,64 --sets chat --block-sizes 8 2>&1 | grep "block 8\|c=" | tee -a "$LOG"
+fi
