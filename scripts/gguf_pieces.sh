@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The SmolLM2 GGUF (98 MB) onto the H200 machine, which reaches no registry: a call carries at most
-# 64 MiB with the 32 MB tree, so the file travels xz-compressed (90 MB) in three pieces, one a call,
+# 64 MiB with the 32 MB tree, so the file travels xz-compressed (90 MB) in pieces, one a call,
 # each call's piece kept in the machine's /tmp until the last one joins them (a warm machine keeps
 # /tmp between calls).
 #
-#   here:   bash scripts/gguf_pieces.sh split [GGUF]      # .gguf/p0 p1 p2 (ignored; carry one a call)
+#   here:   bash scripts/gguf_pieces.sh split [GGUF]      # .gguf/p0 … p3 (ignored; carry one a call)
 #   device: bash scripts/gguf_pieces.sh keep              # this call's .gguf/p* into /tmp/gguf-pieces
 #   device: bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf   # all pieces → the file, hash checked
 # The first piece is the smallest: the first call also carries the wheels (.whl, 9 MB:
 # scripts/device_wheels.sh). Round 41 carried 28 + 34 + 28.5 MB with 6 MB of wheels; round 44, beside a 33 MB
-# tree, 24.6 + 33.9 + 32 MB.
+# tree, 24.6 + 33.9 + 32 MB; round 45, beside a 33.7 MB tree, 23.4 + 33.2 + 33.2 + 0.7 MB.
 set -euo pipefail
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53   # blockspec/named.py's smollm2
 KEEP=/tmp/gguf-pieces
@@ -19,16 +19,18 @@ case ${1:-} in
     mkdir -p .gguf && rm -f .gguf/p*
     grep -qx '/.gguf/' .git/info/exclude 2>/dev/null || echo /.gguf/ >> .git/info/exclude
     xz -T2 -6 -c "$gguf" > .gguf/all.xz
-    head -c 24600000 .gguf/all.xz > .gguf/p0
-    # dd, not tail | head: head closing the pipe early fails the pipeline under pipefail
-    dd if=.gguf/all.xz of=.gguf/p1 iflag=skip_bytes,count_bytes skip=24600000 count=33900000 status=none
-    tail -c +58500001 .gguf/all.xz > .gguf/p2
+    # Four pieces (p0 beside the wheels, then three beside the tree): the tree reached 33.7 MB on disk
+    # in round 45 and three pieces of ≤ 33.2 MB no longer held the 90.5 MB file.
+    dd if=.gguf/all.xz of=.gguf/p0 iflag=count_bytes count=23400000 status=none
+    dd if=.gguf/all.xz of=.gguf/p1 iflag=skip_bytes,count_bytes skip=23400000 count=33200000 status=none
+    dd if=.gguf/all.xz of=.gguf/p2 iflag=skip_bytes,count_bytes skip=56600000 count=33200000 status=none
+    tail -c +89800001 .gguf/all.xz > .gguf/p3
     rm .gguf/all.xz
     ls -l .gguf ;;
   keep)
     mkdir -p $KEEP && cp .gguf/p* $KEEP/ && ls -l $KEEP ;;
   join)
-    cat $KEEP/p0 $KEEP/p1 $KEEP/p2 | xz -d > "$2"
+    cat $(ls $KEEP/p* | sort) | xz -d > "$2"
     echo "$SHA  $2" | sha256sum -c - ;;
   *) echo "usage: $0 split [GGUF] | keep | join FILE" >&2; exit 2 ;;
 esac

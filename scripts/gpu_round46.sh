@@ -5,7 +5,9 @@
 #        # attention's bf16 test; the pool test alone; what the unsplit attention costs at 4k-token prompts
 #   bash scripts/gguf_pieces.sh keep && bash scripts/gpu_round46.sh 2   # carry .gguf/p1: adaptive vs fixed vs plain
 #        # (Qwen3-8B, 1 and 8); then the MoE, vision and FP8 engine GPU tests side by side
-#   bash scripts/gguf_pieces.sh keep && bash scripts/gpu_round46.sh 3   # carry .gguf/p2: the GGUF joined; SmolLM2's
+#   bash scripts/gguf_pieces.sh keep && bash scripts/gpu_round46.sh 3   # carry .gguf/p2: the hybrid (Qwen3.5-4B) at one
+#        # sequence, adaptive vs fixed vs plain
+#   bash scripts/gguf_pieces.sh keep && bash scripts/gpu_round46.sh 4   # carry .gguf/p3: the GGUF joined; SmolLM2's
 #        # held-out DFlash-vs-plain equality in bf16 and fp32, then with BLOCKSPEC_BATCH_INVARIANT=1 in bf16 and its
 #        # tok/s at 1, 16 and 64 requests (plain, fixed, adaptive) with the variable set
 . "$(dirname "$0")/gpu_prelude.sh"
@@ -30,6 +32,10 @@ if [ "$M" = 2 ]; then
   summary
 fi
 if [ "$M" = 3 ]; then
+  stage "adaptive vs fixed vs plain, Qwen3.5-4B, 1" timeout ${ADAPT_S:-150} \
+    $A --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
+fi
+if [ "$M" = 4 ]; then
   bash scripts/gguf_pieces.sh join $GGUF || exit 1
   mkdir -p /tmp/w2
   for run in "0 bfloat16" "0 float32"; do
