@@ -10,6 +10,8 @@
 #   bash scripts/gguf_pieces.sh keep && bash scripts/gpu_round46.sh 4   # carry .gguf/p3: the GGUF joined; SmolLM2's
 #        # held-out DFlash-vs-plain equality in bf16 and fp32, then with BLOCKSPEC_BATCH_INVARIANT=1 in bf16 and its
 #        # tok/s at 1, 16 and 64 requests (plain, fixed, adaptive) with the variable set
+#   bash scripts/gpu_round46.sh 5   # carry .whl: after the calls, the invariant mode's fixed key ranges (the
+#        # attention kernels' GPU tests, then plain vs DFlash over 4k-token prompts with and without the mode)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 GGUF=/tmp/smollm2.gguf
@@ -49,4 +51,13 @@ if [ "$M" = 4 ]; then
   BLOCKSPEC_BATCH_INVARIANT=1 timeout 200 python3 scripts/smollm2_recipe.py measure --target $GGUF --work /tmp/w2 \
     --device cuda --dtype bfloat16 --drafts blockspec/demo/smollm2-draft --limit 32 --max-tokens 128 \
     --concurrency 1,16,64 --sets chat --block-sizes 8 2>&1 | grep "block 8\|c=" | tee -a "$LOG"
+fi
+if [ "$M" = 5 ]; then
+  timeout ${TESTS_S:-150} $T tests/gpu/test_attention_kernels.py > "$OUT/t_attention.log" 2>&1
+  summary
+  for inv in 1 0; do
+    stage "plain vs DFlash, Qwen3-8B, 4k-token prompts, BLOCKSPEC_BATCH_INVARIANT=$inv (fixed key ranges)" \
+      env BLOCKSPEC_BATCH_INVARIANT=$inv timeout ${BENCH_S:-115} $B --shape qwen3-8b --concurrency 1,8 --prompt-len 4096 \
+      --max-tokens 64 --accept-profile latent:6.5 --out "$OUT/ranges_$inv.json"
+  done
 fi

@@ -64,7 +64,7 @@ def test_interpreted_kernels_match_reference():
 
 INVARIANCE_CHILD = """
 import json, torch
-from attention_cases import make_case
+from attention_cases import make_case, real_rows, reference as attention_reference, kernel
 from blockspec.kernels import attention
 C, W = 300, 8            # a sequence of 300 keys; its last 8 positions as a verify block
 case = make_case([C], W, 9, 3, 64, torch.float16, "cpu", seed=1)          # SmolLM2's heads
@@ -81,24 +81,36 @@ def row(rows, bound=None, copies=1):
         torch.arange(copies + 1) * n, n, m.page_size, bound or C, case.scale, True, None)
     return out[n - 1]
 
-shapes = {"decode alone": ([W - 1], None, 1), "decode, a graph's bound": ([W - 1], 4096, 1),
-          "decode among 32": ([W - 1], 4096, 32), "verify of 8": (list(range(W)), None, 1),
-          "verify of 8, a graph's bound": (list(range(W)), 4096, 1), "verify of 8 among 32": (list(range(W)), 4096, 32),
+shapes = {"decode alone": ([W - 1], None, 1), "decode, a graph's bound": ([W - 1], 1024, 1),
+          "decode among 8": ([W - 1], 1024, 8), "verify of 8": (list(range(W)), None, 1),
+          "verify of 8, a graph's bound": (list(range(W)), 1024, 1), "verify of 8 among 8": (list(range(W)), 1024, 8),
           "verify of 3": ([5, 6, 7], None, 1)}
 result = {}
+# Invariant ranges of 128 keys here (512 in serving), so the 300 keys take three ranges and a
+# graph's bound of 1024 a grid of 8, most of them empty.
+attention.INVARIANT_SPLIT_KEYS = 128
 for invariant in (False, True):
     attention.BATCH_INVARIANT = invariant
     base = row(*shapes["decode alone"])
     result[str(invariant)] = {name: int((row(*args) != base).sum()) for name, args in shapes.items()}
+reference = attention_reference(case)[-1]
+result["error"] = float((base.double() - reference).abs().max())
+result["splits"] = [attention.choose_num_splits(1, keys, 64, 64) for keys in (C, 1024)]
+# The draft's own block rides with each sequence's last range (keys 0, 3 and 150: one, one, three).
+draft = make_case([0, 3, 150], 4, 8, 2, 32, torch.float32, "cpu", draft=True, num_padding=1)
+result["draft"] = max(float((real_rows(draft, kernel(draft, bound)).double()
+                             - real_rows(draft, attention_reference(draft))).abs().max()) for bound in (None, 1024))
 print(json.dumps(result))
 """
 
 
 def test_batch_invariant_attention_gives_a_row_the_same_bits_in_any_call():
     """BLOCKSPEC_BATCH_INVARIANT: one query row (the last of a verify block, fp16) has the same
-    output bits decoded alone, under a graph's key bound, among 32 sequences, and as a row of a
-    verify of 3 or 8; without it the split count follows the call, and some of these differ
-    (what made bf16 DFlash differ from plain decoding on the H200)."""
+    output bits decoded alone, under a graph's key bound, among 8 sequences, and as a row of a
+    verify of 3 or 8, its keys cut into fixed ranges (three here, the grid's others empty);
+    without it the split count follows the call, and some of these differ (what made bf16 DFlash
+    differ from plain decoding on the H200). The ranges' merge and the draft's block in its last
+    range still give the reference's attention."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", INVARIANCE_CHILD], env=env, capture_output=True, text=True, timeout=300)
@@ -106,3 +118,6 @@ def test_batch_invariant_attention_gives_a_row_the_same_bits_in_any_call():
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(n == 0 for n in result["True"].values()), result["True"]
     assert any(n > 0 for n in result["False"].values()), result["False"]
+    assert result["splits"] == [4, 8]                  # three ranges of keys (a fourth empty), 8 under the bound
+    assert result["error"] < 2e-3                      # fp16 against the fp64 torch reference
+    assert result["draft"] < 1e-5                      # fp32, as test_interpreted_kernels_match_reference

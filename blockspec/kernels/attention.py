@@ -59,14 +59,14 @@ def _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr)
 # table's row is as long as the step's longest sequence): the kernel's variants are its
 # constexprs alone (`attention_variant`), which the startup warm-up runs.
 @triton.jit(do_not_specialize=["block_tables_ptr", "context_lens_ptr", "positions_ptr", "query_start_ptr",
-                               "stride_bt", "page_size", "num_tokens", "num_splits"])
+                               "stride_bt", "page_size", "num_tokens", "num_splits", "split_keys"])
 def _paged_attention_kernel(
         q_ptr, k_pool_ptr, v_pool_ptr, block_k_ptr, block_v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         block_tables_ptr, context_lens_ptr, positions_ptr, query_start_ptr,
         stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh,
         stride_bkn, stride_bkh, stride_bvn, stride_bvh, stride_bt,
-        page_size, head_dim, num_tokens, num_splits, qk_scale,
-        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, IS_SPLIT: tl.constexpr,
+        page_size, head_dim, num_tokens, num_splits, split_keys, qk_scale,
+        NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, IS_SPLIT: tl.constexpr, INVARIANT: tl.constexpr,
         IS_CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     tile, seq_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -86,9 +86,17 @@ def _paged_attention_kernel(
     q_pos = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32)            # [M]
 
     context_len = tl.load(context_lens_ptr + b).to(tl.int32)
-    # Split ranges cut from this sequence's own length (multiples of BLOCK_N), so none is idle
-    # while another holds the whole context.
-    chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    if INVARIANT:
+        # Ranges of split_keys keys from key 0, whatever the call: a row's keys are cut the same
+        # way however many splits the grid has (the ones past its keys are empty), and its own
+        # block goes with its last range (the unsplit kernel's order: context, then block).
+        chunk = split_keys
+        block_split = tl.maximum(context_len - 1, 0) // chunk
+    else:
+        # Split ranges cut from this sequence's own length (multiples of BLOCK_N), so none is idle
+        # while another holds the whole context.
+        chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+        block_split = 0
     lo = split * chunk
     hi = tl.minimum(lo + chunk, context_len)
     hi = tl.where(live, hi, lo)
@@ -114,7 +122,7 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE)
 
     if HAS_BLOCK:
-        if split == 0:
+        if split == block_split:
             # The draft's own block: keys and values of its T tokens, at their positions.
             for j0 in range(0, tl.where(live, width, 0), BLOCK_N):
                 j = j0 + tl.arange(0, BLOCK_N)
@@ -140,7 +148,7 @@ def _paged_attention_kernel(
         part_row = split * num_tokens * (NUM_KV_HEADS * GROUP) + out_row
         tl.store(part_ml_ptr + 2 * part_row, m_i, mask=row_ok)
         tl.store(part_ml_ptr + 2 * part_row + 1, l_i, mask=row_ok)
-        if (hi > lo) | (split == 0):             # an idle split's acc is never read (split 0 has the block)
+        if (hi > lo) | (split == block_split):   # an idle split's acc is never read (block_split has the block)
             tl.store(part_acc_ptr + part_row[:, None] * head_dim + d[None, :], acc,
                      mask=row_ok[:, None] & d_ok[None, :])
 
@@ -148,23 +156,35 @@ def _paged_attention_kernel(
 @triton.jit(do_not_specialize=["num_rows"])
 def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_rows, head_dim,
                          NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[row] = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s over the splits of one (token, head)."""
+    """out[row] = Σ_s 2^(m_s − M) acc_s / Σ_s 2^(m_s − M) l_s over the splits of one (token, head),
+    merged one split after another in split order (an online softmax over the partials): a split
+    with no visible key changes nothing, bit for bit, so the result depends on the non-empty
+    splits alone, never on how many empty ones the grid had (batch invariance), and one split
+    gives acc / l exactly as the unsplit kernel does."""
     row = tl.program_id(0).to(tl.int64)
-    part_row = tl.arange(0, NUM_SPLITS) * num_rows + row
-    m = tl.load(part_ml_ptr + 2 * part_row)
-    l_s = tl.load(part_ml_ptr + 2 * part_row + 1)
-    m_max = tl.max(m, axis=0)
-    weight = tl.where(l_s > 0.0, tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max)), 0.0)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
-    acc = tl.load(part_acc_ptr + part_row[:, None] * head_dim + d[None, :],
-                  mask=(l_s > 0.0)[:, None] & d_ok[None, :], other=0.0)
-    total = tl.sum(weight * l_s, axis=0)
-    out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + row * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    m_run = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([1, BLOCK_D], tl.float32)
+    for s in range(NUM_SPLITS):
+        part_row = s * num_rows + row + tl.zeros([1], tl.int64)
+        m_s = tl.load(part_ml_ptr + 2 * part_row)
+        l_s = tl.load(part_ml_ptr + 2 * part_row + 1)
+        used = l_s > 0.0
+        m_new = tl.where(used, tl.maximum(m_run, m_s), m_run)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - shift)
+        weight = tl.where(used, tl.exp2(m_s - shift), 0.0)
+        part = tl.load(part_acc_ptr + part_row[:, None] * head_dim + d[None, :],
+                       mask=used[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + weight[:, None] * part
+        total = total * alpha + weight * l_s
+        m_run = m_new
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(out_ptr + row * head_dim + d[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok[None, :])
 
 
-@functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 64                    # the interpreter: as many as a small GPU, so its tests split keys
@@ -172,22 +192,29 @@ def num_sms(device: torch.device) -> int:
 
 
 MAX_SPLITS = 16
-# BLOCKSPEC_BATCH_INVARIANT=1: keys are never split, so each row's softmax and weighted sum run
-# over its own keys in their order, in chunks of BLOCK_N from key 0, however many rows, sequences
-# or graph bound share the call. Split counts otherwise follow the batch (below), and a split
-# merged is rounded otherwise than one pass: in bf16 a row verified among 8 of its sequence then
-# differs from the same row decoded alone, and a greedy near-tie can flip (BENCHMARKS.md, round
-# 44). The price: one program per (tile, sequence, KV head), so few sequences over long contexts
-# leave SMs idle (flash-decoding's reason to split).
+# BLOCKSPEC_BATCH_INVARIANT=1: each row's keys are cut into fixed ranges of INVARIANT_SPLIT_KEYS
+# from key 0 and the partials merged in range order, so its softmax and weighted sum are the same
+# operations in the same order however many rows, sequences or graph bound share the call. Split
+# counts otherwise follow the batch (below), and a split merged is rounded otherwise than one
+# pass: in bf16 a row verified among 8 of its sequence then differs from the same row decoded
+# alone, and a greedy near-tie can flip (BENCHMARKS.md, rounds 44 and 45). Round 45 measured the
+# unsplit form of this mode at 1.8 × a plain step's time over 4k-token contexts (too few
+# programs for the SMs); fixed ranges keep flash-decoding's parallelism where contexts are long.
 BATCH_INVARIANT = os.environ.get("BLOCKSPEC_BATCH_INVARIANT", "") == "1"
+# Under BATCH_INVARIANT the keys are cut into ranges of this many from key 0 (a multiple of every
+# BLOCK_N): long contexts still spread over the SMs, and a row's ranges never depend on the call.
+INVARIANT_SPLIT_KEYS = 512
 
 
 def choose_num_splits(num_programs: int, max_keys: int, block_n: int, sms: int) -> int:
     """Split the keys only while the batch leaves SMs idle; each split keeps ≥ 4 chunks of keys
     (max_keys is a bound: the batch's longest eagerly, the pool's capacity under a graph). A power
-    of two ≤ MAX_SPLITS, so the merge kernel compiles at most four ways. Never under
-    BATCH_INVARIANT."""
-    if BATCH_INVARIANT or num_programs >= sms:
+    of two ≤ MAX_SPLITS, so the merge kernel compiles at most four ways. Not so under
+    BATCH_INVARIANT, where the count is the ranges of INVARIANT_SPLIT_KEYS max_keys needs, rounded up
+    to a power of two (the ranges past a row's keys are empty and merge as nothing)."""
+    if BATCH_INVARIANT:
+        return triton.next_power_of_2(max(1, triton.cdiv(max_keys, INVARIANT_SPLIT_KEYS)))
+    if num_programs >= sms:
         return 1
     wanted = max(1, min(triton.cdiv(2 * sms, num_programs), triton.cdiv(max_keys, 4 * block_n), MAX_SPLITS))
     return 1 << (wanted.bit_length() - 1)
@@ -252,8 +279,8 @@ def attention_variants(heads: Heads, shapes: CallShapes, sms: int) -> set[Attent
     variants = set()
     for block_m, tiles in tile_counts(heads, q_lo, q_hi):
         tile = tile_sizes(block_m, heads.head_dim, heads.element_size)     # rows_per_head = block_m: same tile
-        chunk = 4 * tile[1]
-        top = min(k_hi, chunk * MAX_SPLITS)                                  # more keys split no further
+        chunk = INVARIANT_SPLIT_KEYS if BATCH_INVARIANT else 4 * tile[1]
+        top = k_hi if BATCH_INVARIANT else min(k_hi, chunk * MAX_SPLITS)     # more keys split no further
         key_points = {k_lo, k_hi, *range(k_lo, top + 1, chunk)}           # every ⌈keys / chunk⌉ up to there
         for programs in program_counts(tiles, shapes.seqs, heads.num_kv_heads, sms):
             for max_keys in key_points:
@@ -329,8 +356,9 @@ def launch(variant: AttentionVariant, q: torch.Tensor, k_pool: torch.Tensor, v_p
         block_tables, context_lens, positions, query_start,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         block_k.stride(0), block_k.stride(1), block_v.stride(0), block_v.stride(1), block_tables.stride(0),
-        page_size, head_dim, num_tokens, splits, scale * math.log2(math.e),
-        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, IS_SPLIT=splits > 1, IS_CAUSAL=is_causal,
+        page_size, head_dim, num_tokens, splits, INVARIANT_SPLIT_KEYS, scale * math.log2(math.e),
+        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, IS_SPLIT=splits > 1,
+        INVARIANT=BATCH_INVARIANT and splits > 1, IS_CAUSAL=is_causal,
         HAS_BLOCK=block_kv is not None, IEEE=q.dtype == torch.float32,
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_D=variant.block_d, num_warps=variant.num_warps,
         num_stages=variant.num_stages)
