@@ -187,9 +187,11 @@ def check_device(device: str) -> None:
 def use_demo_without_model(args: argparse.Namespace) -> None:
     """No --model: the demo target with its DFlash draft, on CPU unless --device says otherwise.
     A named model (--model smollm2) gets the draft shipped for it unless --draft says otherwise,
-    on the devices where that draft pays (named.draft_attached_on); elsewhere it says so in a line."""
+    on the devices where that draft pays (named.draft_attached_on); elsewhere it says so in a line;
+    and the batch-invariant attention where the named model asks for it (named.use_batch_invariance)."""
     if args.model is not None:
-        from blockspec.named import default_draft, draft_attached_on
+        from blockspec.named import default_draft, draft_attached_on, use_batch_invariance
+        use_batch_invariance(args.model)
         shipped = default_draft(args.model)
         if args.draft is None and shipped is not None:
             from blockspec.loader import resolve_device

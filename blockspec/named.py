@@ -28,6 +28,10 @@ class NamedModel:
     # Where `--model NAME` attaches that draft by default: where it was measured to pay. Elsewhere
     # it decodes plainly unless --draft names the draft (speculation must not cost more than it saves).
     draft_devices: tuple[str, ...] = ("cuda",)
+    # Whether `--model NAME` runs the batch-invariant attention by default (BLOCKSPEC_BATCH_INVARIANT,
+    # kernels/attention.py; the variable set either way wins): where the model's GEMMs already give
+    # a row the same bits at any row count, it is what makes bf16 DFlash equal plain decoding.
+    batch_invariant: bool = False
 
     @property
     def filename(self) -> str:
@@ -43,6 +47,10 @@ NAMED_MODELS = {
         # H200: DFlash 1.26× plain at one request. CPU: an 8-row verify and the draft cost 2.9 plain
         # steps, against 1.6 tokens a cycle: 0.4× plain (BENCHMARKS.md, issue 32).
         draft_devices=("cuda",),
+        # H200, bf16: DFlash equal to plain on 6 of 32 held-out prompts without it, 32 of 32 with it
+        # (cuBLAS gives every row of SmolLM2's projections the same bits at 1 … 256 rows), plain
+        # tok/s within 2 % (BENCHMARKS.md, round 45).
+        batch_invariant=True,
     ),
 }
 
@@ -70,6 +78,19 @@ def draft_attached_on(model: str, device_type: str) -> bool:
     """Whether `--model NAME` decodes with its shipped draft on this kind of device by default."""
     named = NAMED_MODELS.get(model)
     return named is not None and device_type in named.draft_devices
+
+
+def use_batch_invariance(model: str) -> None:
+    """`--model NAME` of a batch-invariant model: BLOCKSPEC_BATCH_INVARIANT=1 unless the variable is
+    set (in the environment, so tensor-parallel workers inherit it; and in the attention module,
+    should it be imported already)."""
+    named = NAMED_MODELS.get(model)
+    if named is None or not named.batch_invariant:
+        return
+    os.environ.setdefault("BLOCKSPEC_BATCH_INVARIANT", "1")
+    attention = sys.modules.get("blockspec.kernels.attention")
+    if attention is not None:
+        attention.BATCH_INVARIANT = os.environ["BLOCKSPEC_BATCH_INVARIANT"] == "1"
 
 
 def default_draft(model: str) -> Path | None:

@@ -206,11 +206,12 @@ def test_smollm2_stays_quantized_on_cpu_and_dflash_equals_plain_there(smollm2, s
 
 
 @pytest.mark.smollm2
-def test_generate_cli_with_smollm2(smollm2_path, capsys):
+def test_generate_cli_with_smollm2(smollm2_path, capsys, monkeypatch):
     """On CPU, where its draft costs more than it saves, `--model smollm2` decodes plainly and
     says how to attach the draft; `--draft` attaches it, with the same text."""
     import json
     from blockspec.cli import main
+    monkeypatch.delenv("BLOCKSPEC_BATCH_INVARIANT", raising=False)       # main sets it: restored after
     args = ["generate", "--model", "smollm2", "--prompt", "What is the capital of France?", "--max-tokens", "16",
             "--device", "cpu", "--json"]
     assert main(args) == 0
@@ -223,6 +224,23 @@ def test_generate_cli_with_smollm2(smollm2_path, capsys):
     assert main([*args, "--draft", str(shipped)]) == 0
     dflash = json.loads(capsys.readouterr().out)
     assert dflash["stats"]["draft_tokens"] > 0 and dflash["text"] == plain["text"]
+
+
+def test_a_batch_invariant_named_model_sets_the_mode_unless_the_variable_says(monkeypatch):
+    """`--model smollm2` turns the batch-invariant attention on (its bf16 DFlash then equals plain
+    on the H200, BENCHMARKS.md round 45): in the environment, for workers, and in the attention
+    module if it is loaded; BLOCKSPEC_BATCH_INVARIANT set by the user wins; other models, nothing."""
+    import types
+    attention = types.SimpleNamespace(BATCH_INVARIANT=False)
+    monkeypatch.setitem(sys.modules, "blockspec.kernels.attention", attention)
+    monkeypatch.delenv("BLOCKSPEC_BATCH_INVARIANT", raising=False)
+    named.use_batch_invariance("/some/model.gguf")
+    assert "BLOCKSPEC_BATCH_INVARIANT" not in __import__("os").environ and attention.BATCH_INVARIANT is False
+    named.use_batch_invariance("smollm2")
+    assert __import__("os").environ["BLOCKSPEC_BATCH_INVARIANT"] == "1" and attention.BATCH_INVARIANT is True
+    monkeypatch.setenv("BLOCKSPEC_BATCH_INVARIANT", "0")
+    named.use_batch_invariance("smollm2")
+    assert __import__("os").environ["BLOCKSPEC_BATCH_INVARIANT"] == "0" and attention.BATCH_INVARIANT is False
 
 
 def test_smollm2_offline_says_how_to_fetch(tmp_path, monkeypatch):
