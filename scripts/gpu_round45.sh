@@ -12,6 +12,8 @@
 #        # adaptive) with BLOCKSPEC_BATCH_INVARIANT=1 and 0 (round 45 ran these two as calls 5–8)
 #   bash scripts/gpu_round45.sh 5   # carry .whl: after the calls, the invariant mode's fixed key ranges (the
 #        # attention kernels' GPU tests, then plain vs DFlash over 4k-token prompts with and without the mode)
+#   bash scripts/gpu_round45.sh 6   # carry .whl: all of tests/gpu in one call, four pytest processes side by
+#        # side, then the pool test alone (it sizes its pool from the free memory the others move)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 GGUF=/tmp/smollm2.gguf
@@ -64,4 +66,16 @@ if [ "$M" = 5 ]; then
       env BLOCKSPEC_BATCH_INVARIANT=$inv timeout ${BENCH_S:-115} $B --shape qwen3-8b --concurrency 1,8 --prompt-len 4096 \
       --max-tokens 64 --accept-profile latent:6.5 --out "$OUT/ranges_$inv.json"
   done
+fi
+if [ "$M" = 6 ]; then
+  G=tests/gpu
+  POOL=$G/test_ragged_graphs.py::test_the_pool_fills_the_memory_it_is_given
+  timeout ${TESTS_S:-400} $T $G/test_fp8.py > "$OUT/t_1.log" 2>&1 &
+  timeout ${TESTS_S:-400} $T $G/test_moe_gpu.py $G/test_vision_gpu.py $G/test_moe_kernel.py > "$OUT/t_2.log" 2>&1 &
+  timeout ${TESTS_S:-400} $T $G/test_attention_kernels.py $G/test_gpu.py $G/test_fused_kernels.py > "$OUT/t_3.log" 2>&1 &
+  timeout ${TESTS_S:-400} $T $G/test_ragged_graphs.py $G/test_graph_dispatch.py $G/test_adaptive_graphs.py \
+    $G/test_overlap_gpu.py $G/test_gdn_kernel.py $G/test_warm_gpu.py --deselect $POOL > "$OUT/t_4.log" 2>&1 &
+  wait
+  timeout 100 $T $POOL > "$OUT/t_5_pool.log" 2>&1
+  summary
 fi
