@@ -187,11 +187,9 @@ def check_device(device: str) -> None:
 def use_demo_without_model(args: argparse.Namespace) -> None:
     """No --model: the demo target with its DFlash draft, on CPU unless --device says otherwise.
     A named model (--model smollm2) gets the draft shipped for it unless --draft says otherwise,
-    on the devices where that draft pays (named.draft_attached_on); elsewhere it says so in a line;
-    and the batch-invariant attention where the named model asks for it (named.use_batch_invariance)."""
+    on the devices where that draft pays (named.draft_attached_on); elsewhere it says so in a line."""
     if args.model is not None:
-        from blockspec.named import default_draft, draft_attached_on, use_batch_invariance
-        use_batch_invariance(args.model)
+        from blockspec.named import default_draft, draft_attached_on
         shipped = default_draft(args.model)
         if args.draft is None and shipped is not None:
             from blockspec.loader import resolve_device
@@ -353,6 +351,11 @@ def run_train_draft(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "model", None):
+        # Before any rank or command builds a kernel: every torchrun rank, generate, serve and bench
+        # alike run the attention a named model asks for.
+        from blockspec.named import use_batch_invariance
+        use_batch_invariance(args.model)
     if getattr(args, "tensor_parallel_size", 1) > 1 and os.environ.get("RANK", "0") != "0":
         from blockspec.distributed.launch import torchrun_worker      # torchrun's ranks above 0 serve rank 0
         return torchrun_worker(args.device)

@@ -91,7 +91,9 @@ def _paged_attention_kernel(
         # way however many splits the grid has (the ones past its keys are empty), and its own
         # block goes with its last range (the unsplit kernel's order: context, then block).
         chunk = split_keys
-        block_split = tl.maximum(context_len - 1, 0) // chunk
+        # (max_context_len bounds every context_len, so the last range is in the grid; the clamp
+        # keeps the block in it should a caller ever pass less.)
+        block_split = tl.minimum(tl.maximum(context_len - 1, 0) // chunk, num_splits - 1)
     else:
         # Split ranges cut from this sequence's own length (multiples of BLOCK_N), so none is idle
         # while another holds the whole context.
@@ -211,7 +213,10 @@ def choose_num_splits(num_programs: int, max_keys: int, block_n: int, sms: int) 
     (max_keys is a bound: the batch's longest eagerly, the pool's capacity under a graph). A power
     of two ≤ MAX_SPLITS, so the merge kernel compiles at most four ways. Not so under
     BATCH_INVARIANT, where the count is the ranges of INVARIANT_SPLIT_KEYS max_keys needs, rounded up
-    to a power of two (the ranges past a row's keys are empty and merge as nothing)."""
+    to a power of two (the ranges past a row's keys are empty and merge as nothing), whatever the
+    programs and with no cap: prefill chunks split too, and the partials take splits × tokens ×
+    heads × head_dim fp32 (an 8,192-token chunk of Qwen3-8B over 32k keys: 8.6 GB; SmolLM2's graphs,
+    bound 8,208 keys: 32 splits, 151 MB at 2,048 tokens), one reason the mode is opt-in for large models."""
     if BATCH_INVARIANT:
         return triton.next_power_of_2(max(1, triton.cdiv(max_keys, INVARIANT_SPLIT_KEYS)))
     if num_programs >= sms:
@@ -321,7 +326,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     block_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [N, H, D] → [N, H·D] in q's dtype; the reference's contract (no window). query_start
     [B + 1]: each sequence's rows; max_query_len bounds their lengths (it sizes the grid: a fixed
-    bucket under a graph), max_context_len the live key lengths (it only sizes the split-K grid)."""
+    bucket under a graph), max_context_len bounds the live key lengths (it sizes the split-K grid;
+    under BATCH_INVARIANT keys past its ranges would be dropped, so it must bound every length)."""
     heads = heads_of(q, k_pool)
     variant = attention_variant(heads, max_query_len, query_start.shape[0] - 1, max_context_len, num_sms(q.device))
     return launch(variant, q, k_pool, v_pool, block_tables, context_lens, positions, query_start, max_query_len,
