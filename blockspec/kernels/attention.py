@@ -187,6 +187,7 @@ def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, num_rows, head_dim,
     tl.store(out_ptr + row * head_dim + d[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok[None, :])
 
 
+@functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 64                    # the interpreter: as many as a small GPU, so its tests split keys
