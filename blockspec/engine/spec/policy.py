@@ -212,7 +212,7 @@ class Allocation:
 
 def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable, floors: Seq[int] | None = None,
              fixed_ms: float = 0.0, per_token_ms: float = 0.0, margin: float = 0.0,
-             draft_widths: Seq[int | None] = (None,)) -> Allocation:
+             draft_widths: Seq[int | None] = (None,), marginal: float = 1.0) -> Allocation:
     """probs [B, L] (predicted p of each draft slot), caps[b] ≤ L (the most drafts b may verify:
     its block, or fewer when max_tokens is near), floors[b] (drafts b must verify: a seeded
     sampling request keeps its whole block so its output stays reproducible) → the widths of the
@@ -226,7 +226,10 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
     table does not price: Speculation passes RAGGED_MARGIN). draft_widths: the draft blocks to
     price it at (None: the full block of L + 1; a narrower width W cuts the caps to W − 1 and
     prices the draft at W): the best rate over them is taken, each width's scan over the one
-    sort of the slots (this runs every step on the host)."""
+    sort of the slots (this runs every step on the host). marginal: what the steps measured a
+    draft and its verify rows to cost over a plain step, as a fraction of what the table says
+    (learnt online, Speculation.record_cycle): the step is priced as the plain step's forward plus
+    marginal × the table's extra for the drafts."""
     num_seqs, num_slots = probs.shape
     if num_seqs == 0:
         return Allocation([], 0.0, 0.0)
@@ -250,14 +253,15 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
     for width in [w for w in draft_widths if w is None or not num_forced] or [None]:
         part = order if width is None else order[order % num_slots < width - 1]
         candidate = scan(part, survival, num_seqs, num_slots, costs, width, num_forced, fixed_ms, per_token_ms,
-                         margin)
+                         margin, marginal)
         if best is None or candidate.rate > best.rate:
             best = candidate
     return best
 
 
 def scan(order: np.ndarray, survival: np.ndarray, num_seqs: int, num_slots: int, costs: CostTable,
-         width: int | None, num_forced: int, fixed_ms: float, per_token_ms: float, margin: float) -> Allocation:
+         width: int | None, num_forced: int, fixed_ms: float, per_token_ms: float, margin: float,
+         marginal: float = 1.0) -> Allocation:
     """allocate's rate at every prefix of `order` (slot indices, best first) → the best one."""
     taken = survival.ravel()[order]
     tokens = num_seqs + np.concatenate(([0.0], np.cumsum(taken)))
@@ -265,7 +269,9 @@ def scan(order: np.ndarray, survival: np.ndarray, num_seqs: int, num_slots: int,
     first = np.zeros(len(order), dtype=np.float64)
     first[np.unique(order // num_slots, return_index=True)[1]] = 1.0    # where each sequence starts drafting
     drafting = np.concatenate(([0.0], np.cumsum(first)))
-    ms = costs.target(rows) + costs.draft(drafting, width) + fixed_ms + per_token_ms * tokens
+    plain = costs.target_ms_of(num_seqs)
+    forwards = costs.target(rows) + costs.draft(drafting, width)
+    ms = plain + marginal * (forwards - plain) + fixed_ms + per_token_ms * tokens
     rate = tokens / ms
     rate[:num_forced] = -math.inf                                         # the floors are not optional
     best = int(np.argmax(rate))
@@ -438,9 +444,10 @@ class Speculation:
         # fitted online (least squares with forgetting) from the engine's wall time per step.
         self.overhead_ms_per_seq = 0.0
         self.overhead_ms_per_token = 0.0
-        self.forward_scale = 1.0            # measured step time ÷ the table's (fitted with the above)
-        self._xtx = np.zeros((3, 3))
-        self._xty = np.zeros(3)
+        self.forward_scale = 1.0            # measured plain forwards ÷ the table's (fitted with the above)
+        self.marginal_scale = 1.0           # measured cost of the drafts over a plain step ÷ the table's
+        self._xtx = np.zeros((4, 4))
+        self._xty = np.zeros(4)
 
     @property
     def reads_confidences(self) -> bool:
@@ -563,7 +570,7 @@ class Speculation:
         widths = self.costs.draft_widths if rescan else (self._chosen_width,)
         alloc = allocate(self.calibration.predicted(rows), self.caps(seqs), self.costs, self.floors(rows),
                          fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token,
-                         margin=RAGGED_MARGIN, draft_widths=widths)
+                         margin=RAGGED_MARGIN, draft_widths=widths, marginal=self.marginal_scale)
         if rescan:
             self._chosen_width, self._rescan_load, self._steps_to_rescan = alloc.draft_width, load, RESCAN_STEPS
         self._steps_to_rescan -= 1
@@ -587,30 +594,49 @@ class Speculation:
         fixed = self.overhead_ms_per_seq * num_seqs + self.overhead_ms_per_token * num_seqs
         plain = forwards_ms(self.costs, [0] * num_seqs) + fixed
         whole = forwards_ms(self.costs, [self.num_slots] * num_seqs) + fixed
-        return (whole - plain) / (LEARNING_BUDGET * plain)
+        return self.marginal_scale * (whole - plain) / (LEARNING_BUDGET * plain)
 
     def record_cycle(self, seconds: float, widths: Seq[int], num_tokens: int, draft_width: int = 0) -> None:
         """The engine's wall time of a whole decode-only step (forwards, accept, commits) of
-        these widths that committed num_tokens, against the table's forwards for it: fitted as
-        scale · forwards + per_seq · B + per_token · tokens (ridge least squares, forgetting
-        HOST_WORK_MEMORY per step; each ≥ 0), so the allocation weighs tokens against the step's
-        real time — the table may have been measured under another load (scale), and the host's
-        work per sequence and per committed token is not in it. The host terms are kept in the
-        table's units (divided by the scale): maximising tokens per ms does not see the scale."""
+        these widths that committed num_tokens, against the table's forwards for it, fitted as
+
+            scale · (plain + extra) + δ · extra + per_seq · B + per_token · tokens
+
+        (plain: the table's forward of B plain rows; extra: what it adds for the drafts and their
+        verify rows; marginal = (scale + δ) ÷ scale, the drafts' cost as a fraction of the table's;
+        ridge least squares toward scale 1 and δ 0, forgetting HOST_WORK_MEMORY per step; scale and
+        the host terms ≥ 0, marginal within [0.1, 10]: steps whose widths never vary leave δ at its
+        prior and the fit is the table's forwards, scaled), so the allocation weighs tokens against the step's real time: the table
+        may have been measured under another load (scale), its price of a draft row may be off
+        (marginal: on the 2-core CPU the demo pair's startup table priced the rows of k = 7 over
+        k = 3 at twice what the steps measured, and adaptive narrowed where the whole block paid),
+        and the host's work per sequence and per committed token is not in it. The host terms are
+        kept in the table's units (divided by the scale): maximising tokens per ms does not see it."""
         if not self.adaptive or not widths:
             return
-        # numpy: a 3 × 3 solve every step, where torch's per-op overhead would cost more than the math.
-        x = np.array([forwards_ms(self.costs, widths, draft_width), float(len(widths)), float(num_tokens)])
+        # numpy: a 4 × 4 solve every step, where torch's per-op overhead would cost more than the math.
+        plain = forwards_ms(self.costs, [0] * len(widths))
+        extra = max(0.0, forwards_ms(self.costs, widths, draft_width) - plain)
+        x = np.array([plain + extra, extra, float(len(widths)), float(num_tokens)])
         self._xtx = HOST_WORK_MEMORY * self._xtx + np.outer(x, x)
         self._xty = HOST_WORK_MEMORY * self._xty + x * (seconds * 1e3)
-        ridge = 1e-3 * float(np.trace(self._xtx)) / 3 + 1e-12
-        # The prior: scale 1 (the table is right) until the steps say otherwise.
-        prior = np.array([1.0, 0.0, 0.0])
-        theta = np.linalg.solve(self._xtx + ridge * np.eye(3), self._xty + ridge * prior)
+        ridge = 1e-3 * float(np.trace(self._xtx)) / 4 + 1e-12
+        # The prior: the table is right (scale 1, δ 0) until the steps say otherwise.
+        prior = np.array([1.0, 0.0, 0.0, 0.0])
+        theta = np.linalg.solve(self._xtx + ridge * np.eye(4), self._xty + ridge * prior)
         scale = max(0.1, float(theta[0]))
         self.forward_scale = scale
-        self.overhead_ms_per_seq = max(0.0, float(theta[1])) / scale
-        self.overhead_ms_per_token = max(0.0, float(theta[2])) / scale
+        self.marginal_scale = min(10.0, max(0.1, 1.0 + float(theta[1]) / scale))
+        self.overhead_ms_per_seq = max(0.0, float(theta[2])) / scale
+        self.overhead_ms_per_token = max(0.0, float(theta[3])) / scale
+
+    def predicted_step_ms(self, widths: Seq[int], num_tokens: int, draft_width: int = 0) -> float:
+        """What the fit says a decode-only step of these widths committing num_tokens costs (the
+        quantity record_cycle fits, and allocate maximises tokens per, up to the scale)."""
+        plain = forwards_ms(self.costs, [0] * len(widths))
+        extra = max(0.0, forwards_ms(self.costs, widths, draft_width) - plain)
+        return self.forward_scale * (plain + self.marginal_scale * extra + self.overhead_ms_per_seq * len(widths)
+                                     + self.overhead_ms_per_token * num_tokens)
 
     def observe(self, seqs: Seq, confidence: torch.Tensor | None, widths: Seq[int], accepted: Seq[int]) -> None:
         """After a verify (its host read done): confidence [B, L] of the drafting sequences'
