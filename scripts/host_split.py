@@ -203,8 +203,8 @@ def main() -> None:
                     help="also a few decode steps of the first mode with torch.cuda's sync debug mode on")
     ap.add_argument("--torch-profile", action="store_true", help="also the fixed run under torch.profiler")
     ap.add_argument("--modes", default="fixed,adaptive",
-                    help="of fixed, adaptive, and fixed-unfused: fixed with the GDN output norm outside the "
-                         "recurrent kernel for every verify (models/gated_delta.FUSE_NORM_MAX_ROWS = 1)")
+                    help="of plain (no draft), fixed, adaptive, and fixed-unfused: fixed with the GDN output norm "
+                         "outside the recurrent kernel for every verify (models/gated_delta.FUSE_NORM_MAX_ROWS = 1)")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -216,7 +216,9 @@ def main() -> None:
             unfused = (mock.patch.object(gated_delta, "FUSE_NORM_MAX_ROWS", 1) if mode == "fixed-unfused"
                        else contextlib.nullcontext())
             with unfused:
-                r = measure(target, draft, mode.split("-")[0], c, args.block_size, profile,
+                plain = mode == "plain"                  # no draft: plain decoding's step
+                r = measure(target, None if plain else draft, "fixed" if plain else mode.split("-")[0], c,
+                            args.block_size, profile,
                             args.profile and mode in args.profile_modes.split(","),
                             args.torch_profile and mode.startswith("fixed"), label=mode,
                             sync_debug=args.sync_debug and i == 0, trace=args.trace if i == 0 else None)
