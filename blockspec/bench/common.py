@@ -209,10 +209,15 @@ def bench_engine(target, draft, block_size: int, max_seqs: int, prompt_len: int,
     """One engine for a sweep: seats for its largest concurrency, so every concurrency of the sweep
     runs on the graphs captured once (a capture costs seconds per bucket; an engine per point made a
     sweep of 256 sequences outlast its device call). speculation "fixed": the whole block
-    (--compare-speculation measures adaptive)."""
-    config = EngineConfig(**{"max_model_len": prompt_len + max_tokens + 8, **ENGINE_OPTIONS},
+    (--compare-speculation measures adaptive). Prompt tokens per step: serve's default, or one
+    whole prompt where that is longer (until round 46 one prompt a step: a closed loop's 256
+    replacements then entered one per step, and nearly every step at 256 sequences was a mixed
+    one, off the decode graphs, for plain and DFlash alike)."""
+    prefill = max(prompt_len, EngineConfig.max_prefill_tokens)
+    config = EngineConfig(**{"max_model_len": prompt_len + max_tokens + 8, "max_prefill_tokens": prefill,
+                             **ENGINE_OPTIONS},
                           block_size=block_size if draft else 1, max_num_seqs=max_seqs, max_queue=max_seqs,
-                          max_prefill_tokens=prompt_len, speculation=speculation)
+                          speculation=speculation)
     return Engine(target, draft, config)
 
 
