@@ -6,6 +6,8 @@
 #   bash scripts/gpu_round46.sh 2   # the 16k prompt among 32 decoders at the default budget and at 512; the
 #        # multi-turn 16k runs (Qwen3.5-4B, then Qwen3-8B) each in a fresh process with an empty Triton cache
 #   bash scripts/gpu_round46.sh 3   # the hybrid (Qwen3.5-4B) at one sequence; tests/gpu's adaptive and graph tests
+#   bash scripts/gpu_round46.sh 4   # not run yet (the next session): where the hybrid's 64-token prefill after a
+#        # cached 16k prefix spends its ~75 ms (scripts/prefill_profile.py), against the dense Qwen3-8B's 14 ms
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -34,4 +36,11 @@ if [ "$M" = 3 ]; then
     --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
   timeout ${TESTS_S:-200} $T tests/gpu/test_adaptive_graphs.py tests/gpu/test_graph_dispatch.py > "$OUT/t_adaptive.log" 2>&1
   summary
+fi
+if [ "$M" = 4 ]; then
+  for shape in qwen3.5-4b qwen3-8b; do
+    echo "=== short prefill after a cached 16k prefix, $shape ($(date +%T))" | tee -a "$LOG"
+    timeout ${PP_S:-200} python3 scripts/prefill_profile.py --shape $shape --prefix 16000 --tokens 64 \
+      > "$OUT/prefill_profile_$shape.txt" 2>&1; grep "turn\|profiled\|ready" "$OUT/prefill_profile_$shape.txt" | tee -a "$LOG"
+  done
 fi
