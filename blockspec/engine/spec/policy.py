@@ -606,8 +606,9 @@ class Speculation:
         verify rows; marginal = (scale + δ) ÷ scale, the drafts' cost as a fraction of the table's;
         ridge least squares toward scale 1 and δ 0, forgetting HOST_WORK_MEMORY per step; scale and
         the host terms ≥ 0, marginal within [0.1, 10]: steps whose widths never vary leave δ at its
-        prior and the fit is the table's forwards, scaled), so the allocation weighs tokens against the step's real time: the table
-        may have been measured under another load (scale), its price of a draft row may be off
+        prior and the fit is the table's forwards, scaled), so the allocation weighs tokens against
+        the step's real time: the table may have been measured under another load (scale), its
+        price of a draft row may be off
         (marginal: on the 2-core CPU the demo pair's startup table priced the rows of k = 7 over
         k = 3 at twice what the steps measured, and adaptive narrowed where the whole block paid),
         and the host's work per sequence and per committed token is not in it. The host terms are
@@ -615,8 +616,7 @@ class Speculation:
         if not self.adaptive or not widths:
             return
         # numpy: a 4 × 4 solve every step, where torch's per-op overhead would cost more than the math.
-        plain = forwards_ms(self.costs, [0] * len(widths))
-        extra = max(0.0, forwards_ms(self.costs, widths, draft_width) - plain)
+        plain, extra = self.plain_and_extra(widths, draft_width)
         x = np.array([plain + extra, extra, float(len(widths)), float(num_tokens)])
         self._xtx = HOST_WORK_MEMORY * self._xtx + np.outer(x, x)
         self._xty = HOST_WORK_MEMORY * self._xty + x * (seconds * 1e3)
@@ -630,11 +630,15 @@ class Speculation:
         self.overhead_ms_per_seq = max(0.0, float(theta[2])) / scale
         self.overhead_ms_per_token = max(0.0, float(theta[3])) / scale
 
+    def plain_and_extra(self, widths: Seq[int], draft_width: int = 0) -> tuple[float, float]:
+        """The table's forward of these sequences' plain rows, and what it adds for their drafts."""
+        plain = forwards_ms(self.costs, [0] * len(widths))
+        return plain, max(0.0, forwards_ms(self.costs, widths, draft_width) - plain)
+
     def predicted_step_ms(self, widths: Seq[int], num_tokens: int, draft_width: int = 0) -> float:
         """What the fit says a decode-only step of these widths committing num_tokens costs (the
         quantity record_cycle fits, and allocate maximises tokens per, up to the scale)."""
-        plain = forwards_ms(self.costs, [0] * len(widths))
-        extra = max(0.0, forwards_ms(self.costs, widths, draft_width) - plain)
+        plain, extra = self.plain_and_extra(widths, draft_width)
         return self.forward_scale * (plain + self.marginal_scale * extra + self.overhead_ms_per_seq * len(widths)
                                      + self.overhead_ms_per_token * num_tokens)
 
