@@ -6,6 +6,7 @@ then prompts of that prefix + --tokens new ones, each timed to its first token; 
 under torch.profiler (the host's ops by own CPU time, the device's kernels by own device time).
 
     python scripts/prefill_profile.py --shape qwen3.5-4b --prefix 16000 --tokens 64
+    python scripts/prefill_profile.py --shape qwen3.5-4b --prefix 16000 --tokens 64 --compare-chunked
     python scripts/prefill_profile.py --shape tiny-moe --prefix 512 --tokens 64      # CPU, a check
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from blockspec.bench.common import SHAPES, build_models, synchronize
 from blockspec.config import EngineConfig
 from blockspec.engine.engine import Engine
 from blockspec.engine.request import Request
+from blockspec.models import gated_delta
 from blockspec.sampling import SamplingParams
 
 
@@ -41,13 +43,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=int, default=2048, help="--max-num-batched-tokens")
+    parser.add_argument("--compare-chunked", action="store_true",
+                        help="also the turns with every Gated DeltaNet prefill on the chunked form")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     shape = dict(SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {}))
     _, _, target, _ = build_models(shape, device, dtype)
-    max_len = args.prefix + (args.repeats + 1) * args.tokens + 16
+    max_len = args.prefix + (2 * args.repeats + 1) * args.tokens + 16
     pages = -(-max_len // 16) * 2 + 8
     config = EngineConfig(max_model_len=max_len, block_size=1, max_num_seqs=1, max_queue=4, prefix_cache=True,
                           num_gpu_blocks=pages, max_num_batched_tokens=args.budget,
@@ -66,6 +70,16 @@ def main() -> None:
         ms, request = first_token_ms(engine, f"turn-{i + 2}", prompt, max_len)
         print(f"turn {i + 2}: {len(prompt)} tokens, {request.stats.cached_tokens} cached, first token in "
               f"{ms:.1f} ms ({ms / cold:.3f} of turn 1)", flush=True)
+    if args.compare_chunked:
+        # The same turns with every prefill chunk on the chunked form (gated_delta.SHORT_PREFILL_ROWS
+        # = 0), then back: the step kernel's short-prefill path against what it replaced, one process.
+        saved, gated_delta.SHORT_PREFILL_ROWS = gated_delta.SHORT_PREFILL_ROWS, 0
+        for i in range(args.repeats):
+            prompt = prompt + words(args.tokens)
+            ms, request = first_token_ms(engine, f"chunked-{i + 2}", prompt, max_len)
+            print(f"chunked form, turn {i + 2}: {len(prompt)} tokens, {request.stats.cached_tokens} cached, first "
+                  f"token in {ms:.1f} ms ({ms / cold:.3f} of turn 1)", flush=True)
+        gated_delta.SHORT_PREFILL_ROWS = saved
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     prompt = prompt + words(args.tokens)

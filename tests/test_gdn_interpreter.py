@@ -58,10 +58,17 @@ def fits(x, width):
     calls.append(width)
     return width <= 16 and x.dtype == torch.float32     # as on CUDA: no fp64 kernel
 qwen3_5.step_kernel_fits = fits             # the CUDA path, here on the CPU through the interpreter
+prefills = []
+def prefill_fits(x, width):
+    prefills.append(width)
+    return width <= 64 and x.dtype == torch.float32
+qwen3_5.prefill_kernel_fits = prefill_fits
 code = pytest.main(["-q", "-x", "-p", "no:cacheprovider",     # fp32 (fp64 stays on torch), both layouts
                     "tests/test_hybrid.py::test_rollback_selects_the_committed_state[qwen3_5-dtype2-1e-05]",
-                    "tests/test_hybrid.py::test_graph_shaped_metadata_equals_eager_on_hybrids"])
+                    "tests/test_hybrid.py::test_graph_shaped_metadata_equals_eager_on_hybrids",
+                    "tests/test_prefix_engine.py::test_greedy_turns_with_hits_equal_the_cache_off[hybrid-plain]"])
 assert calls, "the step kernel was never used"
+assert [w for w in prefills if w <= 64] and [w for w in prefills if w > 64], prefills     # chunks of both kinds
 sys.exit(int(code))
 """
 
@@ -69,11 +76,13 @@ sys.exit(int(code))
 def test_hybrid_model_through_interpreted_step_kernel():
     """The model's call site (layers read and write their slots in place, a verify stashes the
     kernel's per-step states and conv inputs, StatePool.select rolls back): the exact-rollback
-    and graph-padding tests of tests/test_hybrid.py pass with every forward of ≤ 16 rows on the
-    kernel (prefills of more rows stay on the torch chunked form)."""
+    and graph-padding tests of tests/test_hybrid.py pass with every decode / verify forward of
+    ≤ 16 rows on the kernel, and a hybrid's turns with prefix-cache hits (their short chunks on
+    the kernel, as on CUDA) equal the same turns with the cache off (longer chunks on the torch
+    chunked form)."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c", MODEL_CHILD], env=env, capture_output=True, text=True,
                           timeout=300, cwd=HERE.parent)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
-    assert "3 passed" in done.stdout, done.stdout[-2000:]
+    assert "4 passed" in done.stdout, done.stdout[-2000:]

@@ -31,7 +31,8 @@ from blockspec.layers.attention import AttentionMetadata, reference_paged_attent
 from blockspec.loader import load_draft, load_model  # noqa: E402
 from blockspec.models import qwen3_5  # noqa: E402
 from blockspec.models.qwen3_5 import HybridConfig, Qwen3_5ForCausalLM  # noqa: E402
-from blockspec.models.gated_delta import reference_step, step_kernel_serves, warm_layouts  # noqa: E402
+from blockspec.models.gated_delta import (prefill_kernel_serves, reference_step, step_kernel_serves,  # noqa: E402
+                                          warm_layouts)
 from helpers import make_engine, make_request, run_batch, run_interpreted  # noqa: E402
 
 # -- the enumeration against every choice over a grid --------------------------------------------
@@ -81,6 +82,7 @@ class Recorder:
             monkeypatch.setattr(module, "uses_kernels", lambda device: True)
         monkeypatch.setattr(K, "launch", self.launch)
         monkeypatch.setattr(qwen3_5, "step_kernel_fits", lambda x, width: step_kernel_serves(x.dtype, width))
+        monkeypatch.setattr(qwen3_5, "prefill_kernel_fits", lambda x, width: prefill_kernel_serves(x.dtype, width))
         monkeypatch.setattr(gdn, "launch_step", self.launch_step)
 
     def launch(self, variant, q, k_pool, v_pool, block_tables, context_lens, positions, query_start, max_query_len,
@@ -155,6 +157,7 @@ def test_steps_choose_only_variants_the_warm_up_runs(models, monkeypatch, kind, 
     if kind == "hybrid":
         planned_gdn = set().union(*(variants for _, variants in plan.gdn))
         assert recorder.gdn and recorder.gdn <= planned_gdn, recorder.gdn - planned_gdn
+        assert any(not v.keep for v in recorder.gdn)                         # short prefill chunks took it too
     else:
         assert not plan.gdn and not recorder.gdn
 

@@ -119,9 +119,17 @@ def decode_group_calls(runner: ModelRunner) -> list[tuple[int, int]]:
     graph's bucket, or B sequences of 1 … block rows each in a PIECEWISE / eager step. The
     variant depends on the rows only through the fused-norm threshold, so each B takes its
     range's ends and the rows either side of that threshold."""
-    from blockspec.models.gated_delta import FUSE_NORM_MAX_ROWS
-    config, graphs, width = runner.config, runner.graphs, runner.width
+    graphs = runner.graphs
     calls = [(tokens, graphs.seq_slots(tokens)) for tokens in graphs.full_tokens] if graphs.padded else []
+    return calls + ragged_group_calls(runner, runner.width)
+
+
+def ragged_group_calls(runner: ModelRunner, width: int) -> list[tuple[int, int]]:
+    """(rows, sequences) of B sequences of 1 … width rows each, for every B a step can hold: a
+    decode / verify group (width: the block) or a group of short prefill chunks (width:
+    gated_delta.SHORT_PREFILL_ROWS)."""
+    from blockspec.models.gated_delta import FUSE_NORM_MAX_ROWS
+    config, calls = runner.config, []
     for seqs in range(1, config.max_num_seqs + 1):
         lo, hi = seqs, min(seqs * width, config.max_num_batched_tokens)
         if lo > hi:
@@ -147,7 +155,8 @@ def kernel_plan(runner: ModelRunner, kernels: bool | None = None) -> KernelPlan:
     """The variants this runner's steps can choose. kernels: whether the Triton kernels serve
     (default: whether they do on the runner's device; the interpreter tests force it on CPU)."""
     from blockspec.kernels.attention import attention_variants, heads_of, num_sms
-    from blockspec.models.gated_delta import step_kernel_serves, step_variants
+    from blockspec.models.gated_delta import (SHORT_PREFILL_ROWS, prefill_kernel_serves, step_kernel_serves,
+                                              step_variants)
     on_device = uses_kernels(runner.device) if kernels is None else kernels
     plan = KernelPlan()
     if not on_device:
@@ -157,10 +166,15 @@ def kernel_plan(runner: ModelRunner, kernels: bool | None = None) -> KernelPlan:
         heads = heads_of(scratch_q(site, runner), site_pools(site, runner)[0])
         variants = set().union(*(attention_variants(heads, shapes, sms) for shapes in site.shapes))
         plan.attention.append((site, variants))
-    if runner.is_hybrid and step_kernel_serves(runner.dtype, runner.width):
-        calls = decode_group_calls(runner)
-        keep = runner.is_hybrid and runner.draft is not None
-        plan.gdn = [(layer, step_variants(layer, calls, keep)) for layer in gdn_layers(runner)]
+    if runner.is_hybrid:
+        decode = step_kernel_serves(runner.dtype, runner.width)
+        prefill = prefill_kernel_serves(runner.dtype, 1)
+        calls = decode_group_calls(runner) if decode else []
+        prefill_calls = ragged_group_calls(runner, SHORT_PREFILL_ROWS) if prefill else []
+        keep = runner.draft is not None
+        plan.gdn = [(layer, step_variants(layer, calls, keep) | step_variants(layer, prefill_calls, False))
+                    for layer in gdn_layers(runner)]
+        plan.gdn = [(layer, variants) for layer, variants in plan.gdn if variants]
     return plan
 
 

@@ -263,16 +263,43 @@ FUSE_NORM = True
 FUSE_NORM_MAX_ROWS = 8
 
 
+# A prefill chunk of at most this many rows per sequence runs on the step kernel too (its rows
+# walked in order, the state in registers, the slots advanced in place: two launches a layer)
+# rather than on fla's chunked form, whose host side costs ~1 ms a layer beside the torch ops
+# around it (gather into a padded group, conv, gates, scatter back), all outside a PIECEWISE
+# graph's pieces. Measured on the H200 (Qwen3.5-4B, BENCHMARKS.md, round 47): a 64-token prefill
+# after a cached 16k prefix took 50 ms of host time for 7.6 ms on the device. The step kernel's
+# time grows with the rows (~1.8 µs a row and layer at one sequence) where the chunked form's is
+# flat, so long chunks stay chunked.
+SHORT_PREFILL_ROWS = 64
+
+
 def step_kernel_fits(x: torch.Tensor, width: int) -> bool:
     """A forward of ≤ MAX_ROWS rows per sequence on CUDA in a float dtype the kernel handles."""
     return x.device.type == "cuda" and step_kernel_serves(x.dtype, width)
 
 
 def step_kernel_serves(dtype: torch.dtype, width: int) -> bool:
-    """Whether the step kernel takes rows of this dtype, ≤ width per sequence (on CUDA)."""
+    """Whether the step kernel takes decode / verify rows of this dtype, ≤ width per sequence
+    (on CUDA): MAX_ROWS bounds a verify's stash of per-row states."""
     from blockspec.kernels import gdn
-    return (STEP_KERNEL and gdn.is_available() and width <= gdn.MAX_ROWS
-            and dtype in (torch.bfloat16, torch.float16, torch.float32))
+    return width <= gdn.MAX_ROWS and kernel_takes(dtype)
+
+
+def prefill_kernel_fits(x: torch.Tensor, width: int) -> bool:
+    """A prefill group of ≤ SHORT_PREFILL_ROWS rows per sequence on CUDA the step kernel takes."""
+    return x.device.type == "cuda" and prefill_kernel_serves(x.dtype, width)
+
+
+def prefill_kernel_serves(dtype: torch.dtype, width: int) -> bool:
+    """Whether prefill chunks of this dtype, ≤ width rows per sequence, take the step kernel (a
+    plain step's form: no stash, so any number of rows)."""
+    return width <= SHORT_PREFILL_ROWS and kernel_takes(dtype)
+
+
+def kernel_takes(dtype: torch.dtype) -> bool:
+    from blockspec.kernels import gdn
+    return STEP_KERNEL and gdn.is_available() and dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
 def fuses_norm(num_rows: int) -> bool:

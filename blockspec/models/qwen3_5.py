@@ -31,7 +31,8 @@ from blockspec.layers.attention import from_padded, mixer, padded_rows, to_padde
 from blockspec.layers.common import FusedLinear, join_fused_parts
 from blockspec.layers.moe import make_mlp
 from blockspec.models.base import CausalLM, PreNormLayer
-from blockspec.models.gated_delta import gdn_rows_step, select_kernels, state_dtype, step_kernel_fits
+from blockspec.models.gated_delta import (gdn_rows_step, prefill_kernel_fits, select_kernels, state_dtype,
+                                         step_kernel_fits)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -190,11 +191,13 @@ class GatedDeltaNet(nn.Module):
             else:
                 lens = meta.lens
                 rows, max_rows = slice(sum(lens[:first]), sum(lens[:last])), max(lens[first:last])
-            if first < split or not step_kernel_fits(mixed, max_rows):
+            fits = prefill_kernel_fits if first < split else step_kernel_fits
+            if not fits(mixed, max_rows):
                 out = self.run_group(meta, first, last, stash, mixed, b, a)
                 parts.append(self.norm(out, z[rows]))
                 continue
-            # CUDA decode / verify rows: kernels/gdn.py, conv + delta rule + gated norm in place
+            # CUDA decode / verify rows and short prefill chunks: kernels/gdn.py, conv + delta
+            # rule + gated norm in place
             starts = meta.starts[first:last + 1]
             parts.append(gdn_rows_step(self, mixed[rows], b[rows], a[rows], z[rows], meta.states,
                                        meta.state_slots[first:last], (starts - starts[0]).to(torch.int32),
