@@ -21,7 +21,7 @@ fi
 #        # warm-up and ragged-graph GPU tests; the hybrid's cold multi-turn (a fresh process, empty Triton cache)
 if [ "$M" = 2 ]; then
   echo "=== hybrid short prefill: step kernel vs chunked ($(date +%T))" | tee -a "$LOG"
-  timeout ${PP_S:-200} python3 scripts/prefill_profile.py --shape qwen3.5-4b --prefix 16000 --tokens 64 --compare-chunked \
+  timeout ${PP_S:-200} python3 scripts/prefill_profile.py --shape qwen3.5-4b --prefix 16000 --tokens 64,128,256 --repeats 2 --compare-chunked \
     > "$OUT/prefill_kernel_qwen3.5-4b.txt" 2>&1; grep "turn\|profiled\|ready" "$OUT/prefill_kernel_qwen3.5-4b.txt" | tee -a "$LOG"
   echo "=== a 512-token chunk after 15k cached, Qwen3-8B ($(date +%T))" | tee -a "$LOG"
   timeout ${PP_S:-120} python3 scripts/prefill_profile.py --shape qwen3-8b --prefix 15360 --tokens 512 --budget 512 \

@@ -6,7 +6,7 @@ then prompts of that prefix + --tokens new ones, each timed to its first token; 
 under torch.profiler (the host's ops by own CPU time, the device's kernels by own device time).
 
     python scripts/prefill_profile.py --shape qwen3.5-4b --prefix 16000 --tokens 64
-    python scripts/prefill_profile.py --shape qwen3.5-4b --prefix 16000 --tokens 64 --compare-chunked
+    python scripts/prefill_profile.py --shape qwen3.5-4b --prefix 16000 --tokens 64,128,256 --compare-chunked
     python scripts/prefill_profile.py --shape tiny-moe --prefix 512 --tokens 64      # CPU, a check
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--shape", default="qwen3.5-4b")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape's (a CPU check)")
     parser.add_argument("--prefix", type=int, default=16000)
-    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--tokens", default="64", help="new tokens a turn; a list (64,128,256) runs each")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=int, default=2048, help="--max-num-batched-tokens")
     parser.add_argument("--compare-chunked", action="store_true",
@@ -51,7 +51,8 @@ def main() -> None:
     torch.manual_seed(0)
     shape = dict(SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {}))
     _, _, target, _ = build_models(shape, device, dtype)
-    max_len = args.prefix + (2 * args.repeats + 1) * args.tokens + 16
+    sizes = [int(n) for n in str(args.tokens).split(",")]
+    max_len = args.prefix + 3 * args.repeats * sum(sizes) + sizes[0] + 16
     pages = -(-max_len // 16) * 2 + 8
     config = EngineConfig(max_model_len=max_len, block_size=1, max_num_seqs=1, max_queue=4, prefix_cache=True,
                           num_gpu_blocks=pages, max_num_batched_tokens=args.budget,
@@ -65,24 +66,28 @@ def main() -> None:
     cold, _ = first_token_ms(engine, "turn-1", prefix, max_len)
     print(f"turn 1: {args.prefix} tokens, first token in {cold:.1f} ms", flush=True)
     prompt = list(prefix)
-    for i in range(args.repeats):
-        prompt = prompt + words(args.tokens)
-        ms, request = first_token_ms(engine, f"turn-{i + 2}", prompt, max_len)
-        print(f"turn {i + 2}: {len(prompt)} tokens, {request.stats.cached_tokens} cached, first token in "
-              f"{ms:.1f} ms ({ms / cold:.3f} of turn 1)", flush=True)
-    if args.compare_chunked:
-        # The same turns with every prefill chunk on the chunked form (gated_delta.SHORT_PREFILL_ROWS
-        # = 0), then back: the step kernel's short-prefill path against what it replaced, one process.
-        saved, gated_delta.SHORT_PREFILL_ROWS = gated_delta.SHORT_PREFILL_ROWS, 0
+
+    def turns(label: str, tokens: int) -> None:
+        nonlocal prompt
         for i in range(args.repeats):
-            prompt = prompt + words(args.tokens)
-            ms, request = first_token_ms(engine, f"chunked-{i + 2}", prompt, max_len)
-            print(f"chunked form, turn {i + 2}: {len(prompt)} tokens, {request.stats.cached_tokens} cached, first "
-                  f"token in {ms:.1f} ms ({ms / cold:.3f} of turn 1)", flush=True)
-        gated_delta.SHORT_PREFILL_ROWS = saved
+            prompt = prompt + words(tokens)
+            ms, request = first_token_ms(engine, f"{label}-{i + 2}", prompt, max_len)
+            print(f"{label}turn {i + 2}: {len(prompt)} tokens, {request.stats.cached_tokens} cached, first token in "
+                  f"{ms:.1f} ms ({ms / cold:.3f} of turn 1)", flush=True)
+    shipped = gated_delta.SHORT_PREFILL_ROWS
+    for tokens in sizes:
+        turns("", tokens)
+        if args.compare_chunked:
+            # The same turns with the step kernel forced (gated_delta.SHORT_PREFILL_ROWS ≥ the chunk)
+            # and with every chunk on the chunked form (0): the short-prefill path against what it
+            # replaced, and where they cross, in one process.
+            for rows, label in ((max(shipped, tokens + 16), "step kernel, "), (0, "chunked form, ")):
+                gated_delta.SHORT_PREFILL_ROWS = rows
+                turns(label, tokens)
+            gated_delta.SHORT_PREFILL_ROWS = shipped
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    prompt = prompt + words(args.tokens)
+    prompt = prompt + words(sizes[0])
     with profile(activities=activities) as prof:
         ms, request = first_token_ms(engine, "profiled", prompt, max_len)
     print(f"profiled: {len(prompt)} tokens, {request.stats.cached_tokens} cached, {ms:.1f} ms under the profiler")
