@@ -34,3 +34,11 @@ if [ "$M" = 2 ]; then
     $B --shape qwen3.5-4b --multi-turn 1x3 --system-prompt-tokens 16000 --user-tokens 64 --max-tokens 128 \
     --accept-len 6.5 --out "$OUT/multiturn_qwen3.5-4b.json"
 fi
+#   bash scripts/gpu_round47.sh 3   # the attention kernel's tiles on long prefill chunks (scripts/attention_tile_sweep.py);
+#        # the GDN and warm-up GPU tests with SHORT_PREFILL_ROWS = 256
+if [ "$M" = 3 ]; then
+  stage "attention tiles, long prefill chunks" timeout ${SW_S:-200} python3 scripts/attention_tile_sweep.py \
+    --out "$OUT/attention_tile_sweep.json"
+  timeout ${TESTS_S:-230} $T tests/gpu/test_gdn_kernel.py tests/gpu/test_warm_gpu.py > "$OUT/t_gdn.log" 2>&1
+  summary
+fi

@@ -267,11 +267,11 @@ FUSE_NORM_MAX_ROWS = 8
 # walked in order, the state in registers, the slots advanced in place: two launches a layer)
 # rather than on fla's chunked form, whose host side costs ~1 ms a layer beside the torch ops
 # around it (gather into a padded group, conv, gates, scatter back), all outside a PIECEWISE
-# graph's pieces. Measured on the H200 (Qwen3.5-4B, BENCHMARKS.md, round 47): a 64-token prefill
-# after a cached 16k prefix took 50 ms of host time for 7.6 ms on the device. The step kernel's
-# time grows with the rows (~1.8 µs a row and layer at one sequence) where the chunked form's is
-# flat, so long chunks stay chunked.
-SHORT_PREFILL_ROWS = 64
+# graph's pieces. Measured on the H200 (Qwen3.5-4B, a turn of N new tokens after a cached 16k
+# prefix, one process, BENCHMARKS.md round 47), first token: N = 64: 20 ms on the step kernel
+# against 53–71 ms chunked; 128: 16 against 50–60; 256: 25 against 50. The step kernel's device
+# time grows with the rows where the chunked form's is flat, so longer chunks stay chunked.
+SHORT_PREFILL_ROWS = 256
 
 
 def step_kernel_fits(x: torch.Tensor, width: int) -> bool:
