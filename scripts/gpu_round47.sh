@@ -7,11 +7,7 @@
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
-  for shape in qwen3.5-4b qwen3-8b; do
-    echo "=== short prefill after a cached 16k prefix, $shape ($(date +%T))" | tee -a "$LOG"
-    timeout ${PP_S:-200} python3 scripts/prefill_profile.py --shape $shape --prefix 16000 --tokens 64 \
-      > "$OUT/prefill_profile_$shape.txt" 2>&1; grep "turn\|profiled\|ready" "$OUT/prefill_profile_$shape.txt" | tee -a "$LOG"
-  done
+  bash "$(dirname "$0")/gpu_round46.sh" 4            # round 46's mode 4, written then and first run here
   echo "=== host split, Qwen3-8B, 1, 8, 128 sequences ($(date +%T))" | tee -a "$LOG"
   timeout ${HS_S:-240} python3 scripts/host_split.py --shape qwen3-8b --concurrency 1 8 128 --modes fixed,adaptive \
     --profile > "$OUT/host_split_qwen3_8b.txt" 2>&1; tail -5 "$OUT/host_split_qwen3_8b.txt" | tee -a "$LOG"

@@ -172,9 +172,10 @@ def kernel_plan(runner: ModelRunner, kernels: bool | None = None) -> KernelPlan:
         calls = decode_group_calls(runner) if decode else []
         prefill_calls = ragged_group_calls(runner, SHORT_PREFILL_ROWS) if prefill else []
         keep = runner.draft is not None
-        plan.gdn = [(layer, step_variants(layer, calls, keep) | step_variants(layer, prefill_calls, False))
-                    for layer in gdn_layers(runner)]
-        plan.gdn = [(layer, variants) for layer, variants in plan.gdn if variants]
+        for layer in gdn_layers(runner):
+            variants = step_variants(layer, calls, keep) | step_variants(layer, prefill_calls, False)
+            if variants:
+                plan.gdn.append((layer, variants))
     return plan
 
 
