@@ -296,11 +296,16 @@ class ModelRunner:
             same = all(n == lens[0] for n in lens) and num_tokens == sum(lens) and rows == len(entries)
             width = lens[0] if same else 0
             query_lens = None if same else lens + [0] * (rows - len(entries))
+        # A step with prefill chunks keeps its key counts on the host too: its long chunks' attention
+        # takes its shapes from them (layers/attention.py long_prefills).
+        host_lens = ([entry.start + len(entry.tokens) for entry in entries] + [pad_width] * (rows - len(entries))
+                     if num_prefill_seqs and not plan.bounded else None)
         return AttentionMetadata(num_seqs=rows, width=width, **views, max_context_len=plan.keys,
                                  page_size=self.page_size, kv=self.target_kv.layers, states=self.states,
                                  packed=packed, query_lens=query_lens, num_prefill_seqs=num_prefill_seqs,
                                  keep_steps=self.is_hybrid and self.draft is not None,
-                                 max_rows=self.width if plan.bounded and not uniform else 0)
+                                 max_rows=self.width if plan.bounded and not uniform else 0,
+                                 context_lens_host=host_lens)
 
     def pack(self, entries: list[Entry], rows: int, cols: int, num_tokens: int, pad_width: int) -> list[int]:
         """Host ints in `unpack`'s layout: padding sequences (pad_width rows each) use page 0, state
@@ -612,7 +617,8 @@ class ModelRunner:
         image sequence's too (the M-RoPE shift is the target's alone)."""
         width = meta.width
         draft_meta = dataclasses.replace(meta, kv=self.draft_kv.layers, context_lens=meta.context_lens - width,
-                                         states=None, state_slots=None, keep_steps=False, shared={})
+                                         states=None, state_slots=None, keep_steps=False, shared={},
+                                         context_lens_host=None)
         hidden = self.draft(self.target.embed(meta.input_ids), meta.positions, draft_meta)
         anchors = meta.input_ids.view(meta.num_seqs, width)[:, 0]
         out = self.draft.propose(hidden.view(meta.num_seqs, width, -1), anchors, self.target.lm_head)

@@ -74,6 +74,9 @@ class AttentionMetadata:
     rope_positions: torch.Tensor | None = None
     rope_offsets: torch.Tensor | None = None
     pieces: Any = None                                    # engine/graphs.py's Pieces under a piecewise graph
+    # context_lens on the host, for steps with prefill chunks (their long chunks' attention takes
+    # shapes from it: kernels/flash_prefill.py); None elsewhere.
+    context_lens_host: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -228,9 +231,42 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     window stays on the reference), else the reference below, which is the spec."""
     if window is None and uses_kernels(q.device):
         from blockspec.kernels.attention import paged_attention as kernel
+        routed = long_prefills(meta, q) if is_causal and block_kv is None and context_lens is meta.context_lens else None
+        if routed is not None:
+            return after_long_prefills(routed, q, k_pool, v_pool, meta, scale)
         return kernel(q, k_pool, v_pool, meta.block_tables, context_lens, meta.positions, meta.starts,
                       meta.max_query_len, meta.page_size, meta.max_context_len, scale, is_causal, block_kv)
     return reference_paged_attention(q, k_pool, v_pool, meta, context_lens, scale, is_causal, window, block_kv)
+
+
+def long_prefills(meta: AttentionMetadata, q: torch.Tensor):
+    """The step's long prefill chunks for FlashAttention (kernels/flash_prefill.py), planned once
+    per forward, or None: a FULL graph's rows, no long chunk, or FlashAttention off or unable."""
+    if meta.bounded or not meta.num_prefill_seqs or meta.context_lens_host is None:
+        return None
+    from blockspec.kernels import flash_prefill
+    head = flash_prefill.long_prefill_head(meta.lens[: meta.num_prefill_seqs])
+    if not head or not flash_prefill.enabled() or not flash_prefill.supports(q):
+        return None
+    return shared(meta, ("long_prefills", head), lambda: flash_prefill.plan(
+        head, meta.lens, meta.context_lens_host, meta.starts, meta.context_lens, meta.block_tables, meta.page_size))
+
+
+def after_long_prefills(routed, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    """q [N, H, D] → [N, H·D]: the routed sequences 0 … head − 1 on FlashAttention, the others
+    (their query_start's tail, as it is) on the Triton kernel, whose programs write only their rows."""
+    from blockspec.kernels import flash_prefill
+    from blockspec.kernels.attention import paged_attention as kernel
+    head = routed.head
+    rest_rows = max(meta.lens[head:], default=0)
+    if rest_rows:
+        out = kernel(q, k_pool, v_pool, meta.block_tables[head:], meta.context_lens[head:], meta.positions,
+                     meta.starts[head:], rest_rows, meta.page_size, meta.max_context_len, scale, True, None)
+    else:
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    out[: routed.num_rows] = flash_prefill.attend(routed, q, k_pool, v_pool, scale)
+    return out
 
 
 def reference_paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,

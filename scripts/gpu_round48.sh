@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# What round 48 ran on the H200 (BENCHMARKS.md, "Round 48 on the H200"), each stage under its own
+# timeout, logs and JSON under $OUT:
+#   bash scripts/gpu_round48.sh 1   # carry .whl: long prefill chunks on FlashAttention (kernels/flash_prefill.py)
+#        # against the Triton kernel: the attention alone (scripts/prefill_attention_bench.py); the GPU tests that
+#        # hold it (attention, warm-up, graphs) in two processes; the 16k prompt among 32 decoders at budgets
+#        # 2048 and 512 and a 512 / 2048-token chunk after a cached 15k prefix, each with FlashAttention on and off
+#   bash scripts/gpu_round48.sh 2   # adaptive vs fixed vs plain, Qwen3-8B, 1 … 256 (the host path's per-sequence
+#        # work cut); the hybrid's cold multi-turn (fresh process, empty Triton cache); HTTP bursts (demo pair)
+. "$(dirname "$0")/gpu_prelude.sh"
+M=${1:-1}
+if [ "$M" = 1 ]; then
+  stage "prefill attention: Triton kernel vs FlashAttention varlen" timeout ${PA_S:-120} \
+    python3 scripts/prefill_attention_bench.py --out "$OUT/prefill_attention.json"
+  (timeout ${TESTS_S:-230} $T tests/gpu/test_attention_kernels.py tests/gpu/test_warm_gpu.py > "$OUT/t_attention.log" 2>&1) &
+  (timeout ${TESTS_S:-230} $T tests/gpu/test_ragged_graphs.py tests/gpu/test_graph_dispatch.py tests/gpu/test_gpu.py \
+    > "$OUT/t_graphs.log" 2>&1) &
+  wait
+  summary
+  for attn in flash triton; do
+    for budget in 2048 512; do
+      stage "16k prompt during 32 decoders, budget $budget, prefill attention $attn" env BLOCKSPEC_PREFILL_ATTENTION=$attn \
+        timeout ${BURST_S:-90} $B --shape qwen3-8b --accept-len 6.5 --burst 1 --burst-decoding 32 --prompt-len 16384 \
+        --max-tokens 64 --max-num-batched-tokens $budget --out "$OUT/burst16k_${budget}_$attn.json"
+    done
+    stage "a 512 / 2048-token chunk after 15,360 cached, Qwen3-8B, prefill attention $attn" \
+      env BLOCKSPEC_PREFILL_ATTENTION=$attn timeout ${PP_S:-100} python3 scripts/prefill_profile.py --shape qwen3-8b \
+      --prefix 15360 --tokens 512,2048 --budget 2048 --repeats 2
+  done
+fi
+if [ "$M" = 2 ]; then
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, 128 + 256 tokens" timeout ${ADAPT_S:-300} \
+    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3-8b \
+    --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
+  rm -rf /tmp/triton-cold
+  stage "multi-turn qwen3.5-4b 16k, empty Triton cache" env TRITON_CACHE_DIR=/tmp/triton-cold timeout ${MT_S:-200} \
+    $B --shape qwen3.5-4b --multi-turn 1x3 --system-prompt-tokens 16000 --user-tokens 64 --max-tokens 128 \
+    --accept-len 6.5 --out "$OUT/multiturn_qwen3.5-4b.json"
+  stage "HTTP: demo pair, 3 bursts of 64 x 256" timeout ${HTTP_S:-90} python3 scripts/bench_streams.py \
+    --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3
+fi

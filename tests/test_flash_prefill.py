@@ -1,0 +1,131 @@
+"""Long prefill chunks on FlashAttention (kernels/flash_prefill.py): which sequences are routed,
+the keys gathered for them, the bottom-right causal mask, and the split of one ragged step
+between the routed sequences and the Triton kernel's tail — each against the torch reference
+(layers/attention.py), on CPU in float64. The CUDA kernel itself: tests/gpu/test_attention_kernels.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_cases import make_case, reference
+from blockspec.kernels import flash_prefill
+from blockspec.layers import attention
+from blockspec.layers.attention import AttentionMetadata, after_long_prefills, reference_paged_attention
+
+# One ragged step as the runner lays it out: prefill chunks first (a long one, a short one after
+# a cached prefix, another long one, then a short chunk after the last long one), then a plain
+# decode row and verify blocks of widths 3 and 5, then a padding sequence.
+CONTEXT = [300, 90, 150, 20, 9, 33, 40]
+WIDTHS = [200, 3, 150, 20, 1, 3, 5]
+NUM_PREFILL = 4
+
+
+def ragged_case(seed: int = 0):
+    case = make_case(CONTEXT, max(WIDTHS), num_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float64,
+                     device="cpu", widths=WIDTHS, num_padding=1, seed=seed)
+    case.meta.num_prefill_seqs = NUM_PREFILL
+    case.meta.context_lens_host = CONTEXT + [max(WIDTHS)]
+    return case
+
+
+def test_the_head_ends_at_the_last_long_chunk():
+    n = flash_prefill.LONG_PREFILL_ROWS
+    assert flash_prefill.long_prefill_head([]) == 0
+    assert flash_prefill.long_prefill_head([n - 1, 3]) == 0
+    assert flash_prefill.long_prefill_head([n]) == 1
+    assert flash_prefill.long_prefill_head([n - 1, n + 5, 2]) == 2
+    assert flash_prefill.long_prefill_head([n, 1, n, n - 1]) == 3
+    assert flash_prefill.long_prefill_head(WIDTHS[:NUM_PREFILL]) == 3
+
+
+def test_routed_sequences_see_their_own_keys_causally():
+    """The plan's slots gather each routed sequence's keys 0 … L − 1 through its shuffled pages,
+    and the varlen form's bottom-right mask gives every row the reference's output."""
+    case = ragged_case()
+    m = case.meta
+    head = flash_prefill.long_prefill_head(m.lens[:NUM_PREFILL])
+    routed = flash_prefill.plan(head, m.lens, m.context_lens_host, m.starts, m.context_lens, m.block_tables,
+                                m.page_size)
+    assert routed.num_rows == sum(WIDTHS[:head]) and routed.max_q == max(WIDTHS[:head])
+    assert routed.cu_q.tolist() == [0, 200, 203, 353] and routed.cu_k.tolist() == [0, 300, 390, 540]
+    expected_slots = torch.cat([attention.key_slots(m.block_tables[b:b + 1], CONTEXT[b], m.page_size)[0]
+                                for b in range(head)])
+    assert torch.equal(routed.slots, expected_slots)
+    out = flash_prefill.attend(routed, case.q, case.k_pool, case.v_pool, case.scale)
+    assert out.shape == (routed.num_rows, 8 * 32)
+    torch.testing.assert_close(out, reference(case)[: routed.num_rows], rtol=0, atol=1e-12)
+
+
+def kernel_as_reference(q, k_pool, v_pool, block_tables, context_lens, positions, query_start, max_query_len,
+                        page_size, max_context_len, scale, is_causal, block_kv):
+    """The Triton kernel's contract in torch (CI has no Triton): the sequences of query_start,
+    their rows written into a fresh [N, H·D] (other rows left as they were allocated)."""
+    out = torch.full((q.shape[0], q.shape[1] * q.shape[2]), float("nan"), dtype=q.dtype)
+    starts = query_start.tolist()
+    for b in range(len(starts) - 1):
+        rows = slice(starts[b], starts[b + 1])
+        n = starts[b + 1] - starts[b]
+        if not n:
+            continue
+        assert n <= max_query_len
+        one = AttentionMetadata(num_seqs=1, width=n, input_ids=None, positions=positions[rows], slot_mapping=None,
+                                block_tables=block_tables[b:b + 1], context_lens=context_lens[b:b + 1],
+                                max_context_len=int(context_lens[b]), page_size=page_size, kv=[])
+        out[rows] = reference_paged_attention(q[rows], k_pool, v_pool, one, one.context_lens, scale, is_causal)
+    return out
+
+
+def test_a_ragged_step_splits_between_flash_and_the_kernel(monkeypatch):
+    """Every real row of the step equals the reference: the routed head from the varlen form,
+    the tail (a short chunk, a decode row, verify blocks, a padding sequence) from the kernel
+    called on query_start's tail; nothing is left unwritten."""
+    monkeypatch.setattr("blockspec.kernels.attention.paged_attention", kernel_as_reference)
+    case = ragged_case(seed=3)
+    m = case.meta
+    head = flash_prefill.long_prefill_head(m.lens[:NUM_PREFILL])
+    routed = flash_prefill.plan(head, m.lens, m.context_lens_host, m.starts, m.context_lens, m.block_tables,
+                                m.page_size)
+    out = after_long_prefills(routed, case.q, case.k_pool, case.v_pool, m, case.scale)
+    real = sum(WIDTHS)
+    assert not torch.isnan(out[:real]).any()
+    torch.testing.assert_close(out[:real], reference(case)[:real], rtol=0, atol=1e-12)
+
+
+def test_routing_is_off_where_it_must_be(monkeypatch):
+    """No plan for a step without prefill, without host lengths, or where FlashAttention cannot
+    run (CPU tensors here), and none with BLOCKSPEC_PREFILL_ATTENTION=triton."""
+    case = ragged_case()
+    m = case.meta
+    assert attention.long_prefills(m, case.q) is None                 # a CPU q: FlashAttention cannot run
+    monkeypatch.setattr(flash_prefill, "supports", lambda q: True)
+    assert attention.long_prefills(m, case.q) is not None
+    monkeypatch.setenv("BLOCKSPEC_PREFILL_ATTENTION", "triton")
+    assert attention.long_prefills(m, case.q) is None
+    monkeypatch.delenv("BLOCKSPEC_PREFILL_ATTENTION")
+    m.context_lens_host = None
+    assert attention.long_prefills(m, case.q) is None
+    m.context_lens_host, m.num_prefill_seqs = CONTEXT + [max(WIDTHS)], 0
+    assert attention.long_prefills(m, case.q) is None
+
+
+@pytest.mark.parametrize("num_prefill", [1, 2])
+def test_the_runner_keeps_host_key_counts_for_prefill_steps(num_prefill):
+    """ModelRunner.prepare: a step with prefill chunks carries context_lens on the host, equal to
+    the device's; a decode-only step does not."""
+    from blockspec.engine.model_runner import Entry, ModelRunner
+    from blockspec.engine.graphs import EAGER, BatchDescriptor, Plan
+    from blockspec.engine.memory import dummy_sequence
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device, runner.page_size, runner.states, runner.draft, runner.width = torch.device("cpu"), 16, None, None, 1
+
+    class Target:
+        visual = None
+    runner.target, runner.target_kv = Target(), type("KV", (), {"layers": []})()
+    seqs = [dummy_sequence(4) for _ in range(3)]
+    entries = [Entry(seqs[0], 10, [1] * 30), Entry(seqs[1], 0, [2] * 7), Entry(seqs[2], 40, [3])]
+    plan = Plan(EAGER, BatchDescriptor(38, 3, True), 4, 41)
+    meta = runner.prepare(entries, num_prefill, plan)
+    assert meta.context_lens_host == [40, 7, 41]
+    assert meta.context_lens.tolist() == meta.context_lens_host
+    assert runner.prepare(entries, 0, plan).context_lens_host is None
