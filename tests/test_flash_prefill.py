@@ -15,8 +15,8 @@ from blockspec.layers.attention import AttentionMetadata, after_long_prefills, r
 # One ragged step as the runner lays it out: prefill chunks first (a long one, a short one after
 # a cached prefix, another long one, then a short chunk after the last long one), then a plain
 # decode row and verify blocks of widths 3 and 5, then a padding sequence.
-CONTEXT = [300, 90, 150, 20, 9, 33, 40]
-WIDTHS = [200, 3, 150, 20, 1, 3, 5]
+CONTEXT = [900, 90, 600, 20, 9, 33, 40]
+WIDTHS = [500, 3, 450, 20, 1, 3, 5]
 NUM_PREFILL = 4
 
 
@@ -29,7 +29,9 @@ def ragged_case(seed: int = 0):
 
 
 def test_the_head_ends_at_the_last_long_chunk():
-    n = flash_prefill.LONG_PREFILL_ROWS
+    n = flash_prefill.long_prefill_rows(128)
+    assert flash_prefill.long_prefill_rows(256) < n
+    assert flash_prefill.long_prefill_head([n - 1], 256) == 1
     assert flash_prefill.long_prefill_head([]) == 0
     assert flash_prefill.long_prefill_head([n - 1, 3]) == 0
     assert flash_prefill.long_prefill_head([n]) == 1
@@ -47,7 +49,7 @@ def test_routed_sequences_see_their_own_keys_causally():
     routed = flash_prefill.plan(head, m.lens, m.context_lens_host, m.starts, m.context_lens, m.block_tables,
                                 m.page_size)
     assert routed.num_rows == sum(WIDTHS[:head]) and routed.max_q == max(WIDTHS[:head])
-    assert routed.cu_q.tolist() == [0, 200, 203, 353] and routed.cu_k.tolist() == [0, 300, 390, 540]
+    assert routed.cu_q.tolist() == [0, 500, 503, 953] and routed.cu_k.tolist() == [0, 900, 990, 1590]
     expected_slots = torch.cat([attention.key_slots(m.block_tables[b:b + 1], CONTEXT[b], m.page_size)[0]
                                 for b in range(head)])
     assert torch.equal(routed.slots, expected_slots)

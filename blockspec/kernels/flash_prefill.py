@@ -15,8 +15,8 @@ hold 16, so the routed sequences' keys are gathered from the pool first: one ind
 layer and pool (the slot index is built once per forward and shared by every layer).
 
 Which sequences go here is `long_prefill_head`: the first sequences of a step are its prefill
-chunks (the runner lays them out first); everything up to the last chunk of ≥ LONG_PREFILL_ROWS
-rows goes to FlashAttention, the rest (decode / verify rows, short chunks after it) to the
+chunks (the runner lays them out first); everything up to the last long chunk (LONG_PREFILL_ROWS
+by head size) goes to FlashAttention, the rest (decode / verify rows, short chunks after it) to the
 Triton kernel, which takes the tail of query_start as it is. Off where the kernel cannot run
 (CPU, fp32, head dims it lacks), under BLOCKSPEC_BATCH_INVARIANT=1 (a row's bits must not
 depend on how its prompt was chunked) and with BLOCKSPEC_PREFILL_ATTENTION=triton.
@@ -36,10 +36,15 @@ import torch.nn.functional as F
 
 logger = logging.getLogger("blockspec.engine")
 
-# Rows of a prefill chunk from which it takes FlashAttention (measured on the H200: BENCHMARKS.md,
-# round 48). Shorter chunks (a prefix-cache hit's few new tokens, a burst of short prompts) stay
-# on the Triton kernel, whose decode-shaped tiles do as well there and need no gather.
-LONG_PREFILL_ROWS = 128
+# Rows of a prefill chunk from which it takes FlashAttention, by head size (H200, round 48,
+# scripts/prefill_attention_bench.py; BENCHMARKS.md). FlashAttention's time is flat below 4
+# blocks of 128 rows per head (its grid is blocks × heads: 64 programs at 256 rows of 32 heads
+# leave half the SMs idle), the Triton kernel's grows with the rows: at 128-wide heads over 16k
+# keys 256 rows took 326 µs on Triton against 472 + 48 (gather) routed, 512 rows 612 against
+# 471 + 48, so they cross near 430. Triton's 256-wide tiles are slower (590 µs at 256 rows
+# against 492 + 48), so those heads route from 256. Shorter chunks (a prefix-cache hit's few
+# new tokens, bursts of short prompts) stay on Triton.
+LONG_PREFILL_ROWS = {128: 448, 256: 256}
 MAX_HEAD_DIM = 256
 
 
@@ -72,12 +77,17 @@ def flash_available(device: torch.device) -> bool:
         return False
 
 
-def long_prefill_head(prefill_lens: list[int]) -> int:
+def long_prefill_rows(head_dim: int) -> int:
+    """The rows from which a chunk of heads this wide takes FlashAttention."""
+    return LONG_PREFILL_ROWS[128] if head_dim <= 128 else LONG_PREFILL_ROWS[256]
+
+
+def long_prefill_head(prefill_lens: list[int], head_dim: int = 128) -> int:
     """How many of the step's first sequences (its prefill chunks, of these row counts) go to
-    FlashAttention: up to and including the last chunk of ≥ LONG_PREFILL_ROWS rows, 0 if none."""
-    last = -1
+    FlashAttention: up to and including the last long chunk, 0 if none."""
+    rows, last = long_prefill_rows(head_dim), -1
     for i, n in enumerate(prefill_lens):
-        if n >= LONG_PREFILL_ROWS:
+        if n >= rows:
             last = i
     return last + 1
 

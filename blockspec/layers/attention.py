@@ -245,7 +245,7 @@ def long_prefills(meta: AttentionMetadata, q: torch.Tensor):
     if meta.bounded or not meta.num_prefill_seqs or meta.context_lens_host is None:
         return None
     from blockspec.kernels import flash_prefill
-    head = flash_prefill.long_prefill_head(meta.lens[: meta.num_prefill_seqs])
+    head = flash_prefill.long_prefill_head(meta.lens[: meta.num_prefill_seqs], q.shape[-1])
     if not head or not flash_prefill.enabled() or not flash_prefill.supports(q):
         return None
     return shared(meta, ("long_prefills", head), lambda: flash_prefill.plan(
