@@ -5,6 +5,8 @@ checkpoint does not provide, is an error naming the key: a partial load never pa
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,9 +155,31 @@ def tie_embeddings(model: nn.Module, params: dict[str, nn.Parameter], loaded: se
         loaded.add("lm_head.weight")
 
 
+# torch.nn.init's in-place initialisers, which every module's reset_parameters calls.
+_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                 "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                 "sparse_")
+
+
+@contextlib.contextmanager
+def no_init():
+    """Module constructors skip their random initialisation (every weight is loaded afterwards). On
+    the meta device it computes nothing, but normal_ there goes through torch's reference ops,
+    whose first call imports torch._dynamo: 3-5 s of every CPU start-up (`blockspec generate`'s
+    first command), for values that do not exist."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITIALISERS if hasattr(torch.nn.init, name)}
+    for name in saved:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def build_empty(build: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Build on the meta device (no random init of billions of weights), then allocate."""
-    with torch.device("meta"):
+    with torch.device("meta"), no_init():
         model = build()
     model = model.to_empty(device=device).to(dtype)
     for module in model.modules():  # buffers computed at init (RoPE tables) are lost by to_empty
