@@ -7,6 +7,7 @@
 #        # 2048 and 512 and a 512 / 2048-token chunk after a cached 15k prefix, each with FlashAttention on and off
 #   bash scripts/gpu_round48.sh 2   # adaptive vs fixed vs plain, Qwen3-8B, 1 … 256 (the host path's per-sequence
 #        # work cut); the hybrid's cold multi-turn (fresh process, empty Triton cache); HTTP bursts (demo pair)
+#        # from one event loop and from a thread per stream; cuDNN's attention against FlashAttention-2
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -36,6 +37,10 @@ if [ "$M" = 2 ]; then
   stage "multi-turn qwen3.5-4b 16k, empty Triton cache" env TRITON_CACHE_DIR=/tmp/triton-cold timeout ${MT_S:-200} \
     $B --shape qwen3.5-4b --multi-turn 1x3 --system-prompt-tokens 16000 --user-tokens 64 --max-tokens 128 \
     --accept-len 6.5 --out "$OUT/multiturn_qwen3.5-4b.json"
-  stage "HTTP: demo pair, 3 bursts of 64 x 256" timeout ${HTTP_S:-90} python3 scripts/bench_streams.py \
-    --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3
+  for client in async threads; do
+    stage "HTTP: demo pair, 3 bursts of 64 x 256, $client client" timeout ${HTTP_S:-90} python3 scripts/bench_streams.py \
+      --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3 --burst-client $client
+  done
+  stage "prefill attention: cuDNN probe" timeout ${PA_S:-100} python3 scripts/prefill_attention_bench.py \
+    --shapes qwen3-8b,qwen3.5-4b --tokens 512,2048 ${PA_ARGS:-} --out "$OUT/prefill_attention_cudnn.json"
 fi
