@@ -215,7 +215,7 @@ def choose_num_splits(num_programs: int, max_k: int, block_n: int, sms: int) -> 
     wave, each ≥ 4 blocks of keys."""
     if 2 * num_programs > sms:
         return 1
-    return max(1, min(sms // num_programs, max_k // (4 * block_n), MAX_SPLITS))
+    return max(1, min(sms // max(num_programs, 1), max_k // (4 * block_n), MAX_SPLITS))
 
 
 def tma_usable(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
