@@ -5,9 +5,11 @@
 #        # against the Triton kernel: the attention alone (scripts/prefill_attention_bench.py); the GPU tests that
 #        # hold it (attention, warm-up, graphs) in two processes; the 16k prompt among 32 decoders at budgets
 #        # 2048 and 512 and a 512 / 2048-token chunk after a cached 15k prefix, each with FlashAttention on and off
-#   bash scripts/gpu_round48.sh 2   # adaptive vs fixed vs plain, Qwen3-8B, 1 … 256 (the host path's per-sequence
-#        # work cut); the hybrid's cold multi-turn (fresh process, empty Triton cache); HTTP bursts (demo pair)
-#        # from one event loop and from a thread per stream; cuDNN's attention against FlashAttention-2
+#   bash scripts/gpu_round48.sh 2   # prefill attention: the Triton paged kernel, FlashAttention-2, cuDNN and our
+#        # Triton FA kernel (kernels/prefill_attention.py) with its tile sweep; the hybrid's cold multi-turn (fresh
+#        # process, empty Triton cache); HTTP bursts (demo pair) from one event loop and from a thread per stream
+#   bash scripts/gpu_round48.sh 3   # adaptive vs fixed vs plain, Qwen3-8B, 1 … 256 (the host path's per-sequence
+#        # work cut)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -30,17 +32,20 @@ if [ "$M" = 1 ]; then
   done
 fi
 if [ "$M" = 2 ]; then
-  stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, 128 + 256 tokens" timeout ${ADAPT_S:-300} \
-    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3-8b \
-    --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
+  echo "=== prefill attention: Triton kernel, FlashAttention-2, cuDNN, our Triton FA kernel and its tiles ($(date +%T))" | tee -a "$LOG"
+  timeout ${PA_S:-230} python3 scripts/prefill_attention_bench.py --shapes qwen3-8b,qwen3.5-4b --tokens 512,2048 \
+    --triton-fa --sweep --sweep-budget ${SWEEP_S:-100} --out "$OUT/prefill_sweep.json" 2>&1 | tee "$OUT/prefill_sweep.txt" | tail -60 >> "$LOG"
   rm -rf /tmp/triton-cold
-  stage "multi-turn qwen3.5-4b 16k, empty Triton cache" env TRITON_CACHE_DIR=/tmp/triton-cold timeout ${MT_S:-200} \
+  stage "multi-turn qwen3.5-4b 16k, empty Triton cache" env TRITON_CACHE_DIR=/tmp/triton-cold timeout ${MT_S:-180} \
     $B --shape qwen3.5-4b --multi-turn 1x3 --system-prompt-tokens 16000 --user-tokens 64 --max-tokens 128 \
     --accept-len 6.5 --out "$OUT/multiturn_qwen3.5-4b.json"
   for client in async threads; do
-    stage "HTTP: demo pair, 3 bursts of 64 x 256, $client client" timeout ${HTTP_S:-90} python3 scripts/bench_streams.py \
+    stage "HTTP: demo pair, 3 bursts of 64 x 256, $client client" timeout ${HTTP_S:-70} python3 scripts/bench_streams.py \
       --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3 --burst-client $client
   done
-  stage "prefill attention: cuDNN probe" timeout ${PA_S:-100} python3 scripts/prefill_attention_bench.py \
-    --shapes qwen3-8b,qwen3.5-4b --tokens 512,2048 ${PA_ARGS:-} --out "$OUT/prefill_attention_cudnn.json"
+fi
+if [ "$M" = 3 ]; then
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, 128 + 256 tokens" timeout ${ADAPT_S:-300} \
+    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3-8b \
+    --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
 fi
