@@ -28,10 +28,13 @@ def ragged_case(seed: int = 0):
     return case
 
 
-def test_the_head_ends_at_the_last_long_chunk():
+def test_the_head_ends_at_the_last_long_chunk(monkeypatch):
+    monkeypatch.setenv("BLOCKSPEC_PREFILL_ATTENTION", "flash")       # FlashAttention-2's rows differ by head size
+    assert flash_prefill.long_prefill_rows(256) < flash_prefill.long_prefill_rows(128)
+    assert flash_prefill.long_prefill_head([flash_prefill.long_prefill_rows(128) - 1], 256) == 1
+    monkeypatch.delenv("BLOCKSPEC_PREFILL_ATTENTION")
+    assert flash_prefill.backend() == "triton-fa"
     n = flash_prefill.long_prefill_rows(128)
-    assert flash_prefill.long_prefill_rows(256) < n
-    assert flash_prefill.long_prefill_head([n - 1], 256) == 1
     assert flash_prefill.long_prefill_head([]) == 0
     assert flash_prefill.long_prefill_head([n - 1, 3]) == 0
     assert flash_prefill.long_prefill_head([n]) == 1
@@ -91,6 +94,17 @@ def test_a_ragged_step_splits_between_flash_and_the_kernel(monkeypatch):
     real = sum(WIDTHS)
     assert not torch.isnan(out[:real]).any()
     torch.testing.assert_close(out[:real], reference(case)[:real], rtol=0, atol=1e-12)
+
+
+def test_the_backend_is_read_from_the_environment(monkeypatch):
+    for name in flash_prefill.BACKENDS:
+        monkeypatch.setenv("BLOCKSPEC_PREFILL_ATTENTION", name)
+        assert flash_prefill.backend() == name
+        assert flash_prefill.enabled() == (name != "triton")
+    monkeypatch.setenv("BLOCKSPEC_PREFILL_ATTENTION", "nonsense")       # unknown: the default
+    assert flash_prefill.backend() == "triton-fa"
+    monkeypatch.setattr("blockspec.kernels.attention.BATCH_INVARIANT", True)
+    assert not flash_prefill.enabled()
 
 
 def test_routing_is_off_where_it_must_be(monkeypatch):

@@ -55,15 +55,23 @@ class KernelPlan:
     """What the warm-up runs: per attention site its variants, per GDN layer shape its variants."""
     attention: list[tuple[AttentionSite, set[AttentionVariant]]] = field(default_factory=list)
     gdn: list[tuple[GatedDeltaNet, set[StepVariant]]] = field(default_factory=list)
+    # The target's layers whose long prefill chunks take kernels/prefill_attention.py (one stands
+    # for all: its heads and dtype fix the variants).
+    prefill: list[Attention] = field(default_factory=list)
 
     @property
     def num_variants(self) -> int:
-        return sum(len(v) for _, v in self.attention) + sum(len(v) for _, v in self.gdn)
+        return (sum(len(v) for _, v in self.attention) + sum(len(v) for _, v in self.gdn)
+                + PREFILL_VARIANTS * len(self.prefill))
 
     def describe(self) -> str:
         parts = [f"attention {site.name} {len(v)}" for site, v in self.attention]
         parts += [f"Gated DeltaNet step {len(v)}" for _, v in self.gdn]
+        parts += [f"prefill attention {PREFILL_VARIANTS}" for _ in self.prefill]
         return ", ".join(parts) or "none"
+
+
+PREFILL_VARIANTS = 4            # kernels/prefill_attention.py warm_up's launches
 
 
 def key_bounds(runner: ModelRunner) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -166,6 +174,8 @@ def kernel_plan(runner: ModelRunner, kernels: bool | None = None) -> KernelPlan:
         heads = heads_of(scratch_q(site, runner), site_pools(site, runner)[0])
         variants = set().union(*(attention_variants(heads, shapes, sms) for shapes in site.shapes))
         plan.attention.append((site, variants))
+        if site.name == "target" and routes_long_prefills(scratch_q(site, runner)):
+            plan.prefill.append(site.layer)
     if runner.is_hybrid:
         decode = step_kernel_serves(runner.dtype, runner.width)
         prefill = prefill_kernel_serves(runner.dtype, 1)
@@ -177,6 +187,13 @@ def kernel_plan(runner: ModelRunner, kernels: bool | None = None) -> KernelPlan:
             if variants:
                 plan.gdn.append((layer, variants))
     return plan
+
+
+def routes_long_prefills(q: torch.Tensor) -> bool:
+    """Whether the target's long prefill chunks take our Triton FlashAttention kernel
+    (kernels/flash_prefill.py; FlashAttention-2, its fallback, compiles nothing at run time)."""
+    from blockspec.kernels import flash_prefill
+    return flash_prefill.enabled() and flash_prefill.supports(q) and flash_prefill.triton_fa_serves(q)
 
 
 def site_pools(site: AttentionSite, runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,6 +225,11 @@ def run_plan(runner: ModelRunner, plan: KernelPlan) -> None:
     for layer, variants in plan.gdn:
         warm_step(layer, runner.states, variants, runner.dtype)
         bar.update(len(variants))
+    for layer in plan.prefill:
+        from blockspec.kernels import prefill_attention
+        k_pool = runner.target_kv.layers[layer.cache_index][0]
+        bar.update(prefill_attention.warm_up(layer.num_heads, k_pool.shape[1], layer.head_dim, runner.dtype,
+                                             runner.device))
     bar.close()
     if runner.is_hybrid:
         runner.states.clear([0])                 # the GDN variants ran on the padding slot

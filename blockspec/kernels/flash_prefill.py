@@ -1,5 +1,5 @@
-"""Long prefill chunks' attention on FlashAttention-2 (torch's varlen forward): the part of a
-ragged step the Triton paged kernel (kernels/attention.py) serves worst.
+"""Long prefill chunks' attention in FlashAttention's form: the part of a ragged step the
+Triton paged kernel (kernels/attention.py) serves worst.
 
 Round 47 on the H200: a 512-token chunk over 16k cached keys (Qwen3-8B) spent 68 % of its step
 in the Triton kernel at ~215 TFLOP/s, about a quarter of the bf16 peak; the best of its tiles
@@ -8,18 +8,22 @@ K/V page reached through the block table, the causal mask evaluated on every chu
 chunk wants FlashAttention's form instead: 128 query rows of one head against contiguous keys,
 the mask only on the diagonal blocks.
 
-FlashAttention's varlen forward takes every routed sequence in one launch (cu_seqlens), GQA as
-it is, and aligns a causal mask bottom-right: a chunk of n rows ending at key L sees the keys ≤
-its own position, as the reference does. Its paged form wants pages of ≥ 256 tokens where ours
-hold 16, so the routed sequences' keys are gathered from the pool first: one index_select per
-layer and pool (the slot index is built once per forward and shared by every layer).
+Two kernels of that form take every routed sequence in one launch (cu_seqlens), GQA as it is,
+with a causal mask aligned bottom-right (a chunk of n rows ending at key L sees the keys ≤ its
+own position, as the reference does): our Triton kernel (kernels/prefill_attention.py, TMA loads
+on Hopper: 500-580 TFLOP/s on the H200 where torch's FlashAttention-2 reaches 290-350, round 48),
+the default; and FlashAttention-2's varlen forward (`BLOCKSPEC_PREFILL_ATTENTION=flash`, and for
+head sizes the Triton kernel lacks). Both want contiguous keys (FlashAttention's paged form
+wants pages of ≥ 256 tokens where ours hold 16), so the routed sequences' keys are gathered from
+the pool first: one index_select per layer and pool (the slot index is built once per forward
+and shared by every layer).
 
 Which sequences go here is `long_prefill_head`: the first sequences of a step are its prefill
-chunks (the runner lays them out first); everything up to the last long chunk (LONG_PREFILL_ROWS
-by head size) goes to FlashAttention, the rest (decode / verify rows, short chunks after it) to the
-Triton kernel, which takes the tail of query_start as it is. Off where the kernel cannot run
-(CPU, fp32, head dims it lacks), under BLOCKSPEC_BATCH_INVARIANT=1 (a row's bits must not
-depend on how its prompt was chunked) and with BLOCKSPEC_PREFILL_ATTENTION=triton.
+chunks (the runner lays them out first); everything up to the last long chunk goes to the
+FlashAttention form, the rest (decode / verify rows, short chunks after it) to the paged kernel,
+which takes the tail of query_start as it is. Off where neither kernel runs (CPU, fp32, head
+dims they lack), under BLOCKSPEC_BATCH_INVARIANT=1 (a row's bits must not depend on how its
+prompt was chunked) and with BLOCKSPEC_PREFILL_ATTENTION=triton.
 
 `varlen_causal_reference` is the same contract in torch (one SDPA per sequence), for CPU tests
 of the routing.
@@ -36,33 +40,47 @@ import torch.nn.functional as F
 
 logger = logging.getLogger("blockspec.engine")
 
-# Rows of a prefill chunk from which it takes FlashAttention, by head size (H200, round 48,
-# scripts/prefill_attention_bench.py; BENCHMARKS.md). FlashAttention's time is flat below 4
-# blocks of 128 rows per head (its grid is blocks × heads: 64 programs at 256 rows of 32 heads
-# leave half the SMs idle), the Triton kernel's grows with the rows: at 128-wide heads over 16k
-# keys 256 rows took 326 µs on Triton against 472 + 48 (gather) routed, 512 rows 612 against
-# 471 + 48, so they cross near 430. Triton's 256-wide tiles are slower (590 µs at 256 rows
-# against 492 + 48), so those heads route from 256. Shorter chunks (a prefix-cache hit's few
-# new tokens, bursts of short prompts) stay on Triton.
-LONG_PREFILL_ROWS = {128: 448, 256: 256}
+# Rows of a prefill chunk from which it leaves the paged kernel (H200, round 48,
+# scripts/prefill_attention_bench.py; BENCHMARKS.md). Our Triton kernel splits the keys when its
+# grid is small, so from 256 rows it beats the paged kernel wherever the context is long (512
+# rows over 16k keys: 236-273 µs + 48 of gather against 627) and ties where it is short (512 over
+# 2,048: 92 against 87). FlashAttention-2 never splits: its time is flat below 4 blocks of 128
+# rows per head (256 rows of 32 heads: 472 µs + 48 against the paged kernel's 326), so with it
+# 128-wide heads route from 448 rows, 256-wide ones (whose paged tiles are slower) from 256.
+LONG_PREFILL_ROWS = {"triton-fa": {128: 256, 256: 256}, "flash": {128: 448, 256: 256}}
 MAX_HEAD_DIM = 256
+BACKENDS = ("triton-fa", "flash", "triton")
+
+
+def backend() -> str:
+    """BLOCKSPEC_PREFILL_ATTENTION: "triton-fa" (ours, the default), "flash" (FlashAttention-2) or
+    "triton" (the paged kernel for every row: no routing). Read at each call, so tests and
+    side-by-side benchmarks switch it."""
+    name = os.environ.get("BLOCKSPEC_PREFILL_ATTENTION", "triton-fa")
+    return name if name in BACKENDS else "triton-fa"
 
 
 def enabled() -> bool:
-    """Whether long chunks may take FlashAttention (the environment, read at each call: tests
-    and side-by-side benchmarks switch it)."""
+    """Whether long chunks may leave the paged kernel."""
     from blockspec.kernels.attention import BATCH_INVARIANT
-    return os.environ.get("BLOCKSPEC_PREFILL_ATTENTION", "flash") != "triton" and not BATCH_INVARIANT
+    return backend() != "triton" and not BATCH_INVARIANT
+
+
+def triton_fa_serves(q: torch.Tensor) -> bool:
+    """Our kernel's limits: a CUDA half-precision q of a head size it compiles for."""
+    from blockspec.kernels.prefill_attention import HEAD_DIMS
+    return backend() == "triton-fa" and q.shape[-1] in HEAD_DIMS
 
 
 def supports(q: torch.Tensor) -> bool:
-    """FlashAttention-2's own limits: CUDA (sm80+), fp16 / bf16, head dim a multiple of 8 ≤ 256."""
+    """CUDA, fp16 / bf16 (fp32 steps keep the paged kernel's IEEE rounding), and a head size one of
+    the two kernels takes (FlashAttention-2: a multiple of 8 ≤ 256, sm80+)."""
     head_dim = q.shape[-1]
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
-            and head_dim <= MAX_HEAD_DIM and flash_available(q.device))
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return triton_fa_serves(q) or (head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM and flash_available(q.device))
 
 
-@functools.lru_cache(maxsize=None)
 def flash_available(device: torch.device) -> bool:
     """One tiny call: torch builds without FlashAttention (or a GPU below sm80) keep the Triton
     kernel, said once in the log."""
@@ -78,8 +96,9 @@ def flash_available(device: torch.device) -> bool:
 
 
 def long_prefill_rows(head_dim: int) -> int:
-    """The rows from which a chunk of heads this wide takes FlashAttention."""
-    return LONG_PREFILL_ROWS[128] if head_dim <= 128 else LONG_PREFILL_ROWS[256]
+    """The rows from which a chunk of heads this wide leaves the paged kernel (for the backend set)."""
+    rows = LONG_PREFILL_ROWS["flash" if backend() == "flash" else "triton-fa"]
+    return rows[128] if head_dim <= 128 else rows[256]
 
 
 def long_prefill_head(prefill_lens: list[int], head_dim: int = 128) -> int:
@@ -126,6 +145,9 @@ def varlen_causal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cu_
                   max_q: int, max_k: int, scale: float) -> torch.Tensor:
     """q [Σ n_b, H, D], keys / values [Σ L_b, Hkv, D] → [Σ n_b, H, D]: each sequence's rows (the
     last n_b of its L_b positions) over its own keys, causal, bottom-right aligned."""
+    if q.is_cuda and triton_fa_serves(q):
+        from blockspec.kernels.prefill_attention import varlen_causal_triton
+        return varlen_causal_triton(q, keys, values, cu_q, cu_k, max_q, max_k, scale)
     if q.is_cuda:
         return torch.ops.aten._flash_attention_forward(q, keys, values, cu_q, cu_k, max_q, max_k, 0.0, True, False,
                                                        scale=scale)[0]

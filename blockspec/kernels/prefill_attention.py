@@ -30,6 +30,7 @@ never depends on timing. `PrefillConfig` is exposed so scripts/prefill_attention
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -97,7 +98,10 @@ def _attend_block(q, k, v, m_i, l_i, acc, qk_scale, visible, MASKED: tl.constexp
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+# Values that change from call to call are not specialised on (Triton would compile a variant per
+# divisibility of each: kernels/attention.py says why); the variants are the constexprs alone,
+# which the startup warm-up runs (engine/warm.py).
+@triton.jit(do_not_specialize=["num_splits", "total_q_rows"])
 def _prefill_attention_kernel(
         q_src, k_src, v_src, out_ptr, part_acc_ptr, part_ml_ptr, cu_q_ptr, cu_k_ptr,
         num_splits, total_q_rows, qk_scale,
@@ -196,17 +200,18 @@ class PrefillConfig:
 
 
 def default_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
-    """The tile for heads this wide (H200 guesses until scripts/prefill_attention_bench.py --sweep
-    says otherwise): 128 query rows against 64 keys at ≤ 128-wide heads; 256-wide heads take 64
-    rows (a 128 × 256 fp32 accumulator spills) and two stages (K and V tiles of 32 KB each);
+    """The tile for heads this wide, chosen by scripts/prefill_attention_bench.py --sweep on the
+    H200 (round 48, BENCHMARKS.md): 128 query rows against 128 keys, 8 warps, 3 stages at
+    128-wide heads (573-581 TFLOP/s over 16k keys); 256-wide heads 64 rows against 64 keys (a
+    128 × 256 fp32 accumulator spills), 4 warps, 3 stages (577); ≤ 64-wide heads were not swept.
     fp32 tiles are twice the bytes, so narrower key blocks and fewer stages."""
     if dtype == torch.float32:
         return PrefillConfig(64, 32, 4, 2) if head_dim <= 128 else PrefillConfig(32, 32, 4, 1)
     if head_dim <= 64:
         return PrefillConfig(128, 64, 4, 3)
     if head_dim <= 128:
-        return PrefillConfig(128, 64, 8, 3)
-    return PrefillConfig(64, 64, 4, 2)
+        return PrefillConfig(128, 128, 8, 3)      # the sweep's best at 512 and 2,048 rows over 16k keys
+    return PrefillConfig(64, 64, 4, 3)            # the sweep's best at 512 rows over 16k keys
 
 
 def choose_num_splits(num_programs: int, max_k: int, block_n: int, sms: int) -> int:
@@ -269,3 +274,19 @@ def tma_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     """x [rows, heads, D] as the 2-D [rows, heads · D] tensor it is, read in [block_rows, D] tiles."""
     rows, heads, head_dim = x.shape
     return TensorDescriptor(x, [rows, heads * head_dim], [heads * head_dim, 1], [block_rows, head_dim])
+
+
+def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Every variant a step of these heads can launch, once, on a few rows of scratch: the kernel
+    unsplit and split (then the merge), over row counts of both divisibilities by 16 (a
+    descriptor's shape may be specialised on). → the launches made."""
+    config = default_config(head_dim, dtype)
+    launches = 0
+    for rows in (config.block_m, config.block_m + 1):
+        q = torch.zeros(rows, num_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+        cu = torch.tensor([0, rows], dtype=torch.int32, device=device)
+        for splits in (1, 2):
+            varlen_causal_triton(q, kv, kv, cu, cu, rows, rows, 1.0, dataclasses.replace(config, num_splits=splits))
+            launches += 1
+    return launches

@@ -74,26 +74,31 @@ def test_draft_causal_and_prefill_chunk(head_dim):
     check(make_case([500], 300, 16, 2, head_dim, torch.float32, "cuda", seed=5), torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["triton-fa", "flash"])
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("group", [4, 2])
-def test_long_prefill_chunks_take_flash_attention(monkeypatch, head_dim, group):
-    """A ragged step whose long prefill chunks (≥ LONG_PREFILL_ROWS) go to FlashAttention
-    (kernels/flash_prefill.py) and the rest (a short chunk after them, decode and verify rows,
-    padding) to the Triton kernel: bf16 within the kernels' tolerance of the reference, and the
-    routing really taken (a 2,048-row chunk over 16k keys, a 512-row one, Qwen3-8B / 3.5 heads)."""
-    from blockspec.kernels import flash_prefill
+def test_long_prefill_chunks_take_flash_attention(monkeypatch, backend, head_dim, group):
+    """A ragged step whose long prefill chunks (≥ LONG_PREFILL_ROWS) go to the FlashAttention form
+    (kernels/flash_prefill.py: our Triton kernel, or FlashAttention-2) and the rest (a short chunk
+    after them, decode and verify rows, padding) to the paged kernel: bf16 within the kernels'
+    tolerance of the reference, and the routing really taken (a 2,048-row chunk over 16k keys, a
+    512-row one, Qwen3-8B / 3.5 heads)."""
+    from blockspec.kernels import flash_prefill, prefill_attention
     from blockspec.layers import attention
+    monkeypatch.setenv("BLOCKSPEC_PREFILL_ATTENTION", backend)
     widths = [2048, 40, 512, 60, 1, 3, 16]
     context = [16384, 9000, 4608, 70, 300, 2000, 5000]
     case = make_case(context, max(widths), 8 * group, 8 // (group // 2), head_dim, torch.bfloat16, "cuda",
                      widths=widths, num_padding=1, seed=head_dim + group)
     case.meta.num_prefill_seqs, case.meta.context_lens_host = 4, context + [max(widths)]
-    calls = []
-    real = flash_prefill.attend
+    calls, ours = [], []
+    real, real_ours = flash_prefill.attend, prefill_attention.varlen_causal_triton
     monkeypatch.setattr(flash_prefill, "attend", lambda *a: calls.append(a[0].head) or real(*a))
+    monkeypatch.setattr(prefill_attention, "varlen_causal_triton", lambda *a: ours.append(1) or real_ours(*a))
     out = attention.paged_attention(case.q, case.k_pool, case.v_pool, case.meta, case.meta.context_lens,
                                     case.scale, True)
     assert calls == [3], "the step's long chunks did not take FlashAttention"
+    assert ours == ([1] if backend == "triton-fa" else []), "the backend was not the one asked for"
     err = (real_rows(case, out).double() - real_rows(case, reference(case))).abs().max().item()
     assert err < TOLERANCE[torch.bfloat16], err
     monkeypatch.setenv("BLOCKSPEC_PREFILL_ATTENTION", "triton")
