@@ -8,7 +8,9 @@
 #   bash scripts/gpu_round48.sh 2   # prefill attention: the Triton paged kernel, FlashAttention-2, cuDNN and our
 #        # Triton FA kernel (kernels/prefill_attention.py) with its tile sweep; the hybrid's cold multi-turn (fresh
 #        # process, empty Triton cache); HTTP bursts (demo pair) from one event loop and from a thread per stream
-#   bash scripts/gpu_round48.sh 3   # adaptive vs fixed vs plain, Qwen3-8B, 1 … 256 (the host path's per-sequence
+#   bash scripts/gpu_round48.sh 3   # our Triton FlashAttention kernel wired in: the GPU tests (attention, warm-up,
+#        # graphs); the three prefill attentions side by side; the 16k prompt among 32 decoders, ours vs the paged kernel
+#   bash scripts/gpu_round48.sh 4   # adaptive vs fixed vs plain, Qwen3-8B, 1 … 256 (the host path's per-sequence
 #        # work cut)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
@@ -45,6 +47,23 @@ if [ "$M" = 2 ]; then
   done
 fi
 if [ "$M" = 3 ]; then
+  (timeout ${TESTS_S:-240} $T tests/gpu/test_attention_kernels.py tests/gpu/test_warm_gpu.py > "$OUT/t_attention.log" 2>&1) &
+  (timeout ${TESTS_S:-240} $T tests/gpu/test_ragged_graphs.py tests/gpu/test_graph_dispatch.py tests/gpu/test_gpu.py \
+    > "$OUT/t_graphs.log" 2>&1) &
+  wait
+  summary
+  stage "prefill attention: the paged kernel vs ours (routed) vs FlashAttention-2" timeout ${PA_S:-90} \
+    python3 scripts/prefill_attention_bench.py --shapes qwen3-8b,qwen3.5-4b --tokens 128,256,512,2048 \
+    --out "$OUT/prefill_attention_routed.json"
+  for attn in triton-fa triton; do
+    for budget in 2048 512; do
+      stage "16k prompt during 32 decoders, budget $budget, prefill attention $attn" env BLOCKSPEC_PREFILL_ATTENTION=$attn \
+        timeout ${BURST_S:-80} $B --shape qwen3-8b --accept-len 6.5 --burst 1 --burst-decoding 32 --prompt-len 16384 \
+        --max-tokens 64 --max-num-batched-tokens $budget --out "$OUT/burst16k_${budget}_$attn.json"
+    done
+  done
+fi
+if [ "$M" = 4 ]; then
   stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, 128 + 256 tokens" timeout ${ADAPT_S:-300} \
     $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3-8b \
     --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
