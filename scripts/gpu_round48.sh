@@ -62,6 +62,9 @@ if [ "$M" = 3 ]; then
         --max-tokens 64 --max-num-batched-tokens $budget --out "$OUT/burst16k_${budget}_$attn.json"
     done
   done
+  stage "HTTP: demo pair, 3 bursts of 64 x 256, the server's own first-token time beside the client's" \
+    timeout ${HTTP_S:-70} python3 scripts/bench_streams.py --serve-args "--device cuda --max-num-seqs 64" \
+    --requests 64 --max-tokens 256 --bursts 3
 fi
 if [ "$M" = 4 ]; then
   stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, 128 + 256 tokens" timeout ${ADAPT_S:-300} \
