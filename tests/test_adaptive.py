@@ -930,11 +930,37 @@ def test_latent_profile_hits_its_mean_and_its_confidence_is_informative():
     assert abs(sum(lengths) / len(lengths) - 6.5) < 0.35
     assert np.mean(by_confidence[True]) > 0.9 > 0.35 > np.mean(by_confidence[False])
     r3 = SimpleNamespace(request_id="r3")
-    assert LatentProfile(6.5, 16).latents(r3, 50)[0][:50] == profile.latents(r3, 2000)[0][:50]
-    assert LatentProfile(6.5, 16).latents(r3, 2000)[0][:2000] == profile.latents(r3, 2000)[0][:2000]
+    assert np.array_equal(LatentProfile(6.5, 16).latents(r3, 50)[0][:50], profile.latents(r3, 2000)[0][:50])
+    assert np.array_equal(LatentProfile(6.5, 16).latents(r3, 2000)[0][:2000], profile.latents(r3, 2000)[0][:2000])
     for bad in ("latent", "latent:x", "flat:3", "latent:20", "latent:3:0"):
         with pytest.raises(ValueError):
             parse_accept_profile(bad, 16)
+
+
+def test_latent_profile_cycles_read_each_sequences_own_slots():
+    """The profile's wrappers, vectorised over the batch: each sequence's confidences are π at its
+    own output positions (from the anchor's next), its acceptance the leading slots with u < π
+    capped at its own k, and its new tokens the target's argmax rows up to there — as one
+    sequence at a time computes them."""
+    from blockspec.bench import LatentProfile
+    profile = LatentProfile(4.0, 8)
+    seqs = [SimpleNamespace(request=SimpleNamespace(request_id=f"s{i}", prompt_ids=[0] * (3 + i), max_model_len=400),
+                            num_cached=3 + i + 17 * i) for i in range(6)]
+    widths = [7, 0, 3, 7, 1, 5]
+    logits = torch.randn(6, 8, 50, generator=torch.Generator().manual_seed(0))
+    proposal = SimpleNamespace(drafts=torch.zeros(6, 7, dtype=torch.long), confidence=None)
+    proposed = profile.propose(lambda out, seqs, confidence: proposal)(None, seqs, True)
+    num_accepted, new_tokens = profile.accept(lambda *a: ([0] * 6, [[0]] * 6))(seqs, proposed, logits, None, widths)
+    argmax = logits.argmax(-1).tolist()
+    for b, seq in enumerate(seqs):
+        pi, u = profile.latents(seq.request, 500)
+        start = seq.num_cached - len(seq.request.prompt_ids) + 1
+        assert proposed.confidence[b].tolist() == pi[start: start + 7].tolist()
+        a = 0
+        while a < widths[b] and u[start + a] < pi[start + a]:
+            a += 1
+        assert num_accepted[b] == a and new_tokens[b] == argmax[b][: a + 1]
+    assert sum(num_accepted) > 0 and num_accepted[1] == 0
 
 
 def test_the_readout_in_the_draft_forward_proposes_what_the_logits_would(dense, qwen3_dir, monkeypatch):

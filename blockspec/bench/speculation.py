@@ -9,6 +9,7 @@ import zlib
 from typing import Any, Callable
 from unittest import mock
 
+import numpy as np
 import torch
 
 from blockspec.bench.common import SHAPES, bench_engine, build_models, forced_accept, release, run_batch
@@ -45,37 +46,42 @@ class LatentProfile:
         self.m = solve_mean_probability(mean_length, block_size)
         self._latents: dict[str, tuple[list[float], list[float]]] = {}
 
-    def latents(self, request, length: int) -> tuple[list[float], list[float]]:
+    def latents(self, request, length: int) -> tuple[np.ndarray, np.ndarray]:
         """(π, u) of the request's output positions 0 … length − 1 (at least), drawn in chunks of
         LATENT_CHUNK positions, each from its own seeded generator: any length gives the same
-        values at the same positions."""
+        values at the same positions. Arrays, so a cycle reads its slots as slices: this bench's
+        own host work wraps every DFlash cycle it times and must stay small beside the engine's
+        (a Python loop over each sequence's slots cost ~30 µs a sequence a cycle on CPU)."""
         key = request.request_id
-        pi, u = self._latents.setdefault(key, ([], []))
-        a, b = max(self.m * self.concentration, 1e-3), max((1 - self.m) * self.concentration, 1e-3)
-        while len(pi) < length:
-            chunk = len(pi) // LATENT_CHUNK
-            gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{key}:{chunk}".encode()))   # stable
-            gamma_a = torch._standard_gamma(torch.full((LATENT_CHUNK,), a, dtype=torch.float64), generator=gen)
-            gamma_b = torch._standard_gamma(torch.full((LATENT_CHUNK,), b, dtype=torch.float64), generator=gen)
-            pi += (gamma_a / (gamma_a + gamma_b).clamp_min(1e-300)).tolist()
-            u += torch.rand(LATENT_CHUNK, generator=gen, dtype=torch.float64).tolist()
+        pi, u = self._latents.get(key, (np.empty(0), np.empty(0)))
+        if len(pi) < length:
+            a, b = max(self.m * self.concentration, 1e-3), max((1 - self.m) * self.concentration, 1e-3)
+            new_pi, new_u = [pi], [u]
+            for chunk in range(len(pi) // LATENT_CHUNK, -(-length // LATENT_CHUNK)):
+                gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{key}:{chunk}".encode()))   # stable
+                gamma_a = torch._standard_gamma(torch.full((LATENT_CHUNK,), a, dtype=torch.float64), generator=gen)
+                gamma_b = torch._standard_gamma(torch.full((LATENT_CHUNK,), b, dtype=torch.float64), generator=gen)
+                new_pi.append((gamma_a / (gamma_a + gamma_b).clamp_min(1e-300)).numpy())
+                new_u.append(torch.rand(LATENT_CHUNK, generator=gen, dtype=torch.float64).numpy())
+            pi, u = np.concatenate(new_pi), np.concatenate(new_u)
+            self._latents[key] = (pi, u)
         return pi, u
 
-    def positions(self, seq, num_slots: int) -> list[int]:
-        """Output positions of draft slots 1 … L of this cycle (the anchor is output position
-        num_cached − prompt_len; drafts follow it)."""
-        start = seq.num_cached - len(seq.request.prompt_ids) + 1
-        return list(range(start, start + num_slots))
+    def slots(self, seqs, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+        """(π, u) [B, num_slots] of each sequence's draft slots 1 … num_slots this cycle: output
+        positions from num_cached − prompt_len + 1 on (the anchor is the one before)."""
+        pis, us = [], []
+        for seq in seqs:
+            pi, u = self.latents(seq.request, seq.request.max_model_len + self.block_size + 1)
+            start = seq.num_cached - len(seq.request.prompt_ids) + 1
+            pis.append(pi[start: start + num_slots])
+            us.append(u[start: start + num_slots])
+        return np.stack(pis), np.stack(us)
 
     def propose(self, real: Callable):
         def propose(out, seqs, confidence: bool = False):
             proposal = real(out, seqs, confidence)
-            num_slots = proposal.drafts.shape[1]
-            rows = []
-            for seq in seqs:
-                pi, _ = self.latents(seq.request, seq.request.max_model_len + self.block_size + 1)
-                rows.append([pi[j] for j in self.positions(seq, num_slots)])
-            proposal.confidence = torch.tensor(rows, dtype=torch.float64)
+            proposal.confidence = torch.from_numpy(self.slots(seqs, proposal.drafts.shape[1])[0])
             return proposal
         return propose
 
@@ -86,14 +92,12 @@ class LatentProfile:
                 return num_accepted, new_tokens
             target_ids = logits.argmax(-1).tolist()
             num_slots = proposal.drafts.shape[1]
-            for b, seq in enumerate(seqs):
-                k = num_slots if widths is None else widths[b]
-                pi, u = self.latents(seq.request, seq.request.max_model_len + self.block_size + 1)
-                a = 0
-                for j in self.positions(seq, k):
-                    if u[j] >= pi[j]:
-                        break
-                    a += 1
+            pi, u = self.slots(seqs, num_slots)
+            # a = the leading slots with u < π, never past the sequence's own k
+            kept = (u < pi) & (np.arange(num_slots)[None] < np.asarray(widths if widths is not None
+                                                                        else [num_slots] * len(seqs))[:, None])
+            forced = np.cumprod(kept, axis=1).sum(axis=1).tolist()
+            for b, a in enumerate(forced):
                 num_accepted[b], new_tokens[b] = a, target_ids[b][: a + 1]
             return num_accepted, new_tokens
         return accept
