@@ -29,9 +29,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     # Host costs (scripts/host_split.py on CPU): a model whose own compute is small next to the
     # engine's per-sequence host work at 64-256 sequences (vocabulary small: a verify's logits are
     # rows × vocab).
-    "host": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=2048, hidden_size=64,
+    "host": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,
                  intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                 head_dim=32, rope_theta=1e6, max_position_embeddings=40960, draft_layers=1, mask_token_id=2047),
+                 head_dim=32, rope_theta=1e6, max_position_embeddings=40960, draft_layers=1, mask_token_id=511),
     "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
                      intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, rope_theta=1e6, max_position_embeddings=40960, draft_layers=5),
@@ -254,7 +254,7 @@ def run_batch(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int
     gen = torch.Generator().manual_seed(0)
     total = concurrency * max(1, rounds)
     high = min(100000, engine.runner.target.lm_head.out_features)      # a small vocabulary's ids
-    requests = [Request(f"bench-{i}", torch.randint(1000, high, (prompt_len,), generator=gen).tolist(),
+    requests = [Request(f"bench-{i}", torch.randint(min(1000, high // 2), high, (prompt_len,), generator=gen).tolist(),
                         SamplingParams(max_tokens=max_tokens), frozenset(), engine.config.max_model_len)
                 for i in range(total)]
     errors: list[str] = []
