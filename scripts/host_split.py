@@ -56,6 +56,10 @@ PHASES = {"schedule": (Scheduler, "schedule"), "planned_widths": (Speculation, "
           "drop_aborted": (Engine, "_drop_aborted")}
 
 
+CLOCK = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = time.perf_counter          # --clock cpu: this thread's CPU time (a CPU shared with other work)
+
+
 def timed_phases(totals: dict[str, float], named: bool = False) -> list:
     """Each phase wrapped with a wall clock into totals; named: also a `phase:` range for a
     --trace timeline (not otherwise: its own host time would be in the figures)."""
@@ -64,14 +68,14 @@ def timed_phases(totals: dict[str, float], named: bool = False) -> list:
         real = getattr(owner, attr)
 
         def wrapper(*args, _real=real, _name=name, **kwargs):
-            started = time.perf_counter()
+            started = clock()
             try:
                 if not named:
                     return _real(*args, **kwargs)
                 with torch.profiler.record_function(f"phase:{_name}"):
                     return _real(*args, **kwargs)
             finally:
-                totals[_name] += time.perf_counter() - started
+                totals[_name] += clock() - started
         patches.append(mock.patch.object(owner, attr, wrapper))
     return patches
 
@@ -218,10 +222,15 @@ def main() -> None:
     ap.add_argument("--padded", action="store_true",
                     help="on CPU: the padded plans CUDA graphs run (without capture), not exact shapes")
     ap.add_argument("--accept-profile", default="latent:6.5")
+    ap.add_argument("--clock", choices=list(CLOCK), default="wall",
+                    help="cpu: each phase's CPU time on the engine thread (steadier where others share the CPU; "
+                         "run with OMP_NUM_THREADS=1 so the forwards run on that thread)")
     ap.add_argument("--modes", default="fixed,adaptive",
                     help="of plain (no draft), fixed, adaptive, and fixed-unfused: fixed with the GDN output norm "
                          "outside the recurrent kernel for every verify (models/gated_delta.FUSE_NORM_MAX_ROWS = 1)")
     args = ap.parse_args()
+    global clock
+    clock = CLOCK[args.clock]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
