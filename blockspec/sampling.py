@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -98,11 +99,14 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def device_longs(values: list, device: torch.device) -> torch.Tensor:
-    """Host ints (nested lists too) → a long tensor on the device, copied without waiting for the
-    device (torch.tensor(values, device=cuda) copies from pageable memory and so waits for every
-    queued kernel: the host would never run ahead of the device)."""
+def device_longs(values: list | np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host ints (nested lists too, or an int array) → a long tensor on the device, copied without
+    waiting for the device (torch.tensor(values, device=cuda) copies from pageable memory and so
+    waits for every queued kernel: the host would never run ahead of the device)."""
     is_cuda = device.type == "cuda"
+    if isinstance(values, np.ndarray):        # no per-element conversion: one memcpy into pinned memory
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+        return host.pin_memory().to(device, non_blocking=True) if is_cuda else host.to(device)
     return torch.tensor(values, dtype=torch.long, pin_memory=is_cuda).to(device, non_blocking=is_cuda)
 
 

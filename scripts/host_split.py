@@ -39,6 +39,7 @@ from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.spec.policy import Speculation
 from blockspec.models import gated_delta
+from blockspec.models.base import CausalLM
 
 PHASES = {"schedule": (Scheduler, "schedule"), "planned_widths": (Speculation, "planned_widths"),
           "launch": (ModelRunner, "launch"), "propose_for": (ModelRunner, "propose_for"),
@@ -47,7 +48,16 @@ PHASES = {"schedule": (Scheduler, "schedule"), "planned_widths": (Speculation, "
           # finer, for a --trace timeline (their times are inside the ones above)
           "finish_decode": (ModelRunner, "finish_decode"), "state_select": (StatePool, "select"),
           "snapshot_boundaries": (ModelRunner, "snapshot_page_boundaries"), "prepare": (ModelRunner, "prepare"),
-          "graph_run": (GraphDispatcher, "run"), "postprocess_decode": (Scheduler, "postprocess_decode")}
+          "graph_run": (GraphDispatcher, "run"), "postprocess_decode": (Scheduler, "postprocess_decode"),
+          # the model's own compute on CPU (with graph_run): step − these is the host's work
+          "compute_logits": (CausalLM, "compute_logits"), "forward_step": (ModelRunner, "forward_step"),
+          "first_tokens": (ModelRunner, "first_tokens"), "commit": (Engine, "_commit"),
+          "emit_tokens": (Engine, "_emit_tokens"), "take_inbox": (Engine, "_take_inbox"),
+          "drop_aborted": (Engine, "_drop_aborted")}
+
+
+CLOCK = {"wall": time.perf_counter, "cpu": time.thread_time}
+clock = time.perf_counter          # --clock cpu: this thread's CPU time (a CPU shared with other work)
 
 
 def timed_phases(totals: dict[str, float], named: bool = False) -> list:
@@ -58,14 +68,14 @@ def timed_phases(totals: dict[str, float], named: bool = False) -> list:
         real = getattr(owner, attr)
 
         def wrapper(*args, _real=real, _name=name, **kwargs):
-            started = time.perf_counter()
+            started = clock()
             try:
                 if not named:
                     return _real(*args, **kwargs)
                 with torch.profiler.record_function(f"phase:{_name}"):
                     return _real(*args, **kwargs)
             finally:
-                totals[_name] += time.perf_counter() - started
+                totals[_name] += clock() - started
         patches.append(mock.patch.object(owner, attr, wrapper))
     return patches
 
@@ -146,8 +156,10 @@ def synced_cycles(engine, concurrency: int, cycles: int = 6) -> str:
 
 def measure(target, draft, mode: str, concurrency: int, block: int, profile, use_cprofile: bool,
             use_torch_profile: bool = False, label: str | None = None, sync_debug: bool = False,
-            trace: str | None = None) -> dict:
+            trace: str | None = None, padded: bool = False) -> dict:
     engine = bench_engine(target, draft, block if draft is not None else 1, concurrency, 128, 128, mode)
+    if padded and engine.runner.device.type != "cuda":      # the plans (buckets, padding) CUDA graphs run
+        engine.runner.graphs = engine.runner.make_graphs(capture=False)
     patches = []
     if draft is not None:
         patches = [mock.patch.object(model_runner, "propose", profile.propose(model_runner.propose)),
@@ -168,6 +180,11 @@ def measure(target, draft, mode: str, concurrency: int, block: int, profile, use
         out = {"tok_s": round(result["tok_s"], 1), "ms_per_cycle": round(result["ms_per_cycle"], 3),
                "acceptance": round(result["mean_acceptance_length"], 3), "steps": steps,
                **{f"{k}_ms": round(v * 1e3 / steps, 3) for k, v in totals.items()}}
+        # µs per sequence per step: each phase, and the host's whole share (the step less the
+        # model's forwards and logits, which on CPU run inside launch)
+        per_seq = {k: round(v * 1e6 / steps / concurrency, 2) for k, v in totals.items()}
+        per_seq["host"] = round(per_seq["step"] - per_seq.get("graph_run", 0) - per_seq.get("compute_logits", 0), 2)
+        out["us_per_seq"] = per_seq
         print(json.dumps({"mode": label or mode, "concurrency": concurrency, **out}), flush=True)   # before any profile
         if use_cprofile:
             prof = cProfile.Profile()
@@ -202,15 +219,23 @@ def main() -> None:
     ap.add_argument("--sync-debug", action="store_true",
                     help="also a few decode steps of the first mode with torch.cuda's sync debug mode on")
     ap.add_argument("--torch-profile", action="store_true", help="also the fixed run under torch.profiler")
+    ap.add_argument("--padded", action="store_true",
+                    help="on CPU: the padded plans CUDA graphs run (without capture), not exact shapes")
+    ap.add_argument("--accept-profile", default="latent:6.5")
+    ap.add_argument("--clock", choices=list(CLOCK), default="wall",
+                    help="cpu: each phase's CPU time on the engine thread (steadier where others share the CPU; "
+                         "run with OMP_NUM_THREADS=1 so the forwards run on that thread)")
     ap.add_argument("--modes", default="fixed,adaptive",
                     help="of plain (no draft), fixed, adaptive, and fixed-unfused: fixed with the GDN output norm "
                          "outside the recurrent kernel for every verify (models/gated_delta.FUSE_NORM_MAX_ROWS = 1)")
     args = ap.parse_args()
+    global clock
+    clock = CLOCK[args.clock]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     _, _, target, draft = build_models(SHAPES[args.shape], device, dtype, args.block_size)
-    profile = parse_accept_profile("latent:6.5", args.block_size)
+    profile = parse_accept_profile(args.accept_profile, args.block_size)
     for c in args.concurrency:
         for i, mode in enumerate(args.modes.split(",")):
             unfused = (mock.patch.object(gated_delta, "FUSE_NORM_MAX_ROWS", 1) if mode == "fixed-unfused"
@@ -221,7 +246,8 @@ def main() -> None:
                             args.block_size, profile,
                             args.profile and mode in args.profile_modes.split(","),
                             args.torch_profile and mode.startswith("fixed"), label=mode,
-                            sync_debug=args.sync_debug and i == 0, trace=args.trace if i == 0 else None)
+                            sync_debug=args.sync_debug and i == 0, trace=args.trace if i == 0 else None,
+                            padded=args.padded)
             text = r.pop("profile", None)
             if text:
                 print(text, flush=True)

@@ -26,6 +26,12 @@ SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=256,
                  intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=64, rope_theta=1e6, max_position_embeddings=40960, draft_layers=2),
+    # Host costs (scripts/host_split.py on CPU): a model whose own compute is small next to the
+    # engine's per-sequence host work at 64-256 sequences (vocabulary small: a verify's logits are
+    # rows × vocab).
+    "host": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,
+                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=32, rope_theta=1e6, max_position_embeddings=40960, draft_layers=1, mask_token_id=511),
     "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
                      intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, rope_theta=1e6, max_position_embeddings=40960, draft_layers=5),
@@ -118,13 +124,13 @@ def random_init(model: torch.nn.Module) -> torch.nn.Module:
 
 def shape_configs(shape: dict[str, Any], block_size: int = 16) -> tuple[dict[str, Any], dict[str, Any]]:
     """A bench shape → the target's config.json dict and its DFlash draft's."""
-    target_cfg = {k: v for k, v in shape.items() if k not in ("draft_layers", "draft")}
+    target_cfg = {k: v for k, v in shape.items() if k not in ("draft_layers", "draft", "mask_token_id")}
     layer_ids = default_target_layer_ids(target_cfg["num_hidden_layers"], shape["draft_layers"])
     same_as_target = ("hidden_size", "vocab_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                       "head_dim", "rope_theta", "max_position_embeddings")
     draft_cfg = {**{k: target_cfg[k] for k in same_as_target if k in target_cfg}, **shape.get("draft", {}),
                  "model_type": "qwen3", "num_hidden_layers": shape["draft_layers"], "block_size": block_size,
-                 "dflash_config": {"mask_token_id": 151669, "target_layer_ids": layer_ids}}
+                 "dflash_config": {"mask_token_id": shape.get("mask_token_id", 151669), "target_layer_ids": layer_ids}}
     return target_cfg, draft_cfg
 
 
@@ -247,7 +253,8 @@ def run_batch(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int
     would be judged on the wrong thing. The replacements' prefills run inside the window."""
     gen = torch.Generator().manual_seed(0)
     total = concurrency * max(1, rounds)
-    requests = [Request(f"bench-{i}", torch.randint(1000, 100000, (prompt_len,), generator=gen).tolist(),
+    high = min(100000, engine.runner.target.lm_head.out_features)      # a small vocabulary's ids
+    requests = [Request(f"bench-{i}", torch.randint(min(1000, high // 2), high, (prompt_len,), generator=gen).tolist(),
                         SamplingParams(max_tokens=max_tokens), frozenset(), engine.config.max_model_len)
                 for i in range(total)]
     errors: list[str] = []

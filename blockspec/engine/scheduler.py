@@ -74,6 +74,7 @@ class Scheduler:
         self.seat_limit = config.max_num_seqs         # lowered by the engine after an out-of-memory
         self._num_steps = 0
         self._last_decoded: dict[int, int] = {}      # id(seq) → the step it last decoded in
+        self._num_removed = 0                        # sequences taken out of running (see is_running)
 
     @property
     def has_work(self) -> bool:
@@ -96,31 +97,47 @@ class Scheduler:
         self._admit()
         budget = self.config.max_num_batched_tokens
         self._num_steps += 1
-        decoding = [s for s in self.running if not s.is_prefilling]
-        prefilling = [s for s in self.running if s.is_prefilling]
+        decoding, prefilling = self._split_running()
         # When the budget cannot hold every decoding sequence, the ones left out go first next
         # step (a stable sort: oldest first among equals), so none starves.
-        decoding.sort(key=lambda s: self._last_decoded.get(id(s), 0))
+        last_decoded = self._last_decoded
+        decoding.sort(key=lambda s: last_decoded.get(id(s), 0))
         decode: list[tuple[Sequence, int]] = []
         widths = self.leave_room_for_prompts(decoding, self.verify_widths(decoding), prefilling, budget)
+        removed = self._num_removed
         for seq, num_drafts in zip(decoding, widths):
             if num_drafts + 1 > budget:
                 break                        # the rest decode next step (oldest first keeps order)
             # A sequence that drafts at all feeds the draft a block of up to T positions (the
             # step's draft width, decided after this loop): pages for T, whatever k it verifies.
             positions = self.width if num_drafts > 0 else 1
-            if seq in self.running and self._make_room(seq, seq.num_cached + positions):
+            if self.is_running(seq, removed) and self._make_room(seq, seq.num_cached + positions):
                 decode.append((seq, num_drafts))
                 budget -= num_drafts + 1
         chunks = self._chunks(prefilling, min(budget, self.config.max_prefill_tokens))
         # A prefill's pages may have preempted a decoding sequence scheduled above.
-        decode = [(seq, k) for seq, k in decode if seq in self.running]
+        if self._num_removed != removed:
+            decode = [(seq, k) for seq, k in decode if seq in self.running]
         for seq, _ in decode:
-            self._last_decoded[id(seq)] = self._num_steps
+            last_decoded[id(seq)] = self._num_steps
         seqs, ks = [seq for seq, _ in decode], [k for _, k in decode]
         width = self.speculation.draft_width(seqs, ks) if self.speculation is not None else 0
         return Batch(prefill=[(s, n) for s, n in chunks if s in self.running], decode=seqs, num_drafts=ks,
                      draft_width=width)
+
+    def _split_running(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences that decode, and those that prefill, each in running order."""
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for seq in self.running:
+            (prefilling if seq.is_prefilling else decoding).append(seq)
+        return decoding, prefilling
+
+    def is_running(self, seq: Sequence, removed: int) -> bool:
+        """Whether seq still runs, `removed` being _num_removed when the caller last knew it ran:
+        the list is searched only after a sequence left it (a search per sequence per step was
+        O(B²) at hundreds of sequences)."""
+        return self._num_removed == removed or seq in self.running
 
     def leave_room_for_prompts(self, decoding: list[Sequence], widths: list[int], prefilling: list[Sequence],
                                budget: int) -> list[int]:
@@ -189,9 +206,12 @@ class Scheduler:
     def _make_room(self, seq: Sequence, num_positions: int) -> bool:
         """Pages for seq's first num_positions. Short of pages, the newest running sequence is
         preempted — seq itself when it is the newest (as vLLM does): older sequences keep going."""
+        if self.cache.pages_needed(seq, num_positions) == 0:
+            return True                        # most decode steps: the pages it has hold the block
         while self.cache.pages_needed(seq, num_positions) > self.cache.num_free_pages:
             if self.running == [seq]:
                 self.running.remove(seq)
+                self._num_removed += 1
                 self.cache.release(seq)
                 self.unservable.append(seq)            # would not fit even alone
                 return False
@@ -207,6 +227,7 @@ class Scheduler:
         self.cache.release(seq)
         seq.reset_for_recompute()
         self.running.remove(seq)
+        self._num_removed += 1
         self.waiting.appendleft(seq)
 
     # -- after the step ---------------------------------------------------------------------
@@ -214,6 +235,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         self.cache.release(seq)
         self._last_decoded.pop(id(seq), None)
+        self._num_removed += 1
         for queue in (self.running, self.waiting, self.unservable):
             if seq in queue:
                 queue.remove(seq)
