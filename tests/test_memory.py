@@ -105,3 +105,30 @@ def test_bench_burst_reports_first_token_and_gap_percentiles(pair):
                    max_num_batched_tokens=48)
     assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"]
     assert 0 < result["gap_p50_ms"] <= result["gap_p99_ms"]
+
+
+def test_memory_this_process_holds_beyond_its_tensors_is_not_the_pools(monkeypatch):
+    """measured_pages (CUDA) on a simulated device of 100 GiB: 10 GiB of weights allocated, 8 GiB
+    more reserved by this process that empty_cache cannot return (another engine's graph pools),
+    5 GiB used by other processes, a profile that peaks 2 GiB above the weights and its pages. At
+    utilization 0.5 the pool gets 50 − 5 − 18 − 2 (activations) − 2 (the graphs' reserve) = 23 GiB,
+    not the 31 that counting only the allocated bytes gave."""
+    from blockspec.engine import memory
+    GiB = 1 << 30
+    state = {"allocated": 10 * GiB, "peak": 10 * GiB}
+    per_page = 1 << 20
+
+    def profile(pages: int) -> None:
+        state["peak"] = state["allocated"] + 2 * GiB + pages * per_page
+    fake = {"synchronize": lambda device=None: None, "empty_cache": lambda: None,
+            "reset_peak_memory_stats": lambda device=None: None,
+            "memory_allocated": lambda device=None: state["allocated"],
+            "max_memory_allocated": lambda device=None: state["peak"],
+            "memory_reserved": lambda device=None: state["allocated"] + 8 * GiB,
+            "mem_get_info": lambda device=None: (100 * GiB - 5 * GiB - 18 * GiB, 100 * GiB)}
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    config = EngineConfig(max_model_len=1024, max_num_seqs=4, gpu_memory_utilization=0.5)
+    size = memory.measured_pages(config, torch.device("cuda"), per_page, profile)
+    assert size.activation_bytes == 2 * GiB
+    assert (size.num_pages - 1) * per_page == 23 * GiB

@@ -85,10 +85,16 @@ def measured_pages(config: EngineConfig, device: torch.device, per_page: int,
     activation = max(0, torch.cuda.max_memory_allocated(device) - before - profile_pages * per_page)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    others = max(0, total - free - torch.cuda.memory_reserved(device))       # other processes, CUDA context
+    reserved = torch.cuda.memory_reserved(device)
+    others = max(0, total - free - reserved)                                 # other processes, CUDA context
+    # What this process holds that empty_cache could not return (another engine's CUDA graph pools
+    # in the same process — tests, the bench's side-by-side engines — or segments its live tensors
+    # pin) is no more free than the weights are: counting only the allocated bytes gave such a
+    # process's pool gigabytes it did not have (tests/gpu/test_ragged_graphs.py after graph tests).
+    held = max(before, reserved)
     # Piecewise graphs reach the whole token budget: their activations, as the profile's.
     graph_reserve = activation + graph_bytes if config.cuda_graphs else 0
-    budget = int(total * config.gpu_memory_utilization) - others - before - activation - graph_reserve
+    budget = int(total * config.gpu_memory_utilization) - others - held - activation - graph_reserve
     if budget < 2 * per_page:
         raise ConfigError(f"no memory left for the KV cache: {total / GiB:.1f} GiB × {config.gpu_memory_utilization} "
                           f"holds the weights ({before / GiB:.1f} GiB) and activations ({activation / GiB:.1f} GiB) "
