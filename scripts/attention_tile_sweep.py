@@ -15,6 +15,7 @@ import json
 
 import torch
 
+from blockspec.bench.common import device_time_us as time_us
 from blockspec.kernels import attention as K
 
 
@@ -30,18 +31,6 @@ def case(tokens: int, context: int, heads: int, kv_heads: int, head_dim: int, pa
     positions = torch.arange(context - tokens, context, device=dev)
     starts = torch.tensor([0, tokens], device=dev)
     return q, k_pool, v_pool, table, lens, positions, starts
-
-
-def time_us(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) * 1e3 / reps
 
 
 def main() -> None:

@@ -70,18 +70,35 @@ CLIENT = new_client()
 
 def timed_stream(url: str, prompt: list[int], max_tokens: int, client: httpx.Client | None = None) -> tuple[str, float]:
     """One streamed completion → its text and the seconds from sending to its first token's chunk."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    parts: list[str] = []
-    started, first = time.perf_counter(), None
-    with (client or CLIENT).stream("POST", url + "/v1/completions", json=body) as response:
+    text = StreamText()
+    with (client or CLIENT).stream("POST", url + "/v1/completions", json=stream_body(prompt, max_tokens)) as response:
         response.raise_for_status()
         for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choices = json.loads(line[len("data: "):]).get("choices") or []
-                parts += [c.get("text", "") for c in choices]
-                if first is None and any(c.get("text") for c in choices):
-                    first = time.perf_counter() - started
-    return "".join(parts), first if first is not None else float("nan")
+            text.feed(line)
+    return text.result()
+
+
+def stream_body(prompt: list[int], max_tokens: int) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+
+
+class StreamText:
+    """A streamed completion's SSE lines → its text and the seconds from this object's making (the
+    request's sending) to the first chunk with text."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.started, self.first = time.perf_counter(), None
+
+    def feed(self, line: str) -> None:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            choices = json.loads(line[len("data: "):]).get("choices") or []
+            self.parts += [c.get("text", "") for c in choices]
+            if self.first is None and any(c.get("text") for c in choices):
+                self.first = time.perf_counter() - self.started
+
+    def result(self) -> tuple[str, float]:
+        return "".join(self.parts), self.first if self.first is not None else float("nan")
 
 
 def cpu_seconds(path: str) -> float:
@@ -135,18 +152,12 @@ def concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[flo
 async def async_stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
                        ) -> tuple[str, float]:
     """timed_stream on an event loop: one stream's text and seconds to its first token's chunk."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    parts: list[str] = []
-    started, first = time.perf_counter(), None
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+    text = StreamText()
+    async with client.stream("POST", url + "/v1/completions", json=stream_body(prompt, max_tokens)) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choices = json.loads(line[len("data: "):]).get("choices") or []
-                parts += [c.get("text", "") for c in choices]
-                if first is None and any(c.get("text") for c in choices):
-                    first = time.perf_counter() - started
-    return "".join(parts), first if first is not None else float("nan")
+            text.feed(line)
+    return text.result()
 
 
 def at_once_async(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[tuple[str, float]]]:

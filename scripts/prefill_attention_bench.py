@@ -24,40 +24,24 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+from blockspec.bench.common import device_time_us as time_us
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from attention_tile_sweep import case  # noqa: E402  (one causal sequence over shuffled pages, as there)
 from blockspec.kernels import attention as K
 from blockspec.kernels import flash_prefill
 
 SHAPES = {"qwen3-8b": (32, 8, 128), "qwen3.5-4b": (16, 4, 256), "smollm2": (9, 3, 64)}
 
 
-def time_us(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) * 1e3 / reps
-
-
 def measure(shape: str, tokens: int, context: int, page: int = 16, triton_fa: bool = False) -> dict:
     heads, kv_heads, dim = SHAPES[shape]
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    pages = -(-context // page)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    table = (torch.randperm(pages, device=dev, generator=gen) + 1).view(1, pages)
-    k_pool = torch.randn((pages + 1) * page, kv_heads, dim, device=dev, dtype=dtype)
-    v_pool = torch.randn_like(k_pool)
-    q = torch.randn(tokens, heads, dim, device=dev, dtype=dtype)
-    lens = torch.tensor([context], device=dev)
-    positions = torch.arange(context - tokens, context, device=dev)
-    starts = torch.tensor([0, tokens], device=dev)
+    q, k_pool, v_pool, table, lens, positions, starts = case(tokens, context, heads, kv_heads, dim, page)
     scale = dim ** -0.5
 
     def triton():
