@@ -904,6 +904,26 @@ def test_sampled_output_keeps_plain_sampling_distribution_at_random_widths(dense
         assert chi2_contingency(table).pvalue > 1e-3
 
 
+def test_the_allocation_plans_only_the_rows_a_step_holds():
+    """256 sequences of confident drafts (p = 0.9, caps 15) on a table where rows are cheap: with no
+    budget every slot is taken (4,096 rows); under a 2,048-token budget the allocation takes the
+    best slots that fit beside the 256 rows — the first 7 of every block, 2,048 rows — never more;
+    a seeded request's floor is kept whatever the budget; a budget that fits everything changes
+    nothing."""
+    probs = np.full((256, 15), 0.9)
+    cheap = CostTable.analytic(flat_rows=4096, ms_flat=6.0, ms_per_row=0.001, draft_ms=1.0)
+    free = allocate(probs, [15] * 256, cheap)
+    assert sum(free.widths) == 256 * 15
+    fit = allocate(probs, [15] * 256, cheap, max_rows=2048)
+    assert sum(k + 1 for k in fit.widths) <= 2048 and sorted(set(fit.widths)) == [7]
+    floors = [15] + [0] * 255
+    kept = allocate(probs, [15] * 256, cheap, floors, max_rows=300)
+    assert kept.widths[0] == 15 and sum(k + 1 for k in kept.widths) <= 300 + 15
+    assert allocate(probs, [15] * 256, cheap, max_rows=8192).widths == free.widths
+    spec = Speculation("adaptive", 7, costs=cheap, max_rows=64)
+    assert spec.max_rows == 64
+
+
 # ---- the bench's latent acceptance profile ----------------------------------------------------
 
 def test_latent_profile_hits_its_mean_and_its_confidence_is_informative():

@@ -2,6 +2,8 @@
 "run" by hand (num_cached advanced, tokens committed) as the engine would after a forward."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -109,7 +111,10 @@ def test_a_prompt_gets_half_of_what_the_decode_rows_leave_when_the_drafts_would_
         run_step(scheduler, batch)
         assert len(chunks) <= 17
     assert chunks == [(6, [1, 1, 1])] * 16 + [(4, [2, 2, 1])]          # the last chunk needs 4: 2 more drafts
-    assert all(k == 3 for k in scheduler.schedule().num_drafts)       # no prompt: whole blocks again
+    batch = scheduler.schedule()             # no prompt: the five decoders share the budget (fit_budget)
+    drafts = dict(zip(batch.decode, batch.num_drafts))
+    assert set(drafts) == {*decoders, seeded, prompt} and batch.num_tokens == 16
+    assert drafts[seeded] == 3 and sorted(drafts[s] for s in [*decoders, prompt]) == [2, 2, 2, 2]
 
 
 def test_a_prompt_gets_the_one_row_the_decoders_leave():
@@ -234,18 +239,34 @@ def test_admission_needs_a_free_state_slot():
     assert scheduler.running == [b] and b.state_slot == 1
 
 
-def test_decoding_sequences_beyond_the_budget_take_turns():
-    """Four decoding sequences of 4-token blocks under a 12-token budget: three fit a step; the
-    one left out goes first in the next, so every sequence decodes in every other step at least."""
-    scheduler = make_scheduler(num_pages=512, max_num_batched_tokens=12)
+def test_decoding_sequences_share_a_budget_their_blocks_overflow():
+    """Four decoding sequences of 4-token blocks under a 13-token budget: every one decodes every
+    step, their drafts cut from the longest down to the 9 the rows leave (3, 2, 2, 2), instead of
+    three whole blocks and one sequence sitting the step out (fit_budget)."""
+    scheduler = make_scheduler(num_pages=512, max_num_batched_tokens=13)
     seqs = [make_seq(f"s{i}", 3) for i in range(4)]
     for seq in seqs:
         scheduler.add(seq)
     run_step(scheduler, scheduler.schedule())
+    for _ in range(4):
+        batch = scheduler.schedule()
+        assert len(batch.decode) == 4 and batch.num_tokens == 13 and sorted(batch.num_drafts) == [2, 2, 2, 3]
+        run_step(scheduler, batch)
+
+
+def test_decoding_sequences_beyond_the_budget_take_turns():
+    """Five decoding sequences under a 4-token budget: four rows fit a step (no drafts); the one
+    left out goes first in the next, so every sequence decodes in every other step at least."""
+    scheduler = make_scheduler(num_pages=512, max_num_batched_tokens=20)
+    seqs = [make_seq(f"s{i}", 3) for i in range(5)]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_step(scheduler, scheduler.schedule())                  # the five prompts in one step
+    scheduler.config = dataclasses.replace(scheduler.config, max_num_batched_tokens=4)
     last_seen = {seq.request_id: 0 for seq in seqs}
     for step in range(1, 9):
         batch = scheduler.schedule()
-        assert len(batch.decode) == 3 and batch.num_tokens == 12
+        assert len(batch.decode) == 4 and batch.num_tokens == 4 and not any(batch.num_drafts)
         for seq in batch.decode:
             last_seen[seq.request_id] = step
         assert all(step - seen <= 1 for seen in last_seen.values()), (step, last_seen)

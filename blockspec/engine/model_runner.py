@@ -101,7 +101,7 @@ class ModelRunner:
         # step (verify_widths). Made before any forward: a draft forward (the pool's profile, the
         # graphs' capture) reads out the confidences when the policy reads them.
         self.speculation = Speculation(config.speculation if self.draft is not None else "fixed", self.width - 1,
-                                       measure=self.measure_costs)
+                                       measure=self.measure_costs, max_rows=config.max_num_batched_tokens)
         self.graphs = self.make_graphs(capture=False, padded=False)     # the profile runs eagerly
         # The pool: measured after the weights and one full-budget forward (engine/memory.py).
         self.pool_size = self.size_pool(graphed)

@@ -104,6 +104,7 @@ class Scheduler:
         decoding.sort(key=lambda s: last_decoded.get(id(s), 0))
         decode: list[tuple[Sequence, int]] = []
         widths = self.leave_room_for_prompts(decoding, self.verify_widths(decoding), prefilling, budget)
+        widths = self.fit_budget(decoding, widths, budget)
         removed = self._num_removed
         for seq, num_drafts in zip(decoding, widths):
             if num_drafts + 1 > budget:
@@ -151,22 +152,19 @@ class Scheduler:
         demand = sum(s.prefill_len - s.num_cached for s in prefilling)
         if room <= 0 or demand <= 0:
             return widths
-        spare = room - min(demand, self.config.max_prefill_tokens, max(1, room // 2))
-        cut = [b for b, seq in enumerate(decoding) if widths[b] and not keeps_whole_block(seq)]
-        spare -= sum(widths) - sum(widths[b] for b in cut)           # the kept blocks come first
-        if sum(widths[b] for b in cut) <= spare:
+        return cut_drafts(decoding, widths, room - min(demand, self.config.max_prefill_tokens, max(1, room // 2)))
+
+    @staticmethod
+    def fit_budget(decoding: list[Sequence], widths: list[int], budget: int) -> list[int]:
+        """Where the budget does not hold every decoding sequence's rows, the drafts are cut (from
+        the longest k down) until every sequence fits — none at all where the sequences' own rows
+        exceed it, and those take turns — instead of leaving sequences out of the step: a slot deep in one block is worth less than the first slots
+        of another (survival only falls along a block), and no sequence sits a step out. Round 48
+        on the H200: 256 sequences verifying blocks of 16 under 2,048 tokens decoded 128 a step,
+        and speculation fell to 0.82 × plain. A seeded sampling request keeps its k."""
+        if sum(widths) + len(decoding) <= budget:
             return widths
-        spare, out = max(spare, 0), list(widths)
-        cap, top = 0, max(widths[b] for b in cut)    # the largest per-sequence cap that fits, then one more each
-        while cap < top and sum(min(widths[b], cap + 1) for b in cut) <= spare:
-            cap += 1
-        for b in cut:
-            out[b] = min(widths[b], cap)
-        left = spare - sum(out[b] for b in cut)
-        for b in cut:
-            if left > 0 and out[b] < widths[b]:
-                out[b], left = out[b] + 1, left - 1
-        return out
+        return cut_drafts(decoding, widths, budget - len(decoding))   # < 0: no drafts, rows take turns
 
     def _admit(self) -> None:
         promised = 0                    # pages the sequences admitted in this call will claim
@@ -296,3 +294,24 @@ def record_cycle(seq: Sequence, num_drafts: int, num_accepted: int, committed: i
     stats.verify_widths.append(num_drafts)
     if seq.first_token_at is not None:
         stats.decode_s = time.perf_counter() - seq.first_token_at
+
+
+def cut_drafts(decoding: list[Sequence], widths: list[int], spare: int) -> list[int]:
+    """widths with the drafts cut to `spare` in all: the kept blocks (keeps_whole_block) count
+    first; the others are lowered to one cap, the largest that fits, then one more each (in
+    order) while drafts are left. Unchanged where they fit."""
+    cut = [b for b, seq in enumerate(decoding) if widths[b] and not keeps_whole_block(seq)]
+    spare -= sum(widths) - sum(widths[b] for b in cut)           # the kept blocks come first
+    if sum(widths[b] for b in cut) <= spare:
+        return widths
+    spare, out = max(spare, 0), list(widths)
+    cap, top = 0, max(widths[b] for b in cut)    # the largest per-sequence cap that fits, then one more each
+    while cap < top and sum(min(widths[b], cap + 1) for b in cut) <= spare:
+        cap += 1
+    for b in cut:
+        out[b] = min(widths[b], cap)
+    left = spare - sum(out[b] for b in cut)
+    for b in cut:
+        if left > 0 and out[b] < widths[b]:
+            out[b], left = out[b] + 1, left - 1
+    return out
