@@ -12,6 +12,11 @@
 #        # graphs); the three prefill attentions side by side; the 16k prompt among 32 decoders, ours vs the paged kernel
 #   bash scripts/gpu_round48.sh 4   # adaptive vs fixed vs plain, Qwen3-8B, 1 … 256 (the host path's per-sequence
 #        # work cut)
+#   bash scripts/gpu_round48.sh 5   # not run yet (the next session): the drafts fitted to the budget (fit_budget,
+#        # allocate max_rows) at 1 … 256 and at 128 / 256 under 4,096 tokens; the GPU tests of the scheduler's and
+#        # the pool sizing's changes
+#   bash scripts/gpu_round48.sh 6   # not run yet: the hybrid's cold multi-turn with room to finish (call 2's 180 s
+#        # limit cut it during its engines' graph capture)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -70,4 +75,21 @@ if [ "$M" = 4 ]; then
   stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, 128 + 256 tokens" timeout ${ADAPT_S:-300} \
     $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3-8b \
     --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
+fi
+if [ "$M" = 5 ]; then
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, budget 2048 (drafts fitted to it)" timeout ${ADAPT_S:-280} \
+    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3-8b \
+    --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b_2048.json"
+  stage "the same at 128 and 256, budget 4096 (round 46's)" timeout ${ADAPT_S:-200} \
+    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3-8b \
+    --concurrency 128,256 --max-num-batched-tokens 4096 --out "$OUT/adaptive_qwen3_8b_4096.json"
+  timeout ${TESTS_S:-200} $T "tests/gpu/test_ragged_graphs.py::test_the_pool_fills_the_memory_it_is_given" \
+    tests/gpu/test_adaptive_graphs.py tests/gpu/test_overlap_gpu.py > "$OUT/t_budget.log" 2>&1
+  summary
+fi
+if [ "$M" = 6 ]; then
+  rm -rf /tmp/triton-cold
+  stage "multi-turn qwen3.5-4b 16k, empty Triton cache" env TRITON_CACHE_DIR=/tmp/triton-cold timeout ${MT_S:-400} \
+    $B --shape qwen3.5-4b --multi-turn 1x3 --system-prompt-tokens 16000 --user-tokens 64 --max-tokens 128 \
+    --accept-len 6.5 --out "$OUT/multiturn_qwen3.5-4b.json"
 fi
