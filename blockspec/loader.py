@@ -5,7 +5,6 @@ checkpoint does not provide, is an error naming the key: a partial load never pa
 """
 from __future__ import annotations
 
-import contextlib
 
 import json
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from blockspec.layers.common import parts_of
 from blockspec.models.registry import ARCHITECTURES, ParamSlice, Rename
@@ -155,31 +155,29 @@ def tie_embeddings(model: nn.Module, params: dict[str, nn.Parameter], loaded: se
         loaded.add("lm_head.weight")
 
 
-# torch.nn.init's in-place initialisers, which every module's reset_parameters calls.
-_INITIALISERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-                 "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
-                 "sparse_")
+# The in-place random fills module constructors call (through torch.nn.init).
+_INITIALISERS = frozenset({"normal_", "uniform_", "trunc_normal_", "fill_", "zero_", "random_", "exponential_",
+                           "log_normal_", "cauchy_", "geometric_", "bernoulli_"})
 
 
-@contextlib.contextmanager
-def no_init():
-    """Module constructors skip their random initialisation (every weight is loaded afterwards). On
-    the meta device it computes nothing, but normal_ there goes through torch's reference ops,
-    whose first call imports torch._dynamo: 3-5 s of every CPU start-up (`blockspec generate`'s
-    first command), for values that do not exist."""
-    saved = {name: getattr(torch.nn.init, name) for name in _INITIALISERS if hasattr(torch.nn.init, name)}
-    for name in saved:
-        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.nn.init, name, fn)
+class _NoMetaInit(TorchFunctionMode):
+    """Module constructors skip filling meta tensors (every weight is loaded afterwards): such a
+    fill computes nothing, but normal_ on the meta device goes through torch's reference ops, whose
+    first call imports torch._dynamo — 2-3 s of every CPU start-up (`blockspec generate`'s first
+    command). A function mode, so only this thread's build sees it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _INITIALISERS:
+            target = args[0] if args else kwargs.get("tensor")         # torch.nn.init passes it by name
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
 
 
 def build_empty(build: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype) -> nn.Module:
     """Build on the meta device (no random init of billions of weights), then allocate."""
-    with torch.device("meta"), no_init():
+    with torch.device("meta"), _NoMetaInit():
         model = build()
     model = model.to_empty(device=device).to(dtype)
     for module in model.modules():  # buffers computed at init (RoPE tables) are lost by to_empty

@@ -76,7 +76,8 @@ def measure(shape: str, tokens: int, context: int, page: int = 16, triton_fa: bo
         row[f"{name}_us"], row[f"{name}_tflops"] = round(us, 1), round(flops / us / 1e6, 1)
     try:
         us = time_us(cudnn)
-        row["cudnn_full_us"], row["cudnn_full_tflops"] = round(us, 1), round(2 * flops * context / (2 * context - tokens) / us / 1e6, 1)
+        unmasked = 4 * tokens * context * heads * dim
+        row["cudnn_full_us"], row["cudnn_full_tflops"] = round(us, 1), round(unmasked / us / 1e6, 1)
     except RuntimeError as exc:
         row["cudnn_error"] = str(exc).splitlines()[0][:200]
     row["speedup"] = round(row["triton_us"] / row["routed_us"], 2)

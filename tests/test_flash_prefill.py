@@ -4,6 +4,8 @@ between the routed sequences and the Triton kernel's tail — each against the t
 (layers/attention.py), on CPU in float64. The CUDA kernel itself: tests/gpu/test_attention_kernels.py."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -134,6 +136,7 @@ def test_the_runner_keeps_host_key_counts_for_prefill_steps(num_prefill):
 
     runner = ModelRunner.__new__(ModelRunner)
     runner.device, runner.page_size, runner.states, runner.draft, runner.width = torch.device("cpu"), 16, None, None, 1
+    runner.config = SimpleNamespace(max_model_len=1000)
 
     class Target:
         visual = None
@@ -144,4 +147,40 @@ def test_the_runner_keeps_host_key_counts_for_prefill_steps(num_prefill):
     meta = runner.prepare(entries, num_prefill, plan)
     assert meta.context_lens_host == [40, 7, 41]
     assert meta.context_lens.tolist() == meta.context_lens_host
+    assert meta.max_gather_keys == 1001                        # one sequence of the longest context (+ a block)
     assert runner.prepare(entries, 0, plan).context_lens_host is None
+
+
+def test_the_routed_head_shrinks_to_the_gather_room(monkeypatch):
+    """max_gather_keys caps the keys the routed sequences gather at once (the pool's sizing holds
+    room for one longest sequence): the head is cut back from its end until they fit."""
+    monkeypatch.setattr(flash_prefill, "supports", lambda q: True)
+    case = ragged_case()
+    m = case.meta
+    assert attention.long_prefills(m, case.q).head == 3                  # 900 + 90 + 600 keys
+    m.max_gather_keys = 1000
+    assert attention.long_prefills(m, case.q).head == 2                  # 990 fit
+    m.max_gather_keys = 899
+    assert attention.long_prefills(m, case.q) is None
+
+
+def test_a_step_of_long_chunks_alone_is_all_flash(monkeypatch):
+    """Every sequence routed (no decode rows, no short chunk after the last long one): the paged
+    kernel is not called and every row comes from the FlashAttention form."""
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the paged kernel ran with nothing left to attend")
+    monkeypatch.setattr("blockspec.kernels.attention.paged_attention", no_kernel)
+    widths, context = [300, 20, 500], [700, 20, 500]
+    case = make_case(context, max(widths), num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float64,
+                     device="cpu", widths=widths, seed=7)
+    m = case.meta
+    m.num_prefill_seqs, m.context_lens_host = 3, context
+    routed = flash_prefill.plan(3, m.lens, context, m.starts, m.context_lens, m.block_tables, m.page_size)
+    out = after_long_prefills(routed, case.q, case.k_pool, case.v_pool, m, case.scale)
+    torch.testing.assert_close(out, reference(case), rtol=0, atol=1e-12)
+
+
+def test_flashattention_is_probed_once_per_device():
+    """flash_available runs a tiny call; it is asked in every routed layer of every step, so it
+    must be answered from its cache after the first time."""
+    assert hasattr(flash_prefill.flash_available, "cache_info")

@@ -254,6 +254,17 @@ def test_decoding_sequences_share_a_budget_their_blocks_overflow():
         run_step(scheduler, batch)
 
 
+def test_nothing_to_cut_leaves_the_rows_to_take_turns():
+    """Plain rows beyond the budget, and seeded blocks (kept whole) beyond it: fit_budget has no
+    draft to cut, so the widths stay and the rows that do not fit wait for the next step."""
+    plain = [make_seq(f"p{i}", 3) for i in range(5)]
+    assert Scheduler.fit_budget(plain, [0] * 5, 4) == [0] * 5
+    seeded = [Sequence(Request(f"s{i}", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0.8, seed=i),
+                               frozenset(), 4096), torch.device("cpu")) for i in range(3)]
+    assert Scheduler.fit_budget(seeded, [3, 3, 3], 8) == [3, 3, 3]
+    assert Scheduler.fit_budget([*seeded, *plain[:2]], [3, 3, 3, 2, 2], 8) == [3, 3, 3, 0, 0]
+
+
 def test_decoding_sequences_beyond_the_budget_take_turns():
     """Five decoding sequences under a 4-token budget: four rows fit a step (no drafts); the one
     left out goes first in the next, so every sequence decodes in every other step at least."""

@@ -70,6 +70,8 @@ class LatentProfile:
     def slots(self, seqs, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
         """(π, u) [B, num_slots] of each sequence's draft slots 1 … num_slots this cycle: output
         positions from num_cached − prompt_len + 1 on (the anchor is the one before)."""
+        if not seqs:
+            return np.empty((0, num_slots)), np.empty((0, num_slots))
         pis, us = [], []
         for seq in seqs:
             pi, u = self.latents(seq.request, seq.request.max_model_len + self.block_size + 1)
@@ -96,8 +98,8 @@ class LatentProfile:
             # a = the leading slots with u < π, never past the sequence's own k
             kept = (u < pi) & (np.arange(num_slots)[None] < np.asarray(widths if widths is not None
                                                                         else [num_slots] * len(seqs))[:, None])
-            forced = np.cumprod(kept, axis=1).sum(axis=1).tolist()
-            for b, a in enumerate(forced):
+            accepted = np.cumprod(kept, axis=1).sum(axis=1).tolist()
+            for b, a in enumerate(accepted):
                 num_accepted[b], new_tokens[b] = a, target_ids[b][: a + 1]
             return num_accepted, new_tokens
         return accept

@@ -148,20 +148,39 @@ class ModelRunner:
                               self.dtype, self.device)
         return target_kv, draft_kv
 
+    @property
+    def max_gather_keys(self) -> int:
+        """Keys a step's long prefill chunks may gather at once (kernels/flash_prefill.py): one
+        sequence of the longest context; the pool's profile holds room for them."""
+        return self.config.max_model_len + self.width
+
+    def gather_room(self) -> torch.Tensor | None:
+        """What one layer's gather of max_gather_keys keys and values takes, allocated (the profile
+        holds it through its forward, so the pool leaves room for it), where long chunks may be
+        routed at all: CUDA with the Triton kernels, fp16 / bf16, the form not switched off."""
+        from blockspec.kernels import flash_prefill
+        routes = uses_kernels(self.device) and self.dtype in (torch.float16, torch.bfloat16)
+        if not (routes and flash_prefill.enabled()):
+            return None
+        tc = self.target.config
+        return torch.empty(2 * self.max_gather_keys * tc.num_key_value_heads * tc.head_dim, dtype=self.dtype,
+                           device=self.device)
+
     @torch.inference_mode()
     def profile(self, num_pages: int) -> None:
         """The largest forward the scheduler can produce, on a throwaway pool of num_pages: a
         prefill chunk of the whole token budget through the target (its features into the
         draft's context, the logits of a full decode batch's rows), and a full decode batch's
-        blocks through the draft."""
+        blocks through the draft; beside it, the room a long chunk's key gather takes."""
         self.target_kv, self.draft_kv = self.make_pools(num_pages)
         num_tokens = self.config.max_num_batched_tokens
         seq = dummy_sequence(num_pages)
+        room = self.gather_room()
         hidden = self.forward([Entry(seq, 0, [0] * num_tokens)], num_prefill_seqs=1)
         if self.draft is not None:
             self.propose_blocks([Entry(seq, 0, [0] * self.width) for _ in range(self.max_decode_seqs)])
         self.target.compute_logits(hidden[: self.max_decode_seqs * self.width])
-        del hidden
+        del hidden, room
         self.target_kv = self.draft_kv = None
 
     @torch.inference_mode()
@@ -305,7 +324,7 @@ class ModelRunner:
                                  packed=packed, query_lens=query_lens, num_prefill_seqs=num_prefill_seqs,
                                  keep_steps=self.is_hybrid and self.draft is not None,
                                  max_rows=self.width if plan.bounded and not uniform else 0,
-                                 context_lens_host=host_lens)
+                                 context_lens_host=host_lens, max_gather_keys=self.max_gather_keys)
 
     def pack(self, entries: list[Entry], rows: int, cols: int, num_tokens: int, pad_width: int) -> np.ndarray:
         """Host ints in `unpack`'s layout: padding sequences (pad_width rows each) use page 0, state

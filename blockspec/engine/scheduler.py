@@ -158,8 +158,9 @@ class Scheduler:
     def fit_budget(decoding: list[Sequence], widths: list[int], budget: int) -> list[int]:
         """Where the budget does not hold every decoding sequence's rows, the drafts are cut (from
         the longest k down) until every sequence fits — none at all where the sequences' own rows
-        exceed it, and those take turns — instead of leaving sequences out of the step: a slot deep in one block is worth less than the first slots
-        of another (survival only falls along a block), and no sequence sits a step out. Round 48
+        exceed it, and those take turns — instead of leaving sequences out of the step: a slot
+        deep in one block is worth less than the first slots of another (survival only falls
+        along a block), and no sequence sits a step out. Round 48
         on the H200: 256 sequences verifying blocks of 16 under 2,048 tokens decoded 128 a step,
         and speculation fell to 0.82 × plain. A seeded sampling request keeps its k."""
         if sum(widths) + len(decoding) <= budget:
@@ -302,8 +303,8 @@ def cut_drafts(decoding: list[Sequence], widths: list[int], spare: int) -> list[
     order) while drafts are left. Unchanged where they fit."""
     cut = [b for b, seq in enumerate(decoding) if widths[b] and not keeps_whole_block(seq)]
     spare -= sum(widths) - sum(widths[b] for b in cut)           # the kept blocks come first
-    if sum(widths[b] for b in cut) <= spare:
-        return widths
+    if not cut or sum(widths[b] for b in cut) <= spare:
+        return widths                   # nothing to cut (plain rows, kept blocks): the rows take turns
     spare, out = max(spare, 0), list(widths)
     cap, top = 0, max(widths[b] for b in cut)    # the largest per-sequence cap that fits, then one more each
     while cap < top and sum(min(widths[b], cap + 1) for b in cut) <= spare:

@@ -71,7 +71,7 @@ class KernelPlan:
         return ", ".join(parts) or "none"
 
 
-PREFILL_VARIANTS = 4            # kernels/prefill_attention.py warm_up's launches
+PREFILL_VARIANTS = 8            # kernels/prefill_attention.py warm_up's launches
 
 
 def key_bounds(runner: ModelRunner) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -212,6 +212,8 @@ def run_plan(runner: ModelRunner, plan: KernelPlan) -> None:
     from tqdm import tqdm
     from blockspec.kernels import attention as attention_kernels
     from blockspec.models.gated_delta import warm_step
+    if plan.prefill:
+        from blockspec.kernels import prefill_attention
     bar = tqdm(total=plan.num_variants, desc="warming kernels", unit="variant", disable=not sys.stderr.isatty())
     for site, variants in plan.attention:
         k_pool, v_pool = site_pools(site, runner)
@@ -226,7 +228,6 @@ def run_plan(runner: ModelRunner, plan: KernelPlan) -> None:
         warm_step(layer, runner.states, variants, runner.dtype)
         bar.update(len(variants))
     for layer in plan.prefill:
-        from blockspec.kernels import prefill_attention
         k_pool = runner.target_kv.layers[layer.cache_index][0]
         bar.update(prefill_attention.warm_up(layer.num_heads, k_pool.shape[1], layer.head_dim, runner.dtype,
                                              runner.device))

@@ -81,6 +81,7 @@ def supports(q: torch.Tensor) -> bool:
     return triton_fa_serves(q) or (head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM and flash_available(q.device))
 
 
+@functools.lru_cache(maxsize=None)
 def flash_available(device: torch.device) -> bool:
     """One tiny call: torch builds without FlashAttention (or a GPU below sm80) keep the Triton
     kernel, said once in the log."""

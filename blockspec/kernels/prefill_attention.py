@@ -278,15 +278,18 @@ def tma_descriptor(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
 
 def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
     """Every variant a step of these heads can launch, once, on a few rows of scratch: the kernel
-    unsplit and split (then the merge), over row counts of both divisibilities by 16 (a
-    descriptor's shape may be specialised on). → the launches made."""
+    unsplit and split (then the merge), over query and key row counts of either divisibility by 16
+    each (a descriptor's shape may be specialised on). → the launches made."""
     config = default_config(head_dim, dtype)
     launches = 0
-    for rows in (config.block_m, config.block_m + 1):
-        q = torch.zeros(rows, num_heads, head_dim, dtype=dtype, device=device)
-        kv = torch.zeros(rows, num_kv_heads, head_dim, dtype=dtype, device=device)
-        cu = torch.tensor([0, rows], dtype=torch.int32, device=device)
+    m = config.block_m                                # a multiple of 16; a chunk's rows are the last of its keys
+    for q_rows, k_rows in ((m, m), (m, m + 1), (m + 1, m + 16), (m + 1, m + 1)):
+        q = torch.zeros(q_rows, num_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(k_rows, num_kv_heads, head_dim, dtype=dtype, device=device)
+        cu_q = torch.tensor([0, q_rows], dtype=torch.int32, device=device)
+        cu_k = torch.tensor([0, k_rows], dtype=torch.int32, device=device)
         for splits in (1, 2):
-            varlen_causal_triton(q, kv, kv, cu, cu, rows, rows, 1.0, dataclasses.replace(config, num_splits=splits))
+            varlen_causal_triton(q, kv, kv, cu_q, cu_k, q_rows, k_rows, 1.0,
+                                 dataclasses.replace(config, num_splits=splits))
             launches += 1
     return launches

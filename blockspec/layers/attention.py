@@ -14,13 +14,16 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from blockspec.kernels.fused import qk_norm_rope
+
+if TYPE_CHECKING:
+    from blockspec.kernels.flash_prefill import LongPrefills
 from blockspec.layers.common import FusedLinear, RMSNorm, join_fused_parts
 
 
@@ -77,6 +80,9 @@ class AttentionMetadata:
     # context_lens on the host, for steps with prefill chunks (their long chunks' attention takes
     # shapes from it: kernels/flash_prefill.py); None elsewhere.
     context_lens_host: list[int] | None = None
+    # The most keys the routed long chunks may gather at once (what the pool's sizing left room
+    # for: one sequence of the longest context); None: no cap (forwards built outside the runner).
+    max_gather_keys: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -231,7 +237,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     window stays on the reference), else the reference below, which is the spec."""
     if window is None and uses_kernels(q.device):
         from blockspec.kernels.attention import paged_attention as kernel
-        routed = long_prefills(meta, q) if is_causal and block_kv is None and context_lens is meta.context_lens else None
+        target_rows = is_causal and block_kv is None and context_lens is meta.context_lens
+        routed = long_prefills(meta, q) if target_rows else None
         if routed is not None:
             return after_long_prefills(routed, q, k_pool, v_pool, meta, scale)
         return kernel(q, k_pool, v_pool, meta.block_tables, context_lens, meta.positions, meta.starts,
@@ -239,21 +246,26 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return reference_paged_attention(q, k_pool, v_pool, meta, context_lens, scale, is_causal, window, block_kv)
 
 
-def long_prefills(meta: AttentionMetadata, q: torch.Tensor):
-    """The step's long prefill chunks for FlashAttention (kernels/flash_prefill.py), planned once
-    per forward, or None: a FULL graph's rows, no long chunk, or FlashAttention off or unable."""
+def long_prefills(meta: AttentionMetadata, q: torch.Tensor) -> LongPrefills | None:
+    """The step's long prefill chunks for the FlashAttention form (kernels/flash_prefill.py),
+    planned once per forward, or None: a FULL graph's rows, no long chunk, or the form off or
+    unable. The routed sequences are a prefix of the step's, cut back while their keys exceed
+    max_gather_keys (the gather's room)."""
     if meta.bounded or not meta.num_prefill_seqs or meta.context_lens_host is None:
         return None
     from blockspec.kernels import flash_prefill
     head = flash_prefill.long_prefill_head(meta.lens[: meta.num_prefill_seqs], q.shape[-1])
+    if meta.max_gather_keys is not None:
+        while head and sum(meta.context_lens_host[:head]) > meta.max_gather_keys:
+            head -= 1
     if not head or not flash_prefill.enabled() or not flash_prefill.supports(q):
         return None
     return shared(meta, ("long_prefills", head), lambda: flash_prefill.plan(
         head, meta.lens, meta.context_lens_host, meta.starts, meta.context_lens, meta.block_tables, meta.page_size))
 
 
-def after_long_prefills(routed, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
+def after_long_prefills(routed: LongPrefills, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [N, H, D] → [N, H·D]: the routed sequences 0 … head − 1 on FlashAttention, the others
     (their query_start's tail, as it is) on the Triton kernel, whose programs write only their rows."""
     from blockspec.kernels import flash_prefill
