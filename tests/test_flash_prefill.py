@@ -82,17 +82,16 @@ def kernel_as_reference(q, k_pool, v_pool, block_tables, context_lens, positions
     return out
 
 
-def test_a_ragged_step_splits_between_flash_and_the_kernel(monkeypatch):
+def test_a_ragged_step_splits_between_flash_and_the_kernel():
     """Every real row of the step equals the reference: the routed head from the varlen form,
     the tail (a short chunk, a decode row, verify blocks, a padding sequence) from the kernel
     called on query_start's tail; nothing is left unwritten."""
-    monkeypatch.setattr("blockspec.kernels.attention.paged_attention", kernel_as_reference)
     case = ragged_case(seed=3)
     m = case.meta
     head = flash_prefill.long_prefill_head(m.lens[:NUM_PREFILL])
     routed = flash_prefill.plan(head, m.lens, m.context_lens_host, m.starts, m.context_lens, m.block_tables,
                                 m.page_size)
-    out = after_long_prefills(routed, case.q, case.k_pool, case.v_pool, m, case.scale)
+    out = after_long_prefills(routed, case.q, case.k_pool, case.v_pool, m, case.scale, kernel_as_reference)
     real = sum(WIDTHS)
     assert not torch.isnan(out[:real]).any()
     torch.testing.assert_close(out[:real], reference(case)[:real], rtol=0, atol=1e-12)
@@ -105,7 +104,7 @@ def test_the_backend_is_read_from_the_environment(monkeypatch):
         assert flash_prefill.enabled() == (name != "triton")
     monkeypatch.setenv("BLOCKSPEC_PREFILL_ATTENTION", "nonsense")       # unknown: the default
     assert flash_prefill.backend() == "triton-fa"
-    monkeypatch.setattr("blockspec.kernels.attention.BATCH_INVARIANT", True)
+    monkeypatch.setattr(flash_prefill, "batch_invariant", lambda: True)
     assert not flash_prefill.enabled()
 
 
@@ -164,19 +163,18 @@ def test_the_routed_head_shrinks_to_the_gather_room(monkeypatch):
     assert attention.long_prefills(m, case.q) is None
 
 
-def test_a_step_of_long_chunks_alone_is_all_flash(monkeypatch):
+def test_a_step_of_long_chunks_alone_is_all_flash():
     """Every sequence routed (no decode rows, no short chunk after the last long one): the paged
     kernel is not called and every row comes from the FlashAttention form."""
     def no_kernel(*args, **kwargs):
         raise AssertionError("the paged kernel ran with nothing left to attend")
-    monkeypatch.setattr("blockspec.kernels.attention.paged_attention", no_kernel)
     widths, context = [300, 20, 500], [700, 20, 500]
     case = make_case(context, max(widths), num_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float64,
                      device="cpu", widths=widths, seed=7)
     m = case.meta
     m.num_prefill_seqs, m.context_lens_host = 3, context
     routed = flash_prefill.plan(3, m.lens, context, m.starts, m.context_lens, m.block_tables, m.page_size)
-    out = after_long_prefills(routed, case.q, case.k_pool, case.v_pool, m, case.scale)
+    out = after_long_prefills(routed, case.q, case.k_pool, case.v_pool, m, case.scale, no_kernel)
     torch.testing.assert_close(out, reference(case), rtol=0, atol=1e-12)
 
 

@@ -60,10 +60,19 @@ def backend() -> str:
     return name if name in BACKENDS else "triton-fa"
 
 
+def batch_invariant() -> bool:
+    """kernels.attention's BATCH_INVARIANT, without importing Triton where it is absent (there the
+    paged kernels do not run, so nothing is routed either)."""
+    try:
+        from blockspec.kernels import attention
+    except ImportError:
+        return False
+    return attention.BATCH_INVARIANT
+
+
 def enabled() -> bool:
     """Whether long chunks may leave the paged kernel."""
-    from blockspec.kernels.attention import BATCH_INVARIANT
-    return backend() != "triton" and not BATCH_INVARIANT
+    return backend() != "triton" and not batch_invariant()
 
 
 def triton_fa_serves(q: torch.Tensor) -> bool:

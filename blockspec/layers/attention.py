@@ -265,11 +265,13 @@ def long_prefills(meta: AttentionMetadata, q: torch.Tensor) -> LongPrefills | No
 
 
 def after_long_prefills(routed: LongPrefills, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [N, H, D] → [N, H·D]: the routed sequences 0 … head − 1 on FlashAttention, the others
-    (their query_start's tail, as it is) on the Triton kernel, whose programs write only their rows."""
+                        meta: AttentionMetadata, scale: float, kernel: Callable | None = None) -> torch.Tensor:
+    """q [N, H, D] → [N, H·D]: the routed sequences 0 … head − 1 in the FlashAttention form, the
+    others (their query_start's tail, as it is) on the paged kernel (`kernel`: kernels.attention's,
+    or a stand-in with its contract), whose programs write only their rows."""
     from blockspec.kernels import flash_prefill
-    from blockspec.kernels.attention import paged_attention as kernel
+    if kernel is None:
+        from blockspec.kernels.attention import paged_attention as kernel
     head = routed.head
     rest_rows = max(meta.lens[head:], default=0)
     if rest_rows:
