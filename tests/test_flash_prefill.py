@@ -30,6 +30,12 @@ def ragged_case(seed: int = 0):
     return case
 
 
+def plan_of(meta, q):
+    """long_prefills as a new forward asks it (each forward starts with its shared values cleared)."""
+    meta.shared.clear()
+    return attention.long_prefills(meta, q)
+
+
 def test_the_head_ends_at_the_last_long_chunk(monkeypatch):
     monkeypatch.setenv("BLOCKSPEC_PREFILL_ATTENTION", "flash")       # FlashAttention-2's rows differ by head size
     assert flash_prefill.long_prefill_rows(256) < flash_prefill.long_prefill_rows(128)
@@ -113,16 +119,16 @@ def test_routing_is_off_where_it_must_be(monkeypatch):
     run (CPU tensors here), and none with BLOCKSPEC_PREFILL_ATTENTION=triton."""
     case = ragged_case()
     m = case.meta
-    assert attention.long_prefills(m, case.q) is None                 # a CPU q: FlashAttention cannot run
+    assert plan_of(m, case.q) is None                 # a CPU q: FlashAttention cannot run
     monkeypatch.setattr(flash_prefill, "supports", lambda q: True)
-    assert attention.long_prefills(m, case.q) is not None
+    assert plan_of(m, case.q) is not None
     monkeypatch.setenv("BLOCKSPEC_PREFILL_ATTENTION", "triton")
-    assert attention.long_prefills(m, case.q) is None
+    assert plan_of(m, case.q) is None
     monkeypatch.delenv("BLOCKSPEC_PREFILL_ATTENTION")
     m.context_lens_host = None
-    assert attention.long_prefills(m, case.q) is None
+    assert plan_of(m, case.q) is None
     m.context_lens_host, m.num_prefill_seqs = CONTEXT + [max(WIDTHS)], 0
-    assert attention.long_prefills(m, case.q) is None
+    assert plan_of(m, case.q) is None
 
 
 @pytest.mark.parametrize("num_prefill", [1, 2])
@@ -156,11 +162,12 @@ def test_the_routed_head_shrinks_to_the_gather_room(monkeypatch):
     monkeypatch.setattr(flash_prefill, "supports", lambda q: True)
     case = ragged_case()
     m = case.meta
-    assert attention.long_prefills(m, case.q).head == 3                  # 900 + 90 + 600 keys
+    assert plan_of(m, case.q).head == 3                  # 900 + 90 + 600 keys
+    assert attention.long_prefills(m, case.q) is attention.long_prefills(m, case.q)   # once per forward
     m.max_gather_keys = 1000
-    assert attention.long_prefills(m, case.q).head == 2                  # 990 fit
+    assert plan_of(m, case.q).head == 2                  # 990 fit
     m.max_gather_keys = 899
-    assert attention.long_prefills(m, case.q) is None
+    assert plan_of(m, case.q) is None
 
 
 def test_a_step_of_long_chunks_alone_is_all_flash():

@@ -10,18 +10,14 @@ ranges that begin on the diagonal or hold no key of a tile, tiles past a short s
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
 from blockspec.kernels import prefill_attention as P  # noqa: E402  (after the skip: CI has no triton)
+from helpers import run_interpreted  # noqa: E402
 
-HERE = Path(__file__).parent
 
 CHILD = """
 import json, torch
@@ -63,9 +59,7 @@ def test_interpreted_prefill_kernel_matches_reference():
     """fp32 within 1e-5 of the fp64 reference, fp16 within 2e-3, through pointer and TMA loads,
     unsplit and split (the merge), GQA groups 1, 2 and 4, head dims 32 and 64; the output finite,
     in q's dtype and shape."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    done = run_interpreted(CHILD)
     assert done.returncode == 0, done.stderr[-2000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(errors) == 7

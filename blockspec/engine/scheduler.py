@@ -160,9 +160,9 @@ class Scheduler:
         the longest k down) until every sequence fits — none at all where the sequences' own rows
         exceed it, and those take turns — instead of leaving sequences out of the step: a slot
         deep in one block is worth less than the first slots of another (survival only falls
-        along a block), and no sequence sits a step out. Round 48
-        on the H200: 256 sequences verifying blocks of 16 under 2,048 tokens decoded 128 a step,
-        and speculation fell to 0.82 × plain. A seeded sampling request keeps its k."""
+        along a block), and no sequence sits a step out. Round 48 on the H200: 256 sequences
+        verifying blocks of 16 under 2,048 tokens decoded 128 a step, and speculation fell to
+        0.82 × plain. A seeded sampling request keeps its k."""
         if sum(widths) + len(decoding) <= budget:
             return widths
         return cut_drafts(decoding, widths, budget - len(decoding))   # < 0: no drafts, rows take turns

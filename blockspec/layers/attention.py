@@ -12,6 +12,7 @@ plus their own block (the draft).
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -21,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.kernels.fused import qk_norm_rope
+from blockspec.layers.common import FusedLinear, RMSNorm, join_fused_parts
 
 if TYPE_CHECKING:
     from blockspec.kernels.flash_prefill import LongPrefills
-from blockspec.layers.common import FusedLinear, RMSNorm, join_fused_parts
 
 
 @dataclass
@@ -253,15 +254,20 @@ def long_prefills(meta: AttentionMetadata, q: torch.Tensor) -> LongPrefills | No
     max_gather_keys (the gather's room)."""
     if meta.bounded or not meta.num_prefill_seqs or meta.context_lens_host is None:
         return None
+    return shared(meta, "long_prefills", lambda: plan_long_prefills(meta, q))     # the same for every layer
+
+
+def plan_long_prefills(meta: AttentionMetadata, q: torch.Tensor) -> LongPrefills | None:
+    """long_prefills' plan, made by the forward's first attention layer."""
     from blockspec.kernels import flash_prefill
     head = flash_prefill.long_prefill_head(meta.lens[: meta.num_prefill_seqs], q.shape[-1])
     if meta.max_gather_keys is not None:
-        while head and sum(meta.context_lens_host[:head]) > meta.max_gather_keys:
-            head -= 1
+        keys = itertools.accumulate(meta.context_lens_host[:head])
+        head = sum(1 for _ in itertools.takewhile(lambda total: total <= meta.max_gather_keys, keys))
     if not head or not flash_prefill.enabled() or not flash_prefill.supports(q):
         return None
-    return shared(meta, ("long_prefills", head), lambda: flash_prefill.plan(
-        head, meta.lens, meta.context_lens_host, meta.starts, meta.context_lens, meta.block_tables, meta.page_size))
+    return flash_prefill.plan(head, meta.lens, meta.context_lens_host, meta.starts, meta.context_lens,
+                              meta.block_tables, meta.page_size)
 
 
 def after_long_prefills(routed: LongPrefills, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

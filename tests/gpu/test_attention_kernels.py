@@ -102,6 +102,7 @@ def test_long_prefill_chunks_take_flash_attention(monkeypatch, backend, head_dim
     err = (real_rows(case, out).double() - real_rows(case, reference(case))).abs().max().item()
     assert err < TOLERANCE[torch.bfloat16], err
     monkeypatch.setenv("BLOCKSPEC_PREFILL_ATTENTION", "triton")
+    case.meta.shared.clear()                        # another forward: its routing planned anew
     triton_out = attention.paged_attention(case.q, case.k_pool, case.v_pool, case.meta, case.meta.context_lens,
                                            case.scale, True)
     assert calls == [3]
