@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# What round 49 ran on the H200 (BENCHMARKS.md, "Round 49 on the H200"), each stage under its own
+# timeout, logs under $OUT:
+#   bash scripts/gpu_round48.sh 5 / 6   # calls 1-2: adaptive 1…256 with the drafts fitted to the budget; the hybrid's
+#        # cold multi-turn (gpu_round48.sh's modes, unchanged)
+#   bash scripts/gpu_round49.sh 1   # call 3: where the DFlash cycle's time outside its forwards goes: torch.profiler
+#        # timelines of fixed-width cycles (Qwen3-8B at 32 and 64 sequences, the hybrid at 1) and the device's idle
+#        # stretches by host phase (scripts/trace_gaps.py), plain's phases beside them
+. "$(dirname "$0")/gpu_prelude.sh"
+M=${1:-1}
+if [ "$M" = 1 ]; then
+  for c in 32 64; do
+    stage "host split + timeline, Qwen3-8B, $c sequences" timeout ${HS_S:-150} python3 scripts/host_split.py \
+      --shape qwen3-8b --concurrency $c --modes fixed,plain --torch-profile --trace "$OUT/trace_$c.json"
+    python3 scripts/trace_gaps.py "$OUT/trace_$c.json" 2>&1 | head -30 | tee -a "$LOG"
+    gzip -f "$OUT/trace_$c.json"
+  done
+  stage "host split + timeline, Qwen3.5-4B, 1 sequence" timeout ${HS_S:-150} python3 scripts/host_split.py \
+    --shape qwen3.5-4b --concurrency 1 --modes fixed,plain --torch-profile --trace "$OUT/trace_hybrid_1.json"
+  python3 scripts/trace_gaps.py "$OUT/trace_hybrid_1.json" 2>&1 | head -30 | tee -a "$LOG"
+  gzip -f "$OUT/trace_hybrid_1.json"
+fi
