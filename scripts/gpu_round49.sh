@@ -10,13 +10,17 @@
 M=${1:-1}
 if [ "$M" = 1 ]; then
   for c in 32 64; do
-    stage "host split + timeline, Qwen3-8B, $c sequences" timeout ${HS_S:-150} python3 scripts/host_split.py \
-      --shape qwen3-8b --concurrency $c --modes fixed,plain --torch-profile --trace "$OUT/trace_$c.json"
+    echo "=== host split + timeline, Qwen3-8B, $c sequences ($(date +%T))" | tee -a "$LOG"
+    timeout ${HS_S:-150} python3 scripts/host_split.py --shape qwen3-8b --concurrency $c --modes fixed,plain \
+      --torch-profile --trace "$OUT/trace_$c.json" > "$OUT/host_split_$c.txt" 2>&1
+    grep '^{' "$OUT/host_split_$c.txt" | tee -a "$LOG"
     python3 scripts/trace_gaps.py "$OUT/trace_$c.json" 2>&1 | head -30 | tee -a "$LOG"
     gzip -f "$OUT/trace_$c.json"
   done
-  stage "host split + timeline, Qwen3.5-4B, 1 sequence" timeout ${HS_S:-150} python3 scripts/host_split.py \
-    --shape qwen3.5-4b --concurrency 1 --modes fixed,plain --torch-profile --trace "$OUT/trace_hybrid_1.json"
+  echo "=== host split + timeline, Qwen3.5-4B, 1 sequence ($(date +%T))" | tee -a "$LOG"
+  timeout ${HS_S:-150} python3 scripts/host_split.py --shape qwen3.5-4b --concurrency 1 --modes fixed,plain \
+    --torch-profile --trace "$OUT/trace_hybrid_1.json" > "$OUT/host_split_hybrid_1.txt" 2>&1
+  grep '^{' "$OUT/host_split_hybrid_1.txt" | tee -a "$LOG"
   python3 scripts/trace_gaps.py "$OUT/trace_hybrid_1.json" 2>&1 | head -30 | tee -a "$LOG"
   gzip -f "$OUT/trace_hybrid_1.json"
 fi
