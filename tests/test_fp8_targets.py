@@ -278,13 +278,14 @@ for rows, n, k, block in [(1, 40, 200, fp8.ScaleBlock()), (5, 130, 256, fp8.Scal
     ref = K.reference_linear(x, q, scale, block, bias)
     tiles = [K.WeightOnlyTiles(16, 32, 4, 2, split) for split in (1, 2, 3)]   # K split: partials added in order
     # tl.dot over 2 scale blocks an iteration; the GEMV over 1, 2 or 4 rows a program and 1 or 2
-    # scale blocks, x loaded either way; K split or not, its parts summed in the kernel or after it
+    # scale blocks, x loaded either way, the next tile prefetched or not; K split or not, its parts
+    # summed in the kernel or after it
     tiles += [K.WeightOnlyTiles(16, 32, 4, 2, split, k_blocks=2, reduce_in_kernel=True) for split in (1, 2)]
     tiles += [K.WeightOnlyTiles(rows_a_program, 32, 4, 2, split, gemv=True, k_blocks=kb, reduce_in_kernel=summed,
-                                broadcast_x=broadcast)
-              for rows_a_program, split, kb, summed, broadcast in ((1, 1, 2, False, False), (1, 2, 1, True, True),
-                                                                   (2, 3, 1, True, False), (4, 2, 2, False, True),
-                                                                   (4, 2, 1, True, True), (2, 1, 1, False, True))]
+                                broadcast_x=broadcast, prefetch=prefetch)
+              for rows_a_program, split, kb, summed, broadcast, prefetch in (
+                  (1, 1, 2, False, False, False), (1, 2, 1, True, True, True), (2, 3, 1, True, False, True),
+                  (4, 2, 2, False, True, False), (4, 2, 1, True, True, False), (2, 1, 1, False, True, True))]
     if rows == 1:
         assert K.weight_only_tiles(1, n, k, 1).gemv                               # the default at one row
         assert (K.weight_only_linear(x, q, scale, block, bias) - ref).abs().max() < 1e-4 * ref.abs().max()

@@ -112,7 +112,9 @@ class WeightOnlyTiles:
     128-column scale blocks an iteration (each scaled on its own), split_k the most parts K is
     split into; reduce_in_kernel: the split's last program to finish adds the parts (in split
     order, so bit for bit what the separate sum kernel gives) instead of a second launch.
-    GEMV broadcast_x: x loaded in the weight tile's layout, no shared memory (`_load_row`)."""
+    GEMV only: broadcast_x, x loaded in the weight tile's layout, no shared memory (`_load_row`);
+    prefetch, the next step's weight tile loaded before this step's math (its num_stages does
+    nothing: Triton pipelines only loads that feed tl.dot)."""
     block_m: int
     block_n: int
     num_warps: int
@@ -122,6 +124,7 @@ class WeightOnlyTiles:
     k_blocks: int = 1
     reduce_in_kernel: bool = False
     broadcast_x: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         smallest = 1 if self.gemv else 16
@@ -227,7 +230,7 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
             split_counters(x.device) if in_kernel else partial, num_rows, out_features, in_features, k_per_split,
             x.stride(0), weight.stride(0), scale.stride(0))
     if tiles.gemv:
-        _gemv_kernel[grid](*args, BROADCAST_X=tiles.broadcast_x, **common)
+        _gemv_kernel[grid](*args, BROADCAST_X=tiles.broadcast_x, PREFETCH=tiles.prefetch, **common)
     else:
         _weight_only_kernel[grid](*args, PRECISION="ieee" if x.dtype == torch.float32 else None, **common)
     if split > 1 and not in_kernel:
@@ -355,6 +358,13 @@ if triton is not None:
                     HAS_BIAS, SPLIT_SUM)
 
     @triton.jit
+    def _load_weights(w_ptrs, n_ok, offs_k, bound, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+        """The e4m3 tile at w_ptrs [BLOCK_N, KB·BLOCK_K], 0 past N and from column `bound` on."""
+        if EVEN_K:
+            return tl.load(w_ptrs) if EVEN_N else tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        return tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < bound)[None, :], other=0.0)
+
+    @triton.jit
     def _load_row(x_row_ptr, offs_n, offs_k, bound, EVEN: tl.constexpr, BROADCAST_X: tl.constexpr):
         """x_row[offs_k] (0 from `bound` on unless EVEN) in fp32, shaped to multiply a
         [BLOCK_N, len(offs_k)] weight tile. BROADCAST_X: each thread loads the values its weight
@@ -372,8 +382,8 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, part_ptr, out_ptr, count_ptr, M, N, K, K_PER_SPLIT, stride_xm,
                      stride_wn, stride_sn, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
                      EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, SPLIT_SUM: tl.constexpr,
-                     BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BROADCAST_X: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, KB: tl.constexpr, BLOCK_K: tl.constexpr):
         """BLOCK_M rows a program, the weight tile read once for all of them: out[m, n] =
         Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[m, k] · w[n, k] over the split's columns,
         KB blocks of BLOCK_K (one scale each) an iteration; products and sums in fp32 (an e4m3
@@ -387,11 +397,18 @@ if triton is not None:
         s_rows = s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
         # Transposed, [BLOCK_N, BLOCK_M]: a row's sums come out along N and go in without a layout change.
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), KB * BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs) if EVEN_N else tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        if PREFETCH:
+            w_next = _load_weights(w_ptrs, n_ok, offs_k, K - k_start, EVEN_K, EVEN_N)
+        for k in range(k_start, k_end, KB * BLOCK_K):
+            if PREFETCH:
+                w = w_next
+                # The next step's tile in flight during this step's math (Triton pipelines only
+                # loads that feed tl.dot); the last step loads its own again, so no mask is needed.
+                ahead = tl.where(k + KB * BLOCK_K < k_end, KB * BLOCK_K, 0)
+                w_next = _load_weights(w_ptrs + ahead, n_ok, offs_k, K - k - ahead, EVEN_K, EVEN_N)
             else:
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < K - k)[None, :], other=0.0)
+                w = _load_weights(w_ptrs, n_ok, offs_k, K - k, EVEN_K, EVEN_N)
             w = w.to(tl.float32)
             columns = k + tl.arange(0, KB) * BLOCK_K
             s = tl.load(s_rows[:, None] + (columns // SCALE_COLS)[None, :], mask=n_ok[:, None] & (columns < K)[None, :],

@@ -76,6 +76,9 @@ VARIANTS = {
     "gemv1_summed": K.WeightOnlyTiles(1, 32, 4, 2, 4, gemv=True, k_blocks=4, reduce_in_kernel=True),
     "gemv2_broadcast": K.WeightOnlyTiles(2, 32, 4, 3, 4, gemv=True, k_blocks=2, reduce_in_kernel=True, broadcast_x=True),
     "gemv4_broadcast": K.WeightOnlyTiles(4, 16, 4, 2, 3, gemv=True, k_blocks=4, reduce_in_kernel=True, broadcast_x=True),
+    "gemv1_prefetch": K.WeightOnlyTiles(1, 16, 4, 2, 3, gemv=True, k_blocks=4, reduce_in_kernel=True, broadcast_x=True,
+                                        prefetch=True),
+    "gemv4_prefetch": K.WeightOnlyTiles(4, 16, 4, 2, 2, gemv=True, k_blocks=2, broadcast_x=True, prefetch=True),
     "gemv8_two_launch": K.WeightOnlyTiles(8, 16, 4, 2, 2, gemv=True, k_blocks=2, broadcast_x=True),
     "gemv16_summed": K.WeightOnlyTiles(16, 16, 8, 2, 2, gemv=True, k_blocks=2, reduce_in_kernel=True),
     "dot_2_blocks": K.WeightOnlyTiles(16, 32, 4, 4, 4, k_blocks=2, reduce_in_kernel=True),
@@ -102,7 +105,7 @@ def test_weight_only_variants_equal_the_reference(variant, case, rows):
         assert not K.split_counters(x.device).any()
 
 
-@pytest.mark.parametrize("variant", ["gemv1_summed", "gemv4_broadcast", "dot_2_blocks"])
+@pytest.mark.parametrize("variant", ["gemv1_summed", "gemv4_broadcast", "gemv1_prefetch", "dot_2_blocks"])
 def test_split_sums_in_the_kernel_replay_in_a_cuda_graph(variant):
     """Replays find the counts at 0 (the last program of each tile puts its count back)."""
     tiles = VARIANTS[variant]
