@@ -74,8 +74,10 @@ def test_weight_only_kernel_split_over_k(split, rows):
 # summed in the kernel or by the second one.
 VARIANTS = {
     "gemv1_summed": K.WeightOnlyTiles(1, 32, 4, 2, 4, gemv=True, k_blocks=4, reduce_in_kernel=True),
-    "gemv2_broadcast": K.WeightOnlyTiles(2, 32, 4, 3, 4, gemv=True, k_blocks=2, reduce_in_kernel=True, broadcast_x=True),
-    "gemv4_broadcast": K.WeightOnlyTiles(4, 16, 4, 2, 3, gemv=True, k_blocks=4, reduce_in_kernel=True, broadcast_x=True),
+    "gemv2_broadcast": K.WeightOnlyTiles(2, 32, 4, 3, 4, gemv=True, k_blocks=2, reduce_in_kernel=True,
+                                         broadcast_x=True),
+    "gemv4_broadcast": K.WeightOnlyTiles(4, 16, 4, 2, 3, gemv=True, k_blocks=4, reduce_in_kernel=True,
+                                         broadcast_x=True),
     "gemv1_prefetch": K.WeightOnlyTiles(1, 16, 4, 2, 3, gemv=True, k_blocks=4, reduce_in_kernel=True, broadcast_x=True,
                                         prefetch=True),
     "gemv4_prefetch": K.WeightOnlyTiles(4, 16, 4, 2, 2, gemv=True, k_blocks=2, broadcast_x=True, prefetch=True),
