@@ -115,8 +115,9 @@ def candidates(m: int) -> list[K.WeightOnlyTiles]:
                 gemv(1, 32, 8, 8), gemv(1, 64, 4, 8), gemv(1, 32, 4, 8), gemv(1, 16, 4, 4, prefetch=True),
                 gemv(1, 32, 2, 4, prefetch=True), gemv(1, 16, 8, 8, prefetch=True)]
     if m == 2:
-        return [gemv(2, 32, 4, 4), gemv(2, 16, 4, 4), gemv(2, 32, 2, 4), gemv(2, 16, 8, 4), gemv(2, 64, 2, 8),
-                gemv(2, 32, 4, 8), gemv(2, 16, 4, 4, prefetch=True), gemv(2, 32, 4, 4, broadcast=False)] + DOTS
+        return [gemv(2, 16, 4, 4), gemv(2, 32, 2, 4), gemv(2, 32, 4, 8), gemv(2, 64, 2, 8),
+                gemv(2, 16, 4, 4, prefetch=True), gemv(2, 32, 4, 4), gemv(2, 16, 8, 4),   # ~230 registers, these two
+                gemv(2, 32, 4, 4, broadcast=False)] + DOTS
     if m == 4:
         return [gemv(4, 16, 4, 4), gemv(4, 32, 2, 4), gemv(4, 16, 2, 4), gemv(4, 32, 4, 8), gemv(4, 16, 8, 8),
                 gemv(4, 16, 2, 4, prefetch=True), gemv(2, 32, 4, 4)] + DOTS
