@@ -262,6 +262,7 @@ def test_cli_says_why_in_one_line(fp8_models, tmp_path, capsys):
 # ── the Triton kernels in the interpreter (the GPU runs them for real: tests/gpu/test_fp8.py) ──
 
 INTERPRETED_KERNEL_CHECK = """
+from dataclasses import replace
 import torch
 from blockspec.kernels import fp8 as K
 from blockspec.layers import fp8
@@ -269,23 +270,35 @@ gen = torch.Generator().manual_seed(0)
 # ragged K and N (the masked loads), K and N the tiles divide (the mask-free ones), per channel
 for rows, n, k, block in [(1, 40, 200, fp8.ScaleBlock()), (5, 130, 256, fp8.ScaleBlock(rows=1)),
                           (17, 64, 96, fp8.ScaleBlock(rows=1, cols=96)), (1, 64, 512, fp8.ScaleBlock()),
-                          (3, 96, 768, fp8.ScaleBlock()), (1, 32, 384, fp8.ScaleBlock(rows=1, cols=384))]:
+                          (4, 96, 768, fp8.ScaleBlock()), (1, 32, 384, fp8.ScaleBlock(rows=1, cols=384))]:
     weight = torch.randn(n, k, generator=gen)
     q, scale = fp8.quantize(weight, block)
     x = torch.randn(rows, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     ref = K.reference_linear(x, q, scale, block, bias)
     tiles = [K.WeightOnlyTiles(16, 32, 4, 2, split) for split in (1, 2, 3)]   # K split: partials added in order
-    if rows == 1:                                # the GEMV: 1 or 2 scale blocks an iteration, split or not
-        tiles += [K.WeightOnlyTiles(1, 16, 4, 2, split, gemv=True, k_blocks=kb) for split in (1, 2) for kb in (1, 2)]
+    # tl.dot over 2 scale blocks an iteration; the GEMV over 1, 2 or 4 rows a program and 1 or 2
+    # scale blocks, x loaded either way, the next tile prefetched or not; K split or not, its parts
+    # summed in the kernel or after it
+    tiles += [K.WeightOnlyTiles(16, 32, 4, 2, split, k_blocks=2, reduce_in_kernel=True) for split in (1, 2)]
+    tiles += [K.WeightOnlyTiles(rows_a_program, 32, 4, 2, split, gemv=True, k_blocks=kb, reduce_in_kernel=summed,
+                                broadcast_x=broadcast, prefetch=prefetch)
+              for rows_a_program, split, kb, summed, broadcast, prefetch in (
+                  (1, 1, 2, False, False, False), (1, 2, 1, True, True, True), (2, 3, 1, True, False, True),
+                  (4, 2, 2, False, True, False), (4, 2, 1, True, True, False), (2, 1, 1, False, True, True))]
+    if rows == 1:
         assert K.weight_only_tiles(1, n, k, 1).gemv                               # the default at one row
         assert (K.weight_only_linear(x, q, scale, block, bias) - ref).abs().max() < 1e-4 * ref.abs().max()
     for t in tiles:
         out = K.weight_only_linear(x, q, scale, block, bias, tiles=t)
         assert (out - ref).abs().max() < 1e-4 * ref.abs().max(), (rows, n, k, t)
-        if t.gemv:
+        if t.gemv or t.reduce_in_kernel:
             assert (K.weight_only_linear(x, q, scale, block, None, tiles=t) + bias - ref).abs().max() \
                 < 1e-4 * ref.abs().max(), (rows, n, k, t)
+        if t.reduce_in_kernel:      # the sum kernel's bits, call after call: every count back at 0
+            assert torch.equal(out, K.weight_only_linear(x, q, scale, block, bias, replace(t, reduce_in_kernel=False)))
+            assert torch.equal(out, K.weight_only_linear(x, q, scale, block, bias, tiles=t)), (rows, n, k, t)
+            assert not K.split_counters(x.device).any()
     # FP8 x FP8 against the product of its own quantized activations (the interpreter's e4m3
     # conversion truncates, so its codes are not torch's; the GPU test compares those too)
     x_q, x_scale = K.quantize_rows(x)

@@ -2,15 +2,18 @@
 
 `linear(x, weight, scale, block, bias)` has the result of `reference_linear`, the spec:
 x · (weight · scale)ᵀ + bias with the weight dequantized to fp32 and rounded to x's dtype. Two
-kernels, chosen by the number of rows M (both fixed-shape, no host sync: inside CUDA graphs):
+paths, chosen by the number of rows M (all fixed-shape, no host sync: inside CUDA graphs):
 
-- M ≤ WEIGHT_ONLY_MAX_ROWS (decode rows, a few sequences' DFlash verify blocks): weight-only.
-  Each program streams e4m3 weight tiles [BLOCK_K, BLOCK_N], widens them to x's dtype in
-  registers (exact: e4m3 fits in bf16), multiplies with tl.dot in fp32 and scales each
-  128-column tile's partial product by its block scale. A step reads one byte per weight and
-  the math stays bf16. Where N gives too few programs to keep every SM streaming, K is split
-  too: each split writes its fp32 partial sums and one small kernel adds them in split order
-  (deterministic, no atomics) with the bias.
+- M ≤ WEIGHT_ONLY_MAX_ROWS (decode rows, a few sequences' DFlash verify blocks): weight-only,
+  one byte read per weight. Two kernels, chosen per row count by `weight_only_tiles`
+  (TILES_BY_ROWS): a GEMV (no tl.dot: each program widens its e4m3 tile to fp32 once and reduces
+  it against each of its 1-16 rows with fp32 FMAs) and a tl.dot kernel (e4m3 tiles widened to
+  x's dtype in registers, exact: e4m3 fits in bf16; fp32 accumulation). Both scale each
+  128-column block's partial sums by its block scale. Where N gives too few programs to keep
+  every SM streaming, K is split too: each split writes its fp32 partial sums, which are added
+  in split order (deterministic, no float atomics) with the bias, either by one small second
+  kernel or inside the kernel by the last of a tile's programs to finish (an int32 arrival
+  count per output tile, put back to 0 by that program: `split_counters`).
 - larger M (prefill chunks, verify of many sequences): FP8 × FP8. x is quantized per row and
   128 columns (one scale each, largest magnitude → 448, `quantize_rows`) and the tensor cores
   multiply e4m3 by e4m3, each tile's partial product scaled by its row's and its weight
@@ -20,14 +23,15 @@ Measured on the H200 at the Qwen3-8B shapes (scripts/fp8_kernel_bench.py, BENCHM
 256 rows the FP8 × FP8 kernel took 0.39-0.52 × the weight-only kernel's time, hence the
 threshold of 64 rows (not 256); at 16 rows 32-column tiles with 4 stages were the best of the
 swept ones, within 3 % or better (swapping the dot's operands, weight tile first, was no
-better: BENCHMARKS.md, round 42); at one row a GEMV without tl.dot (`gemv_tiles`) is 1.2-1.35 ×
-faster than the best tl.dot tiles.
+better: BENCHMARKS.md, round 42); at one row the GEMV is 1.2-1.35 × faster than the best tl.dot
+tiles. The GEMV at 2-16 rows, tl.dot over several scale blocks an iteration and the in-kernel
+split sums are not measured yet (issue 33's sweep: `fp8_kernel_bench.py --sweep-only`).
 torch._scaled_mm's block-wise scaling is not used: ours runs the same on every torch version.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -101,49 +105,103 @@ def scale_cols(block: ScaleBlock, in_features: int) -> int:
 
 @dataclass(frozen=True)
 class WeightOnlyTiles:
+    """One launch's tiles. tl.dot kernel: BLOCK_M rows (≥ 16, tl.dot's smallest tile) ×
+    BLOCK_N columns a program. GEMV (`gemv`): no tl.dot, whose 16-row tile is mostly padding at
+    a few rows; each program reduces its [BLOCK_N, k_blocks · 128] weight tile, widened to fp32
+    once, against each of its block_m rows (1, 2, 4, 8 or 16) with fp32 FMAs. Both: k_blocks
+    128-column scale blocks an iteration (each scaled on its own), split_k the most parts K is
+    split into; reduce_in_kernel: the split's last program to finish adds the parts (in split
+    order, so bit for bit what the separate sum kernel gives) instead of a second launch.
+    GEMV only: broadcast_x, x loaded in the weight tile's layout, no shared memory (`_load_row`);
+    prefetch, the next step's weight tile loaded before this step's math (its num_stages does
+    nothing: Triton pipelines only loads that feed tl.dot)."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     split_k: int = 1
-    # GEMV (one row): no tl.dot, whose 16-row tile would be 15/16 padding; each program reduces
-    # its [BLOCK_N, k_blocks · 128] weight tile against x with fp32 FMAs.
     gemv: bool = False
     k_blocks: int = 1
+    reduce_in_kernel: bool = False
+    broadcast_x: bool = False
+    prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        smallest = 1 if self.gemv else 16
+        if self.block_m not in (1, 2, 4, 8, 16, 32, 64) or not smallest <= self.block_m <= (16 if self.gemv else 64):
+            raise ValueError(f"block_m {self.block_m}: the GEMV takes 1-16 rows a program, tl.dot 16-64 "
+                             "(a power of two)")
 
 
 # K splits give each program at least this many 128-column tiles; at most MAX_SPLITS of them.
 MIN_TILES_PER_SPLIT, MAX_SPLITS = 4, 8
+# In-kernel split sums count arrivals per output tile in one int32 buffer per device; a launch
+# with more tiles than this sums in the separate kernel instead.
+MAX_COUNTED_TILES = 1 << 16
 
-
+# The tiles each row count gets: the first entry whose row count is ≥ the rows (the K split is
+# not here: it follows N, K and the SMs). AWAITING THE H200 SWEEP of issue 33
+# (`scripts/fp8_kernel_bench.py --sweep-only`): the numbers below are round 42's choice, with
+# the one-row GEMV's K split summed in the kernel (the same work minus a launch).
 # The one-row GEMV: 32 columns × 4 scale blocks (512 K columns, 16 KB of e4m3) a program and
-# iteration, 4 warps. Measured on the H200 (scripts/fp8_kernel_bench.py, BENCHMARKS.md) at the
-# Qwen3-8B shapes: 12.6 / 9.9 / 30.7 / 18.5 µs for qkv / o / gate_up / down against the tl.dot
-# kernel's best 15.6 / 12.3 / 40.9 / 24.4 (bf16 cuBLAS: 18.2 / 14.8 / 51.3 / 31.2).
-GEMV_COLUMNS, GEMV_K_BLOCKS = 32, 4
+# iteration, 4 warps; measured at the Qwen3-8B shapes at 12.6 / 9.9 / 30.7 / 18.5 µs for
+# qkv / o / gate_up / down against the tl.dot kernel's best 15.6 / 12.3 / 40.9 / 24.4 (bf16
+# cuBLAS: 18.2 / 14.8 / 51.3 / 31.2). 2-64 rows: tl.dot on 32-column tiles, 4 stages, the best
+# or within 3 % of the round's sweep at 16 rows.
+ONE_ROW_TILES = WeightOnlyTiles(1, 32, 4, 2, MAX_SPLITS, gemv=True, k_blocks=4, reduce_in_kernel=True)
+FEW_ROW_TILES = WeightOnlyTiles(16, 32, 4, 4, MAX_SPLITS)
+TILES_BY_ROWS: tuple[tuple[int, WeightOnlyTiles], ...] = ((1, ONE_ROW_TILES), (WEIGHT_ONLY_MAX_ROWS, FEW_ROW_TILES))
 
 
-def gemv_tiles(out_features: int, in_features: int, sms: int) -> WeightOnlyTiles:
-    """One row: K split into the fewest equal parts (a divisor of the 512-column steps, so every
-    load is mask-free) that give about four programs per SM, each part at least two steps long."""
-    programs = triton.cdiv(out_features, GEMV_COLUMNS)
-    steps = triton.cdiv(in_features, GEMV_K_BLOCKS * BLOCK)
-    divisors = [d for d in range(1, MAX_SPLITS + 1) if steps % d == 0 and (steps // d >= 2 or d == 1)]
-    split = next((d for d in divisors if programs * d >= 4 * sms), divisors[-1])
-    return WeightOnlyTiles(1, GEMV_COLUMNS, 4, 2, split, gemv=True, k_blocks=GEMV_K_BLOCKS)
+def k_split(in_features: int, step: int, split_k: int) -> tuple[int, int]:
+    """(parts, columns a part) of K for loop steps of `step` columns: at most split_k parts of
+    whole steps, none empty."""
+    steps = triton.cdiv(in_features, step)
+    per_split = triton.cdiv(steps, min(split_k, steps))
+    return triton.cdiv(steps, per_split), per_split * step
+
+
+def gemv_split(tiles: WeightOnlyTiles, num_rows: int, out_features: int, in_features: int, sms: int) -> int:
+    """K split into the fewest equal parts (a divisor of the loop's steps, so every load is
+    mask-free) that give about four programs per SM, each part at least two steps long."""
+    programs = triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(out_features, tiles.block_n)
+    steps = triton.cdiv(in_features, tiles.k_blocks * BLOCK)
+    divisors = [d for d in range(1, tiles.split_k + 1) if steps % d == 0 and (steps // d >= 2 or d == 1)]
+    return next((d for d in divisors if programs * d >= 4 * sms), divisors[-1])
+
+
+def dot_split(tiles: WeightOnlyTiles, num_rows: int, out_features: int, in_features: int, sms: int) -> int:
+    """K split until there are about four programs per SM, each part ≥ MIN_TILES_PER_SPLIT tiles."""
+    programs = triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(out_features, tiles.block_n)
+    k_tiles = triton.cdiv(in_features, BLOCK)
+    return max(1, min(triton.cdiv(4 * sms, programs), k_tiles // MIN_TILES_PER_SPLIT, tiles.split_k))
 
 
 @functools.lru_cache(maxsize=None)       # a pure function of ints, asked once per linear per eager step
 def weight_only_tiles(num_rows: int, out_features: int, in_features: int, sms: int) -> WeightOnlyTiles:
-    """One row: the GEMV. More: rows rounded up to a tl.dot tile; 32 columns per program (the
-    sweep's best at 16 rows); K split until there are about four programs per SM."""
-    if num_rows == 1:
-        return gemv_tiles(out_features, in_features, sms)
-    block_m = min(64, max(16, triton.next_power_of_2(num_rows)))
-    programs = triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, 32)
-    k_tiles = triton.cdiv(in_features, BLOCK)
-    split = max(1, min(triton.cdiv(4 * sms, programs), k_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
-    return WeightOnlyTiles(block_m, 32, 4, 4, split)
+    """TILES_BY_ROWS's entry for the rows, its rows a program fitted to them (GEMV: ≤ the rows,
+    rounded up to a power of two; tl.dot: ≥ them, ≤ 64) and its K split to the shape."""
+    chosen = next((tiles for rows, tiles in TILES_BY_ROWS if num_rows <= rows), TILES_BY_ROWS[-1][1])
+    rows_up = triton.next_power_of_2(num_rows)
+    if chosen.gemv:
+        chosen = replace(chosen, block_m=min(chosen.block_m, rows_up))
+        split = gemv_split(chosen, num_rows, out_features, in_features, sms)
+    else:
+        chosen = replace(chosen, block_m=min(64, max(chosen.block_m, rows_up)))
+        split = dot_split(chosen, num_rows, out_features, in_features, sms)
+    return replace(chosen, split_k=split)
+
+
+@functools.lru_cache(maxsize=None)
+def split_counters(device: torch.device) -> torch.Tensor:
+    """[MAX_COUNTED_TILES] int32 zeros: per output tile, how many of a K split's programs have
+    added their part. Each launch's last program puts its tile's count back to 0, so the buffer
+    is zero between launches and every CUDA-graph replay finds it so. Kernels that share it run
+    one after another (one stream; the engine's side streams wait on each other)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the FP8 split counters are allocated by the first eager call: run the linear "
+                           "once before capturing a CUDA graph")
+    return torch.zeros(MAX_COUNTED_TILES, dtype=torch.int32, device=device)
 
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
@@ -156,35 +214,26 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if num_rows == 0:
         return out
     tiles = tiles or weight_only_tiles(num_rows, out_features, in_features, num_sms(x.device))
-    if tiles.gemv and num_rows != 1:
-        raise ValueError(f"the GEMV tiles take one row, not {num_rows}")
-    step = BLOCK * (tiles.k_blocks if tiles.gemv else 1)      # columns one loop iteration reads
-    k_tiles = triton.cdiv(in_features, step)
-    split = min(tiles.split_k, k_tiles)
-    tiles_per_split = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, tiles_per_split)              # no empty split
+    split, k_per_split = k_split(in_features, BLOCK * tiles.k_blocks, tiles.split_k)
+    grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split)
+    in_kernel = split > 1 and tiles.reduce_in_kernel and grid[0] * grid[1] <= MAX_COUNTED_TILES
     partial = (torch.empty(split, num_rows, out_features, dtype=torch.float32, device=x.device)
                if split > 1 else out)                                                    # [S, M, N]
-    k_per_split = tiles_per_split * step
     # Loads without masks where the shape allows (every real checkpoint's K and N): the masks'
     # runtime bounds keep Triton from issuing the widest vector loads.
-    even_k = in_features % k_per_split == 0
-    even_n = out_features % tiles.block_n == 0
     common = dict(SCALE_ROWS=block.rows, SCALE_COLS=scale_cols(block, in_features),
-                  HAS_BIAS=bias is not None and split == 1, EVEN_K=even_k, EVEN_N=even_n,
-                  BLOCK_N=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+                  HAS_BIAS=bias is not None and (split == 1 or in_kernel), EVEN_K=in_features % k_per_split == 0,
+                  EVEN_N=out_features % tiles.block_n == 0, EVEN_M=num_rows % tiles.block_m == 0,
+                  SPLIT_SUM=in_kernel, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, KB=tiles.k_blocks,
+                  BLOCK_K=BLOCK, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    args = (x, weight, scale, bias if bias is not None else x, partial, out,
+            split_counters(x.device) if in_kernel else partial, num_rows, out_features, in_features, k_per_split,
+            x.stride(0), weight.stride(0), scale.stride(0))
     if tiles.gemv:
-        _gemv_kernel[(triton.cdiv(out_features, tiles.block_n), split)](
-            x, weight, scale, bias if bias is not None else x, partial, out_features, in_features, k_per_split,
-            weight.stride(0), scale.stride(0), out_features, KB=tiles.k_blocks, BLOCK_K=BLOCK, **common)
+        _gemv_kernel[grid](*args, BROADCAST_X=tiles.broadcast_x, PREFETCH=tiles.prefetch, **common)
     else:
-        grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split)
-        _weight_only_kernel[grid](
-            x, weight, scale, bias if bias is not None else x, partial, num_rows, out_features, in_features,
-            k_per_split, x.stride(0), weight.stride(0), scale.stride(0), partial.stride(-2),
-            num_rows * out_features, PRECISION="ieee" if x.dtype == torch.float32 else None,
-            BLOCK_M=tiles.block_m, BLOCK_K=BLOCK, **common)
-    if split > 1:
+        _weight_only_kernel[grid](*args, PRECISION="ieee" if x.dtype == torch.float32 else None, **common)
+    if split > 1 and not in_kernel:
         size = num_rows * out_features
         _split_sum_kernel[(triton.cdiv(size, 1024),)](partial, bias if bias is not None else x, out, size,
                                                       out_features, SPLITS=split, HAS_BIAS=bias is not None,
@@ -236,14 +285,46 @@ def fp8_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
 if triton is not None:
 
     @triton.jit
-    def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
-                            stride_sn, stride_om, stride_split, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
+    def _store_tile(acc, b_ptr, part_ptr, out_ptr, count_ptr, offs, ok, M, N, HAS_BIAS: tl.constexpr,
+                    SPLIT_SUM: tl.constexpr):
+        """acc: this program's fp32 sums for out.flat[offs] (offs = m · N + n) over its part of K.
+        Not SPLIT_SUM: (+ bias) stored at part_ptr[split] in part_ptr's dtype (the output itself
+        when K is not split; else fp32 parts that `_split_sum_kernel` adds). SPLIT_SUM: the part
+        stored, and the tile's last program to arrive adds all parts as `_split_sum_kernel` does."""
+        split = tl.program_id(2)
+        size = M * N
+        if SPLIT_SUM:
+            tl.store(part_ptr + split.to(tl.int64) * size + offs, acc, mask=ok)
+            # Every thread's stores precede the one atomic below (the barrier orders them within
+            # the program; its release, cumulative, publishes them at GPU scope).
+            tl.debug_barrier()
+            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(2) - 1:       # the last: its acquire sees every part
+                total = tl.zeros_like(acc)
+                parts = part_ptr + offs
+                for _ in range(tl.num_programs(2)):      # in split order, as _split_sum_kernel adds
+                    total += tl.load(parts, mask=ok, other=0.0, cache_modifier=".cg")   # L2, never a stale L1 line
+                    parts += size
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+                tl.store(count_ptr + tile, 0)            # zero again for the next launch or graph replay
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+            tl.store(part_ptr + split.to(tl.int64) * size + offs, acc.to(part_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _weight_only_kernel(x_ptr, w_ptr, s_ptr, b_ptr, part_ptr, out_ptr, count_ptr, M, N, K, K_PER_SPLIT,
+                            stride_xm, stride_wn, stride_sn, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                             HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                            PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-        """out[split, m, n] = Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[m, k] · w[n, k] over
-        the split's columns K_PER_SPLIT · split … (+ bias[n]); one split: out[m, n] in out's dtype.
-        EVEN_K: K is a multiple of K_PER_SPLIT; EVEN_N: N of BLOCK_N (no masks on the weight)."""
+                            EVEN_M: tl.constexpr, SPLIT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[m, k] · w[n, k] over the split's columns
+        K_PER_SPLIT · split …, KB blocks of BLOCK_K (one scale and one tl.dot each) an iteration;
+        stored by `_store_tile`. EVEN_K: K is a multiple of K_PER_SPLIT; EVEN_N: N of BLOCK_N;
+        EVEN_M: M of BLOCK_M (loads without masks)."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k_start = tl.program_id(2) * K_PER_SPLIT
@@ -253,58 +334,99 @@ if triton is not None:
         w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k_start + offs_k[:, None]   # [BLOCK_K, BLOCK_N]
         s_ptrs = s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
-            if EVEN_K:
-                a = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_ptrs) if EVEN_N else tl.load(w_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k < K - k
-                a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            partial = tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
-            s = tl.load(s_ptrs + k // SCALE_COLS) if EVEN_N else tl.load(s_ptrs + k // SCALE_COLS, mask=n_ok, other=0.0)
-            acc += partial * s[None, :]
-            x_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out_ptrs = (out_ptr + tl.program_id(2).to(tl.int64) * stride_split + offs_m[:, None].to(tl.int64) * stride_om
-                    + offs_n[None, :])
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), KB * BLOCK_K):
+            for kb in tl.static_range(KB):
+                col = k + kb * BLOCK_K
+                if EVEN_K:
+                    a = (tl.load(x_ptrs + kb * BLOCK_K) if EVEN_M
+                         else tl.load(x_ptrs + kb * BLOCK_K, mask=m_ok[:, None], other=0.0))
+                    w = tl.load(w_ptrs + kb * BLOCK_K) if EVEN_N else tl.load(w_ptrs + kb * BLOCK_K,
+                                                                               mask=n_ok[None, :], other=0.0)
+                    s = tl.load(s_ptrs + col // SCALE_COLS) if EVEN_N else tl.load(s_ptrs + col // SCALE_COLS,
+                                                                                  mask=n_ok, other=0.0)
+                else:           # a block past K reads nothing, its scale included (partial · NaN is NaN)
+                    k_ok = offs_k < K - col
+                    a = tl.load(x_ptrs + kb * BLOCK_K, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    w = tl.load(w_ptrs + kb * BLOCK_K, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    s = tl.load(s_ptrs + col // SCALE_COLS, mask=offs_n < tl.where(col < K, N, 0), other=0.0)
+                partial = tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
+                acc += partial * s[None, :]
+            x_ptrs += KB * BLOCK_K
+            w_ptrs += KB * BLOCK_K
+        offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        _store_tile(acc, b_ptr, part_ptr, out_ptr, count_ptr, offs, m_ok[:, None] & n_ok[None, :], M, N,
+                    HAS_BIAS, SPLIT_SUM)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, K_PER_SPLIT, stride_wn, stride_sn, stride_split,
-                     SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                     EVEN_N: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One row: out[split, 0, n] = Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[k] · w[n, k]
-        (+ bias[n]) over the split's columns, KB blocks of BLOCK_K (one scale each) an iteration;
-        products and sums in fp32 (an e4m3 times a bf16 value is exact in fp32)."""
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_start = tl.program_id(1) * K_PER_SPLIT
+    def _load_weights(w_ptrs, n_ok, offs_k, bound, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+        """The e4m3 tile at w_ptrs [BLOCK_N, KB·BLOCK_K], 0 past N and from column `bound` on."""
+        if EVEN_K:
+            return tl.load(w_ptrs) if EVEN_N else tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        return tl.load(w_ptrs, mask=n_ok[:, None] & (offs_k < bound)[None, :], other=0.0)
+
+    @triton.jit
+    def _load_row(x_row_ptr, offs_n, offs_k, bound, EVEN: tl.constexpr, BROADCAST_X: tl.constexpr):
+        """x_row[offs_k] (0 from `bound` on unless EVEN) in fp32, shaped to multiply a
+        [BLOCK_N, len(offs_k)] weight tile. BROADCAST_X: each thread loads the values its weight
+        columns meet (L1 hits after the first warp), already in the weight's layout; else one load
+        a program, then redistributed through shared memory (a barrier a row and iteration)."""
+        if BROADCAST_X:
+            cols = offs_k[None, :] + 0 * offs_n[:, None]                                     # [BLOCK_N, KB·BLOCK_K]
+            x = tl.load(x_row_ptr + cols) if EVEN else tl.load(x_row_ptr + cols, mask=cols < bound, other=0.0)
+        else:
+            x = (tl.load(x_row_ptr + offs_k) if EVEN
+                 else tl.load(x_row_ptr + offs_k, mask=offs_k < bound, other=0.0))[None, :]   # [1, KB·BLOCK_K]
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, part_ptr, out_ptr, count_ptr, M, N, K, K_PER_SPLIT, stride_xm,
+                     stride_wn, stride_sn, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, SPLIT_SUM: tl.constexpr,
+                     BROADCAST_X: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, KB: tl.constexpr, BLOCK_K: tl.constexpr):
+        """BLOCK_M rows a program, the weight tile read once for all of them: out[m, n] =
+        Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[m, k] · w[n, k] over the split's columns,
+        KB blocks of BLOCK_K (one scale each) an iteration; products and sums in fp32 (an e4m3
+        times a bf16 value is exact in fp32). Stored by `_store_tile`."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_start = tl.program_id(2) * K_PER_SPLIT
         offs_k = tl.arange(0, KB * BLOCK_K)
-        n_ok = offs_n < N
+        m_ok, n_ok = offs_m < M, offs_n < N
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k_start + offs_k[None, :]   # [BLOCK_N, KB·BLOCK_K]
         s_rows = s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), KB * BLOCK_K):
-            if EVEN_K:
-                x = tl.load(x_ptr + k + offs_k).to(tl.float32)
-                w = tl.load(w_ptrs) if EVEN_N else tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+        # Transposed, [BLOCK_N, BLOCK_M]: a row's sums come out along N and go in without a layout change.
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        if PREFETCH:
+            w_next = _load_weights(w_ptrs, n_ok, offs_k, K - k_start, EVEN_K, EVEN_N)
+        for k in range(k_start, k_end, KB * BLOCK_K):
+            if PREFETCH:
+                w = w_next
+                # The next step's tile in flight during this step's math (Triton pipelines only
+                # loads that feed tl.dot); the last step loads its own again, so no mask is needed.
+                ahead = tl.where(k + KB * BLOCK_K < k_end, KB * BLOCK_K, 0)
+                w_next = _load_weights(w_ptrs + ahead, n_ok, offs_k, K - k - ahead, EVEN_K, EVEN_N)
             else:
-                k_ok = offs_k < K - k
-                x = tl.load(x_ptr + k + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            products = tl.reshape(w.to(tl.float32) * x[None, :], [BLOCK_N, KB, BLOCK_K])
-            block_sums = tl.sum(products, axis=2)                                             # [BLOCK_N, KB]
-            columns = (k + tl.arange(0, KB) * BLOCK_K) // SCALE_COLS
-            s_mask = n_ok[:, None] & ((k + tl.arange(0, KB) * BLOCK_K) < K)[None, :]
-            s = tl.load(s_rows[:, None] + columns[None, :], mask=s_mask, other=0.0)
-            acc += tl.sum(block_sums * s, axis=1)
+                w = _load_weights(w_ptrs, n_ok, offs_k, K - k, EVEN_K, EVEN_N)
+            w = w.to(tl.float32)
+            columns = k + tl.arange(0, KB) * BLOCK_K
+            s = tl.load(s_rows[:, None] + (columns // SCALE_COLS)[None, :], mask=n_ok[:, None] & (columns < K)[None, :],
+                        other=0.0)                                                            # [BLOCK_N, KB]
+            for r in tl.static_range(BLOCK_M):
+                row = tl.program_id(0) * BLOCK_M + r
+                x = _load_row(x_ptr + row.to(tl.int64) * stride_xm + k, offs_n, offs_k,
+                              tl.where(row < M, K - k, 0), EVEN_K and EVEN_M, BROADCAST_X)
+                products = tl.reshape(w * x, [BLOCK_N, KB, BLOCK_K])
+                row_sums = tl.sum(tl.sum(products, axis=2) * s, axis=1)                       # [BLOCK_N]
+                if BLOCK_M == 1:
+                    acc += row_sums[:, None]
+                else:
+                    acc = tl.where((tl.arange(0, BLOCK_M) == r)[None, :], acc + row_sums[:, None], acc)
             w_ptrs += KB * BLOCK_K
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + tl.program_id(1).to(tl.int64) * stride_split + offs_n, acc.to(out_ptr.dtype.element_ty),
-                 mask=n_ok)
+        offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        _store_tile(acc, b_ptr, part_ptr, out_ptr, count_ptr, offs, n_ok[:, None] & m_ok[None, :], M, N,
+                    HAS_BIAS, SPLIT_SUM)
 
     @triton.jit
     def _split_sum_kernel(partial_ptr, b_ptr, out_ptr, size, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,

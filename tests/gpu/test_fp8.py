@@ -8,6 +8,7 @@ order leave."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -66,6 +67,62 @@ def test_weight_only_kernel_split_over_k(split, rows):
     expected = x.float() @ fp8.dequantize(q, scale, block).T + bias.float()
     tiles = K.WeightOnlyTiles(min(64, max(16, rows)), 32, 4, 4, split)
     assert relative_error(K.weight_only_linear(x, q, scale, block, bias, tiles), expected) < TOLERANCE
+
+
+# The weight-only variants the sweep weighs (scripts/fp8_kernel_bench.py): the GEMV at 1-16 rows a
+# program, x loaded either way; tl.dot over 2 and 4 scale blocks an iteration; K split, its parts
+# summed in the kernel or by the second one.
+VARIANTS = {
+    "gemv1_summed": K.WeightOnlyTiles(1, 32, 4, 2, 4, gemv=True, k_blocks=4, reduce_in_kernel=True),
+    "gemv2_broadcast": K.WeightOnlyTiles(2, 32, 4, 3, 4, gemv=True, k_blocks=2, reduce_in_kernel=True,
+                                         broadcast_x=True),
+    "gemv4_broadcast": K.WeightOnlyTiles(4, 16, 4, 2, 3, gemv=True, k_blocks=4, reduce_in_kernel=True,
+                                         broadcast_x=True),
+    "gemv1_prefetch": K.WeightOnlyTiles(1, 16, 4, 2, 3, gemv=True, k_blocks=4, reduce_in_kernel=True, broadcast_x=True,
+                                        prefetch=True),
+    "gemv4_prefetch": K.WeightOnlyTiles(4, 16, 4, 2, 2, gemv=True, k_blocks=2, broadcast_x=True, prefetch=True),
+    "gemv8_two_launch": K.WeightOnlyTiles(8, 16, 4, 2, 2, gemv=True, k_blocks=2, broadcast_x=True),
+    "gemv16_summed": K.WeightOnlyTiles(16, 16, 8, 2, 2, gemv=True, k_blocks=2, reduce_in_kernel=True),
+    "dot_2_blocks": K.WeightOnlyTiles(16, 32, 4, 4, 4, k_blocks=2, reduce_in_kernel=True),
+    "dot_4_blocks": K.WeightOnlyTiles(16, 64, 4, 3, 2, k_blocks=4, reduce_in_kernel=True),
+}
+GRAPH_ROWS = [1, 2, 3, 4, 8, 16]        # the graphs' buckets up to 16 rows, and a ragged count
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("rows", GRAPH_ROWS)
+def test_weight_only_variants_equal_the_reference(variant, case, rows):
+    tiles = VARIANTS[variant]
+    out_features, in_features, block = CASES[case]
+    q, scale = weights(out_features, in_features, block, seed=6)
+    x = torch.randn(rows, in_features, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(out_features, device="cuda").to(torch.bfloat16) if case == "block" else None
+    expected = x.float() @ fp8.dequantize(q, scale, block).T + (0 if bias is None else bias.float())
+    ours = K.weight_only_linear(x, q, scale, block, bias, tiles)
+    assert ours.dtype == torch.bfloat16 and relative_error(ours, expected) < TOLERANCE
+    if tiles.reduce_in_kernel:       # the sum kernel's bits, call after call; every count back at 0
+        assert torch.equal(ours, K.weight_only_linear(x, q, scale, block, bias, replace(tiles, reduce_in_kernel=False)))
+        assert torch.equal(ours, K.weight_only_linear(x, q, scale, block, bias, tiles))
+        assert not K.split_counters(x.device).any()
+
+
+@pytest.mark.parametrize("variant", ["gemv1_summed", "gemv4_broadcast", "gemv1_prefetch", "dot_2_blocks"])
+def test_split_sums_in_the_kernel_replay_in_a_cuda_graph(variant):
+    """Replays find the counts at 0 (the last program of each tile puts its count back)."""
+    tiles = VARIANTS[variant]
+    q, scale = weights(1024, 4096, fp8.ScaleBlock(), seed=7)
+    x = torch.randn(max(1, tiles.block_m // 2), 4096, device="cuda").to(torch.bfloat16)
+    K.weight_only_linear(x, q, scale, fp8.ScaleBlock(), None, tiles)                 # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = K.weight_only_linear(x, q, scale, fp8.ScaleBlock(), None, tiles)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        expected = K.weight_only_linear(x, q, scale, fp8.ScaleBlock(), None, replace(tiles, reduce_in_kernel=False))
+        assert torch.equal(out, expected)
+    assert not K.split_counters(x.device).any()
 
 
 @pytest.mark.parametrize("case", list(CASES))
