@@ -6,6 +6,9 @@
 #   bash scripts/gpu_round49.sh 1   # call 3: where the DFlash cycle's time outside its forwards goes: torch.profiler
 #        # timelines of fixed-width cycles (Qwen3-8B at 32 and 64 sequences, the hybrid at 1) and the device's idle
 #        # stretches by host phase (scripts/trace_gaps.py), plain's phases beside them
+#   bash scripts/gpu_round49.sh 2   # call 4: issue 33's FP8 weight-only sweep (GEMV of 1-16 rows, tl.dot over several
+#        # scale blocks, K splits summed in the kernel; scripts/fp8_kernel_bench.py --sweep-only), FP8 vs bf16 in the
+#        # engine with the one-row GEMV summing its split in the kernel, the new variants' GPU tests; HTTP bursts
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -23,4 +26,16 @@ if [ "$M" = 1 ]; then
   grep '^{' "$OUT/host_split_hybrid_1.txt" | tee -a "$LOG"
   python3 scripts/trace_gaps.py "$OUT/trace_hybrid_1.json" 2>&1 | head -30 | tee -a "$LOG"
   gzip -f "$OUT/trace_hybrid_1.json"
+fi
+if [ "$M" = 2 ]; then
+  echo "=== FP8 weight-only sweep ($(date +%T))" | tee -a "$LOG"
+  timeout ${SWEEP_S:-170} python3 scripts/fp8_kernel_bench.py --sweep-only --sweep-budget ${SWEEP_BUDGET:-120} \
+    --out "$OUT/fp8_sweep.json" > "$OUT/fp8_sweep.txt" 2>&1
+  grep -v '^{"linear"' "$OUT/fp8_sweep.txt" | tail -80 | tee -a "$LOG"
+  stage "FP8 vs bf16, Qwen3-8B, 1 sequence" timeout ${FP8_S:-90} $B --shape qwen3-8b --accept-len 6.5 --quantization fp8 \
+    --concurrency 1 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
+  timeout ${TESTS_S:-150} $T tests/gpu/test_fp8.py -k "variants or split_sums" > "$OUT/t_fp8_variants.log" 2>&1
+  summary
+  stage "HTTP: demo pair, 3 bursts of 64 x 256" timeout ${HTTP_S:-70} python3 scripts/bench_streams.py \
+    --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3
 fi
