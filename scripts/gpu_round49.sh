@@ -36,6 +36,6 @@ if [ "$M" = 2 ]; then
     --concurrency 1 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
   timeout ${TESTS_S:-150} $T tests/gpu/test_fp8.py -k "variants or split_sums" > "$OUT/t_fp8_variants.log" 2>&1
   summary
-  stage "HTTP: demo pair, 3 bursts of 64 x 256" timeout ${HTTP_S:-70} python3 scripts/bench_streams.py \
+  [ -n "$SKIP_HTTP" ] || stage "HTTP: demo pair, 3 bursts of 64 x 256" timeout ${HTTP_S:-70} python3 scripts/bench_streams.py \
     --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3
 fi
