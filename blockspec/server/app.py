@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+import sys
 import threading
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -107,11 +109,20 @@ async def log_stats(state: ServerState) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def use_switch_interval(value: str | None) -> None:
+    """BLOCKSPEC_SWITCH_INTERVAL (seconds; Python's default is 0.005), for measurements: how long
+    the event loop waits for the GIL at each of its system calls (a socket write, a read) while the
+    engine thread runs Python, and the engine thread likewise (sys.setswitchinterval)."""
+    if value:
+        sys.setswitchinterval(float(value))
+
+
 def serve(settings: ServerSettings) -> int:
     """Load, bind, then run uvicorn until SIGINT/SIGTERM; those drain open requests, then stop
     the engine. A startup failure raises StartupError before anything listens."""
     import uvicorn
     configure_logging(settings.log_level)
+    use_switch_interval(os.environ.get("BLOCKSPEC_SWITCH_INTERVAL"))
     llm = load(settings)
     sock = bind(settings.host, settings.port)
     app = create_app(llm, settings)

@@ -30,7 +30,7 @@ from blockspec.tokenizer import IncrementalDetokenizer, Tokenizer
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
     """From raw body to response; every refusal comes before anything is submitted."""
-    arrival = time.monotonic()
+    arrival = time.perf_counter()               # the clock of the engine's stamps (request.py)
     body = await read_body(state, request, ChatCompletionRequest)
     llm, engine = state.ready()
     check_queue_room(engine, body.num_choices)

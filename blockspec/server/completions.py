@@ -26,7 +26,7 @@ from blockspec.tokenizer import IncrementalDetokenizer, Tokenizer
 
 async def create_completion(state: ServerState, request: Request) -> Response:
     """From raw body to response; every refusal comes before anything is submitted."""
-    arrival = time.monotonic()
+    arrival = time.perf_counter()               # the clock of the engine's stamps (request.py)
     body = await read_body(state, request, CompletionRequest)
     llm, engine = state.ready()
     check_queue_room(engine, body.num_choices * len(body.prompts))

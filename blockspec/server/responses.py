@@ -370,7 +370,7 @@ def sse_event(sequence_number: int, event: dict[str, Any]) -> bytes:
 
 async def create_response(state: ServerState, request: Request) -> Response:
     """POST /v1/responses: the chat path under the Responses API's request and output shapes."""
-    arrival = time.monotonic()
+    arrival = time.perf_counter()               # the clock of the engine's stamps (request.py)
     body = await read_body(state, request, ResponsesRequest)
     try:
         chat = validate(ChatCompletionRequest, chat_request_body(body))
