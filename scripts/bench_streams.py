@@ -282,8 +282,8 @@ def main() -> int:
     parser.add_argument("--overlap", choices=("on", "off"), default="on",
                         help="the engine's overlap on CUDA (off: BLOCKSPEC_OVERLAP=0 for the server)")
     parser.add_argument("--switch-interval", type=float, default=None, metavar="S",
-                        help="the server's sys.setswitchinterval (BLOCKSPEC_SWITCH_INTERVAL; Python's default 0.005): "
-                             "how long its event loop may wait for the GIL behind the engine thread")
+                        help="the server's sys.setswitchinterval (BLOCKSPEC_SWITCH_INTERVAL; the server's default "
+                             "0.0005, Python's 0.005): how long its event loop may wait for the GIL behind the engine thread")
     parser.add_argument("--json", action="store_true", help="print one JSON line too")
     parser.add_argument("--bursts", type=int, default=0, metavar="K",
                         help="instead: K bursts of --requests streams at once, first tokens' p50 / p99 per burst")
