@@ -3,7 +3,10 @@
 A real `blockspec serve` subprocess (the shipped demo pair unless --model is given); this
 process is the client: streamed /v1/completions with held-out code prompts (token ids),
 greedy, `--rounds` alternated rounds, the best time of each way kept. The two ways' texts
-must be equal (a batch changes nothing). Prints seconds for each and the ratio.
+must be equal (a batch changes nothing). Prints seconds for each and the ratio. With --bursts:
+each burst's first tokens as the client saw them, the server's own time to first token split into
+its stages (build, queue, prefill, delivery: /metrics) and the server's CPU (its event loop's thread,
+the rest).
 
     python scripts/bench_streams.py                        # demo pair, DFlash (block 8)
     python scripts/bench_streams.py --serve-args "--speculation off"

@@ -30,8 +30,10 @@ async def create_completion(state: ServerState, request: Request) -> Response:
     body = await read_body(state, request, CompletionRequest)
     llm, engine = state.ready()
     check_queue_room(engine, body.num_choices * len(body.prompts))
+
     def build() -> list[Prompt]:
         return [completion_prompt(llm.tokenizer, p) for p in body.prompts]
+
     # On the loop when small (request_building.INLINE_PROMPT_CHARS says why), else a worker thread.
     prompts = build() if completion_prompts_are_small(body.prompts) else await asyncio.to_thread(build)
     response_id = "cmpl-" + uuid.uuid4().hex[:24]
