@@ -3,7 +3,10 @@
 A real `blockspec serve` subprocess (the shipped demo pair unless --model is given); this
 process is the client: streamed /v1/completions with held-out code prompts (token ids),
 greedy, `--rounds` alternated rounds, the best time of each way kept. The two ways' texts
-must be equal (a batch changes nothing). Prints seconds for each and the ratio.
+must be equal (a batch changes nothing). Prints seconds for each and the ratio. With --bursts:
+each burst's first tokens as the client saw them, the server's own time to first token split into
+its stages (build, queue, prefill, delivery: /metrics) and the server's CPU (its event loop's thread,
+the rest).
 
     python scripts/bench_streams.py                        # demo pair, DFlash (block 8)
     python scripts/bench_streams.py --serve-args "--speculation off"
@@ -35,8 +38,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(port: int, serve_args: list[str], overlap: bool) -> subprocess.Popen:
+def start_server(port: int, serve_args: list[str], overlap: bool, switch_interval: float | None = None
+                 ) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "BLOCKSPEC_OVERLAP": "1" if overlap else "0"}
+    if switch_interval is not None:
+        env["BLOCKSPEC_SWITCH_INTERVAL"] = str(switch_interval)
     command = [sys.executable, "-m", "blockspec.cli", "serve", "--port", str(port), "--log-level", "warning",
                "--no-access-log", *serve_args]
     process = subprocess.Popen(command, env=env)
@@ -174,22 +180,37 @@ def at_once_async(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[
     return time.perf_counter() - started, results
 
 
+# The server's first-token stages (server/state.py FIRST_TOKEN_STAGES), which add up to its TTFT.
+STAGES = ("build", "queue", "prefill", "delivery")
+
+
+def server_histograms(url: str) -> dict[str, tuple[float, float]]:
+    """The server's time-to-first-token histogram ("ttft") and its stages' so far (/metrics): each
+    one's sum (s) and count."""
+    names = {"blockspec_time_to_first_token_seconds": "ttft",
+             **{f"blockspec_first_token_{stage}_seconds": stage for stage in STAGES}}
+    values: dict[str, list[float]] = {key: [0.0, 0.0] for key in names.values()}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        for suffix, i in (("_sum", 0), ("_count", 1)):
+            if name.endswith(suffix) and name[: -len(suffix)] in names:
+                values[names[name[: -len(suffix)]]][i] = float(value)
+    return {key: (total, count) for key, (total, count) in values.items()}
+
+
 def server_ttft(url: str) -> tuple[float, float]:
     """The server's time-to-first-token histogram so far (/metrics): its sum (s) and count. What it
     measures starts in the request's handler, after the connection, the HTTP parse and the client;
     the difference to a client's figure is theirs."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    values = {}
-    for line in text.splitlines():
-        for name in ("blockspec_time_to_first_token_seconds_sum", "blockspec_time_to_first_token_seconds_count"):
-            if line.startswith(name + " "):
-                values[name] = float(line.split()[-1])
-    return values.get("blockspec_time_to_first_token_seconds_sum", 0.0), \
-        values.get("blockspec_time_to_first_token_seconds_count", 0.0)
+    return server_histograms(url)["ttft"]
 
 
-def bursts(url: str, prompts: list[list[int]], max_tokens: int, count: int, client_kind: str = "threads"
-           ) -> list[dict[str, float]]:
+def mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
+    return round((after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3, 2)
+
+
+def bursts(url: str, prompts: list[list[int]], max_tokens: int, count: int, client_kind: str = "threads",
+           server_pid: int | None = None) -> list[dict]:
     """`count` bursts of len(prompts) streams sent at once, the first straight after startup (no
     warm-up request): each burst's first-token p50 / p99 (ms) and its wall time. A server that
     compiled and captured everything before its port opened serves the first burst as fast as
@@ -199,23 +220,31 @@ def bursts(url: str, prompts: list[list[int]], max_tokens: int, count: int, clie
     from blockspec.bench.common import percentile
     out = []
     for _ in range(count):
-        before = server_ttft(url)
+        before = server_histograms(url)
+        cpu_before = server_cpu(server_pid) if server_pid is not None else None
         if client_kind == "async":
             seconds, results = at_once_async(url, prompts, max_tokens)
         else:
             with new_client() as client:
                 seconds, results = at_once(url, prompts, max_tokens, client)
-        after = server_ttft(url)
+        after = server_histograms(url)
         ttfts = sorted(first for _, first in results)
-        server_mean = (after[0] - before[0]) / max(after[1] - before[1], 1)
         out.append({"ttft_p50_ms": round(percentile(ttfts, 50) * 1e3, 1),
                     "ttft_p99_ms": round(percentile(ttfts, 99) * 1e3, 1),
                     "ttft_mean_ms": round(sum(ttfts) / len(ttfts) * 1e3, 1),
-                    "server_ttft_mean_ms": round(server_mean * 1e3, 1), "wall_s": round(seconds, 3)})
+                    "server_ttft_mean_ms": round(mean_ms(before["ttft"], after["ttft"]), 1), "wall_s": round(seconds, 3),
+                    "server_stages_mean_ms": {stage: mean_ms(before[stage], after[stage]) for stage in STAGES}})
+        if cpu_before is not None:
+            # The server's CPU over the burst (its streams included): the event loop's thread, the rest.
+            (loop0, rest0), (loop1, rest1) = cpu_before, server_cpu(server_pid)
+            out[-1]["server_cpu_ms"] = {"loop": round((loop1 - loop0) * 1e3), "others": round((rest1 - rest0) * 1e3)}
+        stages = ", ".join(f"{stage} {ms}" for stage, ms in out[-1]["server_stages_mean_ms"].items())
+        cpu = out[-1].get("server_cpu_ms")
         print(f"burst {len(out)}: {len(prompts)} streams, first token p50 {out[-1]['ttft_p50_ms']} ms, "
               f"p99 {out[-1]['ttft_p99_ms']} ms, mean {out[-1]['ttft_mean_ms']} ms (the server's own, from "
-              f"its handler to the token: mean {out[-1]['server_ttft_mean_ms']} ms), all done in "
-              f"{out[-1]['wall_s']} s", flush=True)
+              f"its handler to the token: mean {out[-1]['server_ttft_mean_ms']} ms = {stages} ms), all done in "
+              f"{out[-1]['wall_s']} s" + (f"; server CPU: loop {cpu['loop']} ms, others {cpu['others']} ms" if cpu else ""),
+              flush=True)
     return out
 
 
@@ -255,6 +284,9 @@ def main() -> int:
     parser.add_argument("--serve-args", default="", help="more `blockspec serve` arguments, one string")
     parser.add_argument("--overlap", choices=("on", "off"), default="on",
                         help="the engine's overlap on CUDA (off: BLOCKSPEC_OVERLAP=0 for the server)")
+    parser.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                        help="the server's sys.setswitchinterval (BLOCKSPEC_SWITCH_INTERVAL; the server's default "
+                             "0.0005, Python's 0.005): how long its event loop may wait for the GIL behind the engine thread")
     parser.add_argument("--json", action="store_true", help="print one JSON line too")
     parser.add_argument("--bursts", type=int, default=0, metavar="K",
                         help="instead: K bursts of --requests streams at once, first tokens' p50 / p99 per burst")
@@ -267,12 +299,12 @@ def main() -> int:
         args.model, draft = write_fixture()
         args.serve_args += f" --draft {draft}"
     serve_args = shlex.split(args.serve_args) + (["--model", args.model] if args.model else [])
-    server = start_server(port, serve_args, args.overlap == "on")
+    server = start_server(port, serve_args, args.overlap == "on", args.switch_interval)
     url = f"http://127.0.0.1:{port}"
     try:
         if args.bursts:
             prompts = demo_prompts(args.requests, args.model)
-            result = bursts(url, prompts, args.max_tokens, args.bursts, args.burst_client)
+            result = bursts(url, prompts, args.max_tokens, args.bursts, args.burst_client, server.pid)
             print(json.dumps({"requests": args.requests, "max_tokens": args.max_tokens, "client": args.burst_client,
                               "bursts": result,
                               "first_over_last_p50": round(result[0]["ttft_p50_ms"] / result[-1]["ttft_p50_ms"], 3)}))

@@ -392,3 +392,76 @@ def test_responses_refusals_name_the_parameter(plain, fields, param):
     error = assert_error(plain.post("/v1/responses", {"input": "Hi", **fields}), 400, param)
     assert error["param"] == param
     assert_error(httpx.get(plain.url + "/v1/responses/resp_123"), 404, "resp_123")
+
+
+# ---------------------------------------------------------------------------------------------
+# The first token's way through the host (issue 30's HTTP item)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_small_prompts_are_built_on_the_loop_and_large_ones_in_one_thread_call(plain, monkeypatch):
+    """A hop to a worker thread waits for the GIL twice under load, so a short prompt is built on
+    the event loop; above INLINE_PROMPT_CHARS one thread call builds it (chat: the template, the
+    images and the grammar together). The output is the same either way."""
+    import asyncio
+
+    from blockspec.server import request_building
+    hops = []
+    to_thread = asyncio.to_thread
+
+    async def counted(func, *args, **kwargs):
+        hops.append(func)
+        return await to_thread(func, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", counted)
+
+    def answers() -> tuple[str, str, str]:
+        chat = plain.chat(HELLO, max_tokens=4)["choices"][0]["message"]["content"]
+        text, ids = (plain.post("/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0}).json()
+                     ["choices"][0]["text"] for prompt in ("Hello there", [9707, 1052, 525]))
+        return chat, text, ids
+
+    on_the_loop = answers()
+    assert hops == []
+    monkeypatch.setattr(request_building, "INLINE_PROMPT_CHARS", 4)
+    assert answers() == on_the_loop
+    assert len(hops) == 2        # the chat prompt, the text completion's (3 token ids stay on the loop)
+
+
+def test_the_api_key_check_runs_on_the_loop():
+    """FastAPI runs a plain-function dependency on anyio's worker threads: a hop per request."""
+    import inspect
+
+    from blockspec.server.routes import api_key_check
+    from blockspec.server.settings import ServerSettings
+    assert inspect.iscoroutinefunction(api_key_check(ServerSettings(model="m", api_key="k")))
+    assert inspect.iscoroutinefunction(api_key_check(ServerSettings(model="m")))
+
+
+def metric_sums(server: LiveServer) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith(("blockspec_first_token_", "blockspec_time_to_first_token_")) and \
+                name.endswith(("_sum", "_count")):
+            values[name] = float(value)
+    return values
+
+
+def test_first_token_stages_add_up_to_the_time_to_first_token(plain):
+    """/metrics splits each request's time to first token into build, queue, prefill and delivery
+    (scripts/bench_streams.py reports their means per burst): one observation each per request,
+    their sums the TTFT's."""
+    before = metric_sums(plain)
+    with httpx.stream("POST", plain.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": HELLO, "max_tokens": 3, "stream": True}) as response:
+        assert response.read().endswith(b"data: [DONE]\n\n")
+    plain.chat(HELLO, max_tokens=2)
+    after = metric_sums(plain)
+    grew = {name: after[name] - before.get(name, 0.0) for name in after}
+    stages = ("build", "queue", "prefill", "delivery")
+    assert all(grew[f"blockspec_first_token_{stage}_seconds_count"] == 2 for stage in stages)
+    assert grew["blockspec_time_to_first_token_seconds_count"] == 2
+    total = sum(grew[f"blockspec_first_token_{stage}_seconds_sum"] for stage in stages)
+    assert total == pytest.approx(grew["blockspec_time_to_first_token_seconds_sum"], abs=1e-6)
+    assert all(grew[f"blockspec_first_token_{stage}_seconds_sum"] >= 0 for stage in stages)

@@ -17,7 +17,7 @@ import fixtures
 from blockspec.loader import load_draft, load_model
 from blockspec.engine.request import Request
 from blockspec.sampling import SamplingParams
-from helpers import OracleDraft, make_engine, make_request, padded, run_alone, run_batch
+from helpers import OracleDraft, make_engine, make_request, padded, run_alone, run_batch, submit
 
 STOP_FREE = frozenset()
 
@@ -384,3 +384,27 @@ def test_the_runners_graphs_serve_every_decode_batch_and_the_bench_reads_them_at
     for static in graphs.full.values():
         static.graph = SimpleNamespace(replay=lambda: None)     # stands in for the device's graph
     assert set(graph_replay_ms(engine, 4 * max_num_seqs)) == {"propose_graph_ms", "verify_graph_ms"}
+
+
+def test_every_request_queued_before_a_step_is_prefilled_in_that_step(dense):
+    """A burst of arrivals (issue 30: 64 × 256 over HTTP) waits for one step, not one step per
+    few arrivals: the step admits everything the inbox holds when it starts and, when seats and
+    the token budget allow, prefills every prompt in its one forward, so each gets its first token
+    there; the first tokens equal each request's alone. The engine's stamps on each request
+    (the server's first-token stages) are in order."""
+    target, draft, vocab = dense
+    config = dict(block_size=8, max_num_seqs=64, max_num_batched_tokens=1024, max_prefill_tokens=1024)
+    requests = [make_request(f"r{i}", p, max_tokens=4) for i, p in enumerate(prompts(vocab, [8 + i % 9 for i in range(64)]))]
+    assert sum(len(r.prompt_ids) for r in requests) <= 1024
+    engine = make_engine(target, draft, **config)
+    runs = [submit(engine, r) for r in requests]
+    engine.step()
+    assert engine.num_waiting == 0 and engine.num_running == 64
+    assert [len(run.tokens) for run in runs] == [1] * 64
+    for run in runs:
+        request = run.request
+        assert request.submitted_at <= request.admitted_at <= request.first_token_at
+    for i in (0, 31, 63):
+        alone = run_alone(lambda: make_engine(target, draft, **config), make_request(f"a{i}", requests[i].prompt_ids,
+                                                                                     max_tokens=4))
+        assert alone.tokens[0] == runs[i].tokens[0]

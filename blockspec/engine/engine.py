@@ -137,6 +137,7 @@ class Engine:
         """Thread-safe; raises QueueFullError instead of queueing beyond max_queue or after
         shutdown began (nothing would ever end the request)."""
         seq = Sequence(request, self.runner.device)
+        request.submitted_at = time.perf_counter()
         with self._lock:
             if self._stopping.is_set():
                 raise QueueFullError("the engine is shutting down")

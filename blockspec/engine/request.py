@@ -81,6 +81,12 @@ class Request:
         self.finish_reason: str | None = None
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.arrival_time = time.monotonic()
+        # Where a first token's time goes (the server's stage histograms), perf_counter seconds set
+        # on the engine thread: the submit, the first admission (Sequence.admitted_at) and the
+        # first token's commit.
+        self.submitted_at: float | None = None
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
         self._abort = threading.Event()
 
     def abort(self) -> None:

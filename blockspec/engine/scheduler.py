@@ -246,6 +246,8 @@ class Scheduler:
             return None
         now = time.perf_counter()
         seq.first_token_at = now
+        if seq.request.first_token_at is None:          # a preempted sequence's recompute is not its first
+            seq.request.first_token_at = now
         seq.request.stats.prefill_s = now - (seq.admitted_at or now)
         return Emitted(seq, commit(seq, [first_token.token_id], first_token.logprobs))
 

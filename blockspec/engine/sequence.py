@@ -86,7 +86,7 @@ class Sequence:
 
     def mark_admitted(self) -> None:
         if self.admitted_at is None:
-            self.admitted_at = time.perf_counter()
+            self.admitted_at = self.request.admitted_at = time.perf_counter()
 
 
 def completes_prefill(seq, num_tokens: int) -> bool:

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
+import sys
 import threading
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -107,11 +109,28 @@ async def log_stats(state: ServerState) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+# The server's GIL switch interval (Python's default: 5 ms). The event loop gives the GIL up at each
+# of its system calls (a socket read or write, the selector) and waits for it back until the thread
+# holding it drops it, which a thread running Python (the engine's host work: all of it on a GPU,
+# where the demo pair's step is < 1 ms of device time) does only when the interval runs out. So at
+# 5 ms the loop made ~160 writes a second beside one busy Python thread, ~1,900 at 0.5 ms, while
+# the busy thread lost nothing (measured on the dev machine's CPU: docs/ARCHITECTURE.md, "The first
+# token's way through the host"); a burst's arrivals and streams are many system calls each.
+SWITCH_INTERVAL_S = 0.0005
+
+
+def use_switch_interval(value: str | None) -> None:
+    """sys.setswitchinterval: SWITCH_INTERVAL_S, or BLOCKSPEC_SWITCH_INTERVAL's seconds (0.005,
+    Python's default, for side-by-side measurements)."""
+    sys.setswitchinterval(float(value) if value else SWITCH_INTERVAL_S)
+
+
 def serve(settings: ServerSettings) -> int:
     """Load, bind, then run uvicorn until SIGINT/SIGTERM; those drain open requests, then stop
     the engine. A startup failure raises StartupError before anything listens."""
     import uvicorn
     configure_logging(settings.log_level)
+    use_switch_interval(os.environ.get("BLOCKSPEC_SWITCH_INTERVAL"))
     llm = load(settings)
     sock = bind(settings.host, settings.port)
     app = create_app(llm, settings)

@@ -20,24 +20,23 @@ from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProces
 from blockspec.server.protocol import ChatCompletionRequest, FunctionCall, ToolCall
 from blockspec.server.replies import (ChatChoiceLogprobs, ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                       ChatCompletionChunkChoice, ChatCompletionMessage, DeltaMessage, DeltaToolCall)
-from blockspec.server.request_building import (Prompt, check_queue_room, read_body, render_chat,
-                                               request_grammar)
-from blockspec.server.state import ServerState
+from blockspec.server.request_building import (Grammar, Prompt, chat_prompt_is_small, check_queue_room, read_body,
+                                               render_chat, request_grammar)
+from blockspec.server.settings import ServerSettings
+from blockspec.server.state import EngineHandle, ServerState
 from blockspec.server.streaming import DONE, SSEResponse, TextChunks, collected, ended_by, sse, with_finish_reason
 from blockspec.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response:
     """From raw body to response; every refusal comes before anything is submitted."""
-    arrival = time.monotonic()
+    arrival = time.perf_counter()               # the clock of the engine's stamps (request.py)
     body = await read_body(state, request, ChatCompletionRequest)
     llm, engine = state.ready()
     check_queue_room(engine, body.num_choices)
     check_images(llm, state.settings, body)
-    prompt = await asyncio.to_thread(render_chat, llm.tokenizer, body)
-    prompt = await asyncio.to_thread(with_images, llm, state.settings, body, prompt)
+    prompt, grammar = await chat_prompt(llm, state.settings, body)
     response_id = "chatcmpl-" + uuid.uuid4().hex[:24]
-    grammar = await asyncio.to_thread(request_grammar, llm, body)
     choices = make_choices(state, llm, engine, response_id, [prompt], body, arrival,
                            lambda p: chat_processor(llm.tokenizer, p, body), grammar=grammar)
     submit_all(choices)  # last: every rejection above came before any work
@@ -46,6 +45,23 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         return SSEResponse(chat_chunks(choices, response_id, model, body, llm.tokenizer), lambda: close_all(choices))
     return await collected(choices, request, lambda outputs: chat_body(
         choices, outputs, response_id, model, body, llm.tokenizer).model_dump(mode="json"))
+
+
+def build_chat_prompt(llm: EngineHandle, settings: ServerSettings, body: ChatCompletionRequest
+                      ) -> tuple[Prompt, Grammar | None]:
+    """The template rendered, its images in place, the grammar compiled: in this order, which is
+    the order of their refusals (each a 400)."""
+    prompt = with_images(llm, settings, body, render_chat(llm.tokenizer, body))
+    return prompt, request_grammar(llm, body)
+
+
+async def chat_prompt(llm: EngineHandle, settings: ServerSettings, body: ChatCompletionRequest
+                      ) -> tuple[Prompt, Grammar | None]:
+    """build_chat_prompt on the loop when the request is small (no thread hop: request_building's
+    INLINE_PROMPT_CHARS says why), else in one worker-thread call."""
+    if chat_prompt_is_small(body):
+        return build_chat_prompt(llm, settings, body)
+    return await asyncio.to_thread(build_chat_prompt, llm, settings, body)
 
 
 def chat_processor(tokenizer: Tokenizer, prompt: Prompt, body: ChatCompletionRequest) -> OutputProcessor:

@@ -17,7 +17,8 @@ from blockspec.server.logprobs import completion_logprobs
 from blockspec.server.output import OutputAccumulator, OutputProcessor
 from blockspec.server.protocol import CompletionRequest
 from blockspec.server.replies import Completion, CompletionChoice
-from blockspec.server.request_building import Prompt, check_queue_room, completion_prompt, read_body
+from blockspec.server.request_building import (Prompt, check_queue_room, completion_prompt, completion_prompts_are_small,
+                                               read_body)
 from blockspec.server.state import ServerState
 from blockspec.server.streaming import DONE, SSEResponse, TextChunks, collected, ended_by, sse, with_finish_reason
 from blockspec.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -25,11 +26,16 @@ from blockspec.tokenizer import IncrementalDetokenizer, Tokenizer
 
 async def create_completion(state: ServerState, request: Request) -> Response:
     """From raw body to response; every refusal comes before anything is submitted."""
-    arrival = time.monotonic()
+    arrival = time.perf_counter()               # the clock of the engine's stamps (request.py)
     body = await read_body(state, request, CompletionRequest)
     llm, engine = state.ready()
     check_queue_room(engine, body.num_choices * len(body.prompts))
-    prompts = await asyncio.to_thread(lambda: [completion_prompt(llm.tokenizer, p) for p in body.prompts])
+
+    def build() -> list[Prompt]:
+        return [completion_prompt(llm.tokenizer, p) for p in body.prompts]
+
+    # On the loop when small (request_building.INLINE_PROMPT_CHARS says why), else a worker thread.
+    prompts = build() if completion_prompts_are_small(body.prompts) else await asyncio.to_thread(build)
     response_id = "cmpl-" + uuid.uuid4().hex[:24]
 
     def processor_for(prompt: Prompt) -> OutputProcessor:

@@ -155,7 +155,20 @@ class Generation:
     def _observe_first_token(self, event: TokenEvent) -> None:
         if event.token_ids and not self._has_first_token:
             self._has_first_token = True
-            self.state.metrics.time_to_first_token.observe(time.monotonic() - self.arrival)
+            now = time.perf_counter()
+            self.state.metrics.time_to_first_token.observe(now - self.arrival)
+            self._observe_stages(now)
+
+    def _observe_stages(self, now: float) -> None:
+        """The first token's time in its stages (state.FIRST_TOKEN_STAGES), from the engine's
+        stamps on the request (an engine stand-in may leave them unset: nothing observed)."""
+        request = self.request
+        stamps = (self.arrival, getattr(request, "submitted_at", None), getattr(request, "admitted_at", None),
+                  getattr(request, "first_token_at", None), now)
+        if any(stamp is None for stamp in stamps):
+            return
+        for histogram, start, end in zip(self.state.metrics.first_token_stages.values(), stamps, stamps[1:]):
+            histogram.observe(max(0.0, end - start))
 
     def _end(self, reason: str) -> None:
         if self._ended:
@@ -163,7 +176,7 @@ class Generation:
         self._ended = True
         self.state.generations.discard(self)
         self.state.metrics.requests.labels(finish_reason=reason).inc()
-        self.state.metrics.e2e_latency.observe(time.monotonic() - self.arrival)
+        self.state.metrics.e2e_latency.observe(time.perf_counter() - self.arrival)
 
 
 class LoopWaker:

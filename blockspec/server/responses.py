@@ -13,7 +13,6 @@ No response is stored: `previous_response_id` (and `background`, stored `prompt`
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -26,14 +25,13 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import Field, ValidationInfo, field_validator
 
-from blockspec.server.chat import chat_processor
+from blockspec.server.chat import chat_processor, chat_prompt
 from blockspec.server.errors import ApiError, GenerationFailed
 from blockspec.server.generation import Choice, close_all, make_choices, merged_deltas, submit_all, total_usage
-from blockspec.server.images import check_images, with_images
+from blockspec.server.images import check_images
 from blockspec.server.output import OutputAccumulator, OutputDelta
 from blockspec.server.protocol import ChatCompletionRequest, _Request
-from blockspec.server.request_building import (check_bounds, check_queue_room, read_body, render_chat,
-                                               request_grammar, validate)
+from blockspec.server.request_building import check_bounds, check_queue_room, read_body, validate
 from blockspec.server.state import ServerState
 from blockspec.server.streaming import SSEResponse, collected
 
@@ -372,7 +370,7 @@ def sse_event(sequence_number: int, event: dict[str, Any]) -> bytes:
 
 async def create_response(state: ServerState, request: Request) -> Response:
     """POST /v1/responses: the chat path under the Responses API's request and output shapes."""
-    arrival = time.monotonic()
+    arrival = time.perf_counter()               # the clock of the engine's stamps (request.py)
     body = await read_body(state, request, ResponsesRequest)
     try:
         chat = validate(ChatCompletionRequest, chat_request_body(body))
@@ -386,9 +384,7 @@ async def create_response(state: ServerState, request: Request) -> Response:
     response_id = new_id("resp_")
     try:
         check_images(llm, state.settings, chat)
-        prompt = await asyncio.to_thread(render_chat, llm.tokenizer, chat)
-        prompt = await asyncio.to_thread(with_images, llm, state.settings, chat, prompt)
-        grammar = await asyncio.to_thread(request_grammar, llm, chat)   # tool_choice required / named
+        prompt, grammar = await chat_prompt(llm, state.settings, chat)   # a grammar: tool_choice required / named
         choices = make_choices(state, llm, engine, response_id, [prompt], chat, arrival,
                                lambda p: chat_processor(llm.tokenizer, p, chat), grammar=grammar)
     except ApiError as exc:

@@ -133,6 +133,15 @@ def batch_size_histogram(counts: dict[int, int]) -> HistogramMetricFamily:
                                  sum_value=sum(size * n for size, n in counts.items()))
 
 
+FIRST_TOKEN_STAGES = {
+    "build": "Arrival (the handler) to the engine's submit: body, checks, prompt, request",
+    "queue": "The engine's submit to the sequence's admission (the step that first schedules it)",
+    "prefill": "Admission to the first token's commit (the prefill steps)",
+    "delivery": "The first token's commit to its event read on the event loop",
+}
+STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
 class Metrics:
     """One registry per app, so several apps (tests) never share or clash."""
 
@@ -147,6 +156,11 @@ class Metrics:
         self.e2e_latency = Histogram(
             "blockspec_e2e_request_latency_seconds", "Arrival to the end of the request",
             registry=self.registry)
+        # The time to first token in its four stages, which add up to it (scripts/bench_streams.py
+        # reports their means per burst): where a burst of arrivals waits.
+        self.first_token_stages = {stage: Histogram(
+            f"blockspec_first_token_{stage}_seconds", doc, buckets=STAGE_BUCKETS, registry=self.registry)
+            for stage, doc in FIRST_TOKEN_STAGES.items()}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
