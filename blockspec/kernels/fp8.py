@@ -21,11 +21,11 @@ paths, chosen by the number of rows M (all fixed-shape, no host sync: inside CUD
 
 Measured on the H200 at the Qwen3-8B shapes (scripts/fp8_kernel_bench.py, BENCHMARKS.md): at
 256 rows the FP8 × FP8 kernel took 0.39-0.52 × the weight-only kernel's time, hence the
-threshold of 64 rows (not 256); at 16 rows 32-column tiles with 4 stages were the best of the
-swept ones, within 3 % or better (swapping the dot's operands, weight tile first, was no
-better: BENCHMARKS.md, round 42); at one row the GEMV is 1.2-1.35 × faster than the best tl.dot
-tiles. The GEMV at 2-16 rows, tl.dot over several scale blocks an iteration and the in-kernel
-split sums are not measured yet (issue 33's sweep: `fp8_kernel_bench.py --sweep-only`).
+threshold of 64 rows (not 256); swapping the dot's operands, weight tile first, was no better
+(BENCHMARKS.md, round 42); at one row the GEMV is 1.2-1.35 × faster than the best tl.dot
+tiles. Round 49's sweep (`fp8_kernel_bench.py --sweep-only`) chose the GEMV at two rows too, x
+broadcast in the weight tile's layout, and K split in 4 parts summed inside the kernel at every
+row count (TILES_BY_ROWS).
 torch._scaled_mm's block-wise scaling is not used: ours runs the same on every torch version.
 """
 from __future__ import annotations
@@ -140,17 +140,18 @@ MIN_TILES_PER_SPLIT, MAX_SPLITS = 4, 8
 MAX_COUNTED_TILES = 1 << 16
 
 # The tiles each row count gets: the first entry whose row count is ≥ the rows (the K split is
-# not here: it follows N, K and the SMs). AWAITING THE H200 SWEEP of issue 33
-# (`scripts/fp8_kernel_bench.py --sweep-only`): the numbers below are round 42's choice, with
-# the one-row GEMV's K split summed in the kernel (the same work minus a launch).
-# The one-row GEMV: 32 columns × 4 scale blocks (512 K columns, 16 KB of e4m3) a program and
-# iteration, 4 warps; measured at the Qwen3-8B shapes at 12.6 / 9.9 / 30.7 / 18.5 µs for
-# qkv / o / gate_up / down against the tl.dot kernel's best 15.6 / 12.3 / 40.9 / 24.4 (bf16
-# cuBLAS: 18.2 / 14.8 / 51.3 / 31.2). 2-64 rows: tl.dot on 32-column tiles, 4 stages, the best
-# or within 3 % of the round's sweep at 16 rows.
-ONE_ROW_TILES = WeightOnlyTiles(1, 32, 4, 2, MAX_SPLITS, gemv=True, k_blocks=4, reduce_in_kernel=True)
-FEW_ROW_TILES = WeightOnlyTiles(16, 32, 4, 4, MAX_SPLITS)
-TILES_BY_ROWS: tuple[tuple[int, WeightOnlyTiles], ...] = ((1, ONE_ROW_TILES), (WEIGHT_ONLY_MAX_ROWS, FEW_ROW_TILES))
+# not here: it follows N, K and the SMs, at most `split_k` parts). Chosen by the H200 sweep of
+# round 49 (`scripts/fp8_kernel_bench.py --sweep-only`, BENCHMARKS.md; one Qwen3-8B layer's four
+# linears, µs): one row, the GEMV of 32 columns × 4 scale blocks, x broadcast in the weight's
+# layout, K in 4 parts summed in the kernel: 69.4 (round 42's tiles 73.7 in the same run); two
+# rows, the GEMV of 2 rows × 32 columns × 2 scale blocks: 80.5 (tl.dot 95.6); 3-64 rows, tl.dot
+# on 16-row × 64-column tiles, 4 stages, K in up to 4 parts summed in the kernel: 92.5 at 16
+# rows (96.6). Four parts were the best or within 6 % at every shape and row count swept.
+ONE_ROW_TILES = WeightOnlyTiles(1, 32, 4, 2, 4, gemv=True, k_blocks=4, reduce_in_kernel=True, broadcast_x=True)
+TWO_ROW_TILES = WeightOnlyTiles(2, 32, 4, 2, 4, gemv=True, k_blocks=2, reduce_in_kernel=True, broadcast_x=True)
+FEW_ROW_TILES = WeightOnlyTiles(16, 64, 4, 4, 4, reduce_in_kernel=True)
+TILES_BY_ROWS: tuple[tuple[int, WeightOnlyTiles], ...] = (
+    (1, ONE_ROW_TILES), (2, TWO_ROW_TILES), (WEIGHT_ONLY_MAX_ROWS, FEW_ROW_TILES))
 
 
 def k_split(in_features: int, step: int, split_k: int) -> tuple[int, int]:
@@ -161,13 +162,14 @@ def k_split(in_features: int, step: int, split_k: int) -> tuple[int, int]:
     return triton.cdiv(steps, per_split), per_split * step
 
 
-def gemv_split(tiles: WeightOnlyTiles, num_rows: int, out_features: int, in_features: int, sms: int) -> int:
-    """K split into the fewest equal parts (a divisor of the loop's steps, so every load is
-    mask-free) that give about four programs per SM, each part at least two steps long."""
-    programs = triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(out_features, tiles.block_n)
+def gemv_split(tiles: WeightOnlyTiles, in_features: int) -> int:
+    """K split into the most equal parts up to tiles.split_k (a divisor of the loop's steps, so
+    every load is mask-free), each part at least two steps long: with the parts summed in the
+    kernel, more parts never lost at the Qwen3-8B shapes up to 4 (round 49's sweep: gate_up at
+    one row 30.7 µs in 4 parts, 32.5 whole, though 768 programs already fill the SMs)."""
     steps = triton.cdiv(in_features, tiles.k_blocks * BLOCK)
     divisors = [d for d in range(1, tiles.split_k + 1) if steps % d == 0 and (steps // d >= 2 or d == 1)]
-    return next((d for d in divisors if programs * d >= 4 * sms), divisors[-1])
+    return divisors[-1]
 
 
 def dot_split(tiles: WeightOnlyTiles, num_rows: int, out_features: int, in_features: int, sms: int) -> int:
@@ -185,7 +187,7 @@ def weight_only_tiles(num_rows: int, out_features: int, in_features: int, sms: i
     rows_up = triton.next_power_of_2(num_rows)
     if chosen.gemv:
         chosen = replace(chosen, block_m=min(chosen.block_m, rows_up))
-        split = gemv_split(chosen, num_rows, out_features, in_features, sms)
+        split = gemv_split(chosen, in_features)
     else:
         chosen = replace(chosen, block_m=min(64, max(chosen.block_m, rows_up)))
         split = dot_split(chosen, num_rows, out_features, in_features, sms)
