@@ -9,6 +9,8 @@
 #   bash scripts/gpu_round49.sh 2   # call 4: issue 33's FP8 weight-only sweep (GEMV of 1-16 rows, tl.dot over several
 #        # scale blocks, K splits summed in the kernel; scripts/fp8_kernel_bench.py --sweep-only), FP8 vs bf16 in the
 #        # engine with the one-row GEMV summing its split in the kernel, the new variants' GPU tests; HTTP bursts
+#   bash scripts/gpu_round49.sh 3   # call 5: the sweep's tiles as the defaults: FP8 vs bf16 in the engine, the FP8
+#        # kernels' GPU tests at the default tiles (every row count) and in a CUDA graph
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -38,4 +40,11 @@ if [ "$M" = 2 ]; then
   summary
   [ -n "$SKIP_HTTP" ] || stage "HTTP: demo pair, 3 bursts of 64 x 256" timeout ${HTTP_S:-70} python3 scripts/bench_streams.py \
     --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3
+fi
+if [ "$M" = 3 ]; then
+  stage "FP8 vs bf16, Qwen3-8B, 1 sequence" timeout ${FP8_S:-90} $B --shape qwen3-8b --accept-len 6.5 --quantization fp8 \
+    --concurrency 1 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
+  timeout ${TESTS_S:-130} $T tests/gpu/test_fp8.py -k "equals_the_reference or dispatch or replays or split" \
+    > "$OUT/t_fp8_defaults.log" 2>&1
+  summary
 fi
