@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import run_interpreted
+
 pytest.importorskip("triton")
 
 HERE = Path(__file__).parent
@@ -86,3 +88,41 @@ def test_hybrid_model_through_interpreted_step_kernel():
                           timeout=300, cwd=HERE.parent)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
     assert "4 passed" in done.stdout, done.stdout[-2000:]
+
+
+NORM_CHILD = """
+import torch
+from blockspec.kernels import fused
+gen = torch.Generator().manual_seed(0)
+worst = {}
+for dtype in (torch.float32, torch.float16, torch.bfloat16):
+    for rows, heads, dim in ((1, 4, 128), (16, 4, 128), (5, 3, 100)):
+        x = torch.randn(rows, heads, dim, generator=gen).to(dtype)
+        weight = (torch.randn(dim, generator=gen) * 0.1 + 1).to(dtype)
+        wide = torch.randn(rows + 2, heads, 2 * dim, generator=gen).to(dtype) * 3
+        gates = {"contiguous": wide[:rows, :, :dim].contiguous(), "strided view": wide[:rows, :, dim:],
+                 "offset rows": wide[2:, :, :dim].contiguous()[:rows] if rows > 0 else wide[:0, :, :dim]}
+        gates["offset rows"] = torch.cat((torch.zeros(1, heads, dim, dtype=dtype), gates["contiguous"]))[1:]
+        for layout, gate in gates.items():
+            ref = fused.gated_rms_norm_torch(x, weight, gate, 1e-6)
+            got = fused.gated_rms_norm_triton(x, weight, gate, 1e-6)
+            assert got.shape == ref.shape and got.dtype == ref.dtype, (got.shape, ref.shape)
+            scale = ref.float().abs().max().item()
+            err = (got.float() - ref.float()).abs().max().item() / scale
+            unequal = (got != ref).float().mean().item()
+            key = str(dtype)
+            worst[key] = max(worst.get(key, (0, 0)), (err, unequal))
+print(worst)
+assert worst["torch.float32"][0] < 1e-6, worst
+for key in ("torch.float16", "torch.bfloat16"):
+    assert worst[key][0] < 2 ** -6 and worst[key][1] < 0.02, worst   # rounded where torch rounds
+print("ok")
+"""
+
+
+def test_interpreted_gated_rms_norm_matches_torch():
+    """The GDN output norm's one kernel (kernels/fused.py) against the twelve torch ops it
+    replaces, for contiguous gates, a strided view and rows after an offset (copied to one
+    aligned layout first): fp32 to rounding order, fp16 / bf16 rounded where torch rounds."""
+    done = run_interpreted(NORM_CHILD, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (done.stdout[-1500:], done.stderr[-2000:])

@@ -1,5 +1,5 @@
 """Fused elementwise kernels of a decoder layer: residual-add + RMSNorm, q/k RMSNorm + RoPE +
-K/V store, SiLU·mul.
+K/V store, SiLU·mul, and the Gated DeltaNet output's gated RMSNorm.
 
 Each op is one function the layers call; it runs one Triton kernel on CUDA and plain torch
 elsewhere (CPU, tests), and both compute the same math the unfused modules did. The Triton
@@ -79,6 +79,15 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gated_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's GatedDeltaNet output norm: w · rmsnorm(x) · silu(gate) over the last dim (a plain
+    weight, not zero-centred), the norm in fp32 and rounded to x's dtype before the weight."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # the ops the layers call
 
@@ -103,6 +112,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if not use_triton(gate_up):
         return silu_mul_torch(gate_up)
     return silu_mul_triton(gate_up)
+
+
+def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    """`gated_rms_norm_torch` for x, gate [..., D] (the same shape) in one kernel: in torch it is
+    twelve elementwise launches, once per Gated DeltaNet layer of every forward whose output norm
+    is not fused into the recurrent kernel (a verify of more than 8 rows: 288 launches a cycle of
+    Qwen3.5-4B, round 49's H200 trace)."""
+    if (not use_triton(x, weight, gate) or x.shape[-1] > 65536 or x.shape != gate.shape
+            or weight.dtype != x.dtype):       # the kernel rounds the weight's product to x's dtype
+        return gated_rms_norm_torch(x, weight, gate, eps)
+    return gated_rms_norm_triton(x, weight, gate, eps)
 
 
 def qk_norm_rope(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int, q_head_stride: int,
@@ -207,6 +227,22 @@ if triton is not None:
         tl.store(out_ptr + row * num_cols + cols, _round(silu * up, dtype).to(dtype), mask=mask)
 
     @triton.jit
+    def _gated_rms_norm_kernel(x_ptr, w_ptr, g_ptr, out_ptr, num_cols, eps, BLOCK: tl.constexpr):
+        """One row of contiguous rows: rounded where gated_rms_norm_torch stores (the normed row,
+        then the weight's product, in dtype; silu(gate) stays fp32 as the torch op's is)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < num_cols
+        dtype = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / num_cols + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(g_ptr + row * num_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        weighted = _round(_round(x * rstd, dtype) * w, dtype)
+        out = _round(weighted * (gate / (1.0 + tl.exp(-gate))), dtype)
+        tl.store(out_ptr + row * num_cols + cols, out.to(dtype), mask=mask)
+
+    @triton.jit
     def _norm_rope_head(src, w_ptr, cos_ptr, sin_ptr, dst, eps, head_dim,
                         HAS_NORM: tl.constexpr, ZERO_CENTRED: tl.constexpr, ROT: tl.constexpr,
                         BLOCK_D: tl.constexpr):
@@ -290,6 +326,26 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(num_rows, triton.cdiv(num_cols, block))](gate_up, out, gate_up.stride(0), num_cols,
                                                                   BLOCK=block, num_warps=4)
     return out
+
+
+def aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous rows starting on a 16-byte boundary: a view (a verify's rows sliced after a
+    step's prefill rows) becomes a copy. Triton compiles a kernel per pointer alignment and
+    stride divisibility, so one layout means one variant, warmed by any call."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def gated_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
+    shape, num_cols = x.shape, x.shape[-1]
+    x, gate = aligned_rows(x).view(-1, num_cols), aligned_rows(gate).view(-1, num_cols)
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        block = _block(num_cols)
+        _gated_rms_norm_kernel[(x.shape[0],)](x, weight, gate, out, num_cols, eps, BLOCK=block,
+                                              num_warps=min(16, max(1, block // 256)))
+    return out.view(shape)
 
 
 def qk_norm_rope_triton(qkv, num_q_heads, num_kv_heads, head_dim, q_head_stride, q_norm, k_norm, eps, zero_centred,

@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from blockspec.kernels.fused import gated_rms_norm_torch
 from blockspec.sampling import device_longs
 
 CHUNK_SIZE = 64
@@ -404,7 +405,7 @@ def reference_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_w
         steps[seq, :rows] = kept[0].to(steps.dtype)
         new_ssm[slot] = final[0].to(new_ssm.dtype)
     if norm is not None:
-        out = gated_rms_norm(out, *norm)
+        out = gated_rms_norm_torch(out, *norm)
     if keep_steps:
         return out, steps, stash
     conv_pool.copy_(new_conv)
@@ -412,8 +413,3 @@ def reference_step(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_w
     return out, None, None
 
 
-def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, z: torch.Tensor, eps: float) -> torch.Tensor:
-    """models.qwen3_5.GatedRMSNorm's arithmetic: weight · rmsnorm(x) · silu(z) over the last dim."""
-    dtype = x.dtype
-    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * normed.to(dtype) * torch.nn.functional.silu(z.float())).to(dtype)

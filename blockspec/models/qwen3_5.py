@@ -26,6 +26,7 @@ from torch import nn
 
 from blockspec.cache.state_pool import RecurrentShape
 from blockspec.config import ConfigError, ModelConfig, eos_ids
+from blockspec.kernels import fused
 from blockspec.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding
 from blockspec.layers.attention import from_padded, mixer, padded_rows, to_padded
 from blockspec.layers.common import FusedLinear, join_fused_parts
@@ -102,10 +103,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x.to(dtype) * F.silu(gate.float())).to(dtype)
+        return fused.gated_rms_norm(x, self.weight, gate, self.eps)
 
 
 class GatedDeltaNet(nn.Module):

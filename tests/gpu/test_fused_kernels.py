@@ -54,6 +54,21 @@ def test_silu_mul_kernel(dtype, rows, cols):
     assert_near(fused.silu_mul_triton(gate_up), fused.silu_mul_torch(gate_up), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, heads, dim", [(1, 32, 128), (16, 32, 128), (256, 32, 128), (7, 3, 100)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided", "offset"])
+def test_gated_rms_norm_kernel(dtype, rows, heads, dim, layout):
+    """The GDN output norm's one kernel against its twelve torch ops (a verify's z is a view of
+    the projection, sliced after any prefill rows: copied to one aligned layout first)."""
+    x = randn(rows, heads, dim, dtype=dtype, seed=5)
+    weight = randn(dim, dtype=dtype, seed=6) * 0.1 + 1
+    wide = randn(rows + 1, heads, 2 * dim, dtype=dtype, seed=7) * 3
+    gate = {"contiguous": wide[:rows, :, :dim].contiguous(), "strided": wide[:rows, :, dim:],
+            "offset": wide.reshape(-1)[1: 1 + rows * heads * dim].view(rows, heads, dim)}[layout]
+    assert_near(fused.gated_rms_norm_triton(x, weight, gate, 1e-6), fused.gated_rms_norm_torch(x, weight, gate, 1e-6),
+                dtype)
+
+
 QK_CASES = {   # (q heads, kv heads, head dim, rotary dims, q head stride factor, norm)
     "qwen3": (8, 2, 128, 128, 1, "plain"),
     "qwen3.5-gated-partial": (4, 1, 64, 16, 2, "zero_centred"),
