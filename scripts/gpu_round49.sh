@@ -11,6 +11,10 @@
 #        # engine with the one-row GEMV summing its split in the kernel, the new variants' GPU tests; HTTP bursts
 #   bash scripts/gpu_round49.sh 3   # call 5: the sweep's tiles as the defaults: FP8 vs bf16 in the engine, the FP8
 #        # kernels' GPU tests at the default tiles (every row count) and in a CUDA graph
+#   bash scripts/gpu_round49.sh 4   # not run yet (the next session; carry .whl): all of tests/gpu in one call (four pytest
+#        # processes, then the pool test alone) with this round's FP8 tiles and the GDN output norm's kernel
+#   bash scripts/gpu_round49.sh 5   # not run yet: the hybrid at one sequence (the gated norm in one kernel: the verify's
+#        # 288 torch launches a cycle gone), FP8 vs bf16 at 32 sequences, HTTP bursts again (burst 2's stages)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -47,4 +51,25 @@ if [ "$M" = 3 ]; then
   timeout ${TESTS_S:-130} $T tests/gpu/test_fp8.py -k "equals_the_reference or dispatch or replays or split" \
     > "$OUT/t_fp8_defaults.log" 2>&1
   summary
+fi
+if [ "$M" = 4 ]; then
+  G=tests/gpu
+  POOL=$G/test_ragged_graphs.py::test_the_pool_fills_the_memory_it_is_given
+  timeout ${TESTS_S:-420} $T $G/test_fp8.py > "$OUT/t_1.log" 2>&1 &
+  timeout ${TESTS_S:-420} $T $G/test_moe_gpu.py $G/test_vision_gpu.py $G/test_moe_kernel.py > "$OUT/t_2.log" 2>&1 &
+  timeout ${TESTS_S:-420} $T $G/test_attention_kernels.py $G/test_gpu.py $G/test_fused_kernels.py > "$OUT/t_3.log" 2>&1 &
+  timeout ${TESTS_S:-420} $T $G/test_ragged_graphs.py $G/test_graph_dispatch.py $G/test_adaptive_graphs.py \
+    $G/test_overlap_gpu.py $G/test_gdn_kernel.py $G/test_warm_gpu.py --deselect $POOL > "$OUT/t_4.log" 2>&1 &
+  wait
+  timeout 100 $T $POOL > "$OUT/t_5_pool.log" 2>&1
+  summary
+fi
+if [ "$M" = 5 ]; then
+  stage "the hybrid at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${HYB_S:-150} \
+    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3.5-4b \
+    --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
+  stage "FP8 vs bf16, Qwen3-8B, 1 and 32 sequences" timeout ${FP8_S:-150} $B --shape qwen3-8b --accept-len 6.5 \
+    --quantization fp8 --concurrency 1,32 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
+  stage "HTTP: demo pair, 3 bursts of 64 x 256" timeout ${HTTP_S:-70} python3 scripts/bench_streams.py \
+    --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3
 fi
