@@ -776,3 +776,21 @@ def test_sigterm_drains_open_streams_then_exits(plain):
     assert events[-1] == "data: [DONE]"
     assert any('"finish_reason":"length"' in line for line in events)
     assert plain.process.wait(30) == 0
+
+
+@pytest.mark.parametrize("value, expected", [(None, 0.0005), ("0.005", 0.005), ("fast", 0.0005), ("-1", 0.0005),
+                                             ("nan", 0.0005)])
+def test_the_switch_interval_setting_never_stops_the_server(value, expected, caplog):
+    """BLOCKSPEC_SWITCH_INTERVAL: seconds for sys.setswitchinterval; anything but a positive number is
+    named in one warning and the default kept."""
+    import sys
+    from blockspec.server.app import use_switch_interval
+    before = sys.getswitchinterval()
+    try:
+        with caplog.at_level("WARNING", logger="blockspec.server"):
+            use_switch_interval(value)
+        assert sys.getswitchinterval() == pytest.approx(expected)
+        warned = [r for r in caplog.records if "BLOCKSPEC_SWITCH_INTERVAL" in r.getMessage()]
+        assert len(warned) == (1 if value not in (None, "0.005") else 0)
+    finally:
+        sys.setswitchinterval(before)

@@ -121,8 +121,19 @@ SWITCH_INTERVAL_S = 0.0005
 
 def use_switch_interval(value: str | None) -> None:
     """sys.setswitchinterval: SWITCH_INTERVAL_S, or BLOCKSPEC_SWITCH_INTERVAL's seconds (0.005,
-    Python's default, for side-by-side measurements)."""
-    sys.setswitchinterval(float(value) if value else SWITCH_INTERVAL_S)
+    Python's default, for side-by-side measurements); a value that is not a positive number is
+    named in a warning and the default kept (a tuning knob never stops the server)."""
+    seconds = SWITCH_INTERVAL_S
+    if value:
+        try:
+            seconds = float(value)
+            if not seconds > 0:
+                raise ValueError
+        except ValueError:
+            logger.warning("blockspec: BLOCKSPEC_SWITCH_INTERVAL=%r is not a positive number of seconds; "
+                           "using %g", value, SWITCH_INTERVAL_S)
+            seconds = SWITCH_INTERVAL_S
+    sys.setswitchinterval(seconds)
 
 
 def serve(settings: ServerSettings) -> int:
