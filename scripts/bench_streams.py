@@ -209,17 +209,20 @@ def mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
     return round((after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3, 2)
 
 
-def bursts(url: str, prompts: list[list[int]], max_tokens: int, count: int, client_kind: str = "threads",
+def bursts(url: str, prompt_sets: list[list[list[int]]], max_tokens: int, client_kind: str = "threads",
            server_pid: int | None = None) -> list[dict]:
-    """`count` bursts of len(prompts) streams sent at once, the first straight after startup (no
+    """A burst per prompt set, its streams sent at once, the first straight after startup (no
     warm-up request): each burst's first-token p50 / p99 (ms) and its wall time. A server that
     compiled and captured everything before its port opened serves the first burst as fast as
-    the later ones. Each burst opens its own connections (a new client): with one client the first
-    burst alone would pay for opening them, the later ones reusing them kept alive. client_kind:
-    "async" (one event loop) or "threads" (a thread per stream, rounds 40-47's client)."""
+    the later ones; so that the comparison is of that alone, each burst has prompts of its own by
+    default (`burst_prompt_sets`: with the same prompts, the later bursts' prefills were prefix-cache
+    hits and the first burst's were not). Each burst opens its own connections (a new client): with
+    one client the first burst alone would pay for opening them, the later ones reusing them kept
+    alive. client_kind: "async" (one event loop) or "threads" (a thread per stream, rounds 40-47's
+    client)."""
     from blockspec.bench.common import percentile
     out = []
-    for _ in range(count):
+    for prompts in prompt_sets:
         before = server_histograms(url)
         cpu_before = server_cpu(server_pid) if server_pid is not None else None
         if client_kind == "async":
@@ -246,6 +249,15 @@ def bursts(url: str, prompts: list[list[int]], max_tokens: int, count: int, clie
               f"{out[-1]['wall_s']} s" + (f"; server CPU: loop {cpu['loop']} ms, others {cpu['others']} ms" if cpu else ""),
               flush=True)
     return out
+
+
+def burst_prompt_sets(count: int, size: int, model: str | None, fresh: bool) -> list[list[list[int]]]:
+    """`count` sets of `size` prompts: distinct across sets (fresh: no burst's prompt shares a
+    cached prefix with an earlier burst's), or the same set each time (rounds 40-49's bursts)."""
+    if not fresh:
+        return [demo_prompts(size, model)] * count
+    prompts = demo_prompts(size * count, model)
+    return [prompts[i * size:(i + 1) * size] for i in range(count)]
 
 
 def demo_prompts(num: int, model: str | None) -> list[list[int]]:
@@ -290,6 +302,9 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON line too")
     parser.add_argument("--bursts", type=int, default=0, metavar="K",
                         help="instead: K bursts of --requests streams at once, first tokens' p50 / p99 per burst")
+    parser.add_argument("--burst-prompts", choices=("fresh", "same"), default="fresh",
+                        help="each burst's prompts its own (default: every burst prefills as the first did), or the "
+                             "same prompts each burst (rounds 40-49: the later bursts hit the prefix cache)")
     parser.add_argument("--burst-client", choices=("async", "threads"), default="threads",
                         help="the bursts' client: a thread per stream (default; round 48 measured httpx's asyncio "
                              "client slower on the H200 machine: 298 / 95 / 282 ms against 157 / 80 / 92), or one event loop")
@@ -303,10 +318,10 @@ def main() -> int:
     url = f"http://127.0.0.1:{port}"
     try:
         if args.bursts:
-            prompts = demo_prompts(args.requests, args.model)
-            result = bursts(url, prompts, args.max_tokens, args.bursts, args.burst_client, server.pid)
+            sets = burst_prompt_sets(args.bursts, args.requests, args.model, args.burst_prompts == "fresh")
+            result = bursts(url, sets, args.max_tokens, args.burst_client, server.pid)
             print(json.dumps({"requests": args.requests, "max_tokens": args.max_tokens, "client": args.burst_client,
-                              "bursts": result,
+                              "burst_prompts": args.burst_prompts, "bursts": result,
                               "first_over_last_p50": round(result[0]["ttft_p50_ms"] / result[-1]["ttft_p50_ms"], 3)}))
             return 0
         prompts = demo_prompts(args.requests + 1, args.model)

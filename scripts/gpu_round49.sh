@@ -14,7 +14,8 @@
 #   bash scripts/gpu_round49.sh 4   # not run yet (the next session; carry .whl): all of tests/gpu in one call (four pytest
 #        # processes, then the pool test alone) with this round's FP8 tiles and the GDN output norm's kernel
 #   bash scripts/gpu_round49.sh 5   # not run yet: the hybrid at one sequence (the gated norm in one kernel: the verify's
-#        # 288 torch launches a cycle gone), FP8 vs bf16 at 32 sequences, HTTP bursts again (burst 2's stages)
+#        # 288 torch launches a cycle gone), FP8 vs bf16 at 32 sequences, HTTP bursts again, each burst with prompts
+#        # of its own (bench_streams' new default), then with the same prompts (rounds 40-49's form) for burst 2
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -70,6 +71,8 @@ if [ "$M" = 5 ]; then
     --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
   stage "FP8 vs bf16, Qwen3-8B, 1 and 32 sequences" timeout ${FP8_S:-150} $B --shape qwen3-8b --accept-len 6.5 \
     --quantization fp8 --concurrency 1,32 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
-  stage "HTTP: demo pair, 3 bursts of 64 x 256" timeout ${HTTP_S:-70} python3 scripts/bench_streams.py \
-    --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3
+  for prompts in fresh same; do
+    stage "HTTP: demo pair, 3 bursts of 64 x 256, $prompts prompts" timeout ${HTTP_S:-70} python3 scripts/bench_streams.py \
+      --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3 --burst-prompts $prompts
+  done
 fi
