@@ -53,17 +53,8 @@ if [ "$M" = 3 ]; then
     > "$OUT/t_fp8_defaults.log" 2>&1
   summary
 fi
-if [ "$M" = 4 ]; then
-  G=tests/gpu
-  POOL=$G/test_ragged_graphs.py::test_the_pool_fills_the_memory_it_is_given
-  timeout ${TESTS_S:-420} $T $G/test_fp8.py > "$OUT/t_1.log" 2>&1 &
-  timeout ${TESTS_S:-420} $T $G/test_moe_gpu.py $G/test_vision_gpu.py $G/test_moe_kernel.py > "$OUT/t_2.log" 2>&1 &
-  timeout ${TESTS_S:-420} $T $G/test_attention_kernels.py $G/test_gpu.py $G/test_fused_kernels.py > "$OUT/t_3.log" 2>&1 &
-  timeout ${TESTS_S:-420} $T $G/test_ragged_graphs.py $G/test_graph_dispatch.py $G/test_adaptive_graphs.py \
-    $G/test_overlap_gpu.py $G/test_gdn_kernel.py $G/test_warm_gpu.py --deselect $POOL > "$OUT/t_4.log" 2>&1 &
-  wait
-  timeout 100 $T $POOL > "$OUT/t_5_pool.log" 2>&1
-  summary
+if [ "$M" = 4 ]; then           # round 45's call 6, the same four processes and the pool test alone
+  TESTS_S=${TESTS_S:-420} bash "$(dirname "$0")/gpu_round45.sh" 6
 fi
 if [ "$M" = 5 ]; then
   stage "the hybrid at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${HYB_S:-150} \

@@ -260,11 +260,13 @@ def long_prefills(meta: AttentionMetadata, q: torch.Tensor) -> LongPrefills | No
 def plan_long_prefills(meta: AttentionMetadata, q: torch.Tensor) -> LongPrefills | None:
     """long_prefills' plan, made by the forward's first attention layer."""
     from blockspec.kernels import flash_prefill
+    if not flash_prefill.enabled() or not flash_prefill.supports(q):
+        return None
     head = flash_prefill.long_prefill_head(meta.lens[: meta.num_prefill_seqs], q.shape[-1])
     if meta.max_gather_keys is not None:
         keys = itertools.accumulate(meta.context_lens_host[:head])
         head = sum(1 for _ in itertools.takewhile(lambda total: total <= meta.max_gather_keys, keys))
-    if not head or not flash_prefill.enabled() or not flash_prefill.supports(q):
+    if not head:
         return None
     return flash_prefill.plan(head, meta.lens, meta.context_lens_host, meta.starts, meta.context_lens,
                               meta.block_tables, meta.page_size)
