@@ -110,6 +110,26 @@ def device_longs(values: list | np.ndarray, device: torch.device) -> torch.Tenso
     return torch.tensor(values, dtype=torch.long, pin_memory=is_cuda).to(device, non_blocking=is_cuda)
 
 
+class Staged:
+    """A device tensor's copy on its way to the host: on CUDA into pinned memory, non-blocking,
+    with an event after it, so that reading it waits for this copy and not for the work enqueued
+    after it (an early draft, engine/model_runner.py); on the CPU the tensor itself."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.event = None
+        if values.is_cuda:
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            values = host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        self.values = values
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.values.tolist()
+
+
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """probs [..., V] → ids [...] (one draw per row): the exponential race argmax(p / E), E ~ Exp(1).
     That is torch.multinomial's own rule for one draw (the same ids from the same generator state,

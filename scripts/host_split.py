@@ -44,6 +44,7 @@ from blockspec.models.base import CausalLM
 PHASES = {"schedule": (Scheduler, "schedule"), "planned_widths": (Speculation, "planned_widths"),
           "launch": (ModelRunner, "launch"), "propose_for": (ModelRunner, "propose_for"),
           "learn": (ModelRunner, "learn"), "send_events": (Engine, "_send_events"),
+          "draft_ahead": (ModelRunner, "draft_ahead"),
           "collect": (ModelRunner, "collect"), "step": (Engine, "step"),
           # finer, for a --trace timeline (their times are inside the ones above)
           "finish_decode": (ModelRunner, "finish_decode"), "state_select": (StatePool, "select"),
@@ -163,7 +164,7 @@ def measure(target, draft, mode: str, concurrency: int, block: int, profile, use
     patches = []
     if draft is not None:
         patches = [mock.patch.object(model_runner, "propose", profile.propose(model_runner.propose)),
-                   mock.patch.object(model_runner, "accept", profile.accept(model_runner.accept))]
+                   mock.patch.object(model_runner, "judge", profile.judge(model_runner.judge))]
     for p in patches:
         p.start()
     try:

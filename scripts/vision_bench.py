@@ -78,8 +78,8 @@ def run_engine(target, draft, args) -> dict[str, float]:
                           speculation="fixed", prefix_cache=False)
     engine = Engine(target, draft, config)
     forcing = draft is not None
-    with mock.patch.object(model_runner, "accept", forced_accept(args.accept_len) if forcing
-                           else model_runner.accept):
+    with mock.patch.object(model_runner, "judge", forced_accept(args.accept_len) if forcing
+                           else model_runner.judge):
         for seed, tokens in ((1, 8), (2, args.max_tokens)):
             request = image_request(f"image-{seed}", seed, tokens, config.max_model_len)
             synchronize()

@@ -15,7 +15,7 @@ from scipy.stats import chi2_contingency
 
 import fixtures
 from blockspec.config import ConfigError, EngineConfig
-from blockspec.engine.spec.dflash import Proposal, accept
+from blockspec.engine.spec.dflash import Proposal, Verdict, accept
 from blockspec.engine.spec.policy import (NUM_BINS, WARMUP_OBSERVATIONS, Calibration, CostTable, Speculation, allocate,
                                           expected_committed, forwards_ms, interpolate)
 from blockspec.loader import load_draft, load_model
@@ -964,13 +964,16 @@ def test_latent_profile_cycles_read_each_sequences_own_slots():
     sequence at a time computes them."""
     from blockspec.bench import LatentProfile
     profile = LatentProfile(4.0, 8)
-    seqs = [SimpleNamespace(request=SimpleNamespace(request_id=f"s{i}", prompt_ids=[0] * (3 + i), max_model_len=400),
+    seqs = [SimpleNamespace(request=SimpleNamespace(request_id=f"s{i}", prompt_ids=[0] * (3 + i), max_model_len=400,
+                                                    params=SamplingParams()),
                             num_cached=3 + i + 17 * i) for i in range(6)]
     widths = [7, 0, 3, 7, 1, 5]
     logits = torch.randn(6, 8, 50, generator=torch.Generator().manual_seed(0))
     proposal = SimpleNamespace(drafts=torch.zeros(6, 7, dtype=torch.long), confidence=None)
     proposed = profile.propose(lambda out, seqs, confidence: proposal)(None, seqs, True)
-    num_accepted, new_tokens = profile.accept(lambda *a: ([0] * 6, [[0]] * 6))(seqs, proposed, logits, None, widths)
+    verdict = profile.judge(lambda *a: Verdict(torch.zeros(6, 1, dtype=torch.long), logits.argmax(-1)))(
+        seqs, proposed, logits, None, widths)
+    num_accepted, new_tokens = accept(seqs, proposed, logits, None, widths, verdict)
     argmax = logits.argmax(-1).tolist()
     for b, seq in enumerate(seqs):
         pi, u = profile.latents(seq.request, 500)

@@ -49,7 +49,7 @@ def burst(target, draft, block_size: int, arrivals: int, decoding: int, prompt_l
             raise EngineFailed(f"a bench request failed in the engine: {errors[0]}")
 
     forcing = accept_len is not None and draft is not None
-    with mock.patch.object(model_runner, "accept", forced_accept(accept_len) if forcing else model_runner.accept):
+    with mock.patch.object(model_runner, "judge", forced_accept(accept_len) if forcing else model_runner.judge):
         run_batch(engine, min(4, arrivals), min(prompt_len, 64), 4)                    # warm-up
         background = [request(f"decoding-{i}", 64, prompt_len + max_tokens) for i in range(decoding)]
         for r in background:

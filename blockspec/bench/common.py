@@ -19,7 +19,7 @@ from blockspec.loader import build_empty
 from blockspec.models.dflash import DFlashDraftModel, DraftConfig, default_target_layer_ids
 from blockspec.models.dflash2 import DFlash2DraftModel
 from blockspec.models.registry import ARCHITECTURES
-from blockspec.sampling import SamplingParams
+from blockspec.sampling import SamplingParams, device_longs
 
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -197,22 +197,26 @@ def step_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def forced_accept(accept_len: float):
-    """An accept() that keeps accept_len tokens per verify on average (floor and ceil mixed),
-    for random weights whose drafts are never right."""
+    """A judge() that keeps accept_len tokens per verify on average (floor and ceil mixed), for
+    random weights whose drafts are never right: the counts are set on the device, so what reads
+    them there (an early draft's anchors, engine/model_runner.py) sees the forced verdict too.
+    It patches model_runner.judge; a sampling sequence that verifies drafts keeps the rejection
+    rule's own verdict."""
     credit = [0.0]
 
-    def accept(seqs, proposal, logits, processed=None, num_drafts=None):
-        num_accepted, new_tokens = real_accept(seqs, proposal, logits, processed, num_drafts)
-        target_ids = logits.argmax(-1).tolist()
+    def judge(seqs, proposal, logits, processed=None, num_drafts=None):
+        verdict = real_judge(seqs, proposal, logits, processed, num_drafts)
         limits = num_drafts or [logits.shape[1] - 1] * len(seqs)
+        accepted = []
         for b in range(len(seqs)):
             credit[0] += accept_len
             kept = max(1, min(int(credit[0]), limits[b] + 1))
             credit[0] -= kept
-            num_accepted[b], new_tokens[b] = kept - 1, target_ids[b][:kept]
-        return num_accepted, new_tokens
-    real_accept = model_runner.accept
-    return accept
+            accepted.append(kept - 1)
+        verdict.accepted = device_longs(accepted, logits.device).view(-1, 1)
+        return verdict
+    real_judge = model_runner.judge
+    return judge
 
 
 # The engine options given to `bench` (--max-model-len, --gpu-memory-utilization, --num-gpu-blocks,

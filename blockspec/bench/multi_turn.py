@@ -82,7 +82,7 @@ def multi_turn_run(target, draft, block_size: int, conversations: int, turns: in
         engine.submit(request, on_event)
 
     forcing = accept_len is not None and draft is not None
-    with mock.patch.object(model_runner, "accept", forced_accept(accept_len) if forcing else model_runner.accept):
+    with mock.patch.object(model_runner, "judge", forced_accept(accept_len) if forcing else model_runner.judge):
         for c in range(conversations):
             submit(c)
         first_token: dict[str, float] = {}

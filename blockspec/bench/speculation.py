@@ -15,6 +15,7 @@ import torch
 from blockspec.bench.common import SHAPES, bench_engine, build_models, forced_accept, release, run_batch
 from blockspec.bench.forward import graph_replay_ms
 from blockspec.engine import model_runner
+from blockspec.sampling import device_longs
 
 
 LATENT_CHUNK = 1024
@@ -87,22 +88,22 @@ class LatentProfile:
             return proposal
         return propose
 
-    def accept(self, real: Callable):
-        def accept(seqs, proposal, logits, processed=None, widths=None):
-            num_accepted, new_tokens = real(seqs, proposal, logits, processed, widths)   # the same host work
+    def judge(self, real: Callable):
+        """A judge() whose accepted counts follow the profile (set on the device: an early draft
+        reads them there); the target's tokens are the real verdict's."""
+        def judge(seqs, proposal, logits, processed=None, widths=None):
+            verdict = real(seqs, proposal, logits, processed, widths)          # the same device work
             if proposal is None:
-                return num_accepted, new_tokens
-            target_ids = logits.argmax(-1).tolist()
+                return verdict
             num_slots = proposal.drafts.shape[1]
             pi, u = self.slots(seqs, num_slots)
             # a = the leading slots with u < π, never past the sequence's own k
             kept = (u < pi) & (np.arange(num_slots)[None] < np.asarray(widths if widths is not None
                                                                         else [num_slots] * len(seqs))[:, None])
-            accepted = np.cumprod(kept, axis=1).sum(axis=1).tolist()
-            for b, a in enumerate(accepted):
-                num_accepted[b], new_tokens[b] = a, target_ids[b][: a + 1]
-            return num_accepted, new_tokens
-        return accept
+            accepted = np.cumprod(kept, axis=1).sum(axis=1)
+            verdict.accepted = device_longs(accepted, logits.device).view(-1, 1)
+            return verdict
+        return judge
 
 
 def solve_mean_probability(mean_length: float, block_size: int) -> float:
@@ -148,9 +149,9 @@ def speculation_sweep(target, draft, block_size: int, concurrency: list[int], pr
     patches = []
     if draft is not None and profile is not None:
         patches = [mock.patch.object(model_runner, "propose", profile.propose(model_runner.propose)),
-                   mock.patch.object(model_runner, "accept", profile.accept(model_runner.accept))]
+                   mock.patch.object(model_runner, "judge", profile.judge(model_runner.judge))]
     elif draft is not None and accept_len is not None:
-        patches = [mock.patch.object(model_runner, "accept", forced_accept(accept_len))]
+        patches = [mock.patch.object(model_runner, "judge", forced_accept(accept_len))]
     out = {}
     for patch in patches:
         patch.start()

@@ -24,7 +24,7 @@ def measure(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int,
     """Output tok/s of `concurrency` requests decoded together through the engine (a warm-up
     batch first), and the decode milliseconds per cycle of the batch."""
     forcing = accept_len is not None and engine.runner.draft is not None
-    with mock.patch.object(model_runner, "accept", forced_accept(accept_len) if forcing else model_runner.accept):
+    with mock.patch.object(model_runner, "judge", forced_accept(accept_len) if forcing else model_runner.judge):
         run_batch(engine, concurrency, prompt_len, 8)                                   # warm-up
         result = run_batch(engine, concurrency, prompt_len, max_tokens)
     return {**result, **graph_replay_ms(engine, concurrency)}

@@ -75,7 +75,7 @@ def throughput(workers: Workers, key: tuple, draft_kind: str, block_size: int, c
     engine = Engine(target, draft, config,
                     make_runner=functools.partial(LeaderRunner, tp=workers.tp, on_fatal=workers.fatal))
     forcing = accept_len is not None and draft is not None
-    with mock.patch.object(model_runner, "accept", bench.forced_accept(accept_len) if forcing else model_runner.accept):
+    with mock.patch.object(model_runner, "judge", bench.forced_accept(accept_len) if forcing else model_runner.judge):
         bench.run_batch(engine, concurrency, prompt_len, 8)                               # warm-up
         return bench.run_batch(engine, concurrency, prompt_len, max_tokens)
 

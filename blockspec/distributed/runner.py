@@ -103,7 +103,9 @@ def agreed_pool(tp: TPGroup, size: PoolSize) -> PoolSize:
 
 class LeaderRunner(ModelRunner):
     """Rank 0: sends each step's plan, broadcasts the drafts, keeps the accepted lengths for the
-    next plan. A failure inside a step leaves the ranks' collectives out of step: fatal."""
+    next plan. A failure inside a step leaves the ranks' collectives out of step: fatal. No early
+    drafts: every draft forward follows a plan the workers received."""
+    supports_early_drafts = False
 
     def __init__(self, target, draft, config, tp: TPGroup, on_fatal: Callable[[str], None]) -> None:
         self.tp, self.on_fatal = tp, on_fatal
@@ -140,14 +142,15 @@ class LeaderRunner(ModelRunner):
         self.tp.broadcast_tensor(proposal.drafts.long().contiguous())
         return proposal
 
-    def finish_decode(self, decode, num_drafts, logits, proposal) -> DecodeResult:
-        result = super().finish_decode(decode, num_drafts, logits, proposal)
+    def finish_decode(self, decode, num_drafts, logits, proposal, verdict=None) -> DecodeResult:
+        result = super().finish_decode(decode, num_drafts, logits, proposal, verdict)
         self._accepted = list(result.num_accepted)
         return result
 
 
 class WorkerRunner(ModelRunner):
     """Rank > 0: runs rank 0's plans; decides nothing."""
+    supports_early_drafts = False
 
     def __init__(self, target, draft, config, tp: TPGroup) -> None:
         self.tp = tp
@@ -167,12 +170,15 @@ class WorkerRunner(ModelRunner):
         drafts = torch.empty(len(seqs), num_slots, dtype=torch.long, device=self.device)
         return Proposal(self.tp.broadcast_tensor(drafts), [None] * len(seqs))
 
-    def first_tokens(self, batch: Batch, logits: torch.Tensor | None) -> list[FirstToken | None]:
+    def stage_readback(self, launched: Launched) -> Launched:
+        return launched                          # nothing to read: rank 0 decides
+
+    def first_tokens(self, batch: Batch, logits: torch.Tensor | None, draws=None) -> list[FirstToken | None]:
         for seq, n in batch.prefill:
             seq.num_cached += n
         return [None] * len(batch.prefill)
 
-    def finish_decode(self, decode, num_drafts, logits, proposal) -> None:
+    def finish_decode(self, decode, num_drafts, logits, proposal, verdict=None) -> None:
         self._verified = decode
 
     def select_accepted(self, accepted: list[int]) -> None:

@@ -217,14 +217,17 @@ class Engine:
         started = time.perf_counter()
         launched = self.runner.launch(batch)
         self.runner.learn()                                  # while the device runs this step
-        if self.overlap:
-            self._send_events()
         # The next step's widths, likewise, for the sequences it will decode unless one ends now:
         # these, and those whose prompt this step completes (an arrival is then planned for
         # here, not on the spot after the next sync).
         upcoming = batch.decode + [seq for seq, n in batch.prefill if completes_prefill(seq, n)]
         if upcoming:
             self.runner.speculation.plan_ahead(upcoming)
+        # The next step's draft behind this step's verify, so the device works through what
+        # follows until the next launch (model_runner.draft_ahead).
+        self.runner.draft_ahead(launched)
+        if self.overlap:
+            self._send_events()
         result = self.runner.collect(launched)
         if result.decode is not None and self.runner.draft is not None:
             self._count_speculation(result.decode)

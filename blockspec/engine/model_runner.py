@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from itertools import chain
@@ -35,12 +36,13 @@ from blockspec.engine.warm import warm_kernels
 from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logprobs
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence, completes_prefill
-from blockspec.engine.spec.dflash import DraftReadout, Proposal, accept, process_verify, propose
+from blockspec.engine.spec.dflash import DraftReadout, Proposal, Verdict, accept, judge, process_verify, propose
 from blockspec.engine.spec.policy import Speculation
 from blockspec.layers import AttentionMetadata
 from blockspec.models.base import MultimodalRows
+from blockspec.models.dflash2 import CandidateWalk
 from blockspec.layers.attention import token_rows, unpack, uses_kernels
-from blockspec.sampling import device_longs, sample
+from blockspec.sampling import Staged, device_longs, sample
 
 
 # Startup lines (the KV pool, the graphs): INFO, shown where the server or CLI configures logging
@@ -63,12 +65,53 @@ class StepResult:
 
 
 @dataclass
+class FirstDraws:
+    """The first tokens of the prompts a step ends, chosen on the device when it is launched."""
+    ending: list[int]                        # the prefill chunks (indices) that end their prompt
+    raw: list[torch.Tensor | None]           # their raw log-softmax rows, for those that asked
+    tokens: Staged | None                    # [len(ending)], on its way to the host
+
+
+@dataclass
 class Launched:
     """A step whose forwards are launched: what `collect` needs to finish it."""
     batch: Batch
     logits: torch.Tensor | None              # verify logits [B, max k + 1, V] of the decoding sequences
     proposal: Proposal | None
     first_logits: torch.Tensor | None        # [P, V]: the P prefill chunks that end their prompt
+    verdict: Verdict | None = None           # the verify judged on the device (stage_readback)
+    draws: FirstDraws | None = None
+
+
+@dataclass
+class EarlyDraft:
+    """Step N + 1's draft, launched right after step N's verify, before step N's results reach the
+    host (`draft_ahead`): each row's anchor (its bonus token) and context length (+ a + 1) were
+    set on the device from step N's verdict. It stands in for step N + 1's draft of a sequence
+    only where that sequence is where the verdict put it (`settle`, then `row_of`) and the step
+    drafts blocks of the same width; its rows are read (`proposal_of`) before any other draft
+    forward overwrites the graphs' shared readout."""
+    seqs: list[Sequence]
+    batch_rows: list[int]                    # each row's index in step N's decode batch
+    width: int
+    out: Any                                 # the draft's output: rows 0 … len(seqs) − 1, then padding
+    base: list[int]                          # each row's num_cached during step N
+    expected: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
+
+    def settle(self, result: "DecodeResult") -> None:
+        """Step N's results on the host: where each row's sequence must stand at step N + 1
+        (row, num_cached = base + a + 1, anchor = the bonus token) for its row to be its draft."""
+        for row, (seq, b, base) in enumerate(zip(self.seqs, self.batch_rows, self.base)):
+            self.expected[id(seq)] = (row, base + result.num_accepted[b] + 1, result.new_tokens[b][-1])
+
+    def row_of(self, seq: Sequence, width: int) -> int | None:
+        entry = self.expected.get(id(seq))
+        if entry is None or width != self.width:
+            return None
+        row, num_cached, anchor = entry
+        if self.seqs[row] is not seq or seq.num_cached != num_cached or seq.anchor != anchor:
+            return None                       # preempted, cut, or another step between
+        return row
 
 
 @dataclass
@@ -80,6 +123,8 @@ class Entry:
 
 
 class ModelRunner:
+    supports_early_drafts = True            # a tensor-parallel runner's plans drive every draft: off there
+
     def __init__(self, target: nn.Module, draft: nn.Module | None, config: EngineConfig) -> None:
         self.target, self.config = target, config
         self.draft = draft if draft is not None and config.block_size > 1 and config.speculation != "off" else None
@@ -96,6 +141,9 @@ class ModelRunner:
         self.num_forwards = 0                            # target + draft forwards, for tests and stats
         self.deferred: list[Callable[[], None]] = []     # see defer
         self.pending_select: tuple[list[int], list[int]] | None = None    # (slots, kept): see flush_states
+        self.early: EarlyDraft | None = None             # the next step's draft, launched ahead (draft_ahead)
+        self.early_rows = [0, 0]                          # rows drafted early, and those a step took
+        self.drafts_early = False
         graphed = config.cuda_graphs and self.device.type == "cuda"
         # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
         # step (verify_widths). Made before any forward: a draft forward (the pool's profile, the
@@ -118,6 +166,11 @@ class ModelRunner:
         # (engine/spec/costs.py), and logged.
         if self.speculation.mode == "adaptive":
             self.speculation.costs = self.measure_costs()
+        # Early drafts (draft_ahead): where the device runs while the host finishes a step (CUDA);
+        # BLOCKSPEC_EARLY_DRAFT=0 turns them off, for side-by-side measurements. Tests turn them
+        # on for the CPU (the same drafts, launched earlier).
+        self.drafts_early = (self.supports_early_drafts and self.draft is not None and self.device.type == "cuda"
+                             and os.environ.get("BLOCKSPEC_EARLY_DRAFT", "1") != "0")
 
     def size_pool(self, graphed: bool) -> PoolSize:
         """The pool's size (engine/memory.py), with the graphs' verify stash of a hybrid target."""
@@ -470,21 +523,83 @@ class ModelRunner:
             self.flush_states()
         self.clear_states([seq for seq, _ in batch.prefill])
         self.restore_snapshots([seq for seq, _ in batch.prefill])
-        logits, proposal, first_logits = self.forward_step(batch)
+        early, self.early = self.early, None              # this step's, or none: never a later one's
+        logits, proposal, first_logits = self.forward_step(batch, early)
         self.take_snapshots([seq for seq, _ in batch.prefill])
         for seq, n in batch.prefill:        # the tower's tokens are kept only while a prompt's rows remain
             if completes_prefill(seq, n):
                 seq.vision_outputs = {}
-        return Launched(batch, logits, proposal, first_logits)
+        return self.stage_readback(Launched(batch, logits, proposal, first_logits))
+
+    def stage_readback(self, launched: Launched) -> Launched:
+        """What collect reads, decided on the device now and on its way to the host: the first
+        tokens, and the verify's verdict unless a decoding sequence processes its logits (its
+        processed rows need the drafts on the host first: judged in collect)."""
+        batch = launched.batch
+        if launched.first_logits is not None:
+            launched.draws = self.draw_first(batch, launched.first_logits)
+        if batch.decode and not any(seq.logits_processor is not None for seq in batch.decode):
+            launched.verdict = judge(batch.decode, launched.proposal, launched.logits, None,
+                                     batch.num_drafts).stage()
+        return launched
+
+    @torch.inference_mode()
+    def draft_ahead(self, launched: Launched) -> None:
+        """Step N + 1's draft, launched now, right behind step N's verify and before its results
+        are read: the device denoises it while the host commits step N, schedules step N + 1 and
+        prepares its verify (at 64 sequences of the Qwen3-8B shape the H200 waited ~7 ms a cycle
+        for that host work, issue 31). Each block is the next step's [x, MASK × (W − 1)] at the
+        next step's positions, with x and the context length (+ a + 1) taken from the verdict on
+        the device. Drafted for the sequences step N decodes whose next block the verdict alone
+        decides: greedy, or sampling without drafts this step (the rejection rule's bonus is
+        drawn on the host), in a step where nothing processes its logits or asks for logprobs
+        (their host reads would wait behind this draft), that plan to draft next step (adaptive's
+        plan_ahead) and may still commit more than one token; at the width the next step plans.
+        Step N + 1 takes a sequence's row only if the sequence is where the verdict put it
+        (EarlyDraft.row_of) and drafts that width; the others are drafted then, as before."""
+        self.early = None
+        batch, verdict = launched.batch, launched.verdict
+        draws = launched.draws
+        if not self.drafts_early or verdict is None or draws is not None and any(r is not None for r in draws.raw):
+            return
+        if any(seq.request.num_logprobs is not None for seq in batch.decode):
+            return
+        plan = self.speculation.ahead_draft()
+        width = (plan[1] if plan is not None else 0) or self.width
+        limit = self.config.pages_per_seq * self.page_size
+        rows = [b for b, (seq, k) in enumerate(zip(batch.decode, batch.num_drafts))
+                if (seq.request.params.is_greedy or k == 0) and seq.request.num_allowed > 1
+                and (plan is None or plan[0].get(id(seq), 0) > 0) and seq.num_cached + k + 1 + width <= limit]
+        if not rows:
+            return
+        seqs = [batch.decode[b] for b in rows]
+        # On the host each block starts at the sequence's step-N length (its context length
+        # there is num_cached + W) behind step N's anchor; the device adds a + 1 and writes x. The
+        # plan's keys and table columns hold the longest the verdict can make (k + 1 further).
+        longest = max(batch.decode[b].num_cached + batch.num_drafts[b] + 1 + width for b in rows)
+        cols = max(max(len(seq.block_table) for seq in seqs), -(-longest // self.page_size))
+        plan_draft = self.graphs.plan_draft(len(seqs), longest, cols, width)
+        meta = self.prepare(self.blocks(seqs, width), 0, plan_draft, uniform=True)
+        index = self.device_ints(rows)
+        accepted = verdict.accepted.index_select(0, index)                                   # [n, 1]
+        n = len(seqs)
+        meta.context_lens[:n] += accepted[:, 0] + 1
+        meta.input_ids.view(-1, width)[:n, 0] = verdict.target_ids.index_select(0, index).gather(1, accepted)[:, 0]
+        self.num_forwards += 1
+        out = self.graphs.run("propose", plan_draft, self.draft_proposal, meta, self.derive)
+        self.early = EarlyDraft(seqs, rows, width, out, [seq.num_cached for seq in seqs])
+        self.early_rows[0] += len(seqs)
 
     @torch.inference_mode()
     def collect(self, launched: Launched) -> StepResult:
         """The host side of a launched step: first tokens, then accepted drafts (one read of the
         device for the whole batch), logprobs."""
         batch = launched.batch
-        first_tokens = self.first_tokens(batch, launched.first_logits)
-        result = (self.finish_decode(batch.decode, batch.num_drafts, launched.logits, launched.proposal)
-                  if batch.decode else None)
+        first_tokens = self.first_tokens(batch, launched.first_logits, launched.draws)
+        result = (self.finish_decode(batch.decode, batch.num_drafts, launched.logits, launched.proposal,
+                                     launched.verdict) if batch.decode else None)
+        if self.early is not None and result is not None:
+            self.early.settle(result)
         return StepResult(first_tokens, result)
 
     def blocks(self, decode: list[Sequence], width: int) -> list[Entry]:
@@ -492,12 +607,14 @@ class ModelRunner:
         mask = self.draft.mask_token_id if self.draft is not None else 0
         return [Entry(seq, seq.num_cached, [seq.anchor] + [mask] * (width - 1)) for seq in decode]
 
-    def forward_step(self, batch: Batch) -> tuple[torch.Tensor | None, Proposal | None, torch.Tensor | None]:
-        """The draft over the decoding sequences, then one flat target forward over prefill chunks
-        and verify rows → (verify logits [B, max k + 1, V], proposal, the logits [P, V] of the P
-        prefill chunks that end their prompt)."""
+    def forward_step(self, batch: Batch, early: EarlyDraft | None = None
+                     ) -> tuple[torch.Tensor | None, Proposal | None, torch.Tensor | None]:
+        """The draft over the decoding sequences (early: its rows launched ahead, draft_ahead),
+        then one flat target forward over prefill chunks and verify rows → (verify logits
+        [B, max k + 1, V], proposal, the logits [P, V] of the P prefill chunks that end their
+        prompt)."""
         decode, num_drafts = batch.decode, batch.num_drafts
-        proposal = self.propose_for(decode, num_drafts, batch.draft_width or self.width)
+        proposal = self.propose_for(decode, num_drafts, batch.draft_width or self.width, early)
         entries = [Entry(seq, seq.num_cached, seq.tokens[seq.num_cached: seq.num_cached + n])
                    for seq, n in batch.prefill]
         entries += [Entry(seq, seq.num_cached, [seq.anchor] + [0] * k) for seq, k in zip(decode, num_drafts)]
@@ -516,28 +633,49 @@ class ModelRunner:
         # Rows past a sequence's k_b repeat its last row (never read: acceptance stops at k_b).
         return verify[self.device_ints(padded_verify_rows(num_drafts, width))], proposal, first_logits
 
-    def propose_for(self, decode: list[Sequence], num_drafts: list[int], width: int) -> Proposal | None:
-        """The draft forward, blocks of `width` (≥ max k_b + 1), over the sequences that verify
-        drafts (k_b > 0); rows of the others hold no drafts (acceptance reads none of them)."""
+    def propose_for(self, decode: list[Sequence], num_drafts: list[int], width: int,
+                    early: EarlyDraft | None = None) -> Proposal | None:
+        """The drafts of the sequences that verify some (k_b > 0), in blocks of `width` (≥ max
+        k_b + 1): the early draft's rows where it holds them (read first: the draft forward
+        below would overwrite its readout), one draft forward over the rest; rows of the others
+        hold no drafts (acceptance reads none of them)."""
         drafting = [b for b, k in enumerate(num_drafts) if k > 0]
         if self.draft is None or not drafting:
             return None
-        seqs = [decode[b] for b in drafting]
-        part = self.proposal_of(self.propose_blocks(self.blocks(seqs, width)), seqs)
-        if len(drafting) == len(decode):
-            return confidence_to_host(part)
-        index = self.device_ints(drafting)
-        drafts = torch.zeros(len(decode), width - 1, dtype=part.drafts.dtype, device=self.device)
-        drafts[index] = part.drafts
-        probs: list[torch.Tensor | None] = [None] * len(decode)
-        for i, b in enumerate(drafting):
-            probs[b] = part.probs[i]
+        parts: list[tuple[list[int], Proposal]] = []
+        rest = drafting
+        if early is not None:
+            rows = [early.row_of(decode[b], width) for b in drafting]
+            have = [(b, row) for b, row in zip(drafting, rows) if row is not None]
+            if have:
+                self.early_rows[1] += len(have)
+                seqs = [decode[b] for b, _ in have]
+                parts.append(([b for b, _ in have], self.proposal_of(draft_rows(early.out, [r for _, r in have]), seqs)))
+                rest = [b for b, row in zip(drafting, rows) if row is None]
+        if rest:
+            seqs = [decode[b] for b in rest]
+            parts.append((rest, self.proposal_of(self.propose_blocks(self.blocks(seqs, width)), seqs)))
+        return confidence_to_host(self.merged(parts, len(decode), width))
+
+    def merged(self, parts: list[tuple[list[int], Proposal]], num_seqs: int, width: int) -> Proposal:
+        """Proposals of parts of a batch (each: the batch rows it covers) → one for all num_seqs
+        rows; rows no part covers hold zeros (no drafts)."""
+        if len(parts) == 1 and parts[0][0] == list(range(num_seqs)):
+            return parts[0][1]
+        first = parts[0][1]
+        drafts = torch.zeros(num_seqs, width - 1, dtype=first.drafts.dtype, device=self.device)
+        probs: list[torch.Tensor | None] = [None] * num_seqs
         confidence = None
-        if part.confidence is not None:
-            confidence = torch.zeros(len(decode), width - 1, dtype=part.confidence.dtype,
-                                     device=part.confidence.device)
-            confidence[index.to(confidence.device)] = part.confidence
-        return confidence_to_host(Proposal(drafts, probs, confidence))
+        if first.confidence is not None:
+            confidence = torch.zeros(num_seqs, width - 1, dtype=first.confidence.dtype, device=first.confidence.device)
+        for batch_rows, part in parts:
+            index = self.device_ints(batch_rows)
+            drafts[index] = part.drafts
+            for i, b in enumerate(batch_rows):
+                probs[b] = part.probs[i]
+            if confidence is not None:
+                confidence[index.to(confidence.device)] = part.confidence.to(confidence.device)
+        return Proposal(drafts, probs, confidence)
 
     def proposal_of(self, drafted, seqs: list[Sequence]) -> Proposal:
         """The drafts the draft's output proposes for seqs, drawn with each one's parameters."""
@@ -563,17 +701,14 @@ class ModelRunner:
         ends = (np.cumsum(lens) - 1)[np.array(first, dtype=bool)]
         return hidden[self.device_ints(np.concatenate((ends, np.arange(at, at + num_verify))))]
 
-    def first_tokens(self, batch: Batch, logits: torch.Tensor | None) -> list[FirstToken | None]:
-        """Advance each prefill chunk's sequence; sample a first token where its prompt ended
-        (logits [P, V]: those prompts' last rows). The tokens are chosen on the device and read
-        back together."""
+    def draw_first(self, batch: Batch, logits: torch.Tensor) -> FirstDraws:
+        """The first token of each prefill chunk's sequence whose prompt ends in this step (logits
+        [P, V]: those prompts' last rows), chosen on the device, and on its way to the host."""
         ending: list[int] = []                          # chunks whose prompt ends here
         chosen: list[torch.Tensor] = []
         raw: list[torch.Tensor | None] = []
         for i, (seq, n) in enumerate(batch.prefill):
-            samples = samples_first_token(seq, n)
-            seq.num_cached += n
-            if not samples:
+            if not samples_first_token(seq, n):
                 continue
             scores = logits[len(ending): len(ending) + 1]                                  # [1, V]
             raw.append(self.raw_logprobs([seq], scores.view(1, 1, -1))[0])     # before any processing
@@ -581,19 +716,31 @@ class ModelRunner:
                 scores = seq.logits_processor.rows(scores, [])
             chosen.append(sample(scores[0], seq.request.params, seq.generator))
             ending.append(i)
+        return FirstDraws(ending, raw, Staged(torch.stack(chosen)) if chosen else None)
+
+    def first_tokens(self, batch: Batch, logits: torch.Tensor | None,
+                     draws: FirstDraws | None = None) -> list[FirstToken | None]:
+        """Advance each prefill chunk's sequence; the first token where its prompt ended (draws:
+        chosen when the step was launched; drawn now when not given)."""
+        if draws is None and logits is not None:
+            draws = self.draw_first(batch, logits)
+        for seq, n in batch.prefill:
+            seq.num_cached += n
         result: list[FirstToken | None] = [None] * len(batch.prefill)
-        tokens = torch.stack(chosen).tolist() if chosen else []
-        for i, rows, token in zip(ending, raw, tokens):
+        if draws is None or draws.tokens is None:
+            return result
+        for i, rows, token in zip(draws.ending, draws.raw, draws.tokens.tolist()):
             result[i] = FirstToken(token, self.scored(batch.prefill[i][0], rows, [token]))
         return result
 
     def finish_decode(self, decode: list[Sequence], num_drafts: list[int], logits: torch.Tensor,
-                      proposal: Proposal | None) -> DecodeResult:
+                      proposal: Proposal | None, verdict: Verdict | None = None) -> DecodeResult:
         """Verify logits [B, max k + 1, V] → accepted drafts (each ≤ its k_b), new tokens,
-        logprobs; a hybrid target keeps the state after each sequence's last accepted row."""
+        logprobs; a hybrid target keeps the state after each sequence's last accepted row.
+        verdict: judged when the step was launched (stage_readback), else judged here."""
         raw = self.raw_logprobs(decode, logits)                                 # before any processing
-        processed = process_verify(decode, proposal, logits, num_drafts)
-        num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts)
+        processed = process_verify(decode, proposal, logits, num_drafts) if verdict is None else {}
+        num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts, verdict)
         if proposal is not None and proposal.confidence is not None:
             self.defer(lambda: self.speculation.observe(decode, proposal.confidence, num_drafts, num_accepted))
         if self.is_hybrid:
@@ -653,6 +800,20 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.append_context(out.features, meta.positions, meta.slot_mapping, self.draft_kv.layers)
         return out.hidden
+
+
+def draft_rows(out: Any, rows: list[int]) -> Any:
+    """A draft output's rows (DFlash 1's readout, DFlash 2's walk), in the order given; `propose`
+    reads an output's first rows, so the leading rows in order are the output itself."""
+    if rows == list(range(len(rows))):
+        return out
+    index = device_longs(rows, out.device if isinstance(out, torch.Tensor) else out.drafts.device)
+    if isinstance(out, CandidateWalk):
+        return CandidateWalk(out.candidate_ids[index], out.edge_scores[index], out.drafts[index], out.vocab_size)
+    if isinstance(out, DraftReadout):
+        return DraftReadout(out.logits[index], out.drafts[index],
+                            None if out.confidence is None else out.confidence[index])
+    return out[index]
 
 
 def confidence_to_host(proposal: Proposal) -> Proposal:

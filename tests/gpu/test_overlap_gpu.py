@@ -58,3 +58,38 @@ def test_overlap_on_cuda_launches_without_a_sync_and_changes_no_output(pair, blo
     for a, b in zip(on, off):
         assert [e.token_ids for e in a.events] == [e.token_ids for e in b.events], a.request.request_id
         assert a.stats.acceptance_lengths == b.stats.acceptance_lengths
+
+
+def test_early_drafts_on_cuda_sync_nothing_and_change_no_output(pair):
+    """Early drafts (model_runner.draft_ahead, on by default on CUDA): launching the next step's
+    draft behind the verify waits for nothing on the host, the steps take those drafts, and
+    every token and acceptance length equals the engine's without them (one batch that starts
+    and ends together, so both engines draft the same batches)."""
+    target, draft = pair
+    config = EngineConfig(max_model_len=512, block_size=4, max_num_seqs=8)
+    quiet = [0]
+
+    def build(early: bool) -> Engine:
+        engine = Engine(target, draft, config)
+        assert engine.runner.drafts_early                     # the CUDA default
+        engine.runner.drafts_early = early
+        ahead = engine.runner.draft_ahead
+
+        def checked(launched):
+            torch.cuda.set_sync_debug_mode("error")           # a host wait here would raise
+            try:
+                ahead(launched)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            quiet[0] += 1
+        engine.runner.draft_ahead = checked
+        return engine
+
+    def batch():
+        return [make_request(f"r{i}", PROMPT[5 * i: 40 + 7 * i], max_tokens=40) for i in range(4)]
+    _, off = run_batch(lambda: build(False), batch())
+    engine, on = run_batch(lambda: build(True), batch())
+    assert quiet[0] > 20 and engine.runner.early_rows[1] > 40
+    for a, b in zip(on, off):
+        assert a.output_ids == b.output_ids, a.request.request_id
+        assert a.stats.acceptance_lengths == b.stats.acceptance_lengths

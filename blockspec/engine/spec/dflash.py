@@ -6,6 +6,7 @@
     verify:  y = target([x, d1..dT−1])           one forward for all B blocks (model_runner)
     accept:  a_b = accepted prefix of sequence b  greedy: d_i == argmax y_{i−1}; sampling: the
              new tokens = x's successors d1..da, bonus   rejection rule; ragged across the batch
+                                                 (judge: the device's part, before any read)
 
 Every sequence keeps its own sampling parameters and generator, so its tokens are the same
 whatever else runs in the batch.
@@ -18,7 +19,8 @@ import torch
 
 from blockspec.engine.sequence import Sequence
 from blockspec.models.dflash2 import CandidateWalk
-from blockspec.sampling import device_longs, probs_from_logits, rejection_sample, sample_from_probs, sample_rows
+from blockspec.sampling import (Staged, device_longs, probs_from_logits, rejection_sample, sample_from_probs,
+                               sample_rows)
 
 
 @dataclass
@@ -215,23 +217,30 @@ def process_verify(seqs: list[Sequence], proposal: Proposal | None, logits: torc
     return processed
 
 
-def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor,
-           processed: dict[int, torch.Tensor] | None = None, num_drafts: list[int] | None = None
-           ) -> tuple[list[int], list[list[int]]]:
-    """Target logits [B, T, V] → (accepted drafts a_b, the a_b + 1 new tokens of each sequence).
-    num_drafts: k_b, the drafts sequence b verified (rows 0 … k_b of its logits are real);
-    a_b ≤ k_b always (T − 1 each when not given).
+@dataclass
+class Verdict:
+    """A verify's outcome on the device, before any host read (`judge`): accepted [B, 1], the
+    greedy rule's count (a sampling sequence that verifies drafts is decided on the host, by
+    accept_sampled), and the target's tokens [B, T] (row 0 of a sampling sequence without
+    drafts holds its draw). `staged`: their host copy [B, 1 + T], on its way (`stage`): the
+    runner starts it before it launches anything the read should not wait for."""
+    accepted: torch.Tensor
+    target_ids: torch.Tensor
+    staged: Staged | None = None
 
-    Greedy: d_i is kept while it equals the target's argmax after [x, d_1 … d_{i−1}]; the kept
-    drafts then equal the target's own tokens, so the new tokens are target_ids[: a + 1].
-    One device→host read serves every greedy sequence of the batch and every sampling one that
-    verifies no draft (drawn together first, draw_plain). processed: sequence row →
-    its processed rows [T, V] (process_verify), which replace its logits for both rules.
+    def stage(self) -> "Verdict":
+        self.staged = Staged(torch.cat((self.accepted, self.target_ids), dim=1))
+        return self
 
-    Lossless for any k (adaptive speculation, issue 21): the prefix a verify of d_1 … d_k accepts
-    is the full verify's accepted prefix cut at k, and row a's token (argmax, or the residual / p
-    draw, the bonus from p_k after k kept drafts) depends only on [x, d_1 … d_a]; rows past k
-    are never read."""
+    def host_rows(self) -> list[list[int]]:
+        """[B][1 + T]: a_b, then the target's tokens."""
+        return (self.staged or Staged(torch.cat((self.accepted, self.target_ids), dim=1))).tolist()
+
+
+def judge(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor,
+          processed: dict[int, torch.Tensor] | None = None, num_drafts: list[int] | None = None) -> Verdict:
+    """Target logits [B, T, V] → the verify's Verdict, device ops only (see accept). Every
+    sampling sequence that verifies no draft draws its token here (draw_plain)."""
     processed = processed or {}
     num_seqs, width = logits.shape[:2]
     num_drafts = [width - 1] * num_seqs if num_drafts is None else num_drafts
@@ -247,15 +256,40 @@ def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor
                 num_drafts, logits.device)[:, None]
             agree = agree * verified
         accepted = agree.cumprod(1).sum(1, keepdim=True)                        # [B, 1]
-    sampling = [b for b, seq in enumerate(seqs) if not seq.request.params.is_greedy]
-    drawn = [b for b in sampling if proposal is None or num_drafts[b] == 0]
+    drawn = [b for b, seq in enumerate(seqs)
+             if not seq.request.params.is_greedy and (proposal is None or num_drafts[b] == 0)]
     if drawn:
         draw_plain(seqs, drawn, logits, processed, target_ids)
-    host = torch.cat((accepted, target_ids), dim=1).tolist()
+    return Verdict(accepted, target_ids)
+
+
+def accept(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor,
+           processed: dict[int, torch.Tensor] | None = None, num_drafts: list[int] | None = None,
+           verdict: Verdict | None = None) -> tuple[list[int], list[list[int]]]:
+    """Target logits [B, T, V] → (accepted drafts a_b, the a_b + 1 new tokens of each sequence).
+    num_drafts: k_b, the drafts sequence b verified (rows 0 … k_b of its logits are real);
+    a_b ≤ k_b always (T − 1 each when not given). verdict: `judge`'s, made (and staged) when
+    the verify was launched; judged now when not given.
+
+    Greedy: d_i is kept while it equals the target's argmax after [x, d_1 … d_{i−1}]; the kept
+    drafts then equal the target's own tokens, so the new tokens are target_ids[: a + 1].
+    One device→host read serves every greedy sequence of the batch and every sampling one that
+    verifies no draft (drawn together first, draw_plain). processed: sequence row →
+    its processed rows [T, V] (process_verify), which replace its logits for both rules.
+
+    Lossless for any k (adaptive speculation, issue 21): the prefix a verify of d_1 … d_k accepts
+    is the full verify's accepted prefix cut at k, and row a's token (argmax, or the residual / p
+    draw, the bonus from p_k after k kept drafts) depends only on [x, d_1 … d_a]; rows past k
+    are never read."""
+    processed = processed or {}
+    num_drafts = [logits.shape[1] - 1] * len(seqs) if num_drafts is None else num_drafts
+    if verdict is None:
+        verdict = judge(seqs, proposal, logits, processed, num_drafts)
+    host = verdict.host_rows()
     num_accepted = [row[0] for row in host]
     new_tokens = [row[1: row[0] + 2] for row in host]
-    for b in sampling:
-        if proposal is not None and num_drafts[b] > 0:
+    for b, seq in enumerate(seqs):
+        if not seq.request.params.is_greedy and proposal is not None and num_drafts[b] > 0:
             k = num_drafts[b]
             num_accepted[b], new_tokens[b] = accept_sampled(seqs[b], proposal, b, processed.get(b, logits[b, : k + 1]),
                                                             k)

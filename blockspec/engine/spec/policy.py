@@ -563,6 +563,16 @@ class Speculation:
         seqs = list(seqs)
         self._ahead = (seqs, np.asarray(self.allocation(seqs), dtype=np.int64))
 
+    def ahead_draft(self) -> tuple[dict[int, int], int] | None:
+        """plan_ahead's plan as an early draft reads it (engine/model_runner.py draft_ahead): each
+        planned sequence's k (by id) and the draft width it implies (0: the full block); None
+        where no plan was made (fixed, a learning cycle, the warm-up: every sequence drafts the
+        full block next step, or is planned then)."""
+        if self._ahead is None:
+            return None
+        seqs, widths = self._ahead
+        return {id(seq): int(k) for seq, k in zip(seqs, widths)}, self.draft_width(seqs, widths.tolist())
+
     def learns(self, num_seqs: int, cycles: int) -> bool:
         """Whether a step `cycles` after the last learning cycle is one (or the warm-up's)."""
         return (float(self.calibration.engine_seen.sum()) < WARMUP_OBSERVATIONS
