@@ -8,6 +8,9 @@
 #        # pool test alone)
 #   bash scripts/gpu_round50.sh 3   # the hybrid (Qwen3.5-4B) and the MoE (Qwen3.5-35B-A3B) at one sequence, adaptive
 #        # vs fixed vs plain, with early drafts and the GDN norm kernel; HTTP bursts, fresh and repeated prompts
+#   bash scripts/gpu_round50.sh 4   # adaptive vs fixed vs plain at 1 … 256 again, the bench's latent profile gathering
+#        # each cycle's slots with one index (its per-sequence slicing was charged to the speculative cycles); where
+#        # the adaptive cycle's host time goes at 128 sequences (scripts/host_split.py)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -36,4 +39,11 @@ if [ "$M" = 3 ]; then
     stage "HTTP: demo pair, 3 bursts of 64 x 256, $prompts prompts" timeout ${HTTP_S:-70} python3 scripts/bench_streams.py \
       --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3 --burst-prompts $prompts
   done
+fi
+if [ "$M" = 4 ]; then
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, budget 2048, early drafts, the profile's slots gathered" \
+    timeout ${ADAPT_S:-280} $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 \
+    --shape qwen3-8b --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b_early2.json"
+  stage "host split, Qwen3-8B, 128 sequences, plain and adaptive" timeout ${HS_S:-120} python3 scripts/host_split.py \
+    --shape qwen3-8b --concurrency 128 --modes plain,adaptive
 fi

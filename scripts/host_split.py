@@ -57,6 +57,7 @@ PHASES = {"schedule": (Scheduler, "schedule"), "planned_widths": (Speculation, "
           "drop_aborted": (Engine, "_drop_aborted")}
 
 
+PROFILE_ONLY = ""                  # --profile-only: a regex of the files the profile prints (e.g. the engine's own)
 CLOCK = {"wall": time.perf_counter, "cpu": time.thread_time}
 clock = time.perf_counter          # --clock cpu: this thread's CPU time (a CPU shared with other work)
 
@@ -193,8 +194,9 @@ def measure(target, draft, mode: str, concurrency: int, block: int, profile, use
             run_batch(engine, concurrency, 128, 128, rounds=2)
             prof.disable()
             text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+            only = (PROFILE_ONLY,) if PROFILE_ONLY else ()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(*only, 30)
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(*only, 45)
             out["profile"] = text.getvalue()
         if use_torch_profile:
             out["profile"] = torch_profiled(engine, concurrency, trace=trace)
@@ -215,6 +217,8 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--profile", action="store_true", help="also the --profile-modes runs under cProfile")
     ap.add_argument("--profile-modes", default="adaptive")
+    ap.add_argument("--profile-only", default="", help="print only functions whose file matches this regex "
+                                                        "(e.g. blockspec/: the host's own code, not torch's ops)")
     ap.add_argument("--trace", help="with --torch-profile: the profiled cycles' timeline (Chrome trace JSON, "
                                     "engine phases named), for scripts/trace_gaps.py")
     ap.add_argument("--sync-debug", action="store_true",
@@ -230,7 +234,8 @@ def main() -> None:
                     help="of plain (no draft), fixed, adaptive, and fixed-unfused: fixed with the GDN output norm "
                          "outside the recurrent kernel for every verify (models/gated_delta.FUSE_NORM_MAX_ROWS = 1)")
     args = ap.parse_args()
-    global clock
+    global clock, PROFILE_ONLY
+    PROFILE_ONLY = args.profile_only
     clock = CLOCK[args.clock]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
