@@ -11,6 +11,8 @@
 #   bash scripts/gpu_round50.sh 4   # adaptive vs fixed vs plain at 1 … 256 again, the bench's latent profile gathering
 #        # each cycle's slots with one index (its per-sequence slicing was charged to the speculative cycles); where
 #        # the adaptive cycle's host time goes at 128 sequences (scripts/host_split.py)
+#   bash scripts/gpu_round50.sh 5   # arrivals drafted early too (their first decode step ran a second draft forward):
+#        # the early-draft GPU tests, adaptive vs fixed vs plain at 1 … 256
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -46,4 +48,11 @@ if [ "$M" = 4 ]; then
     --shape qwen3-8b --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b_early2.json"
   stage "host split, Qwen3-8B, 128 sequences, plain and adaptive" timeout ${HS_S:-120} python3 scripts/host_split.py \
     --shape qwen3-8b --concurrency 128 --modes plain,adaptive
+fi
+if [ "$M" = 5 ]; then
+  timeout ${TESTS_S:-100} $T tests/gpu/test_overlap_gpu.py > "$OUT/t_early.log" 2>&1
+  summary
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, budget 2048, early drafts with arrivals" \
+    timeout ${ADAPT_S:-280} $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 \
+    --shape qwen3-8b --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b_early3.json"
 fi

@@ -70,6 +70,7 @@ class FirstDraws:
     ending: list[int]                        # the prefill chunks (indices) that end their prompt
     raw: list[torch.Tensor | None]           # their raw log-softmax rows, for those that asked
     tokens: Staged | None                    # [len(ending)], on its way to the host
+    chosen: torch.Tensor | None = None       # the same on the device (an early draft's anchors)
 
 
 @dataclass
@@ -86,23 +87,28 @@ class Launched:
 @dataclass
 class EarlyDraft:
     """Step N + 1's draft, launched right after step N's verify, before step N's results reach the
-    host (`draft_ahead`): each row's anchor (its bonus token) and context length (+ a + 1) were
-    set on the device from step N's verdict. It stands in for step N + 1's draft of a sequence
-    only where that sequence is where the verdict put it (`settle`, then `row_of`) and the step
-    drafts blocks of the same width; its rows are read (`proposal_of`) before any other draft
-    forward overwrites the graphs' shared readout."""
+    host (`draft_ahead`): each row's anchor and context length were set on the device — a
+    decoding sequence's from step N's verdict (the bonus token, + a + 1), an arriving one's from
+    its first token (drawn on the device; its prompt's end). It stands in for step N + 1's draft
+    of a sequence only where that sequence is where the device put it (`settle`, then
+    `row_of`) and the step drafts blocks of the same width; its rows are read (`proposal_of`)
+    before any other draft forward overwrites the graphs' shared readout."""
     seqs: list[Sequence]
-    batch_rows: list[int]                    # each row's index in step N's decode batch
+    origins: list[tuple[str, int]]           # ("verify", its row of step N's decode batch) or ("first", its chunk)
     width: int
     out: Any                                 # the draft's output: rows 0 … len(seqs) − 1, then padding
-    base: list[int]                          # each row's num_cached during step N
+    base: list[int]                          # each row's length before step N's tokens: num_cached, or its prompt's
     expected: dict[int, tuple[int, int, int]] = dataclasses.field(default_factory=dict)
 
-    def settle(self, result: "DecodeResult") -> None:
-        """Step N's results on the host: where each row's sequence must stand at step N + 1
-        (row, num_cached = base + a + 1, anchor = the bonus token) for its row to be its draft."""
-        for row, (seq, b, base) in enumerate(zip(self.seqs, self.batch_rows, self.base)):
-            self.expected[id(seq)] = (row, base + result.num_accepted[b] + 1, result.new_tokens[b][-1])
+    def settle(self, first: list["FirstToken | None"], result: "DecodeResult | None") -> None:
+        """Step N's results on the host: where each row's sequence must stand at step N + 1 (row,
+        num_cached, anchor) for its row to be its draft: base + a + 1 and the bonus token, or
+        the prompt's length and the first token."""
+        for row, (seq, (kind, i), base) in enumerate(zip(self.seqs, self.origins, self.base)):
+            if kind == "verify" and result is not None:
+                self.expected[id(seq)] = (row, base + result.num_accepted[i] + 1, result.new_tokens[i][-1])
+            elif kind == "first" and first[i] is not None:
+                self.expected[id(seq)] = (row, base, first[i].token_id)
 
     def row_of(self, seq: Sequence, width: int) -> int | None:
         entry = self.expected.get(id(seq))
@@ -142,7 +148,7 @@ class ModelRunner:
         self.deferred: list[Callable[[], None]] = []     # see defer
         self.pending_select: tuple[list[int], list[int]] | None = None    # (slots, kept): see flush_states
         self.early: EarlyDraft | None = None             # the next step's draft, launched ahead (draft_ahead)
-        self.early_rows = [0, 0]                          # rows drafted early, and those a step took
+        self.early_rows = [0, 0, 0]       # rows drafted early, those a step took, and of those an arrival's
         self.drafts_early = False
         graphed = config.cuda_graphs and self.device.type == "cuda"
         # Which drafts each step verifies (engine/spec/policy.py): the scheduler asks before the
@@ -167,10 +173,11 @@ class ModelRunner:
         if self.speculation.mode == "adaptive":
             self.speculation.costs = self.measure_costs()
         # Early drafts (draft_ahead): where the device runs while the host finishes a step (CUDA);
-        # BLOCKSPEC_EARLY_DRAFT=0 turns them off, for side-by-side measurements. Tests turn them
-        # on for the CPU (the same drafts, launched earlier).
-        self.drafts_early = (self.supports_early_drafts and self.draft is not None and self.device.type == "cuda"
-                             and os.environ.get("BLOCKSPEC_EARLY_DRAFT", "1") != "0")
+        # BLOCKSPEC_EARLY_DRAFT=0 turns them off, for side-by-side measurements, =1 on anywhere
+        # (the same drafts, launched earlier: profiling their host work on the CPU; tests).
+        early = os.environ.get("BLOCKSPEC_EARLY_DRAFT", "")
+        self.drafts_early = (self.supports_early_drafts and self.draft is not None
+                             and (early == "1" or self.device.type == "cuda" and early != "0"))
 
     def size_pool(self, graphed: bool) -> PoolSize:
         """The pool's size (engine/memory.py), with the graphs' verify stash of a hybrid target."""
@@ -552,42 +559,66 @@ class ModelRunner:
         next step's positions, with x and the context length (+ a + 1) taken from the verdict on
         the device. Drafted for the sequences step N decodes whose next block the verdict alone
         decides: greedy, or sampling without drafts this step (the rejection rule's bonus is
-        drawn on the host), in a step where nothing processes its logits or asks for logprobs
-        (their host reads would wait behind this draft), that plan to draft next step (adaptive's
-        plan_ahead) and may still commit more than one token; at the width the next step plans.
+        drawn on the host), and the sequences whose prompt this step ends (their first token is
+        drawn on the device: without this, an arrival's first decode step ran a second draft
+        forward for it alone, ~1.2 ms of the H200 at the Qwen3-8B shape), in a step where no
+        decoding sequence processes its logits and none asks for logprobs (their host reads
+        would wait behind this draft), that plan to draft next step (adaptive's plan_ahead) and
+        may still commit more than one token; at the width the next step plans.
         Step N + 1 takes a sequence's row only if the sequence is where the verdict put it
         (EarlyDraft.row_of) and drafts that width; the others are drafted then, as before."""
         self.early = None
-        batch, verdict = launched.batch, launched.verdict
-        draws = launched.draws
-        if not self.drafts_early or verdict is None or draws is not None and any(r is not None for r in draws.raw):
+        batch, verdict, draws = launched.batch, launched.verdict, launched.draws
+        if not self.drafts_early or batch.decode and verdict is None:
             return
-        if any(seq.request.num_logprobs is not None for seq in batch.decode):
+        if draws is not None and any(r is not None for r in draws.raw) or any(
+                seq.request.num_logprobs is not None for seq in batch.decode):
             return
         plan = self.speculation.ahead_draft()
         width = (plan[1] if plan is not None else 0) or self.width
         limit = self.config.pages_per_seq * self.page_size
+
+        def drafts_next(seq: Sequence, longest: int) -> bool:
+            return (seq.request.num_allowed > 1 and (plan is None or plan[0].get(id(seq), 0) > 0)
+                    and longest <= limit)
+        # Decoding sequences: each block is packed at its step-N length (its context length there
+        # num_cached + W) and gains a + 1 on the device; the plan's keys and table columns hold
+        # the longest the verdict can make (k + 1 further).
         rows = [b for b, (seq, k) in enumerate(zip(batch.decode, batch.num_drafts))
-                if (seq.request.params.is_greedy or k == 0) and seq.request.num_allowed > 1
-                and (plan is None or plan[0].get(id(seq), 0) > 0) and seq.num_cached + k + 1 + width <= limit]
-        if not rows:
+                if (seq.request.params.is_greedy or k == 0) and drafts_next(seq, seq.num_cached + k + 1 + width)]
+        # Arrivals: a prompt this step ends starts decoding at its end, from the first token.
+        ending = draws.ending if draws is not None and draws.chosen is not None else []
+        firsts = [j for j, i in enumerate(ending) if batch.prefill[i][0].logits_processor is None
+                  and drafts_next(batch.prefill[i][0], batch.prefill[i][0].num_cached + batch.prefill[i][1] + width)]
+        if not rows and not firsts:
             return
-        seqs = [batch.decode[b] for b in rows]
-        # On the host each block starts at the sequence's step-N length (its context length
-        # there is num_cached + W) behind step N's anchor; the device adds a + 1 and writes x. The
-        # plan's keys and table columns hold the longest the verdict can make (k + 1 further).
-        longest = max(batch.decode[b].num_cached + batch.num_drafts[b] + 1 + width for b in rows)
+        mask = self.draft.mask_token_id
+        seqs = [batch.decode[b] for b in rows] + [batch.prefill[ending[j]][0] for j in firsts]
+        base = [seq.num_cached for seq in seqs[: len(rows)]] + [
+            batch.prefill[ending[j]][0].num_cached + batch.prefill[ending[j]][1] for j in firsts]
+        longest = max([base[r] + batch.num_drafts[b] + 1 + width for r, b in enumerate(rows)]
+                      + [start + width for start in base[len(rows):]])
         cols = max(max(len(seq.block_table) for seq in seqs), -(-longest // self.page_size))
         plan_draft = self.graphs.plan_draft(len(seqs), longest, cols, width)
-        meta = self.prepare(self.blocks(seqs, width), 0, plan_draft, uniform=True)
-        index = self.device_ints(rows)
-        accepted = verdict.accepted.index_select(0, index)                                   # [n, 1]
+        meta = self.prepare([Entry(seq, start, [0] + [mask] * (width - 1)) for seq, start in zip(seqs, base)], 0,
+                            plan_draft, uniform=True)
+        advance, anchors = [], []
+        if rows:
+            index = self.device_ints(rows)
+            accepted = verdict.accepted.index_select(0, index)                               # [n, 1]
+            advance.append(accepted[:, 0] + 1)
+            anchors.append(verdict.target_ids.index_select(0, index).gather(1, accepted)[:, 0])
+        if firsts:
+            chosen = draws.chosen.index_select(0, self.device_ints(firsts))
+            advance.append(torch.zeros_like(chosen))
+            anchors.append(chosen)
         n = len(seqs)
-        meta.context_lens[:n] += accepted[:, 0] + 1
-        meta.input_ids.view(-1, width)[:n, 0] = verdict.target_ids.index_select(0, index).gather(1, accepted)[:, 0]
+        meta.context_lens[:n] += torch.cat(advance)
+        meta.input_ids.view(-1, width)[:n, 0] = torch.cat(anchors)
         self.num_forwards += 1
         out = self.graphs.run("propose", plan_draft, self.draft_proposal, meta, self.derive)
-        self.early = EarlyDraft(seqs, rows, width, out, [seq.num_cached for seq in seqs])
+        origins = [("verify", b) for b in rows] + [("first", ending[j]) for j in firsts]
+        self.early = EarlyDraft(seqs, origins, width, out, base)
         self.early_rows[0] += len(seqs)
 
     @torch.inference_mode()
@@ -598,8 +629,8 @@ class ModelRunner:
         first_tokens = self.first_tokens(batch, launched.first_logits, launched.draws)
         result = (self.finish_decode(batch.decode, batch.num_drafts, launched.logits, launched.proposal,
                                      launched.verdict) if batch.decode else None)
-        if self.early is not None and result is not None:
-            self.early.settle(result)
+        if self.early is not None:
+            self.early.settle(first_tokens, result)
         return StepResult(first_tokens, result)
 
     def blocks(self, decode: list[Sequence], width: int) -> list[Entry]:
@@ -649,6 +680,7 @@ class ModelRunner:
             have = [(b, row) for b, row in zip(drafting, rows) if row is not None]
             if have:
                 self.early_rows[1] += len(have)
+                self.early_rows[2] += sum(early.origins[row][0] == "first" for _, row in have)
                 seqs = [decode[b] for b, _ in have]
                 parts.append(([b for b, _ in have], self.proposal_of(draft_rows(early.out, [r for _, r in have]), seqs)))
                 rest = [b for b, row in zip(drafting, rows) if row is None]
@@ -716,7 +748,10 @@ class ModelRunner:
                 scores = seq.logits_processor.rows(scores, [])
             chosen.append(sample(scores[0], seq.request.params, seq.generator))
             ending.append(i)
-        return FirstDraws(ending, raw, Staged(torch.stack(chosen)) if chosen else None)
+        if not chosen:
+            return FirstDraws(ending, raw, None)
+        tokens = torch.stack(chosen)
+        return FirstDraws(ending, raw, Staged(tokens), tokens)
 
     def first_tokens(self, batch: Batch, logits: torch.Tensor | None,
                      draws: FirstDraws | None = None) -> list[FirstToken | None]:
