@@ -190,3 +190,18 @@ def test_the_benchs_forced_acceptance_is_what_early_drafts_read(models):
     drafted, used, _ = engine.runner.early_rows
     assert max(max(lengths) for _, _, lengths, _ in on.values()) > 2
     assert used >= 0.8 * drafted > 0, (drafted, used)
+
+
+def test_the_speculation_bench_takes_its_early_rows(monkeypatch):
+    """`bench --compare-speculation`'s own path (its engines, its latent profile patched into
+    judge and propose), early drafts forced on for the CPU: the forced acceptance holds and the
+    next steps take the early rows (drafted and taken are in each point's result)."""
+    from blockspec.bench.common import SHAPES, build_models
+    from blockspec.bench.speculation import LatentProfile, speculation_sweep
+    monkeypatch.setenv("BLOCKSPEC_EARLY_DRAFT", "1")
+    torch.manual_seed(0)
+    _, _, target, draft = build_models(SHAPES["host"], torch.device("cpu"), torch.float32, 4)
+    for mode in ("fixed", "adaptive"):
+        point = speculation_sweep(target, draft, 4, [2], 16, 24, mode, profile=LatentProfile(3.0, 4))[2]
+        assert point["mean_acceptance_length"] > 1.5, (mode, point)
+        assert point["early_rows_taken"] >= 0.7 * point["early_rows_drafted"] > 0, (mode, point)

@@ -176,13 +176,19 @@ def speculation_sweep(target, draft, block_size: int, concurrency: list[int], pr
         for c in concurrency:
             run_batch(engine, c, prompt_len, 8)                                          # warm-up
             engine.counters.spec_widths.clear()
+            early = list(engine.runner.early_rows)
             result = run_batch(engine, c, prompt_len, max_tokens, rounds=ROUNDS)
             widths = engine.counters.spec_widths
             cycles = sum(widths.values())
             result["mean_width"] = sum(k * n for k, n in widths.items()) / cycles if cycles else 0.0
+            # Rows drafted early and those the next step took (engine/model_runner.py draft_ahead):
+            # a gap is draft work thrown away (another width planned, a sequence ended).
+            result["early_rows_drafted"], result["early_rows_taken"] = (
+                engine.runner.early_rows[0] - early[0], engine.runner.early_rows[1] - early[1])
             out[c] = {**result, **graph_replay_ms(engine, c)}
             print(f"bench: {speculation if draft is not None else 'plain'} at {c}: {result['tok_s']:.1f} tok/s, "
-                  f"{result['ms_per_cycle']:.2f} ms a step, width {result['mean_width']:.2f}", file=sys.stderr, flush=True)
+                  f"{result['ms_per_cycle']:.2f} ms a step, width {result['mean_width']:.2f}, early rows "
+                  f"{result['early_rows_taken']} of {result['early_rows_drafted']} taken", file=sys.stderr, flush=True)
     finally:
         for patch in reversed(patches):
             patch.stop()
