@@ -78,6 +78,18 @@ def engine_with(target, draft, early: bool, oracle: dict[str, list[int]] | None 
     if oracle is not None:
         draft.bind(engine)
     engine.runner.drafts_early = early
+    # Every draft each sequence was proposed, by (request, length): an early row must be the
+    # very draft the serial path makes (random weights accept almost nothing, so equal
+    # acceptance alone would not show a wrong context).
+    engine.drafted = {}
+    proposal_of = engine.runner.proposal_of
+
+    def recorded(out, seqs):
+        proposal = proposal_of(out, seqs)
+        for i, seq in enumerate(seqs):
+            engine.drafted[(seq.request_id, seq.num_cached)] = proposal.drafts[i].tolist()
+        return proposal
+    engine.runner.proposal_of = recorded
     return engine
 
 
@@ -96,8 +108,9 @@ def run_both(build, reqs_of, events=None):
         engine, runs = run_batch(lambda: build(early), reqs[: len(reqs) - len(kwargs.get("arrivals", {}))],
                                  **kwargs)
         out.append((engine, outcome(runs), runs))
-    (_, off, _), (engine, on, runs) = out
+    (engine_off, off, _), (engine, on, runs) = out
     assert on == off
+    assert engine.drafted == engine_off.drafted and engine.drafted
     return engine, on, runs
 
 
@@ -171,7 +184,7 @@ def test_adaptive_widths_with_early_drafts_keep_greedy_output_exact(models):
                                                  block_size=8), requests(sampled=False))
     for run in runs:
         assert run.request.prompt_ids + run.output_ids == expected[run.request.request_id]
-    assert engine.runner.early_rows[0] > 0
+    assert engine.runner.early_rows[1] > 0
 
 
 def test_the_benchs_forced_acceptance_is_what_early_drafts_read(models):

@@ -299,6 +299,7 @@ class GraphDispatcher:
         batch = static.meta.packed.clone()
         static.meta.packed.copy_(static.padding)
         states = static.meta.states
+        earlier = list(states.stashed) if states is not None else None
         self.warm(lambda: fn(static.meta))
         if states is not None:                  # what this graph stashes, nothing of an earlier forward's
             states.stashed = [None] * len(states.stashed)
@@ -308,6 +309,10 @@ class GraphDispatcher:
         static.graph = graph
         if states is not None and any(s is not None for s in states.stashed):
             static.stashed = list(states.stashed)
+        elif states is not None:
+            # A graph that stashes nothing (the draft's, captured on first use, possibly between a
+            # verify and its rollback: an early draft) leaves the verify's stash as it found it.
+            states.stashed = earlier
         static.meta.packed.copy_(batch)
 
     def run_piecewise(self, plan: Plan, fn: Callable, meta: AttentionMetadata) -> Any:

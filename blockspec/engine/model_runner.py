@@ -530,13 +530,18 @@ class ModelRunner:
             self.flush_states()
         self.clear_states([seq for seq, _ in batch.prefill])
         self.restore_snapshots([seq for seq, _ in batch.prefill])
-        early, self.early = self.early, None              # this step's, or none: never a later one's
-        logits, proposal, first_logits = self.forward_step(batch, early)
+        # The early draft is this step's or none (never a later one's); its output is let go once
+        # its rows are read, before the verify allocates (forward_step).
+        logits, proposal, first_logits = self.forward_step(batch, self.take_early())
         self.take_snapshots([seq for seq, _ in batch.prefill])
         for seq, n in batch.prefill:        # the tower's tokens are kept only while a prompt's rows remain
             if completes_prefill(seq, n):
                 seq.vision_outputs = {}
         return self.stage_readback(Launched(batch, logits, proposal, first_logits))
+
+    def take_early(self) -> EarlyDraft | None:
+        early, self.early = self.early, None
+        return early
 
     def stage_readback(self, launched: Launched) -> Launched:
         """What collect reads, decided on the device now and on its way to the host: the first
@@ -564,7 +569,9 @@ class ModelRunner:
         forward for it alone, ~1.2 ms of the H200 at the Qwen3-8B shape), in a step where no
         decoding sequence processes its logits and none asks for logprobs (their host reads
         would wait behind this draft), that plan to draft next step (adaptive's plan_ahead) and
-        may still commit more than one token; at the width the next step plans.
+        may still commit more than one token; at the width the next step plans. (A sampling row
+        that verifies drafts reads the device in its rejection rule: in a step with early rows
+        that read waits behind the early draft, as it waited before for the next step's.)
         Step N + 1 takes a sequence's row only if the sequence is where the verdict put it
         (EarlyDraft.row_of) and drafts that width; the others are drafted then, as before."""
         self.early = None
@@ -646,6 +653,7 @@ class ModelRunner:
         prompt)."""
         decode, num_drafts = batch.decode, batch.num_drafts
         proposal = self.propose_for(decode, num_drafts, batch.draft_width or self.width, early)
+        del early
         entries = [Entry(seq, seq.num_cached, seq.tokens[seq.num_cached: seq.num_cached + n])
                    for seq, n in batch.prefill]
         entries += [Entry(seq, seq.num_cached, [seq.anchor] + [0] * k) for seq, k in zip(decode, num_drafts)]
@@ -682,8 +690,18 @@ class ModelRunner:
                 self.early_rows[1] += len(have)
                 self.early_rows[2] += sum(early.origins[row][0] == "first" for _, row in have)
                 seqs = [decode[b] for b, _ in have]
-                parts.append(([b for b, _ in have], self.proposal_of(draft_rows(early.out, [r for _, r in have]), seqs)))
+                # The draft logits are read only for rows that sample or process them, or for
+                # confidences the readout did not take (propose): else not gathered (at 256 rows
+                # of 15 slots over a 152k vocabulary, 1.2 GB).
+                logits = any(not seq.request.params.is_greedy or seq.logits_processor is not None for seq in seqs) \
+                    or self.speculation.adaptive and getattr(early.out, "confidence", True) is None
+                part = self.proposal_of(draft_rows(early.out, [r for _, r in have], logits), seqs)
                 rest = [b for b, row in zip(drafting, rows) if row is None]
+                if rest and part.confidence is not None:
+                    # A view of the graphs' shared readout until now: the draft forward below
+                    # would overwrite it before merged() reads it.
+                    part.confidence = part.confidence.clone()
+                parts.append(([b for b, _ in have], part))
         if rest:
             seqs = [decode[b] for b in rest]
             parts.append((rest, self.proposal_of(self.propose_blocks(self.blocks(seqs, width)), seqs)))
@@ -774,7 +792,10 @@ class ModelRunner:
         logprobs; a hybrid target keeps the state after each sequence's last accepted row.
         verdict: judged when the step was launched (stage_readback), else judged here."""
         raw = self.raw_logprobs(decode, logits)                                 # before any processing
-        processed = process_verify(decode, proposal, logits, num_drafts) if verdict is None else {}
+        processed = {}
+        if verdict is None:             # a logits processor decodes: its processed rows first, then the verdict
+            processed = process_verify(decode, proposal, logits, num_drafts)
+            verdict = judge(decode, proposal, logits, processed, num_drafts)
         num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts, verdict)
         if proposal is not None and proposal.confidence is not None:
             self.defer(lambda: self.speculation.observe(decode, proposal.confidence, num_drafts, num_accepted))
@@ -837,16 +858,18 @@ class ModelRunner:
         return out.hidden
 
 
-def draft_rows(out: Any, rows: list[int]) -> Any:
+def draft_rows(out: Any, rows: list[int], logits: bool = True) -> Any:
     """A draft output's rows (DFlash 1's readout, DFlash 2's walk), in the order given; `propose`
-    reads an output's first rows, so the leading rows in order are the output itself."""
+    reads an output's first rows, so the leading rows in order are the output itself. logits
+    False: DFlash 1's logits are not gathered (the caller's rows never read them: a view of the
+    output's first rows stands in, of the right shape)."""
     if rows == list(range(len(rows))):
         return out
     index = device_longs(rows, out.device if isinstance(out, torch.Tensor) else out.drafts.device)
     if isinstance(out, CandidateWalk):
         return CandidateWalk(out.candidate_ids[index], out.edge_scores[index], out.drafts[index], out.vocab_size)
     if isinstance(out, DraftReadout):
-        return DraftReadout(out.logits[index], out.drafts[index],
+        return DraftReadout(out.logits[index] if logits else out.logits[: len(rows)], out.drafts[index],
                             None if out.confidence is None else out.confidence[index])
     return out[index]
 
