@@ -12,7 +12,8 @@
 #        # each cycle's slots with one index (its per-sequence slicing was charged to the speculative cycles); where
 #        # the adaptive cycle's host time goes at 128 sequences (scripts/host_split.py)
 #   bash scripts/gpu_round50.sh 5   # arrivals drafted early too (their first decode step ran a second draft forward):
-#        # the early-draft GPU tests, adaptive vs fixed vs plain at 1 … 256
+#        # the early-draft GPU tests, adaptive vs fixed vs plain at 1 … 256 (the next session: again after the review
+#        # mends, with the new GPU test of adaptive widths and arrivals)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then

@@ -93,3 +93,27 @@ def test_early_drafts_on_cuda_sync_nothing_and_change_no_output(pair):
     for a, b in zip(on, off):
         assert a.output_ids == b.output_ids, a.request.request_id
         assert a.stats.acceptance_lengths == b.stats.acceptance_lengths
+
+
+def test_early_drafts_under_adaptive_widths_with_arrivals_keep_greedy_output(pair):
+    """Adaptive widths (narrow draft graphs), arrivals mid-run (steps whose drafts are partly
+    early rows, partly a fresh draft forward reading the same shared readout) on CUDA graphs: the
+    greedy output equals the engine's without early drafts (widths follow measured times, so
+    only the output is compared), and the early rows are taken."""
+    target, draft = pair
+    config = EngineConfig(max_model_len=512, block_size=8, max_num_seqs=8, speculation="adaptive")
+
+    def build(early: bool) -> Engine:
+        engine = Engine(target, draft, config)
+        engine.runner.drafts_early = early
+        return engine
+
+    def batch():
+        return [make_request(f"r{i}", PROMPT[3 * i: 30 + 9 * i], max_tokens=24 + 6 * i) for i in range(5)]
+    first = batch()
+    _, off = run_batch(lambda: build(False), first[:3], arrivals={4: first[3:]})
+    second = batch()
+    engine, on = run_batch(lambda: build(True), second[:3], arrivals={4: second[3:]})
+    assert engine.runner.early_rows[1] > 0          # the calibration's warm-up drafts every block
+    for a, b in zip(on, off):
+        assert a.output_ids == b.output_ids, a.request.request_id
