@@ -9,7 +9,8 @@
 #   device: bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf   # all pieces → the file, hash checked
 # The first piece is the smallest: the first call also carries the wheels (.whl, 9 MB:
 # scripts/device_wheels.sh). Round 41 carried 28 + 34 + 28.5 MB with 6 MB of wheels; round 44, beside a 33 MB
-# tree, 24.6 + 33.9 + 32 MB; round 45, beside a 33.7 MB tree, 23.4 + 33.2 + 33.2 + 0.7 MB.
+# tree, 24.6 + 33.9 + 32 MB; round 45, beside a 33.7 MB tree, 23.4 + 33.2 + 33.2 + 0.7 MB; round 51,
+# beside 34.3 MB, 23 + 32.5 + 32.5 + 2.5 MB.
 set -euo pipefail
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53   # blockspec/named.py's smollm2
 KEEP=/tmp/gguf-pieces
@@ -19,12 +20,12 @@ case ${1:-} in
     mkdir -p .gguf && rm -f .gguf/p*
     grep -qx '/.gguf/' .git/info/exclude 2>/dev/null || echo /.gguf/ >> .git/info/exclude
     xz -T2 -6 -c "$gguf" > .gguf/all.xz
-    # Four pieces (p0 beside the wheels, then three beside the tree): the tree reached 33.7 MB on disk
-    # in round 45 and three pieces of ≤ 33.2 MB no longer held the 90.5 MB file.
-    dd if=.gguf/all.xz of=.gguf/p0 iflag=count_bytes count=23400000 status=none
-    dd if=.gguf/all.xz of=.gguf/p1 iflag=skip_bytes,count_bytes skip=23400000 count=33200000 status=none
-    dd if=.gguf/all.xz of=.gguf/p2 iflag=skip_bytes,count_bytes skip=56600000 count=33200000 status=none
-    tail -c +89800001 .gguf/all.xz > .gguf/p3
+    # Four pieces (p0 beside the wheels, then three beside the tree): each call carries at most
+    # 64 MiB (67.1 MB) and the tree reached 34.3 MB on disk in round 51, so p1 and p2 are 32.5 MB.
+    dd if=.gguf/all.xz of=.gguf/p0 iflag=count_bytes count=23000000 status=none
+    dd if=.gguf/all.xz of=.gguf/p1 iflag=skip_bytes,count_bytes skip=23000000 count=32500000 status=none
+    dd if=.gguf/all.xz of=.gguf/p2 iflag=skip_bytes,count_bytes skip=55500000 count=32500000 status=none
+    tail -c +88000001 .gguf/all.xz > .gguf/p3
     rm .gguf/all.xz
     ls -l .gguf ;;
   keep)

@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import json
 import random
+import statistics
 import string
 import subprocess
 import sys
@@ -377,17 +378,20 @@ def acceptance(llm, prompts: list[list[int]], temperature: float, max_tokens: in
     return sum(lengths) / max(1, len(lengths)), results
 
 
-def tok_s(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, rounds: int) -> float:
+def tok_s(llm, prompts: list[list[int]], concurrency: int, max_tokens: int, rounds: int,
+          first: int = 0, warm: bool = True) -> float:
     """Output tok/s of `concurrency` requests decoded together, `rounds` batches of other prompts
-    (greedy, max_tokens each; after a warm-up batch that captures the graphs)."""
+    (greedy, max_tokens each; after a warm-up batch that captures the graphs, unless warm=False),
+    starting at batch `first` of the prompts."""
     from blockspec.sampling import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     def batch(r: int) -> list[list[int]]:
         return [prompts[(r * concurrency + i) % len(prompts)] for i in range(concurrency)]
-    llm.generate(batch(rounds), params)
+    if warm:
+        llm.generate(batch(first + rounds), params)
     started, tokens = time.perf_counter(), 0
-    for r in range(rounds):
+    for r in range(first, first + rounds):
         tokens += sum(len(out.token_ids) for out in llm.generate(batch(r), params))
     return tokens / (time.perf_counter() - started)
 
@@ -446,13 +450,24 @@ def speeds(args, prompts: list[list[int]], best: dict[str, Any], opts: dict[str,
     base = open_llm(args.target, 1024, size, **opts)
     speed: dict[str, Any] = {"draft": best["draft"], "block_size": best["block_size"]}
     for c in args.concurrency:
-        rounds = 4 if c == 1 else 1
-        p = tok_s(base, prompts, c, args.max_tokens, rounds)
+        # Interleaved rounds, each a batch of other prompts for all three engines in turn, and the
+        # median of each engine's: one batch at 16 or 64 requests lasts ~0.2–1 s on the H200, and
+        # runs of one mode spread ±5 % (round 45), more than the margins asked of adaptive.
+        rounds = args.rounds
+        batches = 4 if c == 1 else 1
+        runs: dict[str, list[float]] = {"plain": [], "fixed": [], "adaptive": []}
+        for llm in (base, *engines.values()):
+            tok_s(llm, prompts, c, args.max_tokens, 1, first=rounds * batches)           # warm-up
+        for r in range(rounds):
+            for name, llm in (("plain", base), *engines.items()):
+                runs[name].append(tok_s(llm, prompts, c, args.max_tokens, batches, first=r * batches, warm=False))
+        p = statistics.median(runs["plain"])
         row: dict[str, Any] = {"plain": round(p, 1)}
-        for mode, llm in engines.items():
-            d = tok_s(llm, prompts, c, args.max_tokens, rounds)
+        for mode in engines:
+            d = statistics.median(runs[mode])
             name = "dflash" if mode == "fixed" else mode
             row[name], row[f"{name}_speedup"] = round(d, 1), round(d / p, 3)
+        row["rounds"] = {name: [round(x, 1) for x in xs] for name, xs in runs.items()}
         speed[str(c)] = row
         log(f"c={c}: {row}")
     return speed
@@ -503,6 +518,7 @@ def main() -> int:
     p.add_argument("--block-sizes", type=ints, default=[8, 16])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=ints, default=[1, 16, 64])
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of plain, fixed and adaptive (tok/s: medians)")
     p.add_argument("--sets", type=lambda t: [n for n in t.split(",") if n], default=["chat", "magpie"],
                    help="held-out sets: chat (smollm2_prompts.HELD_OUT), magpie (the turns held out by hash)")
     for name in ("prompts", "responses"):
