@@ -156,6 +156,40 @@ def synced_cycles(engine, concurrency: int, cycles: int = 6) -> str:
     return f"syncs in {cycles} decode steps ({sum(seen.values())} in all):\n" + "\n".join(lines)
 
 
+@contextlib.contextmanager
+def plan_counting(plans: Counter):
+    """Counts Speculation.planned_widths' outcomes into `plans`: "ahead" (plan_ahead's plan
+    taken), "anew" (allocated on the critical path), "learning" (every cap), "fixed"."""
+    real_planned, real_ahead, real_allocation = (Speculation.planned_widths, Speculation.ahead_widths,
+                                                 Speculation.allocation)
+    state = {"in": False, "how": None}
+
+    def planned(self, seqs):
+        state["in"], state["how"] = True, None
+        try:
+            widths = real_planned(self, seqs)
+        finally:
+            state["in"] = False
+        if seqs:
+            plans[state["how"] or ("learning" if self.adaptive else "fixed")] += 1
+        return widths
+
+    def ahead(self, plan, seqs):
+        widths = real_ahead(self, plan, seqs)
+        if widths is not None and state["in"]:
+            state["how"] = "ahead"
+        return widths
+
+    def allocation(self, seqs):
+        if state["in"]:
+            state["how"] = "anew"
+        return real_allocation(self, seqs)
+    with mock.patch.object(Speculation, "planned_widths", planned), \
+            mock.patch.object(Speculation, "ahead_widths", ahead), \
+            mock.patch.object(Speculation, "allocation", allocation):
+        yield
+
+
 def measure(target, draft, mode: str, concurrency: int, block: int, profile, use_cprofile: bool,
             use_torch_profile: bool = False, label: str | None = None, sync_debug: bool = False,
             trace: str | None = None, padded: bool = False) -> dict:
@@ -175,7 +209,10 @@ def measure(target, draft, mode: str, concurrency: int, block: int, profile, use
         for p in counting:
             p.start()
         steps_before = engine.scheduler._num_steps
-        result = run_batch(engine, concurrency, 128, 128, rounds=3)
+        early_before = list(engine.runner.early_rows)
+        plans: Counter = Counter()
+        with plan_counting(plans):
+            result = run_batch(engine, concurrency, 128, 128, rounds=3)
         for p in reversed(counting):
             p.stop()
         steps = engine.scheduler._num_steps - steps_before
@@ -187,6 +224,10 @@ def measure(target, draft, mode: str, concurrency: int, block: int, profile, use
         per_seq = {k: round(v * 1e6 / steps / concurrency, 2) for k, v in totals.items()}
         per_seq["host"] = round(per_seq["step"] - per_seq.get("graph_run", 0) - per_seq.get("compute_logits", 0), 2)
         out["us_per_seq"] = per_seq
+        # How each step's widths were planned (adaptive: ahead, anew on the critical path, or a
+        # learning cycle), and the early drafts' rows: drafted, taken by the next step, arrivals'.
+        out["plans"] = dict(plans)
+        out["early_rows"] = [b - a for a, b in zip(early_before, engine.runner.early_rows)]
         print(json.dumps({"mode": label or mode, "concurrency": concurrency, **out}), flush=True)   # before any profile
         if use_cprofile:
             prof = cProfile.Profile()

@@ -187,6 +187,33 @@ def test_adaptive_widths_with_early_drafts_keep_greedy_output_exact(models):
     assert engine.runner.early_rows[1] > 0
 
 
+def test_a_step_planned_narrower_than_its_early_block_takes_the_early_rows(models):
+    """The early draft denoises the block the plan made ahead (here the full 8); the step then
+    plans narrower (k = 3 in a draft block of 4: a cap fell, or the plan changed). The early
+    blocks' first slots serve it: the step drafts at the early width and takes the early rows
+    instead of a second draft forward at 4 (round 51), and the greedy output is plain's."""
+    target, draft = models["dense"]
+    expected = plain_outputs(target, requests(sampled=False))
+
+    def narrowed(early: bool) -> Engine:
+        engine = engine_with(target, draft, early, speculation="adaptive", block_size=8)
+        spec = engine.runner.speculation
+        spec.plan_ahead = lambda seqs: setattr(spec, "_ahead", (list(seqs), spec.caps(seqs)))
+        spec.ahead_draft = lambda: None if spec._ahead is None else (
+            {id(seq): int(k) for seq, k in zip(*spec._ahead)}, 0)        # every sequence, the full block
+        spec.planned_widths = lambda seqs: [min(3, int(c)) for c in spec.caps(seqs)]
+        spec.draft_width = lambda seqs, widths: 4 if any(widths) else 0
+        return engine
+    engine, runs = run_batch(lambda: narrowed(True), requests(sampled=False))
+    assert {run.request.request_id: run.request.prompt_ids + run.output_ids for run in runs} == expected
+    drafted, taken, _ = engine.runner.early_rows
+    assert taken >= 0.8 * drafted > 0, (drafted, taken)
+    assert all(len(tokens) == 7 for tokens in engine.drafted.values())     # the early block's 7 slots
+    serial, _ = run_batch(lambda: narrowed(False), requests(sampled=False))
+    assert serial.runner.early_rows == [0, 0, 0]
+    assert all(len(tokens) == 3 for tokens in serial.drafted.values())      # a block of 4 drafted then
+
+
 def test_the_benchs_forced_acceptance_is_what_early_drafts_read(models):
     """`bench --accept-profile` forces each verify's accepted count (random weights accept
     nothing): it sets the verdict on the device, so the early drafts start where the host will

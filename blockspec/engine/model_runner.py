@@ -675,7 +675,7 @@ class ModelRunner:
     def propose_for(self, decode: list[Sequence], num_drafts: list[int], width: int,
                     early: EarlyDraft | None = None) -> Proposal | None:
         """The drafts of the sequences that verify some (k_b > 0), in blocks of `width` (≥ max
-        k_b + 1): the early draft's rows where it holds them (read first: the draft forward
+        k_b + 1; the early draft's, if wider and it holds most rows): the early draft's rows where it holds them (read first: the draft forward
         below would overwrite its readout), one draft forward over the rest; rows of the others
         hold no drafts (acceptance reads none of them)."""
         drafting = [b for b, k in enumerate(num_drafts) if k > 0]
@@ -683,6 +683,13 @@ class ModelRunner:
             return None
         parts: list[tuple[list[int], Proposal]] = []
         rest = drafting
+        if early is not None and early.width > width and 2 * sum(
+                early.row_of(decode[b], early.width) is not None for b in drafting) >= len(drafting):
+            # Planned narrower than the early block (a cap fell, or the plan changed) while the
+            # early draft holds most of the rows: its blocks' first slots serve the plan, so the
+            # step drafts at the early width (the verify reads k_b ≤ width − 1 of each) rather
+            # than dropping those rows for a second draft forward over all of them.
+            width = early.width
         if early is not None:
             rows = [early.row_of(decode[b], width) for b in drafting]
             have = [(b, row) for b, row in zip(drafting, rows) if row is not None]

@@ -224,7 +224,8 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
     sequence that starts drafting, and a padded forward costs its bucket, so a few more slots
     can be free. margin: every slot up to its cap is verified unless the best allocation's
     predicted rate beats that by this fraction (ragged widths cost host work and launches the
-    table does not price: Speculation passes RAGGED_MARGIN). draft_widths: the draft blocks to
+    table does not price: Speculation passes RAGGED_MARGIN); an allocation of no drafts beyond
+    the floors (plain steps) needs no margin. draft_widths: the draft blocks to
     price it at (None: the full block of L + 1; a narrower width W cuts the caps to W − 1 and
     prices the draft at W): the best rate over them is taken, each width's scan over the one
     sort of the slots (this runs every step on the host). marginal: what the steps measured a
@@ -282,7 +283,10 @@ def scan(order: np.ndarray, survival: np.ndarray, num_seqs: int, num_slots: int,
     rate = tokens / ms
     rate[:num_forced] = -math.inf                                         # the floors are not optional
     best = int(np.argmax(rate))
-    if rate[best] < (1.0 + margin) * rate[-1]:
+    # The margin is what a ragged plan must win by; no drafts at all (best 0: a plain step) is
+    # as uniform as the whole block, so it stands on any gain (else a draft that costs a little
+    # more than it saves would still be verified whole: SmolLM2 at 16–64 requests, round 45).
+    if best > num_forced and rate[best] < (1.0 + margin) * rate[-1]:
         best = len(order)
     widths = np.bincount(order[:best] // num_slots, minlength=num_seqs)
     return Allocation(widths.tolist(), float(tokens[best]), float(ms[best]), width)
@@ -537,27 +541,30 @@ class Speculation:
 
     def ahead_widths(self, ahead: tuple[list, np.ndarray], seqs: Seq) -> list[int] | None:
         """The widths plan_ahead made, for these sequences, or None (planned anew): each
-        sequence's own, where the plan was made for exactly these sequences and none's cap fell
-        below its width (a lower cap re-prices the others). The same batch in another order gets
-        the same widths sequence by sequence (the allocation does not depend on the order, ties
-        aside). A batch that lost sequences is planned anew: the rows they free are worth more
-        slots to the others (tests/test_adaptive.py's six sequences: the middle four keep 7
-        slots of the six's plan, 12 of their own)."""
+        sequence's own, cut to its cap, where the plan covers every one of them (in any order;
+        the allocation does not depend on the order, ties aside). A batch that lost sequences
+        (they ended at step N) or whose caps step N's tokens lowered keeps the plan: re-pricing
+        would give the others a few more slots for one step, but it runs on the critical path
+        between the sync and the launch (~0.3 ms at 8 sequences on the H200's host) and drops the
+        early draft made at the plan's width (ModelRunner.draft_ahead): in round 50's bench at
+        8 sequences, that was about half the steps. A sequence the plan was not made for (an
+        arrival it did not see) is planned anew, with the others."""
         planned, planned_widths = ahead
         by_id = {id(seq): (seq, int(k)) for seq, k in zip(planned, planned_widths)}
         found = [by_id.get(id(seq), (None, 0)) for seq in seqs]
-        if len(planned) != len(seqs) or any(mine is not seq for (mine, _), seq in zip(found, seqs)):
-            return None                           # another batch than the plan's
-        widths = [k for _, k in found]
-        return widths if np.all(np.asarray(widths) <= self.caps(seqs)) else None
+        if any(mine is not seq for (mine, _), seq in zip(found, seqs)):
+            return None                           # a sequence the plan was not made for
+        return np.minimum(np.fromiter((k for _, k in found), dtype=np.int64, count=len(found)),
+                          self.caps(seqs)).tolist()
 
     def plan_ahead(self, seqs: Seq) -> None:
         """While the device runs step N (after the engine's `learn`): the allocation planned_widths
         would make for these sequences at step N + 1, made now. It reads the same state — the
         observations of steps up to N − 1 (step N's are learnt during step N + 1) — so only the
         caps can differ then (tokens committed at N). The engine passes the sequences step N
-        decodes and those whose prompt it completes. Used only if step N + 1 decodes exactly
-        these sequences (in any order) and no cap fell below its width; else planned there."""
+        decodes and those whose prompt it completes. Used if step N + 1 decodes only these
+        sequences (in any order; those that ended at N left out), each cut to its cap then;
+        else planned there (ahead_widths)."""
         if not self.adaptive or not seqs or self.learns(len(seqs), self._cycles_since_learning + 1):
             return                                         # a learning cycle's widths are its caps
         seqs = list(seqs)
