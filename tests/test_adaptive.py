@@ -816,6 +816,44 @@ def test_adaptive_mode_measures_its_costs_and_is_lossless(dense, reference):
     assert run.output_ids == reference
 
 
+def test_the_depth_correction_brings_predicted_survival_to_what_verifies_realised():
+    """Speculation.corrected (BLOCKSPEC_ADAPTIVE_DEPTH=1): each depth's predicted survival scaled by
+    what the verifies realised at that depth ÷ what was predicted for them, never above 1, never
+    growing with depth; depths no verify judged (past a narrow k) keep their prediction; off,
+    the prediction as it is."""
+    spec = Speculation("adaptive", 6, costs=CostTable.analytic(flat_rows=16, ms_flat=5.0, ms_per_row=0.2,
+                                                               draft_ms=1.0))
+    seqs = [request_of() for _ in range(2)]
+    rows = spec.rows(seqs)
+    raw = spec.calibration.predicted(rows)                     # a fresh draft: the top bin's prior
+    predicted = np.cumprod(raw, axis=1)[0]
+    for _ in range(400):                                       # judged to depth 4: half survive all of it
+        spec.learn_depth(rows, [4, 4], [4, 0])
+    ratio = spec.depth_ratio()
+    assert np.allclose(ratio[:4], 0.5 / predicted[:4], rtol=0.02)          # realised ÷ predicted
+    assert np.all(ratio[4:] == 1.0)                                         # never judged: the prior
+    corrected = spec.corrected(raw, apply=True)
+    survival = np.cumprod(corrected, axis=1)
+    assert np.allclose(survival[:, :4], 0.5, rtol=0.05)                     # what the verifies realised
+    assert np.all(np.diff(survival, axis=1) <= 1e-12) and np.all(survival <= 1.0)
+    assert np.allclose(survival[:, 4:], np.minimum(np.cumprod(raw, axis=1)[:, 4:], survival[:, 3:4]))
+    assert spec.corrected(raw, apply=False) is raw
+    for _ in range(1200):                                      # now every block accepted whole (the old fades)
+        spec.learn_depth(rows, [4, 4], [4, 4])
+    assert np.allclose(np.cumprod(spec.corrected(raw, apply=True), axis=1)[:, :4], 1.0, rtol=0.05)
+
+
+def test_adaptive_with_the_depth_correction_is_lossless(dense, reference, monkeypatch):
+    """The correction on (as BLOCKSPEC_ADAPTIVE_DEPTH=1 sets it): the greedy output is plain's, and
+    it learnt from the verifies."""
+    from blockspec.engine.spec import policy
+    monkeypatch.setattr(policy, "APPLY_DEPTH", True)
+    engine, _ = oracle_engine(dense, reference, None, speculation="adaptive", max_num_seqs=4)
+    run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
+    assert run.output_ids == reference
+    assert engine.runner.speculation._depth[1].sum() > 0
+
+
 def test_speculation_option_is_validated_and_off_runs_no_draft(dense):
     with pytest.raises(ConfigError, match="--speculation"):
         EngineConfig(speculation="sometimes")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
@@ -424,6 +425,13 @@ HOST_WORK_MEMORY = 0.98             # forgetting factor of the host-work fit (pe
 # for a predicted gain of a few per cent and ran 0.89 × the whole block.
 RAGGED_MARGIN = 0.05
 RESCAN_STEPS = 8                    # steps between pricings of every draft width (planned_widths)
+DEPTH_PRIOR = 4.0                   # depth_ratio's prior: this many survivals realised as predicted
+DEPTH_MEMORY = 0.995                # its forgetting factor, per observed verify
+# The depth correction (Speculation.corrected) is measured always and applied only with
+# BLOCKSPEC_ADAPTIVE_DEPTH=1 until a GPU run has weighed it (round 51: on the CPU it made the
+# whole block's predicted tokens what fixed k = 7 realises, 27.5 against 27.3, where they were
+# 22.2; the GPU figures of round 51 are without it).
+APPLY_DEPTH = os.environ.get("BLOCKSPEC_ADAPTIVE_DEPTH", "") == "1"
 
 
 class Speculation:
@@ -461,6 +469,7 @@ class Speculation:
         self.marginal_scale = 1.0           # measured cost of the drafts over a plain step ÷ the table's
         self._xtx = np.zeros((4, 4))
         self._xty = np.zeros(4)
+        self._depth = np.zeros((2, max(1, self.num_slots)))      # survival by depth: realised, predicted (decaying)
 
     @property
     def reads_confidences(self) -> bool:
@@ -594,7 +603,7 @@ class Speculation:
         load = len(seqs).bit_length()
         rescan = self._steps_to_rescan <= 0 or load != self._rescan_load
         widths = self.costs.draft_widths if rescan else (self._chosen_width,)
-        alloc = allocate(self.calibration.predicted(rows), self.caps(seqs), self.costs, self.floors(rows),
+        alloc = allocate(self.corrected(self.calibration.predicted(rows)), self.caps(seqs), self.costs, self.floors(rows),
                          fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token,
                          margin=RAGGED_MARGIN, draft_widths=widths, marginal=self.marginal_scale,
                          max_rows=self.max_rows)
@@ -669,6 +678,37 @@ class Speculation:
         return self.forward_scale * (plain + self.marginal_scale * extra + self.overhead_ms_per_seq * len(widths)
                                      + self.overhead_ms_per_token * num_tokens)
 
+    def depth_ratio(self) -> np.ndarray:
+        """[L]: the survival to each depth the verifies realised ÷ what the prediction gave them
+        (observe: over the depths each verify judged, j < k_b, decaying by DEPTH_MEMORY a
+        verify), with DEPTH_PRIOR of prior at 1."""
+        realised, predicted = self._depth
+        return (realised + DEPTH_PRIOR) / (predicted + DEPTH_PRIOR)
+
+    def learn_depth(self, rows: np.ndarray, widths: Seq[int], accepted: Seq[int]) -> None:
+        """Survival by depth, realised against predicted (before this verify is learnt), over the
+        judged depths only (j < k_b: past them, a block accepted whole says nothing)."""
+        k = np.asarray(widths, dtype=np.int64)[:, None]
+        a = np.asarray(accepted, dtype=np.int64)[:, None]
+        depth = np.arange(self.num_slots)[None]
+        judged = depth < k
+        self._depth *= DEPTH_MEMORY
+        self._depth[0] += np.where(judged, depth < a, 0.0).sum(axis=0)
+        self._depth[1] += np.where(judged, np.cumprod(self.calibration.predicted(rows), axis=1), 0.0).sum(axis=0)
+
+    def corrected(self, probs: np.ndarray, apply: bool | None = None) -> np.ndarray:
+        """Predicted p [B, L] with each depth's survival scaled by depth_ratio (kept ≤ 1 and never
+        growing with depth), where the correction applies (APPLY_DEPTH); else probs as they are.
+        Why: each slot's p is calibrated on its own, and their product understates the chance of
+        surviving deep into a block (acceptances run together: on the CPU demo pair the products
+        of calibrated p gave 2.09 drafted tokens a cycle where 2.40 were accepted, and the
+        deepest slots 0.42–0.50 where they realised 0.67–0.97 given their prefix), so the
+        allocation undervalues wide blocks against narrow ones (BENCHMARKS, round 51)."""
+        if not (APPLY_DEPTH if apply is None else apply):
+            return probs
+        survival = np.minimum(np.cumprod(probs, axis=1) * self.depth_ratio()[None, : probs.shape[1]], 1.0)
+        return conditionals(np.minimum.accumulate(survival, axis=1))
+
     def observe(self, seqs: Seq, confidence: torch.Tensor | None, widths: Seq[int], accepted: Seq[int]) -> None:
         """After a verify (its host read done): confidence [B, L] of the drafting sequences'
         drafts (rows of sequences with k_b = 0 are not judged), calibrated and learnt from."""
@@ -680,6 +720,8 @@ class Speculation:
             missing = np.full((confidence.shape[0], self.num_slots - confidence.shape[1]), math.nan)
             confidence = np.concatenate((confidence, missing), axis=1)
         rows = self.rows([seqs[b] for b in drafted])
+        if APPLY_DEPTH:
+            self.learn_depth(rows, [widths[b] for b in drafted], [accepted[b] for b in drafted])
         calibrated = self.calibration.calibrate(confidence, rows)
         self.calibration.observe(confidence, calibrated, [widths[b] for b in drafted],
                                  [accepted[b] for b in drafted], rows)
