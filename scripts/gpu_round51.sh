@@ -11,6 +11,8 @@
 #        # medians); then the hybrid (Qwen3.5-4B) at one sequence, adaptive vs fixed vs plain
 #   bash scripts/gpu_round51.sh 3   # (not run in round 51) the MoE at one sequence; adaptive at 8 twice more; the
 #        # host split at 8 (how each step's widths were planned, the early rows drafted and taken)
+#   bash scripts/gpu_round51.sh 4   # (not run in round 51) the opt-in depth correction weighed: adaptive vs fixed vs
+#        # plain at 1 … 256 with BLOCKSPEC_ADAPTIVE_DEPTH=1 (call 1 is the same without it)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 bash scripts/gguf_pieces.sh keep > /dev/null || exit 1
@@ -46,4 +48,9 @@ if [ "$M" = 3 ]; then
   done
   stage "host split, Qwen3-8B, 8 sequences, fixed and adaptive" timeout ${HS_S:-150} python3 scripts/host_split.py \
     --shape qwen3-8b --concurrency 8 --modes fixed,adaptive
+fi
+if [ "$M" = 4 ]; then
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, budget 2048, BLOCKSPEC_ADAPTIVE_DEPTH=1" \
+    env BLOCKSPEC_ADAPTIVE_DEPTH=1 timeout ${ADAPT_S:-290} $B --compare-speculation --accept-profile latent:6.5 \
+    --prompt-len 128 --max-tokens 256 --shape qwen3-8b --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_depth.json"
 fi
