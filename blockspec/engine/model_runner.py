@@ -683,15 +683,17 @@ class ModelRunner:
             return None
         parts: list[tuple[list[int], Proposal]] = []
         rest = drafting
-        if early is not None and early.width > width and 2 * sum(
-                early.row_of(decode[b], early.width) is not None for b in drafting) >= len(drafting):
-            # Planned narrower than the early block (a cap fell, or the plan changed) while the
-            # early draft holds most of the rows: its blocks' first slots serve the plan, so the
-            # step drafts at the early width (the verify reads k_b ≤ width − 1 of each) rather
-            # than dropping those rows for a second draft forward over all of them.
-            width = early.width
         if early is not None:
-            rows = [early.row_of(decode[b], width) for b in drafting]
+            rows = [early.row_of(decode[b], early.width) for b in drafting]
+            held = sum(row is not None for row in rows)
+            if early.width > width and 2 * held >= len(drafting):
+                # Planned narrower than the early block (a cap fell, or the plan changed) while
+                # the early draft holds most of the rows: its blocks' first slots serve the plan,
+                # so the step drafts at the early width (the verify reads k_b ≤ width − 1 of
+                # each) rather than dropping those rows for a second draft forward over all.
+                width = early.width
+            elif early.width != width:
+                rows = [None] * len(drafting)                # another width: drafted below
             have = [(b, row) for b, row in zip(drafting, rows) if row is not None]
             if have:
                 self.early_rows[1] += len(have)

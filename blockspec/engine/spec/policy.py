@@ -427,7 +427,7 @@ RAGGED_MARGIN = 0.05
 RESCAN_STEPS = 8                    # steps between pricings of every draft width (planned_widths)
 DEPTH_PRIOR = 4.0                   # depth_ratio's prior: this many survivals realised as predicted
 DEPTH_MEMORY = 0.995                # its forgetting factor, per observed verify
-# The depth correction (Speculation.corrected) is measured always and applied only with
+# The depth correction (Speculation.learn_depth, corrected) is learnt and applied only with
 # BLOCKSPEC_ADAPTIVE_DEPTH=1 until a GPU run has weighed it (round 51: on the CPU it made the
 # whole block's predicted tokens what fixed k = 7 realises, 27.5 against 27.3, where they were
 # 22.2; the GPU figures of round 51 are without it).
