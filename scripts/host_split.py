@@ -88,7 +88,9 @@ def decoding(engine, concurrency: int, cycles: int, name: str, seed: int) -> lis
     from blockspec.engine.request import Request
     from blockspec.sampling import SamplingParams
     gen = torch.Generator().manual_seed(seed)
-    requests = [Request(f"{name}-{i}", torch.randint(1000, 100000, (128,), generator=gen).tolist(),
+    vocab = engine.runner.target.config.vocab_size            # the host shape's is small
+    requests = [Request(f"{name}-{i}", torch.randint(min(1000, vocab // 2), min(100000, vocab), (128,),
+                                                     generator=gen).tolist(),
                         SamplingParams(max_tokens=cycles * 16 + 16), frozenset(), engine.config.max_model_len)
                 for i in range(concurrency)]
     for request in requests:
@@ -264,7 +266,9 @@ def main() -> None:
                                     "engine phases named), for scripts/trace_gaps.py")
     ap.add_argument("--sync-debug", action="store_true",
                     help="also a few decode steps of the first mode with torch.cuda's sync debug mode on")
-    ap.add_argument("--torch-profile", action="store_true", help="also the fixed run under torch.profiler")
+    ap.add_argument("--torch-profile", action="store_true", help="also the --torch-profile-modes runs under torch.profiler")
+    ap.add_argument("--torch-profile-modes", default="fixed",
+                    help="which modes --torch-profile profiles (adaptive beside fixed: issue 31's 0.3 ms a step at 8)")
     ap.add_argument("--padded", action="store_true",
                     help="on CPU: the padded plans CUDA graphs run (without capture), not exact shapes")
     ap.add_argument("--accept-profile", default="latent:6.5")
@@ -292,7 +296,7 @@ def main() -> None:
                 r = measure(target, None if plain else draft, "fixed" if plain else mode.split("-")[0], c,
                             args.block_size, profile,
                             args.profile and mode in args.profile_modes.split(","),
-                            args.torch_profile and mode.startswith("fixed"), label=mode,
+                            args.torch_profile and mode in args.torch_profile_modes.split(","), label=mode,
                             sync_debug=args.sync_debug and i == 0, trace=args.trace if i == 0 else None,
                             padded=args.padded)
             text = r.pop("profile", None)
