@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.engine.sequence import Sequence
+from blockspec.kernels.readout import argmax_confidence
 from blockspec.models.dflash2 import CandidateWalk
 from blockspec.sampling import (Staged, device_longs, probs_from_logits, rejection_sample, sample_from_probs,
                                sample_rows)
@@ -36,8 +37,8 @@ class DraftReadout:
 
     @staticmethod
     def of(logits: torch.Tensor, confidence: bool) -> "DraftReadout":
-        drafts = logits.argmax(-1)
-        return DraftReadout(logits, drafts, draft_confidence(logits, drafts) if confidence else None)
+        """On CUDA one pass over the logits for both (kernels/readout.py); torch's ops elsewhere."""
+        return DraftReadout(logits, *argmax_confidence(logits, confidence))
 
 
 @dataclass
