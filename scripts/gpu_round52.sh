@@ -5,8 +5,15 @@
 #        # the host's ops), then adaptive vs fixed vs plain at 8 with the opt-in depth correction
 #   bash scripts/gpu_round52.sh 2   # the draft's one-pass readout (kernels/readout.py): its GPU tests with the adaptive
 #        # and early-draft ones, its cost against torch's, adaptive vs fixed vs plain at 1 … 256
+# Calls 3 and 4 run on one warm machine with the demo pair's weights left behind (untracked and excluded while
+# they run, as round 51's calls 1 and 2: a 14.5 MB tree), the SmolLM2 GGUF in two pieces (gguf_pieces.sh split2):
+#   bash scripts/gpu_round52.sh 3   # carry .whl .gguf/p0: the hybrid (Qwen3.5-4B) and the MoE (Qwen3.5-35B-A3B) at one
+#        # sequence, adaptive vs fixed vs plain, with the one-pass readout
+#   bash scripts/gpu_round52.sh 4   # carry .gguf/p1: the real SmolLM2 pair (its shipped draft): plain / fixed / adaptive
+#        # tok/s at 1, 16, 64 requests (5 interleaved rounds, medians), held-out acceptance
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
+if compgen -G ".gguf/p*" > /dev/null; then bash scripts/gguf_pieces.sh keep > /dev/null || exit 1; fi   # a carried piece
 if [ "$M" = 1 ]; then
   stage "host split, Qwen3-8B, 8 sequences, fixed and adaptive, torch profiles" timeout ${HS_S:-240} \
     sh -c "python3 scripts/host_split.py --shape qwen3-8b --concurrency 8 --modes fixed,adaptive --torch-profile \
@@ -23,4 +30,23 @@ if [ "$M" = 2 ]; then
   stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, budget 2048, the one-pass readout" timeout ${ADAPT_S:-300} \
     $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3-8b \
     --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
+fi
+if [ "$M" = 3 ]; then
+  stage "the hybrid at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${HYB_S:-150} \
+    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3.5-4b \
+    --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
+  stage "the MoE at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${MOE_S:-200} \
+    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3.5-35b-a3b \
+    --concurrency 1 --out "$OUT/moe_qwen3_5_35b.json"
+fi
+if [ "$M" = 4 ]; then
+  bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf || exit 1
+  mkdir -p /tmp/w52
+  # tok/s needs a "best" draft measured before the last (the baseline): the shipped draft twice.
+  # BLOCKSPEC_BATCH_INVARIANT=1: what `--model smollm2` runs (named.use_batch_invariance); a path does not set it.
+  stage "SmolLM2: held-out acceptance and plain / fixed / adaptive tok/s at 1, 16, 64" env BLOCKSPEC_BATCH_INVARIANT=1 \
+    timeout ${SMOL_S:-260} python3 scripts/smollm2_recipe.py measure --target /tmp/smollm2.gguf --work /tmp/w52 \
+    --device cuda --dtype bfloat16 --drafts blockspec/demo/smollm2-draft,blockspec/demo/smollm2-draft --limit 32 \
+    --max-tokens 128 --concurrency 1,16,64 --rounds 5 --sets chat --block-sizes 8
+  cp /tmp/w52/measure.json "$OUT/smollm2_measure.json" 2>/dev/null
 fi
