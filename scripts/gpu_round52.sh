@@ -11,6 +11,11 @@
 #        # sequence, adaptive vs fixed vs plain, with the one-pass readout
 #   bash scripts/gpu_round52.sh 4   # carry .gguf/p1: the real SmolLM2 pair (its shipped draft): plain / fixed / adaptive
 #        # tok/s at 1, 16, 64 requests (5 interleaved rounds, medians), held-out acceptance
+# Calls 5 and 6 likewise (a fresh machine: the pieces again):
+#   bash scripts/gpu_round52.sh 5   # carry .whl .gguf/p0: the wheels installed and the piece kept, nothing else
+#   bash scripts/gpu_round52.sh 6   # carry .gguf/p1: where adaptive loses on the SmolLM2 pair, step by step
+#        # (scripts/adaptive_steps.py: fixed and adaptive side by side, host phases, each adaptive step's widths,
+#        # predicted against realised tokens and ms) at 1, 16 and 64 requests
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if compgen -G ".gguf/p*" > /dev/null; then bash scripts/gguf_pieces.sh keep > /dev/null || exit 1; fi   # a carried piece
@@ -49,4 +54,12 @@ if [ "$M" = 4 ]; then
     --device cuda --dtype bfloat16 --drafts blockspec/demo/smollm2-draft,blockspec/demo/smollm2-draft --limit 32 \
     --max-tokens 128 --concurrency 1,16,64 --rounds 5 --sets chat --block-sizes 8
   cp /tmp/w52/measure.json "$OUT/smollm2_measure.json" 2>/dev/null
+fi
+if [ "$M" = 6 ]; then
+  bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf || exit 1
+  for c in 16 64 1; do
+    stage "SmolLM2 adaptive step by step at $c" env BLOCKSPEC_BATCH_INVARIANT=1 timeout ${STEPS_S:-120} \
+      python3 scripts/adaptive_steps.py --model /tmp/smollm2.gguf --draft blockspec/demo/smollm2-draft --device cuda \
+      --dtype bfloat16 --concurrency $c --rounds 3 --max-tokens 128 --out "$OUT/smollm2_steps_c$c.json"
+  done
 fi
