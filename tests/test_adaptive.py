@@ -1167,3 +1167,21 @@ def test_an_arrival_is_planned_for_while_its_prompt_runs(dense, reference, monke
         ended += ids < before
         capped_steps += capped
     assert ended == 2 and capped_steps > 0            # both cases were met, and planned ahead
+
+
+def test_the_engine_average_is_the_same_cycle_by_cycle_and_in_any_batches():
+    """Calibration's engine-wide average of recent cycles (what a new sequence starts from) is
+    learnt in one pass over a verify's cycles; it equals, bit for bit, the average taken one
+    cycle at a time, however the cycles are split into verifies (from none yet, and from one)."""
+    from blockspec.engine.spec.policy import ENGINE_EMA, engine_average
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        cycles = rng.random((int(rng.integers(0, 30)), 7))
+        start = np.full(7, np.nan) if trial % 2 else rng.random(7)
+        want = start.copy()
+        for cycle in cycles:
+            want = cycle if np.isnan(want).any() else (1 - ENGINE_EMA) * want + ENGINE_EMA * cycle
+        cut = int(rng.integers(0, len(cycles) + 1))
+        assert np.array_equal(engine_average(start.copy(), cycles), want, equal_nan=True)
+        assert np.array_equal(engine_average(engine_average(start.copy(), cycles[:cut]), cycles[cut:]), want,
+                              equal_nan=True)
