@@ -45,13 +45,13 @@ def traced(log: list[dict]) -> list:
                     "tokens": round(alloc.expected_tokens, 2), "ms": round(alloc.ms, 3)})
         return alloc
 
-    def record(self, seconds, widths, num_tokens, draft_width=0):
-        log.append({"kind": "step", "widths": list(widths), "draft_width": draft_width, "tokens": num_tokens,
+    def record(self, seconds, widths, num_tokens, draft_width=0, arm="policy"):
+        log.append({"kind": "step", "widths": list(widths), "draft_width": draft_width, "tokens": num_tokens, "arm": arm,
                     "ms": round(seconds * 1e3, 3),
                     "predicted_ms": round(self.predicted_step_ms(widths, num_tokens, draft_width), 3),
                     "scale": round(self.forward_scale, 3), "marginal": round(self.marginal_scale, 3),
                     "per_seq_ms": round(self.overhead_ms_per_seq, 4), "per_token_ms": round(self.overhead_ms_per_token, 4)})
-        return real_record(self, seconds, widths, num_tokens, draft_width)
+        return real_record(self, seconds, widths, num_tokens, draft_width, arm)
     return [mock.patch.object(policy, "allocate", allocate), mock.patch.object(policy.Speculation, "record_cycle", record)]
 
 
@@ -105,7 +105,8 @@ def main() -> None:
             "count": len(steps), "mean_ms": round(float(np.mean([s["ms"] for s in steps])), 3),
             "mean_tokens": round(float(np.mean([s["tokens"] for s in steps])), 2),
             "mean_width": round(float(np.mean([np.mean(s["widths"]) for s in steps])), 2),
-            "plain_steps": sum(not any(s["widths"]) for s in steps)}
+            "plain_steps": sum(not any(s["widths"]) for s in steps),
+            "whole_arm_steps": sum(s.get("arm") == "whole" for s in steps)}
     print(json.dumps(report, indent=1))
     for entry in log:
         print(json.dumps(entry))

@@ -16,6 +16,10 @@
 #   bash scripts/gpu_round52.sh 6   # carry .gguf/p1: where adaptive loses on the SmolLM2 pair, step by step
 #        # (scripts/adaptive_steps.py: fixed and adaptive side by side, host phases, each adaptive step's widths,
 #        # predicted against realised tokens and ms) at 1, 16 and 64 requests
+# Calls 7 and 8 likewise, with the measured choice between the policy and whole blocks (BLOCKSPEC_ADAPTIVE_ARMS=1):
+#   bash scripts/gpu_round52.sh 7   # carry .whl .gguf/p0: the wheels installed and the piece kept
+#   bash scripts/gpu_round52.sh 8   # carry .gguf/p1: SmolLM2 fixed vs adaptive step by step at 16 and 32 requests,
+#        # then Qwen3-8B adaptive vs fixed vs plain at 1, 8, 64, 256 sequences, both with the arms measured
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if compgen -G ".gguf/p*" > /dev/null; then bash scripts/gguf_pieces.sh keep > /dev/null || exit 1; fi   # a carried piece
@@ -62,4 +66,15 @@ if [ "$M" = 6 ]; then
       python3 scripts/adaptive_steps.py --model /tmp/smollm2.gguf --draft blockspec/demo/smollm2-draft --device cuda \
       --dtype bfloat16 --concurrency $c --rounds 3 --max-tokens 128 --out "$OUT/smollm2_steps_c$c.json"
   done
+fi
+if [ "$M" = 8 ]; then
+  bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf || exit 1
+  for c in 16 32; do
+    stage "SmolLM2 adaptive (measured arms) step by step at $c" env BLOCKSPEC_BATCH_INVARIANT=1 BLOCKSPEC_ADAPTIVE_ARMS=1 \
+      timeout ${STEPS_S:-100} python3 scripts/adaptive_steps.py --model /tmp/smollm2.gguf --draft blockspec/demo/smollm2-draft \
+      --device cuda --dtype bfloat16 --concurrency $c --rounds 3 --max-tokens 128 --out "$OUT/smollm2_arms_c$c.json"
+  done
+  stage "adaptive (measured arms) vs fixed vs plain, Qwen3-8B, 1, 8, 64, 256" env BLOCKSPEC_ADAPTIVE_ARMS=1 \
+    timeout ${ADAPT_S:-240} $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 \
+    --shape qwen3-8b --concurrency 1,8,64,256 --out "$OUT/adaptive_arms_qwen3_8b.json"
 fi

@@ -1185,3 +1185,58 @@ def test_the_engine_average_is_the_same_cycle_by_cycle_and_in_any_batches():
         assert np.array_equal(engine_average(start.copy(), cycles), want, equal_nan=True)
         assert np.array_equal(engine_average(engine_average(start.copy(), cycles[:cut]), cycles[cut:]), want,
                               equal_nan=True)
+
+
+def test_arms_measure_both_then_keep_the_faster_and_remeasure_the_other():
+    """The measured choice (policy.Arms): at a new load the policy and whole blocks each run a
+    window first; then the one whose own steps committed more tokens a second runs, the other one
+    window in ARM_EXPLORE; another load is measured on its own."""
+    from blockspec.engine.spec.policy import ARM_EXPLORE, ARM_WINDOW, Arms
+    arms = Arms()
+    ms = {"policy": 3.0, "whole": 2.0}                 # the same tokens a step, whole blocks faster
+
+    def run(load: int, steps: int) -> list[str]:
+        taken = []
+        for _ in range(steps):
+            assert arms.upcoming(load) == arms.arm(load) or arms.windows[load][1] == ARM_WINDOW - 1
+            taken.append(arms.windows[load][0])
+            arms.record(load, taken[-1], 20, ms[taken[-1]] / 1e3)
+        return taken
+    taken = run(4, ARM_WINDOW * (2 + 2 * ARM_EXPLORE))
+    windows = [taken[i] for i in range(0, len(taken), ARM_WINDOW)]
+    assert windows[:2] == ["policy", "whole"]                                  # both measured first
+    assert windows.count("policy") == 1 + 2 and windows.count("whole") == len(windows) - 3
+    assert [i for i, arm in enumerate(windows) if arm == "policy"][1:] == [ARM_EXPLORE, 2 * ARM_EXPLORE]
+    assert arms.rate(4, "whole") > arms.rate(4, "policy")
+    ms["policy"] = 1.0                                 # the load changed: the policy became faster
+    later = run(4, ARM_WINDOW * 2 * ARM_EXPLORE)
+    assert later[-ARM_WINDOW:] == ["policy"] * ARM_WINDOW
+    assert run(6, ARM_WINDOW)[0] == "policy" and arms.rate(6, "whole") == 0.0   # a load of its own
+
+
+def test_adaptive_with_measured_arms_is_lossless_and_runs_both(dense, reference, monkeypatch):
+    """BLOCKSPEC_ADAPTIVE_ARMS=1: steps of whole blocks (no policy work) and of the policy's
+    plans alternate while both are measured; the output still equals plain decoding's, and the
+    policy learns nothing from whole-block steps."""
+    from blockspec.engine.spec import policy
+    monkeypatch.setattr(policy, "MEASURE_ARMS", True)
+    monkeypatch.setattr(policy, "ARM_WINDOW", 2)
+    monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)
+    dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.5)
+    spec = Speculation("adaptive", BLOCK - 1, costs=dear)
+    learnt: list[int] = []                                  # a verify the calibration learnt from
+    real_observe = spec.calibration.observe
+    spec.calibration.observe = lambda *args: (learnt.append(1), real_observe(*args))[1]
+    engine, _ = oracle_engine(dense, reference, spec, honest=True, speculation="adaptive")
+    steps = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda batch: (steps.append((batch.arm, list(batch.num_drafts),
+                                                        spec.caps(batch.decode).tolist())), launch(batch))[1]
+    run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
+    assert run.output_ids == reference
+    decode = [step for step in steps if step[1]]
+    assert {"policy", "whole"} == {arm for arm, _, _ in decode}
+    assert all(ks == caps for arm, ks, caps in decode if arm == "whole")
+    assert any(arm == "policy" and ks != caps for arm, ks, caps in decode)       # the policy narrowed
+    assert 0 < len(learnt) < len(decode)                                         # not from whole blocks
+    assert spec.arms.sums[1]["whole"][2] > 0 and spec.arms.sums[1]["policy"][2] > 0

@@ -448,6 +448,63 @@ DEPTH_MEMORY = 0.995                # its forgetting factor, per observed verify
 # whole block's predicted tokens what fixed k = 7 realises, 27.5 against 27.3, where they were
 # 22.2; the GPU figures of round 51 are without it).
 APPLY_DEPTH = os.environ.get("BLOCKSPEC_ADAPTIVE_DEPTH", "") == "1"
+# The measured choice between the policy and whole blocks (Arms), opt-in with
+# BLOCKSPEC_ADAPTIVE_ARMS=1 until a GPU run has weighed it (round 52: on the SmolLM2 pair the
+# policy's own host work made its steps 0.7–1.2 ms longer than fixed's for the same tokens).
+MEASURE_ARMS = os.environ.get("BLOCKSPEC_ADAPTIVE_ARMS", "") == "1"
+ARM_WINDOW = 8                      # decode steps an arm runs before the choice is made again
+ARM_EXPLORE = 8                     # once both are measured, the slower one runs one window in this many
+ARM_MEMORY = 0.95                   # each arm's tokens and seconds decay by this a step of its own
+
+
+class Arms:
+    """Whether the policy pays for itself at a load, measured: "policy" (the allocation, and what
+    it learns from every verify) against "whole" (every sequence its cap, no allocation, nothing
+    learnt: fixed's work), each by the tokens a second its own decode-only steps committed at this
+    load (sequences, by power of two), in windows of ARM_WINDOW steps — both first, then the
+    faster, the other re-measured one window in ARM_EXPLORE. Why: where the host is the bottleneck
+    (a small target's ~2 ms steps) the policy's ~0.5 ms of learning and planning a step is on the
+    critical path and no plan repays it; where the device is, it is hidden and the policy's
+    narrower verifies win (1.2–1.5 × fixed from 32 sequences, round 52)."""
+
+    ARMS = ("policy", "whole")
+
+    def __init__(self) -> None:
+        self.sums: dict[int, dict[str, list[float]]] = {}     # load → arm → [tokens, seconds, steps]
+        self.windows: dict[int, list] = {}                     # load → [arm, steps left, windows run]
+
+    def arm(self, load: int) -> str:
+        """The arm of a step planned at this load (counts it against the window)."""
+        window = self.windows.setdefault(load, ["policy", ARM_WINDOW, 0])
+        if window[1] <= 0:
+            window[0], window[1], window[2] = self.next_arm(load, window[0], window[2] + 1), ARM_WINDOW, window[2] + 1
+        window[1] -= 1
+        return window[0]
+
+    def upcoming(self, load: int) -> str:
+        """The arm the next step at this load will take (plan_ahead asks, counting nothing)."""
+        window = self.windows.get(load)
+        if window is None:
+            return "policy"
+        return window[0] if window[1] > 0 else self.next_arm(load, window[0], window[2] + 1)
+
+    def next_arm(self, load: int, current: str, windows: int) -> str:
+        sums = self.sums.get(load, {})
+        measured = [a for a in self.ARMS if sums.get(a, (0.0, 0.0, 0))[2] >= ARM_WINDOW]
+        if len(measured) < 2:
+            return "whole" if current == "policy" else "policy"          # both measured first
+        best, other = sorted(self.ARMS, key=lambda a: -self.rate(load, a))
+        return other if windows % ARM_EXPLORE == 0 else best
+
+    def rate(self, load: int, arm: str) -> float:
+        tokens, seconds, _ = self.sums.get(load, {}).get(arm, (0.0, 0.0, 0))
+        return tokens / seconds if seconds > 0 else 0.0
+
+    def record(self, load: int, arm: str, tokens: int, seconds: float) -> None:
+        sums = self.sums.setdefault(load, {}).setdefault(arm, [0.0, 0.0, 0])
+        sums[0] = ARM_MEMORY * sums[0] + tokens
+        sums[1] = ARM_MEMORY * sums[1] + seconds
+        sums[2] += 1
 
 
 class Speculation:
@@ -486,6 +543,8 @@ class Speculation:
         self._xtx = np.zeros((4, 4))
         self._xty = np.zeros(4)
         self._depth = np.zeros((2, max(1, self.num_slots)))      # survival by depth: realised, predicted (decaying)
+        self.arms = Arms() if MEASURE_ARMS else None
+        self.step_arm = "policy"            # the arm of the step planned last (the scheduler's Batch keeps it)
 
     @property
     def reads_confidences(self) -> bool:
@@ -554,6 +613,9 @@ class Speculation:
             return [self.num_slots] * len(seqs)
         if not seqs:
             return []
+        self.step_arm = self.arms.arm(len(seqs).bit_length()) if self.arms is not None else "policy"
+        if self.step_arm == "whole":
+            return self.caps(seqs).tolist()
         self._cycles_since_learning += 1
         if self.learns(len(seqs), self._cycles_since_learning):
             self._cycles_since_learning = 0
@@ -592,6 +654,8 @@ class Speculation:
         else planned there (ahead_widths)."""
         if not self.adaptive or not seqs or self.learns(len(seqs), self._cycles_since_learning + 1):
             return                                         # a learning cycle's widths are its caps
+        if self.arms is not None and self.arms.upcoming(len(seqs).bit_length()) == "whole":
+            return                                         # so are whole blocks'
         seqs = list(seqs)
         self._ahead = (seqs, np.asarray(self.allocation(seqs), dtype=np.int64))
 
@@ -648,7 +712,8 @@ class Speculation:
         whole = forwards_ms(self.costs, [self.num_slots] * num_seqs) + fixed
         return self.marginal_scale * (whole - plain) / (LEARNING_BUDGET * plain)
 
-    def record_cycle(self, seconds: float, widths: Seq[int], num_tokens: int, draft_width: int = 0) -> None:
+    def record_cycle(self, seconds: float, widths: Seq[int], num_tokens: int, draft_width: int = 0,
+                     arm: str = "policy") -> None:
         """The engine's wall time of a whole decode-only step (forwards, accept, commits) of
         these widths that committed num_tokens, against the table's forwards for it, fitted as
 
@@ -667,6 +732,10 @@ class Speculation:
         kept in the table's units (divided by the scale): maximising tokens per ms does not see it."""
         if not self.adaptive or not widths:
             return
+        if self.arms is not None:
+            self.arms.record(len(widths).bit_length(), arm, num_tokens, seconds)
+            if arm == "whole":
+                return                       # the fit prices the policy's steps (whole blocks: no work of it)
         # numpy: a 4 × 4 solve every step, where torch's per-op overhead would cost more than the math.
         plain, extra = self.plain_and_extra(widths, draft_width)
         x = np.array([plain + extra, extra, float(len(widths)), float(num_tokens)])
@@ -729,8 +798,8 @@ class Speculation:
         """After a verify (its host read done): confidence [B, L] of the drafting sequences'
         drafts (rows of sequences with k_b = 0 are not judged), calibrated and learnt from."""
         drafted = [b for b, k in enumerate(widths) if k > 0]
-        if confidence is None or not self.adaptive or not drafted:
-            return
+        if confidence is None or not self.adaptive or not drafted or self.step_arm == "whole":
+            return                           # (whole blocks learn nothing: their point is no policy work)
         confidence = confidence.double().cpu().numpy()[drafted]
         if confidence.shape[1] < self.num_slots:                 # a narrower block: no word on the rest
             missing = np.full((confidence.shape[0], self.num_slots - confidence.shape[1]), math.nan)
