@@ -11,19 +11,8 @@ import json
 
 import torch
 
+from blockspec.bench.common import copy_bandwidth, device_time_us
 from blockspec.kernels import readout
-
-
-def timed_us(fn, repeat: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / repeat
 
 
 def main() -> None:
@@ -32,15 +21,13 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=15)
     ap.add_argument("--vocab", type=int, default=151_936)
     args = ap.parse_args()
-    copy = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    copy_us = timed_us(lambda: copy.clone(), 10)
-    rate = 2 * copy.numel() / (copy_us * 1e-6)                     # bytes a second, read + write
+    rate = copy_bandwidth(torch.device("cuda"))                    # bytes a second, read + write
     for seqs in map(int, args.seqs.split(",")):
         logits = torch.randn(seqs, args.slots, args.vocab, device="cuda", dtype=torch.bfloat16)
         row = {"seqs": seqs,
-               "torch_argmax_us": round(timed_us(lambda: readout.argmax_confidence_torch(logits, False)), 1),
-               "torch_both_us": round(timed_us(lambda: readout.argmax_confidence_torch(logits, True)), 1),
-               "kernel_both_us": round(timed_us(lambda: readout.argmax_confidence_triton(logits, True)), 1),
+               "torch_argmax_us": round(device_time_us(lambda: readout.argmax_confidence_torch(logits, False)), 1),
+               "torch_both_us": round(device_time_us(lambda: readout.argmax_confidence_torch(logits, True)), 1),
+               "kernel_both_us": round(device_time_us(lambda: readout.argmax_confidence_triton(logits, True)), 1),
                "floor_us": round(logits.numel() * logits.element_size() / rate * 1e6, 1)}
         print(json.dumps(row), flush=True)
 
