@@ -25,13 +25,17 @@ BLOCK = 2048                 # columns a program loads per iteration (8 warps: 8
 FLOOR = -3.0e38              # a finite stand-in for −∞ (masked columns): no inf − inf in the rescale
 
 
+def draft_confidence(logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """DFlash 1: softmax(logits)[d_i] = exp(logit(d_i) − logsumexp), without a [B, L, V] softmax
+    (any drafts: a processed or sampled row's too)."""
+    chosen = logits.gather(-1, drafts.unsqueeze(-1)).squeeze(-1).float()
+    return (chosen - torch.logsumexp(logits.float() if logits.dtype != torch.float32 else logits, dim=-1)).exp()
+
+
 def argmax_confidence_torch(logits: torch.Tensor, confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [..., V] → (argmax [...] int64, softmax(logits) at it [...] fp32, or None)."""
     drafts = logits.argmax(-1)
-    if not confidence:
-        return drafts, None
-    chosen = logits.gather(-1, drafts.unsqueeze(-1)).squeeze(-1).float()
-    return drafts, (chosen - torch.logsumexp(logits.float(), dim=-1)).exp()
+    return drafts, draft_confidence(logits, drafts) if confidence else None
 
 
 def argmax_confidence(logits: torch.Tensor, confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

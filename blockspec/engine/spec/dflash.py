@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.engine.sequence import Sequence
-from blockspec.kernels.readout import argmax_confidence
+from blockspec.kernels.readout import argmax_confidence, draft_confidence
 from blockspec.models.dflash2 import CandidateWalk
 from blockspec.sampling import (Staged, device_longs, probs_from_logits, rejection_sample, sample_from_probs,
                                sample_rows)
@@ -75,12 +75,6 @@ def propose(out: torch.Tensor | DraftReadout | CandidateWalk, seqs: list[Sequenc
                     chosen[b] = draft_confidence(logits[b: b + 1], proposal.drafts[b: b + 1])[0].to(chosen.dtype)
         proposal.confidence = with_sampled(chosen, proposal)
     return proposal
-
-
-def draft_confidence(logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-    """DFlash 1: softmax(logits)[d_i] = exp(logit(d_i) − logsumexp), without a [B, L, V] softmax."""
-    chosen = logits.gather(-1, drafts.unsqueeze(-1)).squeeze(-1).float()
-    return (chosen - torch.logsumexp(logits.float() if logits.dtype != torch.float32 else logits, dim=-1)).exp()
 
 
 def walk_confidence(walk: CandidateWalk, drafts: torch.Tensor) -> torch.Tensor:

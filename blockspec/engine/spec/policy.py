@@ -476,8 +476,8 @@ class Arms:
     def arm(self, load: int) -> str:
         """The arm of a step planned at this load (counts it against the window)."""
         window = self.windows.setdefault(load, ["policy", ARM_WINDOW, 0])
-        if window[1] <= 0:
-            window[0], window[1], window[2] = self.next_arm(load, window[0], window[2] + 1), ARM_WINDOW, window[2] + 1
+        if window[1] <= 0:                                       # the window is run: the next one's arm
+            window[:] = [self.upcoming(load), ARM_WINDOW, window[2] + 1]
         window[1] -= 1
         return window[0]
 
