@@ -20,31 +20,20 @@ if [ "$M" = 1 ]; then
   timeout ${TESTS_S:-120} $T tests/gpu/test_overlap_gpu.py tests/gpu/test_adaptive_graphs.py > "$OUT/t_early.log" 2>&1
   summary
   stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, budget 2048" timeout ${ADAPT_S:-290} \
-    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3-8b \
-    --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
+    $C --shape qwen3-8b --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
 fi
 if [ "$M" = 2 ]; then
   bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf || exit 1
-  mkdir -p /tmp/w51
-  # tok/s needs a "best" draft measured before the last (the baseline): the shipped draft twice.
-  # BLOCKSPEC_BATCH_INVARIANT=1: what `--model smollm2` runs (named.use_batch_invariance); a path does not set it.
-  stage "SmolLM2: held-out acceptance and plain / fixed / adaptive tok/s at 1, 16, 64" env BLOCKSPEC_BATCH_INVARIANT=1 \
-    timeout ${SMOL_S:-240} python3 scripts/smollm2_recipe.py measure --target /tmp/smollm2.gguf --work /tmp/w51 \
-    --device cuda --dtype bfloat16 --drafts blockspec/demo/smollm2-draft,blockspec/demo/smollm2-draft --limit 32 \
-    --max-tokens 128 --concurrency 1,16,64 --rounds 5 --sets chat --block-sizes 8
-  cp /tmp/w51/measure.json "$OUT/smollm2_measure.json" 2>/dev/null
+  smollm2_measure /tmp/w51
   stage "the hybrid at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${HYB_S:-130} \
-    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3.5-4b \
-    --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
+    $C --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
 fi
 if [ "$M" = 3 ]; then
   stage "the MoE at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${MOE_S:-200} \
-    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3.5-35b-a3b \
-    --concurrency 1 --out "$OUT/moe_qwen3_5_35b.json"
+    $C --shape qwen3.5-35b-a3b --concurrency 1 --out "$OUT/moe_qwen3_5_35b.json"
   for run in 2 3; do
     stage "adaptive vs fixed vs plain, Qwen3-8B, 8 sequences, run $run" timeout ${ADAPT8_S:-90} \
-      $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3-8b \
-      --concurrency 8 --out "$OUT/adaptive8_run$run.json"
+      $C --shape qwen3-8b --concurrency 8 --out "$OUT/adaptive8_run$run.json"
   done
   stage "host split, Qwen3-8B, 8 sequences, fixed and adaptive" timeout ${HS_S:-150} python3 scripts/host_split.py \
     --shape qwen3-8b --concurrency 8 --modes fixed,adaptive

@@ -28,8 +28,7 @@ if [ "$M" = 1 ]; then
     sh -c "python3 scripts/host_split.py --shape qwen3-8b --concurrency 8 --modes fixed,adaptive --torch-profile \
       --torch-profile-modes fixed,adaptive > $OUT/host_split8.txt 2>&1; grep '^{' $OUT/host_split8.txt"
   stage "adaptive vs fixed vs plain, Qwen3-8B, 8 sequences, BLOCKSPEC_ADAPTIVE_DEPTH=1" env BLOCKSPEC_ADAPTIVE_DEPTH=1 \
-    timeout ${ADAPT8_S:-100} $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 \
-    --shape qwen3-8b --concurrency 8 --out "$OUT/adaptive8_depth.json"
+    timeout ${ADAPT8_S:-100} $C --shape qwen3-8b --concurrency 8 --out "$OUT/adaptive8_depth.json"
 fi
 if [ "$M" = 2 ]; then
   timeout ${TESTS_S:-150} $T tests/gpu/test_readout_gpu.py tests/gpu/test_adaptive_graphs.py tests/gpu/test_overlap_gpu.py \
@@ -37,27 +36,17 @@ if [ "$M" = 2 ]; then
   summary
   stage "the draft readout: torch vs the one-pass kernel" timeout 60 python3 scripts/readout_bench.py
   stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, budget 2048, the one-pass readout" timeout ${ADAPT_S:-300} \
-    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3-8b \
-    --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
+    $C --shape qwen3-8b --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
 fi
 if [ "$M" = 3 ]; then
   stage "the hybrid at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${HYB_S:-150} \
-    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3.5-4b \
-    --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
+    $C --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
   stage "the MoE at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${MOE_S:-200} \
-    $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 --shape qwen3.5-35b-a3b \
-    --concurrency 1 --out "$OUT/moe_qwen3_5_35b.json"
+    $C --shape qwen3.5-35b-a3b --concurrency 1 --out "$OUT/moe_qwen3_5_35b.json"
 fi
 if [ "$M" = 4 ]; then
   bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf || exit 1
-  mkdir -p /tmp/w52
-  # tok/s needs a "best" draft measured before the last (the baseline): the shipped draft twice.
-  # BLOCKSPEC_BATCH_INVARIANT=1: what `--model smollm2` runs (named.use_batch_invariance); a path does not set it.
-  stage "SmolLM2: held-out acceptance and plain / fixed / adaptive tok/s at 1, 16, 64" env BLOCKSPEC_BATCH_INVARIANT=1 \
-    timeout ${SMOL_S:-260} python3 scripts/smollm2_recipe.py measure --target /tmp/smollm2.gguf --work /tmp/w52 \
-    --device cuda --dtype bfloat16 --drafts blockspec/demo/smollm2-draft,blockspec/demo/smollm2-draft --limit 32 \
-    --max-tokens 128 --concurrency 1,16,64 --rounds 5 --sets chat --block-sizes 8
-  cp /tmp/w52/measure.json "$OUT/smollm2_measure.json" 2>/dev/null
+  smollm2_measure /tmp/w52
 fi
 if [ "$M" = 6 ]; then
   bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf || exit 1
@@ -75,6 +64,5 @@ if [ "$M" = 8 ]; then
       --device cuda --dtype bfloat16 --concurrency $c --rounds 3 --max-tokens 128 --out "$OUT/smollm2_arms_c$c.json"
   done
   stage "adaptive (measured arms) vs fixed vs plain, Qwen3-8B, 1, 8, 64, 256" env BLOCKSPEC_ADAPTIVE_ARMS=1 \
-    timeout ${ADAPT_S:-240} $B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256 \
-    --shape qwen3-8b --concurrency 1,8,64,256 --out "$OUT/adaptive_arms_qwen3_8b.json"
+    timeout ${ADAPT_S:-240} $C --shape qwen3-8b --concurrency 1,8,64,256 --out "$OUT/adaptive_arms_qwen3_8b.json"
 fi
