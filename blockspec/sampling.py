@@ -2,6 +2,7 @@
 decoding (Leviathan et al. 2023; Chen et al. 2023), stated once here with its math."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,6 +118,7 @@ class Staged:
 
     def __init__(self, values: torch.Tensor) -> None:
         self.event = None
+        self.waited = 0.0           # seconds tolist waited for the device (the policy's pace reads it)
         if values.is_cuda:
             host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             values = host.copy_(values, non_blocking=True)
@@ -126,7 +128,9 @@ class Staged:
 
     def tolist(self) -> list:
         if self.event is not None:
+            started = time.perf_counter()
             self.event.synchronize()
+            self.waited = time.perf_counter() - started
         return self.values.tolist()
 
 

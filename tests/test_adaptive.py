@@ -1240,3 +1240,77 @@ def test_adaptive_with_measured_arms_is_lossless_and_runs_both(dense, reference,
     assert any(arm == "policy" and ks != caps for arm, ks, caps in decode)       # the policy narrowed
     assert 0 < len(learnt) < len(decode)                                         # not from whole blocks
     assert spec.arms.sums[1]["whole"][2] > 0 and spec.arms.sums[1]["policy"][2] > 0
+
+
+def test_the_pace_keeps_the_policys_work_hidden_or_within_its_budget():
+    """Pace.choose: every step where the host's wait for the verdict would still exceed the
+    policy's work at stride 1 (the device hides it); else the smallest stride that keeps the
+    work within POLICY_BUDGET of a step, at most MAX_STRIDE."""
+    from blockspec.engine.spec.policy import MAX_STRIDE, POLICY_BUDGET, Pace
+    pace = Pace()
+    assert pace.choose() == 1                                        # nothing measured yet
+    pace.work_ms = {"observe": 0.4, "fit": 0.1, "plan": 0.3}         # 0.8 ms of work a turn
+    for _ in range(50):
+        pace.stepped(2.5e-3, 0.0)                                    # host-bound: the host never waits
+    assert pace.stride == math.ceil(0.8 / (POLICY_BUDGET * 2.5)) == 16
+    for _ in range(200):
+        pace.stepped(2.5e-3, 0.9e-3)                                 # at stride 16 the host waits 0.9 ms:
+    assert pace.stride == 1                                          # 0.9 − 0.8·15/16 > 0.08, hidden at 1
+    for _ in range(200):
+        pace.stepped(2.5e-3, 0.5e-3)                                 # at stride 1 it waits 0.5 ms: still hidden
+    assert pace.stride == 1
+    for _ in range(200):
+        pace.stepped(2.5e-3, 0.05e-3)                                # barely waits at stride 1: the work is
+    assert pace.stride == 16                                         # exposed again
+    pace.work_ms = {"observe": 20.0, "fit": 0.0, "plan": 0.0}
+    pace.stepped(2.5e-3, 0.0)
+    assert pace.stride == MAX_STRIDE
+    counted = [pace.due("observe") for _ in range(2 * MAX_STRIDE)]
+    assert counted == [True] + [False] * (MAX_STRIDE - 1) + [True] + [False] * (MAX_STRIDE - 1)
+
+
+def test_at_a_stride_the_policy_learns_fits_and_plans_every_strideth_time():
+    """With the pace at stride 4: a verify is learnt from every 4th time (every learning cycle's
+    whole block always), the cost fit runs every 4th step, and plan_ahead keeps the plan it made
+    for the same sequences in between (one allocation in 4), an arrival planned for at once."""
+    spec = Speculation("adaptive", 7, costs=CostTable.analytic(flat_rows=16, ms_flat=5.0, ms_per_row=0.2,
+                                                               draft_ms=1.0))
+    spec.pace.choose = lambda: 4
+    spec.pace.stride = 4
+    seqs = [request_of() for _ in range(6)]
+    learnt, fitted, allocated = [], [], []
+    real_observe, real_fit, real_allocation = spec.calibration.observe, spec.fit, spec.allocation
+    spec.calibration.observe = lambda *args: (learnt.append(1), real_observe(*args))[1]
+    spec.fit = lambda *args: (fitted.append(1), real_fit(*args))[1]
+    spec.allocation = lambda batch: (allocated.append(len(batch)), real_allocation(batch))[1]
+    conf = torch.full((6, 7), 0.8, dtype=torch.float64)
+    for step in range(12):
+        spec.observe(seqs, conf, [7] * 6, [2] * 6, "policy", learning=False)
+        spec.record_cycle(5e-3, [7] * 6, 18)
+    assert len(learnt) == 3 and len(fitted) == 3
+    spec.observe(seqs, conf, [7] * 6, [2] * 6, "policy", learning=True)           # a learning cycle: always
+    assert len(learnt) == 4
+    spec.calibration.engine_seen[:] = WARMUP_OBSERVATIONS                          # past the warm-up
+    spec.learning_interval = lambda num_seqs: math.inf
+    plans = []
+    for step in range(8):
+        spec.plan_ahead(seqs)
+        plans.append(spec.planned_widths(seqs))
+    assert allocated == [6, 6] and all(plan == plans[0] for plan in plans)
+    arrival = request_of()
+    spec.plan_ahead(seqs + [arrival])                                              # not in the kept plan
+    assert allocated == [6, 6, 7]
+
+
+def test_adaptive_at_a_stride_is_lossless(dense, reference, monkeypatch):
+    """The pace at stride 3 (the policy's work every third time, plans kept in between): the
+    output still equals plain decoding's."""
+    from blockspec.engine.spec import policy
+    monkeypatch.setattr(policy.Pace, "choose", lambda self: 3)
+    monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)
+    dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.5)
+    spec = Speculation("adaptive", BLOCK - 1, costs=dear)
+    engine, _ = oracle_engine(dense, reference, spec, honest=True, speculation="adaptive")
+    run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
+    assert run.output_ids == reference
+    assert spec.pace.stride == 3 and spec.pace.counts["observe"] > 3

@@ -62,6 +62,7 @@ class DecodeResult:
 class StepResult:
     first_tokens: list[FirstToken | None]     # per prefill chunk: its first token when the prompt ended
     decode: DecodeResult | None
+    waited: float = 0.0                       # seconds the host waited on the device for the verdict
 
 
 @dataclass
@@ -638,7 +639,8 @@ class ModelRunner:
                                      launched.verdict) if batch.decode else None)
         if self.early is not None:
             self.early.settle(first_tokens, result)
-        return StepResult(first_tokens, result)
+        staged = launched.verdict.staged if launched.verdict is not None else None
+        return StepResult(first_tokens, result, staged.waited if staged is not None else 0.0)
 
     def blocks(self, decode: list[Sequence], width: int) -> list[Entry]:
         """The draft's blocks [x, MASK × (W − 1)] at each sequence's next positions."""
@@ -807,7 +809,10 @@ class ModelRunner:
             verdict = judge(decode, proposal, logits, processed, num_drafts)
         num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts, verdict)
         if proposal is not None and proposal.confidence is not None:
-            self.defer(lambda: self.speculation.observe(decode, proposal.confidence, num_drafts, num_accepted))
+            # The step's own arm and kind, read now: the next step is planned before `learn` runs this.
+            spec = self.speculation
+            arm, learning = spec.step_arm, spec.step_learns
+            self.defer(lambda: spec.observe(decode, proposal.confidence, num_drafts, num_accepted, arm, learning))
         if self.is_hybrid:
             self.snapshot_page_boundaries(decode, num_accepted, from_stash=self.draft is not None)
         if self.is_hybrid and self.draft is not None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
@@ -457,6 +458,67 @@ ARM_EXPLORE = 8                     # once both are measured, the slower one run
 ARM_MEMORY = 0.95                   # each arm's tokens and seconds decay by this a step of its own
 
 
+# The policy's own host work — learning from a verify (observe), the cost fit (record_cycle), the
+# allocation (plan_ahead) — is done every `stride`-th time (Pace): where the host is the
+# bottleneck it may cost this fraction of a step. Round 52: on the SmolLM2 pair (~2.5 ms steps,
+# host-bound) that work took 0.6–0.9 ms a step and adaptive ran at 0.74–0.83 × fixed for the same
+# tokens; on Qwen3-8B the device hides it (the host waits there anyway).
+POLICY_BUDGET = 0.02
+MAX_STRIDE = 16
+PACE_MEMORY = 0.9                   # weight of the past in the pace's averages (per step)
+
+
+class Pace:
+    """How often the policy does its work: every step where the device hides it (the host's wait
+    for the verdict would still exceed it at stride 1), else every `stride`-th time, the stride
+    the smallest that keeps the work within POLICY_BUDGET of a step. Each kind of work keeps its
+    own count (a verify is learnt from, a step fitted, a plan made, each every stride-th time) and
+    its own measured cost; in between, the calibration and the fit keep what they learnt and a
+    plan made is kept (Speculation.plan_ahead). Engine thread only."""
+
+    KINDS = ("observe", "fit", "plan")
+
+    def __init__(self) -> None:
+        self.stride = 1
+        self.work_ms = dict.fromkeys(self.KINDS, 0.0)     # each kind's cost when it runs (average)
+        self.step_ms = 0.0                                # a decode-only step's wall time (average)
+        self.wait_ms = 0.0                                # the host's wait for its verdict (average)
+        self.counts = dict.fromkeys(self.KINDS, 0)
+
+    def due(self, kind: str) -> bool:
+        """Whether this time's `kind` of work runs (counted)."""
+        count = self.counts[kind]
+        self.counts[kind] = count + 1
+        return count % self.stride == 0
+
+    def restart(self, kind: str) -> None:
+        """The work ran out of turn (a plan the kept one could not serve): the next stride − 1 skip."""
+        self.counts[kind] = 1
+
+    def spent(self, kind: str, seconds: float) -> None:
+        self.work_ms[kind] = average(self.work_ms[kind], seconds * 1e3)
+
+    def stepped(self, seconds: float, waited: float) -> None:
+        """A decode-only step took `seconds`, of which the host waited `waited` for the verdict."""
+        self.step_ms = average(self.step_ms, seconds * 1e3)
+        self.wait_ms = average(self.wait_ms, waited * 1e3)
+        self.stride = self.choose()
+
+    def choose(self) -> int:
+        work = sum(self.work_ms.values())
+        if work <= 0.0 or self.step_ms <= 0.0:
+            return 1
+        # The wait at stride 1: what the host waits now, less the work it would add back.
+        if self.wait_ms - work * (1.0 - 1.0 / self.stride) > 0.1 * work:
+            return 1
+        return int(min(MAX_STRIDE, max(1, math.ceil(work / (POLICY_BUDGET * self.step_ms)))))
+
+
+def average(old: float, new: float) -> float:
+    """The pace's running average (the first value taken as it is)."""
+    return new if old == 0.0 else PACE_MEMORY * old + (1.0 - PACE_MEMORY) * new
+
+
 class Arms:
     """Whether the policy pays for itself at a load, measured: "policy" (the allocation, and what
     it learns from every verify) against "whole" (every sequence its cap, no allocation, nothing
@@ -544,7 +606,11 @@ class Speculation:
         self._xty = np.zeros(4)
         self._depth = np.zeros((2, max(1, self.num_slots)))      # survival by depth: realised, predicted (decaying)
         self.arms = Arms() if MEASURE_ARMS else None
+        self.pace = Pace()
+        self._kept: dict[int, tuple[object, int]] | None = None   # plan_ahead's last allocation, by id(seq)
+        self._kept_order: tuple[list, np.ndarray] = ([], np.zeros(0, dtype=np.int64))    # and as made
         self.step_arm = "policy"            # the arm of the step planned last (the scheduler's Batch keeps it)
+        self.step_learns = False            # whether the step planned last is a learning cycle (observe)
 
     @property
     def reads_confidences(self) -> bool:
@@ -614,11 +680,12 @@ class Speculation:
         if not seqs:
             return []
         self.step_arm = self.arms.arm(len(seqs).bit_length()) if self.arms is not None else "policy"
+        self.step_learns = False
         if self.step_arm == "whole":
             return self.caps(seqs).tolist()
         self._cycles_since_learning += 1
         if self.learns(len(seqs), self._cycles_since_learning):
-            self._cycles_since_learning = 0
+            self._cycles_since_learning, self.step_learns = 0, True
             return self.caps(seqs).tolist()
         if ahead is not None:
             widths = self.ahead_widths(ahead, seqs)
@@ -637,6 +704,8 @@ class Speculation:
         8 sequences, that was about half the steps. A sequence the plan was not made for (an
         arrival it did not see) is planned anew, with the others."""
         planned, planned_widths = ahead
+        if len(planned) == len(seqs) and all(a is b for a, b in zip(planned, seqs)):
+            return np.minimum(planned_widths, self.caps(seqs)).tolist()    # the batch planned for (most steps)
         by_id = {id(seq): (seq, int(k)) for seq, k in zip(planned, planned_widths)}
         found = [by_id.get(id(seq), (None, 0)) for seq in seqs]
         if any(mine is not seq for (mine, _), seq in zip(found, seqs)):
@@ -657,7 +726,30 @@ class Speculation:
         if self.arms is not None and self.arms.upcoming(len(seqs).bit_length()) == "whole":
             return                                         # so are whole blocks'
         seqs = list(seqs)
-        self._ahead = (seqs, np.asarray(self.allocation(seqs), dtype=np.int64))
+        kept = self.kept_widths(seqs) if self.pace.stride > 1 and not self.pace.due("plan") else None
+        if kept is not None:
+            self._ahead = (seqs, kept)                     # between the pace's turns: the plan made last
+            return
+        started = time.perf_counter()
+        widths = np.asarray(self.allocation(seqs), dtype=np.int64)
+        self._ahead = (seqs, widths)
+        self._kept = {id(seq): (seq, int(k)) for seq, k in zip(seqs, widths)}
+        self._kept_order = (seqs, widths.copy())
+        self.pace.restart("plan")
+        self.pace.spent("plan", time.perf_counter() - started)
+
+    def kept_widths(self, seqs: Seq) -> np.ndarray | None:
+        """The last allocation's width of each of these sequences, or None where it has none for
+        one of them (an arrival: planned anew, with the others)."""
+        if self._kept is None:
+            return None
+        planned, widths = self._kept_order
+        if len(planned) == len(seqs) and all(a is b for a, b in zip(planned, seqs)):
+            return widths.copy()
+        found = [self._kept.get(id(seq), (None, 0)) for seq in seqs]
+        if any(mine is not seq for (mine, _), seq in zip(found, seqs)):
+            return None
+        return np.fromiter((k for _, k in found), dtype=np.int64, count=len(found))
 
     def ahead_draft(self) -> tuple[dict[int, int], int] | None:
         """plan_ahead's plan as an early draft reads it (engine/model_runner.py draft_ahead): each
@@ -701,19 +793,22 @@ class Speculation:
         if need <= 1 or not self.adaptive:
             return 0
         width = next((w for w in self.costs.narrow_widths if w >= need), 0)
-        if width and np.any(self.floors(self.rows([seq for seq, k in zip(seqs, widths) if k > 0])) > 0):
+        # (floors' rule, read from the requests: no calibration rows made for it on this path)
+        if width and any(keeps_whole_block(seq) for seq, k in zip(seqs, widths) if k > 0):
             return 0
         return width
 
     def learning_interval(self, num_seqs: int) -> float:
         """Cycles between learning cycles: (whole-block cycle − plain step) / (budget × plain step)."""
         fixed = self.overhead_ms_per_seq * num_seqs + self.overhead_ms_per_token * num_seqs
-        plain = forwards_ms(self.costs, [0] * num_seqs) + fixed
-        whole = forwards_ms(self.costs, [self.num_slots] * num_seqs) + fixed
+        # forwards_ms of num_seqs plain rows and of num_seqs whole blocks, without their lists
+        # (this runs twice a step, on the critical path).
+        plain = self.costs.target_ms_of(num_seqs) + fixed
+        whole = self.costs.target_ms_of(num_seqs * (1 + self.num_slots)) + self.costs.draft_ms_of(num_seqs) + fixed
         return self.marginal_scale * (whole - plain) / (LEARNING_BUDGET * plain)
 
     def record_cycle(self, seconds: float, widths: Seq[int], num_tokens: int, draft_width: int = 0,
-                     arm: str = "policy") -> None:
+                     arm: str = "policy", waited: float = 0.0) -> None:
         """The engine's wall time of a whole decode-only step (forwards, accept, commits) of
         these widths that committed num_tokens, against the table's forwards for it, fitted as
 
@@ -729,13 +824,24 @@ class Speculation:
         (marginal: on the 2-core CPU the demo pair's startup table priced the rows of k = 7 over
         k = 3 at twice what the steps measured, and adaptive narrowed where the whole block paid),
         and the host's work per sequence and per committed token is not in it. The host terms are
-        kept in the table's units (divided by the scale): maximising tokens per ms does not see it."""
+        kept in the table's units (divided by the scale): maximising tokens per ms does not see it.
+        waited: of `seconds`, the host's wait for the verdict (the pace: Pace.stepped); the fit
+        itself runs at the pace's turns."""
         if not self.adaptive or not widths:
             return
+        self.pace.stepped(seconds, waited)
         if self.arms is not None:
             self.arms.record(len(widths).bit_length(), arm, num_tokens, seconds)
             if arm == "whole":
                 return                       # the fit prices the policy's steps (whole blocks: no work of it)
+        if not self.pace.due("fit"):
+            return
+        started = time.perf_counter()
+        self.fit(seconds, widths, num_tokens, draft_width)
+        self.pace.spent("fit", time.perf_counter() - started)
+
+    def fit(self, seconds: float, widths: Seq[int], num_tokens: int, draft_width: int) -> None:
+        """record_cycle's least squares, one step more."""
         # numpy: a 4 × 4 solve every step, where torch's per-op overhead would cost more than the math.
         plain, extra = self.plain_and_extra(widths, draft_width)
         x = np.array([plain + extra, extra, float(len(widths)), float(num_tokens)])
@@ -794,12 +900,24 @@ class Speculation:
         survival = np.minimum(np.cumprod(probs, axis=1) * self.depth_ratio()[None, : probs.shape[1]], 1.0)
         return conditionals(np.minimum.accumulate(survival, axis=1))
 
-    def observe(self, seqs: Seq, confidence: torch.Tensor | None, widths: Seq[int], accepted: Seq[int]) -> None:
+    def observe(self, seqs: Seq, confidence: torch.Tensor | None, widths: Seq[int], accepted: Seq[int],
+                arm: str = "policy", learning: bool = False) -> None:
         """After a verify (its host read done): confidence [B, L] of the drafting sequences'
-        drafts (rows of sequences with k_b = 0 are not judged), calibrated and learnt from."""
+        drafts (rows of sequences with k_b = 0 are not judged), calibrated and learnt from at the
+        pace's turns and from every learning cycle (its whole blocks are there to be learnt
+        from). arm, learning: the verified step's (step_arm, step_learns when it was planned)."""
         drafted = [b for b, k in enumerate(widths) if k > 0]
-        if confidence is None or not self.adaptive or not drafted or self.step_arm == "whole":
+        if confidence is None or not self.adaptive or not drafted or arm == "whole":
             return                           # (whole blocks learn nothing: their point is no policy work)
+        if not self.pace.due("observe") and not learning:
+            return
+        started = time.perf_counter()
+        self.learn_from(seqs, confidence, widths, accepted, drafted)
+        self.pace.spent("observe", time.perf_counter() - started)
+
+    def learn_from(self, seqs: Seq, confidence: torch.Tensor, widths: Seq[int], accepted: Seq[int],
+                   drafted: list[int]) -> None:
+        """observe's learning, for the drafting sequences `drafted`."""
         confidence = confidence.double().cpu().numpy()[drafted]
         if confidence.shape[1] < self.num_slots:                 # a narrower block: no word on the rest
             missing = np.full((confidence.shape[0], self.num_slots - confidence.shape[1]), math.nan)
