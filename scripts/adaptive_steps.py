@@ -45,13 +45,15 @@ def traced(log: list[dict]) -> list:
                     "tokens": round(alloc.expected_tokens, 2), "ms": round(alloc.ms, 3)})
         return alloc
 
-    def record(self, seconds, widths, num_tokens, draft_width=0, arm="policy"):
+    def record(self, seconds, widths, num_tokens, draft_width=0, arm="policy", waited=0.0):
         log.append({"kind": "step", "widths": list(widths), "draft_width": draft_width, "tokens": num_tokens, "arm": arm,
                     "ms": round(seconds * 1e3, 3),
                     "predicted_ms": round(self.predicted_step_ms(widths, num_tokens, draft_width), 3),
                     "scale": round(self.forward_scale, 3), "marginal": round(self.marginal_scale, 3),
-                    "per_seq_ms": round(self.overhead_ms_per_seq, 4), "per_token_ms": round(self.overhead_ms_per_token, 4)})
-        return real_record(self, seconds, widths, num_tokens, draft_width, arm)
+                    "per_seq_ms": round(self.overhead_ms_per_seq, 4), "per_token_ms": round(self.overhead_ms_per_token, 4),
+                    "stride": self.pace.stride, "wait_ms": round(self.pace.wait_ms, 3),
+                    "work_ms": {k: round(v, 3) for k, v in self.pace.work_ms.items()}})
+        return real_record(self, seconds, widths, num_tokens, draft_width, arm, waited)
     return [mock.patch.object(policy, "allocate", allocate), mock.patch.object(policy.Speculation, "record_cycle", record)]
 
 
@@ -106,7 +108,8 @@ def main() -> None:
             "mean_tokens": round(float(np.mean([s["tokens"] for s in steps])), 2),
             "mean_width": round(float(np.mean([np.mean(s["widths"]) for s in steps])), 2),
             "plain_steps": sum(not any(s["widths"]) for s in steps),
-            "whole_arm_steps": sum(s.get("arm") == "whole" for s in steps)}
+            "whole_arm_steps": sum(s.get("arm") == "whole" for s in steps),
+            "mean_stride": round(float(np.mean([s["stride"] for s in steps])), 2)}
     print(json.dumps(report, indent=1))
     for entry in log:
         print(json.dumps(entry))
