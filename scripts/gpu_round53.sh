@@ -22,3 +22,12 @@ if [ "$M" = 2 ]; then
     python3 scripts/adaptive_steps.py --model /tmp/smollm2.gguf --draft blockspec/demo/smollm2-draft --device cuda \
     --dtype bfloat16 --concurrency 16 --rounds 3 --max-tokens 128 --out "$OUT/smollm2_steps_c16.json"
 fi
+# Call 3 (needs the H200's memory for the MoE's bf16 weights; carry .whl):
+#   bash scripts/gpu_round53.sh 3   # the hybrid (Qwen3.5-4B) and the MoE (Qwen3.5-35B-A3B) at one sequence, adaptive
+#        # (paced) vs fixed vs plain, 256 new
+if [ "$M" = 3 ]; then
+  stage "the hybrid at 1 sequence, adaptive (paced) vs fixed vs plain, 256 new" timeout ${HYB_S:-170} \
+    $C --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
+  stage "the MoE at 1 sequence, adaptive (paced) vs fixed vs plain, 256 new" timeout ${MOE_S:-260} \
+    $C --shape qwen3.5-35b-a3b --concurrency 1 --out "$OUT/moe_qwen3_5_35b.json"
+fi
