@@ -1242,6 +1242,7 @@ def test_adaptive_with_measured_arms_is_lossless_and_runs_both(dense, reference,
     assert spec.arms.sums[1]["whole"][2] > 0 and spec.arms.sums[1]["policy"][2] > 0
 
 
+@pytest.mark.pace
 def test_the_pace_keeps_the_policys_work_hidden_or_within_its_budget():
     """Pace.choose: every step where the host's wait for the verdict would still exceed the
     policy's work at stride 1 (the device hides it); else the smallest stride that keeps the
@@ -1269,10 +1270,12 @@ def test_the_pace_keeps_the_policys_work_hidden_or_within_its_budget():
     assert counted == [True] + [False] * (MAX_STRIDE - 1) + [True] + [False] * (MAX_STRIDE - 1)
 
 
+@pytest.mark.pace
 def test_at_a_stride_the_policy_learns_fits_and_plans_every_strideth_time():
-    """With the pace at stride 4: a verify is learnt from every 4th time (every learning cycle's
-    whole block always), the cost fit runs every 4th step, and plan_ahead keeps the plan it made
-    for the same sequences in between (one allocation in 4), an arrival planned for at once."""
+    """With the pace at stride 4: a step's verify is learnt from (its confidences read) every 4th
+    time (a learning cycle's whole blocks always), the cost fit runs every 4th step, and
+    plan_ahead keeps the plan it made for the same sequences in between (one allocation in 4),
+    an arrival planned for at once."""
     spec = Speculation("adaptive", 7, costs=CostTable.analytic(flat_rows=16, ms_flat=5.0, ms_per_row=0.2,
                                                                draft_ms=1.0))
     spec.pace.choose = lambda: 4
@@ -1284,14 +1287,21 @@ def test_at_a_stride_the_policy_learns_fits_and_plans_every_strideth_time():
     spec.fit = lambda *args: (fitted.append(1), real_fit(*args))[1]
     spec.allocation = lambda batch: (allocated.append(len(batch)), real_allocation(batch))[1]
     conf = torch.full((6, 7), 0.8, dtype=torch.float64)
-    for step in range(12):
-        spec.observe(seqs, conf, [7] * 6, [2] * 6, "policy", learning=False)
-        spec.record_cycle(5e-3, [7] * 6, 18)
-    assert len(learnt) == 3 and len(fitted) == 3
-    spec.observe(seqs, conf, [7] * 6, [2] * 6, "policy", learning=True)           # a learning cycle: always
-    assert len(learnt) == 4
     spec.calibration.engine_seen[:] = WARMUP_OBSERVATIONS                          # past the warm-up
     spec.learning_interval = lambda num_seqs: math.inf
+    observed = []
+    for step in range(12):
+        spec.planned_widths(seqs)
+        observed.append(spec.wants_confidences)             # the runner reads (and defers) only these
+        if spec.wants_confidences:
+            spec.observe(seqs, conf, [7] * 6, [2] * 6)
+        spec.record_cycle(5e-3, [7] * 6, 18)
+    assert observed == [True, False, False, False] * 3 and len(learnt) == 3 and len(fitted) == 3
+    spec.learning_interval = lambda num_seqs: 0.0                                  # a learning cycle: always
+    spec.planned_widths(seqs)
+    assert spec.step_learns and spec.wants_confidences
+    spec.learning_interval = lambda num_seqs: math.inf
+    allocated.clear()
     plans = []
     for step in range(8):
         spec.plan_ahead(seqs)
@@ -1302,6 +1312,7 @@ def test_at_a_stride_the_policy_learns_fits_and_plans_every_strideth_time():
     assert allocated == [6, 6, 7]
 
 
+@pytest.mark.pace
 def test_adaptive_at_a_stride_is_lossless(dense, reference, monkeypatch):
     """The pace at stride 3 (the policy's work every third time, plans kept in between): the
     output still equals plain decoding's."""
@@ -1310,7 +1321,10 @@ def test_adaptive_at_a_stride_is_lossless(dense, reference, monkeypatch):
     monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)
     dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.5)
     spec = Speculation("adaptive", BLOCK - 1, costs=dear)
+    learnt: list[int] = []                                  # a verify the calibration learnt from
+    real_observe = spec.calibration.observe
+    spec.calibration.observe = lambda *args: (learnt.append(1), real_observe(*args))[1]
     engine, _ = oracle_engine(dense, reference, spec, honest=True, speculation="adaptive")
     run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
     assert run.output_ids == reference
-    assert spec.pace.stride == 3 and spec.pace.counts["observe"] > 3
+    assert spec.pace.stride == 3 and spec.pace.counts["observe"] > 3 and 0 < len(learnt) < spec.pace.counts["observe"]

@@ -705,7 +705,7 @@ class ModelRunner:
                 # confidences the readout did not take (propose): else not gathered (at 256 rows
                 # of 15 slots over a 152k vocabulary, 1.2 GB).
                 logits = any(not seq.request.params.is_greedy or seq.logits_processor is not None for seq in seqs) \
-                    or self.speculation.adaptive and getattr(early.out, "confidence", True) is None
+                    or self.speculation.wants_confidences and getattr(early.out, "confidence", True) is None
                 part = self.proposal_of(draft_rows(early.out, [r for _, r in have], logits), seqs)
                 rest = [b for b, row in zip(drafting, rows) if row is None]
                 if rest and part.confidence is not None:
@@ -740,7 +740,7 @@ class ModelRunner:
 
     def proposal_of(self, drafted, seqs: list[Sequence]) -> Proposal:
         """The drafts the draft's output proposes for seqs, drawn with each one's parameters."""
-        return propose(drafted, seqs, confidence=self.speculation.adaptive)
+        return propose(drafted, seqs, confidence=self.speculation.wants_confidences)
 
     def place_drafts(self, meta: AttentionMetadata, proposal: Proposal, num_drafts: list[int], at: int) -> None:
         """The drafts go into their verify rows: sequence b's row 1 + j takes d_{j+1}, j < k_b."""
@@ -808,11 +808,8 @@ class ModelRunner:
             processed = process_verify(decode, proposal, logits, num_drafts)
             verdict = judge(decode, proposal, logits, processed, num_drafts)
         num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts, verdict)
-        if proposal is not None and proposal.confidence is not None:
-            # The step's own arm and kind, read now: the next step is planned before `learn` runs this.
-            spec = self.speculation
-            arm, learning = spec.step_arm, spec.step_learns
-            self.defer(lambda: spec.observe(decode, proposal.confidence, num_drafts, num_accepted, arm, learning))
+        if proposal is not None and proposal.confidence is not None:      # (a step the policy learns from)
+            self.defer(lambda: self.speculation.observe(decode, proposal.confidence, num_drafts, num_accepted))
         if self.is_hybrid:
             self.snapshot_page_boundaries(decode, num_accepted, from_stash=self.draft is not None)
         if self.is_hybrid and self.draft is not None:

@@ -610,13 +610,21 @@ class Speculation:
         self._kept: dict[int, tuple[object, int]] | None = None   # plan_ahead's last allocation, by id(seq)
         self._kept_order: tuple[list, np.ndarray] = ([], np.zeros(0, dtype=np.int64))    # and as made
         self.step_arm = "policy"            # the arm of the step planned last (the scheduler's Batch keeps it)
-        self.step_learns = False            # whether the step planned last is a learning cycle (observe)
+        self.step_learns = False            # whether the step planned last is a learning cycle
+        self.step_observes = True           # whether its verify is learnt from (observe; its confidences read)
 
     @property
     def reads_confidences(self) -> bool:
         """Whether draft forwards should read out the draft's confidences (adaptive mode; unlike
         `adaptive`, this measures nothing: the cost table's own draft forwards ask it)."""
         return self.mode == "adaptive" and self.num_slots > 0
+
+    @property
+    def wants_confidences(self) -> bool:
+        """Whether the step planned last reads its drafts' confidences to the host (adaptive, at
+        the pace's turns and in learning cycles: the proposal's gather and host copy are skipped
+        in the steps between)."""
+        return self.step_observes and self.adaptive
 
     @property
     def adaptive(self) -> bool:
@@ -680,13 +688,15 @@ class Speculation:
         if not seqs:
             return []
         self.step_arm = self.arms.arm(len(seqs).bit_length()) if self.arms is not None else "policy"
-        self.step_learns = False
+        self.step_learns, self.step_observes = False, False
         if self.step_arm == "whole":
-            return self.caps(seqs).tolist()
+            return self.caps(seqs).tolist()        # (whole blocks learn nothing: their point is no policy work)
         self._cycles_since_learning += 1
         if self.learns(len(seqs), self._cycles_since_learning):
-            self._cycles_since_learning, self.step_learns = 0, True
+            # A learning cycle's whole blocks are there to be learnt from: always observed.
+            self._cycles_since_learning, self.step_learns, self.step_observes = 0, True, True
             return self.caps(seqs).tolist()
+        self.step_observes = self.pace.due("observe")
         if ahead is not None:
             widths = self.ahead_widths(ahead, seqs)
             if widths is not None:
@@ -900,16 +910,12 @@ class Speculation:
         survival = np.minimum(np.cumprod(probs, axis=1) * self.depth_ratio()[None, : probs.shape[1]], 1.0)
         return conditionals(np.minimum.accumulate(survival, axis=1))
 
-    def observe(self, seqs: Seq, confidence: torch.Tensor | None, widths: Seq[int], accepted: Seq[int],
-                arm: str = "policy", learning: bool = False) -> None:
-        """After a verify (its host read done): confidence [B, L] of the drafting sequences'
-        drafts (rows of sequences with k_b = 0 are not judged), calibrated and learnt from at the
-        pace's turns and from every learning cycle (its whole blocks are there to be learnt
-        from). arm, learning: the verified step's (step_arm, step_learns when it was planned)."""
+    def observe(self, seqs: Seq, confidence: torch.Tensor | None, widths: Seq[int], accepted: Seq[int]) -> None:
+        """After a verify (its host read done) of a step planned to be learnt from (step_observes:
+        the runner reads its confidences only then): confidence [B, L] of the drafting sequences'
+        drafts (rows of sequences with k_b = 0 are not judged), calibrated and learnt from."""
         drafted = [b for b, k in enumerate(widths) if k > 0]
-        if confidence is None or not self.adaptive or not drafted or arm == "whole":
-            return                           # (whole blocks learn nothing: their point is no policy work)
-        if not self.pace.due("observe") and not learning:
+        if confidence is None or not self.adaptive or not drafted:
             return
         started = time.perf_counter()
         self.learn_from(seqs, confidence, widths, accepted, drafted)
