@@ -22,12 +22,20 @@ if [ "$M" = 2 ]; then
     python3 scripts/adaptive_steps.py --model /tmp/smollm2.gguf --draft blockspec/demo/smollm2-draft --device cuda \
     --dtype bfloat16 --concurrency 16 --rounds 3 --max-tokens 128 --out "$OUT/smollm2_steps_c16.json"
 fi
-# Call 3 (needs the H200's memory for the MoE's bf16 weights; carry .whl):
-#   bash scripts/gpu_round53.sh 3   # the hybrid (Qwen3.5-4B) and the MoE (Qwen3.5-35B-A3B) at one sequence, adaptive
+# Calls 3 and 4 on one warm machine (the H200's memory for the MoE's bf16 weights), the demo pair's weights left
+# behind again, after the confidences became read only at the pace's turns (Speculation.step_observes):
+#   bash scripts/gpu_round53.sh 3   # carry .whl .gguf/p0: the hybrid (Qwen3.5-4B) and the MoE (Qwen3.5-35B-A3B) at one sequence, adaptive
 #        # (paced) vs fixed vs plain, 256 new
 if [ "$M" = 3 ]; then
   stage "the hybrid at 1 sequence, adaptive (paced) vs fixed vs plain, 256 new" timeout ${HYB_S:-170} \
     $C --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
   stage "the MoE at 1 sequence, adaptive (paced) vs fixed vs plain, 256 new" timeout ${MOE_S:-260} \
     $C --shape qwen3.5-35b-a3b --concurrency 1 --out "$OUT/moe_qwen3_5_35b.json"
+fi
+#   bash scripts/gpu_round53.sh 4   # carry .gguf/p1: the SmolLM2 pair again, then Qwen3-8B at 1, 8, 64, 256
+if [ "$M" = 4 ]; then
+  bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf || exit 1
+  smollm2_measure /tmp/w53b
+  stage "adaptive (paced, confidences at its turns) vs fixed vs plain, Qwen3-8B, 1, 8, 64, 256" timeout ${ADAPT_S:-300} \
+    $C --shape qwen3-8b --concurrency 1,8,64,256 --out "$OUT/adaptive_qwen3_8b_b.json"
 fi
