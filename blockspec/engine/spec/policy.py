@@ -609,6 +609,9 @@ class Speculation:
         self.pace = Pace()
         self._kept: dict[int, tuple[object, int]] | None = None   # plan_ahead's last allocation, by id(seq)
         self._kept_order: tuple[list, np.ndarray] = ([], np.zeros(0, dtype=np.int64))    # and as made
+        self._ahead_read: tuple[np.ndarray, tuple] | None = None     # ahead_draft's answer, by plan
+        self._warm = False                  # the calibration past WARMUP_OBSERVATIONS (never undone)
+        self._intervals: dict[int, float] = {}                      # learning_interval by load, until a fit
         self.step_arm = "policy"            # the arm of the step planned last (the scheduler's Batch keeps it)
         self.step_learns = False            # whether the step planned last is a learning cycle
         self.step_observes = True           # whether its verify is learnt from (observe; its confidences read)
@@ -755,7 +758,7 @@ class Speculation:
             return None
         planned, widths = self._kept_order
         if len(planned) == len(seqs) and all(a is b for a, b in zip(planned, seqs)):
-            return widths.copy()
+            return widths                  # (read only: ahead_draft knows it by identity)
         found = [self._kept.get(id(seq), (None, 0)) for seq in seqs]
         if any(mine is not seq for (mine, _), seq in zip(found, seqs)):
             return None
@@ -769,12 +772,19 @@ class Speculation:
         if self._ahead is None:
             return None
         seqs, widths = self._ahead
-        return {id(seq): int(k) for seq, k in zip(seqs, widths)}, self.draft_width(seqs, widths.tolist())
+        if self._ahead_read is not None and self._ahead_read[0] is widths:
+            return self._ahead_read[1]               # the kept plan, for the same sequences
+        read = {id(seq): int(k) for seq, k in zip(seqs, widths)}, self.draft_width(seqs, widths.tolist())
+        self._ahead_read = (widths, read)
+        return read
 
     def learns(self, num_seqs: int, cycles: int) -> bool:
         """Whether a step `cycles` after the last learning cycle is one (or the warm-up's)."""
-        return (float(self.calibration.engine_seen.sum()) < WARMUP_OBSERVATIONS
-                or cycles >= self.learning_interval(num_seqs))
+        if not self._warm:                   # (engine_seen only grows)
+            self._warm = float(self.calibration.engine_seen.sum()) >= WARMUP_OBSERVATIONS
+            if not self._warm:
+                return True
+        return cycles >= self.learning_interval(num_seqs)
 
     def allocation(self, seqs: Seq) -> list[int]:
         """The widths of allocate() over these sequences' predicted acceptance (not a learning cycle)."""
@@ -809,7 +819,14 @@ class Speculation:
         return width
 
     def learning_interval(self, num_seqs: int) -> float:
-        """Cycles between learning cycles: (whole-block cycle − plain step) / (budget × plain step)."""
+        """Cycles between learning cycles: (whole-block cycle − plain step) / (budget × plain step)
+        (kept by load until the next fit: it is asked twice a step)."""
+        interval = self._intervals.get(num_seqs)
+        if interval is None:
+            interval = self._intervals[num_seqs] = self.interval_of(num_seqs)
+        return interval
+
+    def interval_of(self, num_seqs: int) -> float:
         fixed = self.overhead_ms_per_seq * num_seqs + self.overhead_ms_per_token * num_seqs
         # forwards_ms of num_seqs plain rows and of num_seqs whole blocks, without their lists
         # (this runs twice a step, on the critical path).
@@ -866,6 +883,7 @@ class Speculation:
         self.marginal_scale = min(10.0, max(0.1, 1.0 + float(theta[1]) / scale))
         self.overhead_ms_per_seq = max(0.0, float(theta[2])) / scale
         self.overhead_ms_per_token = max(0.0, float(theta[3])) / scale
+        self._intervals.clear()
 
     def plain_and_extra(self, widths: Seq[int], draft_width: int = 0) -> tuple[float, float]:
         """The table's forward of these sequences' plain rows, and what it adds for their drafts."""
