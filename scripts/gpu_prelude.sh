@@ -30,7 +30,7 @@ smollm2_measure() {
   stage "SmolLM2: held-out acceptance and plain / fixed / adaptive tok/s at 1, 16, 64" env BLOCKSPEC_BATCH_INVARIANT=1 \
     timeout ${SMOL_S:-260} python3 scripts/smollm2_recipe.py measure --target /tmp/smollm2.gguf --work "$1" \
     --device cuda --dtype bfloat16 --drafts blockspec/demo/smollm2-draft,blockspec/demo/smollm2-draft --limit 32 \
-    --max-tokens 128 --concurrency 1,16,64 --rounds 5 --sets chat --block-sizes 8
+    --max-tokens 128 --concurrency 1,16,64 --rounds ${SMOL_ROUNDS:-5} --sets chat --block-sizes 8
   cp "$1/measure.json" "$OUT/smollm2_measure.json" 2>/dev/null
 }
 T="python3 -m pytest -q -p no:cacheprovider -rf --tb=short"

@@ -41,3 +41,18 @@ if [ "$M" = 4 ]; then
   stage "adaptive (paced, confidences at its turns) vs fixed vs plain, Qwen3-8B, 1, 8, 64, 256" timeout ${ADAPT_S:-300} \
     $C --shape qwen3-8b --concurrency 1,8,64,256 --out "$OUT/adaptive_qwen3_8b_b.json"
 fi
+# Calls 5 (carry .whl .gguf/p0: the MoE where the card holds it, else the wheels and the piece only) and 6 (carry
+# .gguf/p1) on one warm machine, after the per-step trims (the kept plan read once, the learning interval kept):
+#   bash scripts/gpu_round53.sh 5
+#   bash scripts/gpu_round53.sh 6   # the SmolLM2 pair, 9 interleaved rounds; adaptive step by step at 16
+if [ "$M" = 5 ] && [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
+  stage "the MoE at 1 sequence, adaptive (paced) vs fixed vs plain, 256 new" timeout ${MOE_S:-260} \
+    $C --shape qwen3.5-35b-a3b --concurrency 1 --out "$OUT/moe_qwen3_5_35b.json"
+fi
+if [ "$M" = 6 ]; then
+  bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf || exit 1
+  SMOL_ROUNDS=9 smollm2_measure /tmp/w53c
+  stage "SmolLM2 adaptive (paced, trimmed) step by step at 16" env BLOCKSPEC_BATCH_INVARIANT=1 timeout ${STEPS_S:-110} \
+    python3 scripts/adaptive_steps.py --model /tmp/smollm2.gguf --draft blockspec/demo/smollm2-draft --device cuda \
+    --dtype bfloat16 --concurrency 16 --rounds 3 --max-tokens 128 --out "$OUT/smollm2_steps_c16_b.json"
+fi
