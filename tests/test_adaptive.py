@@ -606,12 +606,14 @@ class Hopeless(OracleDraft):
         return logits
 
 
-def test_adaptive_policy_drops_the_draft_of_a_sequence_it_does_not_pay_for(dense, reference, monkeypatch):
+@pytest.mark.parametrize("late", [False, True])
+def test_adaptive_policy_drops_the_draft_of_a_sequence_it_does_not_pay_for(dense, reference, monkeypatch, late):
     """The real policy, the draft's cost 0.5 ms per drafting sequence: two requests with the
     same prompt, one drafted perfectly, one hopelessly. After its first two cycles (the second
     is planned before the first one's verdict is learnt: the policy learns while the device runs
     the next step) the hopeless one verifies nothing and is left out of the draft forward (one
-    row per draft forward), the good one keeps whole blocks; both outputs equal plain decoding's."""
+    row per draft forward), the good one keeps whole blocks; both outputs equal plain decoding's.
+    late (the widths refined after the draft, as on CPU): who drafts is still planned."""
     from blockspec.engine.spec import policy
     monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)              # no learning cycles in 30 tokens
     target, draft = dense
@@ -620,15 +622,19 @@ def test_adaptive_policy_drops_the_draft_of_a_sequence_it_does_not_pay_for(dense
     engine = make_engine(target, oracle, block_size=BLOCK, max_num_seqs=2)
     oracle.bind(engine)
     spec = Speculation("adaptive", BLOCK - 1, costs=costs)
+    spec.late = late
     spec.record_cycle = lambda *_: None        # the host-work fit learns this machine's load: not here
     use_policy(engine, spec)
     _, (good, bad) = run_batch(lambda: engine, [make_request("good", PROMPT, max_tokens=30),
                                                 make_request("bad", PROMPT, max_tokens=30)])
     assert good.output_ids == bad.output_ids == reference
     assert good.stats.acceptance_lengths == [8, 8, 8, 5]
-    assert bad.stats.draft_tokens == 2 * (BLOCK - 1) and bad.stats.accepted_tokens == 0    # two cycles only
+    # Drafted for in its first two cycles only; late, those drafts were never even verified (its
+    # own low confidences refined them away), yet they taught the plan to stop drafting for it.
+    verified = 0 if late else 2
+    assert bad.stats.draft_tokens == verified * (BLOCK - 1) and bad.stats.accepted_tokens == 0
     assert oracle.batches == [2, 2, 1, 1]
-    assert engine.counters.spec_widths[0] == bad.stats.cycles - 2
+    assert engine.counters.spec_widths[0] == bad.stats.cycles - verified
 
 
 class Pattern(Speculation):
@@ -1328,3 +1334,34 @@ def test_adaptive_at_a_stride_is_lossless(dense, reference, monkeypatch):
     run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
     assert run.output_ids == reference
     assert spec.pace.stride == 3 and spec.pace.counts["observe"] > 3 and 0 < len(learnt) < spec.pace.counts["observe"]
+
+
+def test_late_widths_follow_this_cycles_own_confidences_with_the_draft_paid():
+    """Speculation.refined (late: CPU, where reading the draft costs no sync): once the drafts
+    exist, each sequence verifies what this cycle's calibrated confidences make worth it — all of
+    a confident block, the confident prefix of a mixed one, none of a hopeless one, a seeded
+    request its whole block — with the draft's cost not priced (it is paid: a draft dear enough
+    that planning would not draft at all changes nothing here); a learning cycle, and a policy
+    that is not late, keep every drafted width."""
+    dear_draft = CostTable((1, 4096), (5.0, 5.0 + 4095 * 0.05), (1, 64), (50.0, 50.0))
+    spec = Speculation("adaptive", 7, costs=dear_draft)
+    spec.late = True
+    seqs = [request_of(), request_of(), request_of(), request_of(temperature=1.0, seed=3)]
+    spec.calibration.engine_seen[:] = WARMUP_OBSERVATIONS                    # a draft as good as its word
+    spec.calibration.engine_accepted[:] = WARMUP_OBSERVATIONS * (np.arange(NUM_BINS) + 0.5) / NUM_BINS
+    spec.learning_interval = lambda num_seqs: math.inf
+    conf = torch.tensor([[0.97] * 7, [0.97, 0.97] + [0.02] * 5, [0.02] * 7, [0.02] * 7], dtype=torch.float64)
+    # Who drafts is planned, each a whole block: at this draft's price none of the greedy three
+    # alone; beside the seeded request, which drafts anyway, the (flat-priced) draft costs the
+    # others nothing more, and all four draft.
+    assert spec.planned_widths(seqs[:3]) == [0, 0, 0]
+    assert spec.planned_widths(seqs) == [7, 7, 7, 7]
+    late = spec.refined(seqs, conf, [7, 7, 7, 7])
+    assert late[0] == 7 and 1 <= late[1] <= 3 and late[2] == 0 and late[3] == 7, late
+    early = allocate(spec.calibration.calibrate(conf.numpy(), spec.rows(seqs)), [7] * 4, dear_draft,
+                     spec.floors(spec.rows(seqs)))
+    assert early.widths != late                                              # priced with the draft: otherwise
+    spec.step_learns = True
+    assert spec.refined(seqs, conf, [7, 7, 7, 7]) == [7, 7, 7, 7]
+    spec.step_learns, spec.late = False, False
+    assert spec.refined(seqs, conf, [7, 7, 7, 7]) == [7, 7, 7, 7]

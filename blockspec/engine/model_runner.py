@@ -157,6 +157,7 @@ class ModelRunner:
         # graphs' capture) reads out the confidences when the policy reads them.
         self.speculation = Speculation(config.speculation if self.draft is not None else "fixed", self.width - 1,
                                        measure=self.measure_costs, max_rows=config.max_num_batched_tokens)
+        self.speculation.late = self.device.type == "cpu"     # the draft's confidences read at no sync
         self.graphs = self.make_graphs(capture=False, padded=False)     # the profile runs eagerly
         # The pool: measured after the weights and one full-budget forward (engine/memory.py).
         self.pool_size = self.size_pool(graphed)
@@ -656,6 +657,10 @@ class ModelRunner:
         decode, num_drafts = batch.decode, batch.num_drafts
         proposal = self.propose_for(decode, num_drafts, batch.draft_width or self.width, early)
         del early
+        if proposal is not None and self.speculation.late:
+            # Verify what this cycle's own drafts are worth (CPU: no sync to read them).
+            proposal.drafted = list(num_drafts)
+            batch.num_drafts[:] = num_drafts = self.speculation.refined(decode, proposal.confidence, num_drafts)
         entries = [Entry(seq, seq.num_cached, seq.tokens[seq.num_cached: seq.num_cached + n])
                    for seq, n in batch.prefill]
         entries += [Entry(seq, seq.num_cached, [seq.anchor] + [0] * k) for seq, k in zip(decode, num_drafts)]
@@ -809,7 +814,8 @@ class ModelRunner:
             verdict = judge(decode, proposal, logits, processed, num_drafts)
         num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts, verdict)
         if proposal is not None and proposal.confidence is not None:      # (a step the policy learns from)
-            self.defer(lambda: self.speculation.observe(decode, proposal.confidence, num_drafts, num_accepted))
+            self.defer(lambda: self.speculation.observe(decode, proposal.confidence, num_drafts, num_accepted,
+                                                        proposal.drafted))
         if self.is_hybrid:
             self.snapshot_page_boundaries(decode, num_accepted, from_stash=self.draft is not None)
         if self.is_hybrid and self.draft is not None:

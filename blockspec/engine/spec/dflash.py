@@ -46,6 +46,7 @@ class Proposal:
     drafts: torch.Tensor                       # [B, T − 1] on the device
     probs: list[torch.Tensor | None]           # per sequence: q [T − 1, V] when it samples, else None
     confidence: torch.Tensor | None = None     # [B, T − 1]: the draft's own probability of each draft
+    drafted: list[int] | None = None           # the widths drafted for, where the verify's were refined after
 
 
 def propose(out: torch.Tensor | DraftReadout | CandidateWalk, seqs: list[Sequence],

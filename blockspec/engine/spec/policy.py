@@ -215,7 +215,7 @@ class Allocation:
 def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable, floors: Seq[int] | None = None,
              fixed_ms: float = 0.0, per_token_ms: float = 0.0, margin: float = 0.0,
              draft_widths: Seq[int | None] = (None,), marginal: float = 1.0,
-             max_rows: int | None = None) -> Allocation:
+             max_rows: int | None = None, draft_paid: bool = False) -> Allocation:
     """probs [B, L] (predicted p of each draft slot), caps[b] ≤ L (the most drafts b may verify:
     its block, or fewer when max_tokens is near), floors[b] (drafts b must verify: a seeded
     sampling request keeps its whole block so its output stays reproducible) → the widths of the
@@ -237,7 +237,8 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
     slots that fit beside the sequences' own rows are candidates (the floors always are), so
     "every slot up to its cap" means every slot that fits (round 48: at 256 sequences of blocks of
     16 under 2,048 tokens the allocation planned 4,096 rows, half the sequences sat out each step
-    and adaptive ran at 0.82 × plain)."""
+    and adaptive ran at 0.82 × plain). draft_paid: the drafts exist already (Speculation.refined):
+    only the verify is priced."""
     num_seqs, num_slots = probs.shape
     if num_seqs == 0:
         return Allocation([], 0.0, 0.0)
@@ -263,7 +264,7 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
         if max_rows is not None:
             part = part[: max(num_forced, max_rows - num_seqs)]
         candidate = scan(part, survival, num_seqs, num_slots, costs, width, num_forced, fixed_ms, per_token_ms,
-                         margin, marginal)
+                         margin, marginal, draft_paid)
         if best is None or candidate.rate > best.rate:
             best = candidate
     return best
@@ -271,7 +272,7 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
 
 def scan(order: np.ndarray, survival: np.ndarray, num_seqs: int, num_slots: int, costs: CostTable,
          width: int | None, num_forced: int, fixed_ms: float, per_token_ms: float, margin: float,
-         marginal: float = 1.0) -> Allocation:
+         marginal: float = 1.0, draft_paid: bool = False) -> Allocation:
     """allocate's rate at every prefix of `order` (slot indices, best first) → the best one."""
     taken = survival.ravel()[order]
     tokens = num_seqs + np.concatenate(([0.0], np.cumsum(taken)))
@@ -280,7 +281,7 @@ def scan(order: np.ndarray, survival: np.ndarray, num_seqs: int, num_slots: int,
     first[np.unique(order // num_slots, return_index=True)[1]] = 1.0    # where each sequence starts drafting
     drafting = np.concatenate(([0.0], np.cumsum(first)))
     plain = costs.target_ms_of(num_seqs)
-    forwards = costs.target(rows) + costs.draft(drafting, width)
+    forwards = costs.target(rows) + (0.0 if draft_paid else costs.draft(drafting, width))
     ms = plain + marginal * (forwards - plain) + fixed_ms + per_token_ms * tokens
     rate = tokens / ms
     rate[:num_forced] = -math.inf                                         # the floors are not optional
@@ -583,6 +584,9 @@ class Speculation:
             raise ValueError(f"speculation must be one of {', '.join(MODES)}")
         self.mode, self.num_slots, self.costs, self.max_rows = mode, num_slots, costs, max_rows
         self.measure = measure
+        # Widths refined after the draft from its own confidences (`refined`): set by the runner
+        # where reading the draft costs no device sync (CPU).
+        self.late = False
         self.reset()
 
     def reset(self) -> None:
@@ -627,7 +631,7 @@ class Speculation:
         """Whether the step planned last reads its drafts' confidences to the host (adaptive, at
         the pace's turns and in learning cycles: the proposal's gather and host copy are skipped
         in the steps between)."""
-        return self.step_observes and self.adaptive
+        return (self.step_observes or self.late) and self.adaptive
 
     @property
     def adaptive(self) -> bool:
@@ -700,11 +704,12 @@ class Speculation:
             self._cycles_since_learning, self.step_learns, self.step_observes = 0, True, True
             return self.caps(seqs).tolist()
         self.step_observes = self.pace.due("observe")
-        if ahead is not None:
-            widths = self.ahead_widths(ahead, seqs)
-            if widths is not None:
-                return widths
-        return self.allocation(seqs)
+        widths = self.ahead_widths(ahead, seqs) if ahead is not None else None
+        if widths is None:
+            widths = self.allocation(seqs)
+        if self.late:                              # who drafts is planned; how much each verifies, refined
+            return [cap if k > 0 else 0 for k, cap in zip(widths, self.caps(seqs).tolist())]
+        return widths
 
     def ahead_widths(self, ahead: tuple[list, np.ndarray], seqs: Seq) -> list[int] | None:
         """The widths plan_ahead made, for these sequences, or None (planned anew): each
@@ -802,6 +807,28 @@ class Speculation:
         if rescan:
             self._chosen_width, self._rescan_load, self._steps_to_rescan = alloc.draft_width, load, RESCAN_STEPS
         self._steps_to_rescan -= 1
+        return alloc.widths
+
+    def refined(self, seqs: Seq, confidence: torch.Tensor | None, widths: list[int]) -> list[int]:
+        """Where `late` (the draft read at no cost: CPU), the step's widths once its drafts exist:
+        the plan chose who drafts (a whole block each: planned_widths), and now the allocation
+        over this cycle's own calibrated confidences — what the prefix products of past cycles
+        only predict — chooses how many each verifies, the draft's cost already paid (a learning
+        cycle, and whole-block arms, keep every draft). Why: on the CPU demo pair the
+        acceptance rises along a response and the prediction from past cycles trails it (1.84
+        tokens a cycle predicted against 2.55 realised, where this cycle's calibrated products
+        give 2.50: round 52), so the plan narrowed where whole blocks paid."""
+        if not self.late or confidence is None or self.step_learns or self.step_arm == "whole" or not self.adaptive:
+            return widths
+        rows = self.rows(seqs)
+        conf = confidence.double().numpy()
+        if conf.shape[1] < self.num_slots:
+            conf = np.concatenate((conf, np.full((conf.shape[0], self.num_slots - conf.shape[1]), math.nan)), axis=1)
+        probs = np.nan_to_num(self.calibration.calibrate(conf, rows), nan=0.0)
+        caps = np.asarray(widths, dtype=np.int64)
+        alloc = allocate(self.corrected(probs), caps, self.costs, np.minimum(self.floors(rows), caps),
+                         fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token,
+                         margin=RAGGED_MARGIN, marginal=self.marginal_scale, max_rows=self.max_rows, draft_paid=True)
         return alloc.widths
 
     def draft_width(self, seqs: Seq, widths: Seq[int]) -> int:
@@ -928,11 +955,16 @@ class Speculation:
         survival = np.minimum(np.cumprod(probs, axis=1) * self.depth_ratio()[None, : probs.shape[1]], 1.0)
         return conditionals(np.minimum.accumulate(survival, axis=1))
 
-    def observe(self, seqs: Seq, confidence: torch.Tensor | None, widths: Seq[int], accepted: Seq[int]) -> None:
+    def observe(self, seqs: Seq, confidence: torch.Tensor | None, widths: Seq[int], accepted: Seq[int],
+                drafted_widths: Seq[int] | None = None) -> None:
         """After a verify (its host read done) of a step planned to be learnt from (step_observes:
         the runner reads its confidences only then): confidence [B, L] of the drafting sequences'
-        drafts (rows of sequences with k_b = 0 are not judged), calibrated and learnt from."""
-        drafted = [b for b, k in enumerate(widths) if k > 0]
+        drafts (rows of sequences with k_b = 0 are not judged), calibrated and learnt from.
+        drafted_widths: where the widths were refined after the draft (`refined`), those it was
+        drafted for: a sequence refined to k = 0 is judged nowhere, but its calibrated products
+        still move its prediction (else a hopeless draft, never verified, would be planned and
+        drafted for ever)."""
+        drafted = [b for b, k in enumerate(drafted_widths if drafted_widths is not None else widths) if k > 0]
         if confidence is None or not self.adaptive or not drafted:
             return
         started = time.perf_counter()
