@@ -1193,6 +1193,17 @@ def test_the_engine_average_is_the_same_cycle_by_cycle_and_in_any_batches():
                               equal_nan=True)
 
 
+def counting_policy() -> tuple[Speculation, list[int]]:
+    """An adaptive policy over a table where drafts cost (0.3 ms a verify row, 0.5 ms a draft),
+    and the list its calibration appends to for each verify it learns from."""
+    dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.5)
+    spec = Speculation("adaptive", BLOCK - 1, costs=dear)
+    learnt: list[int] = []
+    real_observe = spec.calibration.observe
+    spec.calibration.observe = lambda *args: (learnt.append(1), real_observe(*args))[1]
+    return spec, learnt
+
+
 def test_arms_measure_both_then_keep_the_faster_and_remeasure_the_other():
     """The measured choice (policy.Arms): at a new load the policy and whole blocks each run a
     window first; then the one whose own steps committed more tokens a second runs, the other one
@@ -1228,11 +1239,7 @@ def test_adaptive_with_measured_arms_is_lossless_and_runs_both(dense, reference,
     monkeypatch.setattr(policy, "MEASURE_ARMS", True)
     monkeypatch.setattr(policy, "ARM_WINDOW", 2)
     monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)
-    dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.5)
-    spec = Speculation("adaptive", BLOCK - 1, costs=dear)
-    learnt: list[int] = []                                  # a verify the calibration learnt from
-    real_observe = spec.calibration.observe
-    spec.calibration.observe = lambda *args: (learnt.append(1), real_observe(*args))[1]
+    spec, learnt = counting_policy()
     engine, _ = oracle_engine(dense, reference, spec, honest=True, speculation="adaptive")
     steps = []
     launch = engine.runner.launch
@@ -1325,11 +1332,7 @@ def test_adaptive_at_a_stride_is_lossless(dense, reference, monkeypatch):
     from blockspec.engine.spec import policy
     monkeypatch.setattr(policy.Pace, "choose", lambda self: 3)
     monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)
-    dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.5)
-    spec = Speculation("adaptive", BLOCK - 1, costs=dear)
-    learnt: list[int] = []                                  # a verify the calibration learnt from
-    real_observe = spec.calibration.observe
-    spec.calibration.observe = lambda *args: (learnt.append(1), real_observe(*args))[1]
+    spec, learnt = counting_policy()
     engine, _ = oracle_engine(dense, reference, spec, honest=True, speculation="adaptive")
     run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
     assert run.output_ids == reference
