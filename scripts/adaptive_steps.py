@@ -45,7 +45,7 @@ def traced(log: list[dict]) -> list:
                     "tokens": round(alloc.expected_tokens, 2), "ms": round(alloc.ms, 3)})
         return alloc
 
-    def record(self, seconds, widths, num_tokens, draft_width=0, arm="policy", waited=0.0):
+    def record(self, seconds, widths, num_tokens, draft_width=0, arm="policy", waited=0.0, drafting=None):
         log.append({"kind": "step", "widths": list(widths), "draft_width": draft_width, "tokens": num_tokens, "arm": arm,
                     "ms": round(seconds * 1e3, 3),
                     "predicted_ms": round(self.predicted_step_ms(widths, num_tokens, draft_width), 3),
@@ -53,7 +53,7 @@ def traced(log: list[dict]) -> list:
                     "per_seq_ms": round(self.overhead_ms_per_seq, 4), "per_token_ms": round(self.overhead_ms_per_token, 4),
                     "stride": self.pace.stride, "wait_ms": round(self.pace.wait_ms, 3),
                     "work_ms": {k: round(v, 3) for k, v in self.pace.work_ms.items()}})
-        return real_record(self, seconds, widths, num_tokens, draft_width, arm, waited)
+        return real_record(self, seconds, widths, num_tokens, draft_width, arm, waited, drafting)
     return [mock.patch.object(policy, "allocate", allocate), mock.patch.object(policy.Speculation, "record_cycle", record)]
 
 

@@ -1326,13 +1326,16 @@ def test_at_a_stride_the_policy_learns_fits_and_plans_every_strideth_time():
 
 
 @pytest.mark.pace
-def test_adaptive_at_a_stride_is_lossless(dense, reference, monkeypatch):
+@pytest.mark.parametrize("late", [False, True])
+def test_adaptive_at_a_stride_is_lossless(dense, reference, monkeypatch, late):
     """The pace at stride 3 (the policy's work every third time, plans kept in between): the
-    output still equals plain decoding's."""
+    output still equals plain decoding's, and only the steps planned to be learnt from are (late
+    too, where every step reads its confidences to refine its widths)."""
     from blockspec.engine.spec import policy
     monkeypatch.setattr(policy.Pace, "choose", lambda self: 3)
     monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)
     spec, learnt = counting_policy()
+    spec.late = late
     engine, _ = oracle_engine(dense, reference, spec, honest=True, speculation="adaptive")
     run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
     assert run.output_ids == reference
@@ -1368,3 +1371,30 @@ def test_late_widths_follow_this_cycles_own_confidences_with_the_draft_paid():
     assert spec.refined(seqs, conf, [7, 7, 7, 7]) == [7, 7, 7, 7]
     spec.step_learns, spec.late = False, False
     assert spec.refined(seqs, conf, [7, 7, 7, 7]) == [7, 7, 7, 7]
+
+
+def test_late_widths_never_refine_a_sampling_row_and_price_the_drafts_they_ran():
+    """A sampling row's k is fixed before its drafts are drawn (the rejection rule is exact only
+    then): late widths neither widen it at planning nor refine it after the draft, whatever the
+    confidences of what it drew; a greedy row beside it is refined. The cost fit prices the draft
+    over the sequences it ran for, a sequence refined to k = 0 included."""
+    spec = Speculation("adaptive", 7, costs=CostTable.analytic(flat_rows=1, ms_flat=5.0, ms_per_row=0.5,
+                                                               draft_ms=1.0, draft_ms_per_seq=0.5))
+    spec.late = True
+    spec.calibration.engine_seen[:] = WARMUP_OBSERVATIONS
+    spec.calibration.engine_accepted[:] = WARMUP_OBSERVATIONS * (np.arange(NUM_BINS) + 0.5) / NUM_BINS
+    spec.learning_interval = lambda num_seqs: math.inf
+    greedy, sampled = request_of(), request_of(temperature=1.0)
+    spec.allocation = lambda seqs: [3] * len(seqs)                     # the plan: both draft, k = 3
+    assert spec.planned_widths([greedy, sampled]) == [7, 3]           # widened: the greedy row only
+    hopeless = torch.full((2, 7), 0.01, dtype=torch.float64)
+    assert spec.refined([greedy, sampled], hopeless, [7, 3]) == [0, 3]
+    sure = torch.full((2, 7), 0.99, dtype=torch.float64)
+    assert spec.refined([greedy, sampled], sure, [7, 3]) == [7, 3]
+    table = spec.costs
+    assert forwards_ms(table, [0, 3], drafting=2) == pytest.approx(table.target_ms_of(5) + table.draft_ms_of(2))
+    assert forwards_ms(table, [0, 3]) == pytest.approx(table.target_ms_of(5) + table.draft_ms_of(1))
+    fitted = []
+    spec.fit = lambda *args: fitted.append(args)
+    spec.record_cycle(5e-3, [0, 3], 3, 0, drafting=2)
+    assert fitted[-1][-1] == 2

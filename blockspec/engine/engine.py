@@ -238,7 +238,9 @@ class Engine:
         if result.decode is not None and not batch.prefill:      # a decode-only step: its time is the cycle's
             seconds, widths, width, arm = time.perf_counter() - started, batch.num_drafts, batch.draft_width, batch.arm
             tokens, waited = sum(a + 1 for a in result.decode.num_accepted), result.waited
-            self.runner.defer(lambda: self.runner.speculation.record_cycle(seconds, widths, tokens, width, arm, waited))
+            drafting = None if batch.drafted is None else sum(k > 0 for k in batch.drafted)   # late widths
+            self.runner.defer(lambda: self.runner.speculation.record_cycle(seconds, widths, tokens, width, arm, waited,
+                                                                           drafting))
 
     def _first_token(self, seq: Sequence, first_token: FirstToken | None, emitted: list[Emitted]) -> None:
         item = self.scheduler.postprocess_prefill(seq, first_token)

@@ -657,9 +657,11 @@ class ModelRunner:
         decode, num_drafts = batch.decode, batch.num_drafts
         proposal = self.propose_for(decode, num_drafts, batch.draft_width or self.width, early)
         del early
+        if proposal is not None:
+            proposal.observed = self.speculation.step_observes        # this step's, read before the next is planned
         if proposal is not None and self.speculation.late:
             # Verify what this cycle's own drafts are worth (CPU: no sync to read them).
-            proposal.drafted = list(num_drafts)
+            proposal.drafted = batch.drafted = list(num_drafts)
             batch.num_drafts[:] = num_drafts = self.speculation.refined(decode, proposal.confidence, num_drafts)
         entries = [Entry(seq, seq.num_cached, seq.tokens[seq.num_cached: seq.num_cached + n])
                    for seq, n in batch.prefill]
@@ -813,7 +815,7 @@ class ModelRunner:
             processed = process_verify(decode, proposal, logits, num_drafts)
             verdict = judge(decode, proposal, logits, processed, num_drafts)
         num_accepted, new_tokens = accept(decode, proposal, logits, processed, num_drafts, verdict)
-        if proposal is not None and proposal.confidence is not None:      # (a step the policy learns from)
+        if proposal is not None and proposal.confidence is not None and proposal.observed:   # a step to learn from
             self.defer(lambda: self.speculation.observe(decode, proposal.confidence, num_drafts, num_accepted,
                                                         proposal.drafted))
         if self.is_hybrid:

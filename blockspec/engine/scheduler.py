@@ -45,6 +45,7 @@ class Batch:
     num_drafts: list[int] = field(default_factory=list)                 # k_i per decode sequence
     draft_width: int = 0                # the draft's block this step (≥ max k_i + 1); 0: the full block
     arm: str = "policy"                 # adaptive's measured choice this step (policy.Arms): "policy" or "whole"
+    drafted: list[int] | None = None    # late widths (CPU): the k_i drafted for, before the runner refined num_drafts
 
     @property
     def is_empty(self) -> bool:

@@ -47,6 +47,7 @@ class Proposal:
     probs: list[torch.Tensor | None]           # per sequence: q [T − 1, V] when it samples, else None
     confidence: torch.Tensor | None = None     # [B, T − 1]: the draft's own probability of each draft
     drafted: list[int] | None = None           # the widths drafted for, where the verify's were refined after
+    observed: bool = True                      # whether the policy learns from this step (Speculation.step_observes)
 
 
 def propose(out: torch.Tensor | DraftReadout | CandidateWalk, seqs: list[Sequence],

@@ -295,10 +295,11 @@ def scan(order: np.ndarray, survival: np.ndarray, num_seqs: int, num_slots: int,
     return Allocation(widths.tolist(), float(tokens[best]), float(ms[best]), width)
 
 
-def forwards_ms(costs: CostTable, widths: Seq[int], draft_width: int = 0) -> float:
+def forwards_ms(costs: CostTable, widths: Seq[int], draft_width: int = 0, drafting: int | None = None) -> float:
     """What the table says a decode step of these widths costs: the target over Σ (1 + k_b)
-    tokens, the draft over the sequences with k_b > 0 (blocks of draft_width; 0: the full block)."""
-    drafting = sum(1 for k in widths if k > 0)
+    tokens, the draft over the sequences with k_b > 0 (blocks of draft_width; 0: the full block),
+    or over `drafting` sequences where that differs (late widths: drafted for, then refined)."""
+    drafting = sum(1 for k in widths if k > 0) if drafting is None else drafting
     draft = costs.draft_ms_of(drafting) if not draft_width or draft_width not in costs.narrow_widths else \
         float(costs.draft(drafting, draft_width))
     return costs.target_ms_of(len(widths) + sum(widths)) + draft
@@ -707,8 +708,9 @@ class Speculation:
         widths = self.ahead_widths(ahead, seqs) if ahead is not None else None
         if widths is None:
             widths = self.allocation(seqs)
-        if self.late:                              # who drafts is planned; how much each verifies, refined
-            return [cap if k > 0 else 0 for k, cap in zip(widths, self.caps(seqs).tolist())]
+        if self.late:       # who drafts is planned; how much each greedy row verifies, refined after the draft
+            return [cap if k > 0 and seq.request.params.is_greedy else k
+                    for seq, k, cap in zip(seqs, widths, self.caps(seqs).tolist())]
         return widths
 
     def ahead_widths(self, ahead: tuple[list, np.ndarray], seqs: Seq) -> list[int] | None:
@@ -779,7 +781,7 @@ class Speculation:
         seqs, widths = self._ahead
         if self._ahead_read is not None and self._ahead_read[0] is widths:
             return self._ahead_read[1]               # the kept plan, for the same sequences
-        read = {id(seq): int(k) for seq, k in zip(seqs, widths)}, self.draft_width(seqs, widths.tolist())
+        read = {id(seq): int(k) for seq, k in zip(seqs, widths)}, 0 if self.late else self.draft_width(seqs, widths.tolist())
         self._ahead_read = (widths, read)
         return read
 
@@ -800,6 +802,8 @@ class Speculation:
         load = len(seqs).bit_length()
         rescan = self._steps_to_rescan <= 0 or load != self._rescan_load
         widths = self.costs.draft_widths if rescan else (self._chosen_width,)
+        if self.late:
+            widths = (None,)                       # late: who drafts drafts the whole block (planned_widths)
         alloc = allocate(self.corrected(self.calibration.predicted(rows)), self.caps(seqs), self.costs, self.floors(rows),
                          fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token,
                          margin=RAGGED_MARGIN, draft_widths=widths, marginal=self.marginal_scale,
@@ -817,16 +821,22 @@ class Speculation:
         cycle, and whole-block arms, keep every draft). Why: on the CPU demo pair the
         acceptance rises along a response and the prediction from past cycles trails it (1.84
         tokens a cycle predicted against 2.55 realised, where this cycle's calibrated products
-        give 2.50: round 52), so the plan narrowed where whole blocks paid."""
+        give 2.50: round 52), so the plan narrowed where whole blocks paid. Greedy rows only (a
+        sampling row's k is its plan's). Adaptive speculation is refused with tensor parallelism
+        (config.py), whose leader sends the ranks the widths before the draft runs."""
         if not self.late or confidence is None or self.step_learns or self.step_arm == "whole" or not self.adaptive:
             return widths
         rows = self.rows(seqs)
+        # A sampling row keeps its planned width: the rejection rule is exact only for a k fixed
+        # before its drafts were drawn, and its confidences are q(d) of what was drawn.
+        pinned = np.fromiter((k if not seq.request.params.is_greedy else 0 for seq, k in zip(seqs, widths)),
+                             dtype=np.int64, count=len(seqs))
         conf = confidence.double().numpy()
         if conf.shape[1] < self.num_slots:
             conf = np.concatenate((conf, np.full((conf.shape[0], self.num_slots - conf.shape[1]), math.nan)), axis=1)
         probs = np.nan_to_num(self.calibration.calibrate(conf, rows), nan=0.0)
         caps = np.asarray(widths, dtype=np.int64)
-        alloc = allocate(self.corrected(probs), caps, self.costs, np.minimum(self.floors(rows), caps),
+        alloc = allocate(self.corrected(probs), caps, self.costs, np.maximum(np.minimum(self.floors(rows), caps), pinned),
                          fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token,
                          margin=RAGGED_MARGIN, marginal=self.marginal_scale, max_rows=self.max_rows, draft_paid=True)
         return alloc.widths
@@ -862,7 +872,7 @@ class Speculation:
         return self.marginal_scale * (whole - plain) / (LEARNING_BUDGET * plain)
 
     def record_cycle(self, seconds: float, widths: Seq[int], num_tokens: int, draft_width: int = 0,
-                     arm: str = "policy", waited: float = 0.0) -> None:
+                     arm: str = "policy", waited: float = 0.0, drafting: int | None = None) -> None:
         """The engine's wall time of a whole decode-only step (forwards, accept, commits) of
         these widths that committed num_tokens, against the table's forwards for it, fitted as
 
@@ -880,7 +890,8 @@ class Speculation:
         and the host's work per sequence and per committed token is not in it. The host terms are
         kept in the table's units (divided by the scale): maximising tokens per ms does not see it.
         waited: of `seconds`, the host's wait for the verdict (the pace: Pace.stepped); the fit
-        itself runs at the pace's turns."""
+        itself runs at the pace's turns. drafting: the sequences the draft ran for, where widths
+        were refined after it (a sequence refined to k = 0 still paid its draft)."""
         if not self.adaptive or not widths:
             return
         self.pace.stepped(seconds, waited)
@@ -891,13 +902,14 @@ class Speculation:
         if not self.pace.due("fit"):
             return
         started = time.perf_counter()
-        self.fit(seconds, widths, num_tokens, draft_width)
+        self.fit(seconds, widths, num_tokens, draft_width, drafting)
         self.pace.spent("fit", time.perf_counter() - started)
 
-    def fit(self, seconds: float, widths: Seq[int], num_tokens: int, draft_width: int) -> None:
+    def fit(self, seconds: float, widths: Seq[int], num_tokens: int, draft_width: int,
+            drafting: int | None = None) -> None:
         """record_cycle's least squares, one step more."""
         # numpy: a 4 × 4 solve every step, where torch's per-op overhead would cost more than the math.
-        plain, extra = self.plain_and_extra(widths, draft_width)
+        plain, extra = self.plain_and_extra(widths, draft_width, drafting)
         x = np.array([plain + extra, extra, float(len(widths)), float(num_tokens)])
         self._xtx = HOST_WORK_MEMORY * self._xtx + np.outer(x, x)
         self._xty = HOST_WORK_MEMORY * self._xty + x * (seconds * 1e3)
@@ -912,10 +924,11 @@ class Speculation:
         self.overhead_ms_per_token = max(0.0, float(theta[3])) / scale
         self._intervals.clear()
 
-    def plain_and_extra(self, widths: Seq[int], draft_width: int = 0) -> tuple[float, float]:
+    def plain_and_extra(self, widths: Seq[int], draft_width: int = 0,
+                        drafting: int | None = None) -> tuple[float, float]:
         """The table's forward of these sequences' plain rows, and what it adds for their drafts."""
         plain = forwards_ms(self.costs, [0] * len(widths))
-        return plain, max(0.0, forwards_ms(self.costs, widths, draft_width) - plain)
+        return plain, max(0.0, forwards_ms(self.costs, widths, draft_width, drafting) - plain)
 
     def predicted_step_ms(self, widths: Seq[int], num_tokens: int, draft_width: int = 0) -> float:
         """What the fit says a decode-only step of these widths committing num_tokens costs (the
