@@ -407,6 +407,20 @@ class Calibration:
         return clamp(conditionals(products), 0.0, 1.0)
 
 
+def widths_for(plan: tuple[list, np.ndarray], seqs: Seq) -> np.ndarray | None:
+    """A plan's (sequences, widths) read for these sequences, in their order, or None where one
+    of them is not in it (an arrival). The batch it was made for (most steps) gets the plan's own
+    array, read only: ahead_draft knows a kept plan by its identity."""
+    planned, widths = plan
+    if len(planned) == len(seqs) and all(a is b for a, b in zip(planned, seqs)):
+        return widths
+    by_id = {id(seq): (seq, int(k)) for seq, k in zip(planned, widths)}
+    found = [by_id.get(id(seq), (None, 0)) for seq in seqs]
+    if any(mine is not seq for (mine, _), seq in zip(found, seqs)):
+        return None
+    return np.fromiter((k for _, k in found), dtype=np.int64, count=len(found))
+
+
 def engine_average(average: np.ndarray, cycles: np.ndarray) -> np.ndarray:
     """The engine-wide average after these cycles, cycle by cycle (the same whatever the batch):
     average ← (1 − ENGINE_EMA) · average + ENGINE_EMA · cycle, starting from the first cycle where
@@ -612,8 +626,7 @@ class Speculation:
         self._depth = np.zeros((2, max(1, self.num_slots)))      # survival by depth: realised, predicted (decaying)
         self.arms = Arms() if MEASURE_ARMS else None
         self.pace = Pace()
-        self._kept: dict[int, tuple[object, int]] | None = None   # plan_ahead's last allocation, by id(seq)
-        self._kept_order: tuple[list, np.ndarray] = ([], np.zeros(0, dtype=np.int64))    # and as made
+        self._kept: tuple[list, np.ndarray] | None = None   # plan_ahead's last allocation: (sequences, widths)
         self._ahead_read: tuple[np.ndarray, tuple] | None = None     # ahead_draft's answer, by plan
         self._warm = False                  # the calibration past WARMUP_OBSERVATIONS (never undone)
         self._intervals: dict[int, float] = {}                      # learning_interval by load, until a fit
@@ -723,15 +736,8 @@ class Speculation:
         early draft made at the plan's width (ModelRunner.draft_ahead): in round 50's bench at
         8 sequences, that was about half the steps. A sequence the plan was not made for (an
         arrival it did not see) is planned anew, with the others."""
-        planned, planned_widths = ahead
-        if len(planned) == len(seqs) and all(a is b for a, b in zip(planned, seqs)):
-            return np.minimum(planned_widths, self.caps(seqs)).tolist()    # the batch planned for (most steps)
-        by_id = {id(seq): (seq, int(k)) for seq, k in zip(planned, planned_widths)}
-        found = [by_id.get(id(seq), (None, 0)) for seq in seqs]
-        if any(mine is not seq for (mine, _), seq in zip(found, seqs)):
-            return None                           # a sequence the plan was not made for
-        return np.minimum(np.fromiter((k for _, k in found), dtype=np.int64, count=len(found)),
-                          self.caps(seqs)).tolist()
+        widths = widths_for(ahead, seqs)
+        return None if widths is None else np.minimum(widths, self.caps(seqs)).tolist()
 
     def plan_ahead(self, seqs: Seq) -> None:
         """While the device runs step N (after the engine's `learn`): the allocation planned_widths
@@ -753,23 +759,14 @@ class Speculation:
         started = time.perf_counter()
         widths = np.asarray(self.allocation(seqs), dtype=np.int64)
         self._ahead = (seqs, widths)
-        self._kept = {id(seq): (seq, int(k)) for seq, k in zip(seqs, widths)}
-        self._kept_order = (seqs, widths.copy())
+        self._kept = (seqs, widths.copy())
         self.pace.restart("plan")
         self.pace.spent("plan", time.perf_counter() - started)
 
     def kept_widths(self, seqs: Seq) -> np.ndarray | None:
         """The last allocation's width of each of these sequences, or None where it has none for
         one of them (an arrival: planned anew, with the others)."""
-        if self._kept is None:
-            return None
-        planned, widths = self._kept_order
-        if len(planned) == len(seqs) and all(a is b for a, b in zip(planned, seqs)):
-            return widths                  # (read only: ahead_draft knows it by identity)
-        found = [self._kept.get(id(seq), (None, 0)) for seq in seqs]
-        if any(mine is not seq for (mine, _), seq in zip(found, seqs)):
-            return None
-        return np.fromiter((k for _, k in found), dtype=np.int64, count=len(found))
+        return None if self._kept is None else widths_for(self._kept, seqs)
 
     def ahead_draft(self) -> tuple[dict[int, int], int] | None:
         """plan_ahead's plan as an early draft reads it (engine/model_runner.py draft_ahead): each
