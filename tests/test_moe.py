@@ -233,6 +233,30 @@ def test_partial_acceptance_rolls_back_exactly(moe, one_tokenizer, kind, tmp_pat
 
 # ── the experts kernels ────────────────────────────────────────────────────────────────────────
 
+def test_the_cost_probe_routes_its_rows_as_text_does(moe, one_tokenizer, monkeypatch):
+    """The adaptive policy's cost table times each verify bucket on padding rows
+    (ModelRunner.probe). A MoE verify's cost grows with the experts its rows read, so those rows
+    must route as distinct tokens do: rows of one token are one hidden state in every layer and
+    pick one expert set, and the table priced a 16-row verify like one row's."""
+    from blockspec.layers import moe as moe_layers
+    _, target_dir, _ = moe["qwen3_moe"]
+    runner = LLM(str(target_dir), max_model_len=256, show_progress=False).engine.runner
+    routed: list[torch.Tensor] = []
+    real_route = moe_layers.route
+
+    def route_spy(logits, top_k, normalize):
+        weights, experts = real_route(logits, top_k, normalize)
+        routed.append(experts)
+        return weights, experts
+    monkeypatch.setattr(moe_layers, "route", route_spy)
+    runner.probe("verify", 16)
+    assert len(routed) == 3                                         # the sparse layers (layer 2 is dense)
+    for experts in routed:
+        assert experts.shape == (16, EXPERTS["num_experts_per_tok"])
+        assert len({tuple(sorted(row)) for row in experts.tolist()}) > 1       # rows route apart
+        assert len(experts.unique()) > EXPERTS["num_experts_per_tok"]
+
+
 def random_experts(num_tokens: int, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     num_experts, hidden, inter = 8, 32, 16

@@ -181,11 +181,12 @@ def speculation_sweep(target, draft, block_size: int, concurrency: list[int], pr
             widths = engine.counters.spec_widths
             cycles = sum(widths.values())
             result["mean_width"] = sum(k * n for k, n in widths.items()) / cycles if cycles else 0.0
+            result["width_counts"] = {int(k): int(n) for k, n in sorted(widths.items())}
             # Rows drafted early and those the next step took (engine/model_runner.py draft_ahead):
             # a gap is draft work thrown away (another width planned, a sequence ended).
             result["early_rows_drafted"], result["early_rows_taken"] = (
                 engine.runner.early_rows[0] - early[0], engine.runner.early_rows[1] - early[1])
-            out[c] = {**result, **graph_replay_ms(engine, c)}
+            out[c] = {**result, **graph_replay_ms(engine, c), **policy_state(engine)}
             print(f"bench: {speculation if draft is not None else 'plain'} at {c}: {result['tok_s']:.1f} tok/s, "
                   f"{result['ms_per_cycle']:.2f} ms a step, width {result['mean_width']:.2f}, early rows "
                   f"{result['early_rows_taken']} of {result['early_rows_drafted']} taken", file=sys.stderr, flush=True)
@@ -195,6 +196,18 @@ def speculation_sweep(target, draft, block_size: int, concurrency: list[int], pr
         del engine
         release()
     return out
+
+
+def policy_state(engine) -> dict[str, Any]:
+    """What the adaptive policy priced its widths with: the cost table measured at startup and its
+    online fit of the steps' real time (so a choice that loses can be traced to the table or the fit)."""
+    speculation = engine.runner.speculation
+    if speculation is None or speculation.mode != "adaptive" or speculation.costs is None:
+        return {}
+    return {"cost_table": speculation.costs.describe(),
+            "fit": {"forward_scale": round(speculation.forward_scale, 3), "marginal": round(speculation.marginal_scale, 3),
+                    "per_seq_ms": round(speculation.overhead_ms_per_seq, 4),
+                    "per_token_ms": round(speculation.overhead_ms_per_token, 4), "stride": speculation.pace.stride}}
 
 
 def compare_speculation(shape_name: str, device: torch.device, concurrency: list[int], block_size: int,
@@ -226,6 +239,8 @@ def speculation_row(row: dict[str, dict[str, Any]]) -> dict[str, float]:
             "fixed_acceptance_length": round(row["fixed"]["mean_acceptance_length"], 3),
             "adaptive_acceptance_length": round(row["adaptive"]["mean_acceptance_length"], 3),
             "adaptive_mean_width": round(row["adaptive"].get("mean_width", 0.0), 2),
+            "adaptive_width_counts": row["adaptive"].get("width_counts", {}),
+            **{f"adaptive_{k}": row["adaptive"][k] for k in ("cost_table", "fit") if k in row["adaptive"]},
             "adaptive_over_plain": round(adaptive / plain, 3), "adaptive_over_fixed": round(adaptive / fixed, 3),
             "adaptive_over_best": round(adaptive / max(plain, fixed), 3)}
 

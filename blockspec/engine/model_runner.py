@@ -285,9 +285,12 @@ class ModelRunner:
         if kind == "propose":
             return self.propose_blocks([Entry(idle, 0, [0] * (width or self.width)) for _ in range(size)])
         if kind == "verify":
-            rows = [Entry(idle, 0, [0] * self.width) for _ in range(size // self.width)]
-            rows += [Entry(idle, 0, [0] * (size % self.width))] if size % self.width else []
-            return self.forward(rows)
+            # Rows of distinct tokens, so that a MoE target routes them as it routes text: rows of one
+            # token are one hidden state in every layer and all pick the same experts, and the cost
+            # table then priced a 16-row verify of Qwen3.5-35B-A3B like a few rows' (its real rows
+            # read ~100 of 256 experts a layer): adaptive narrowed where the whole block paid.
+            ids = padding_ids(size, self.target.lm_head.out_features)
+            return self.forward([Entry(idle, 0, ids[at: at + self.width]) for at in range(0, size, self.width)])
         # A prefill of `size` tokens in sequences no longer than the pool's table holds.
         span = self.config.pages_per_seq * self.page_size
         chunks = [Entry(idle, 0, [0] * min(span, size - at)) for at in range(0, size, span)]
@@ -945,3 +948,9 @@ def derive_positions(meta: AttentionMetadata, page_size: int) -> None:
     torch.add(pages * page_size, meta.positions % page_size, out=meta.slot_mapping)
     if padded:
         meta.slot_mapping.masked_fill_(~real, 0)
+
+
+def padding_ids(count: int, vocab_size: int) -> list[int]:
+    """`count` token ids spread over the vocabulary, the same every time (an odd stride walks
+    every id of a power-of-two vocabulary before it repeats one)."""
+    return [(1 + 7919 * i) % vocab_size for i in range(count)]
