@@ -16,7 +16,7 @@ export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out} TRITON_CACHE_DIR=${TRITON_CACHE_D
 mkdir -p "$OUT"
 LOG="$OUT/bench.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOG"
-stage() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; shift; "$@" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -40 | tee -a "$LOG"; }
+stage() { echo "=== $1 ($(date +%T))" | tee -a "$LOG"; shift; "$@" 2>&1 | grep -v "it/s\]\|s/it\]" | tail -${TAIL:-40} | tee -a "$LOG"; }
 B="python3 -m blockspec.cli bench --block-size 16 --no-dflash2"
 A="$B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 128"
 C="$B --compare-speculation --accept-profile latent:6.5 --prompt-len 128 --max-tokens 256"   # issue 31's runs

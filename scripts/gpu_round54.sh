@@ -13,3 +13,18 @@ if [ "$M" = 1 ]; then
       $C --shape qwen3.5-35b-a3b --concurrency 1 --out "$OUT/moe_qwen3_5_35b.json"
   else echo "the MoE's bf16 weights need more than this card's memory: not run" | tee -a "$LOG"; fi
 fi
+#   bash scripts/gpu_round54.sh 2   # carry .whl; any card: where a prefill chunk's step goes (issue 30: a 2,048-token
+#        # chunk at 1.52 × its FLOP floor, budget 512's p99 at 27 ms): one chunk after a cached prefix under
+#        # torch.profiler at budgets 2,048 and 512, then the 16k prompt among 32 decoders at both budgets
+if [ "$M" = 2 ]; then
+  TAIL=110
+  stage "a 2,048-token chunk after 14,336 cached, Qwen3-8B, profiled" timeout ${PP_S:-120} python3 scripts/prefill_profile.py \
+    --shape qwen3-8b --prefix 14336 --tokens 2048 --budget 2048 --repeats 2
+  stage "a 512-token chunk after 15,360 cached, Qwen3-8B, profiled" timeout ${PP_S:-120} python3 scripts/prefill_profile.py \
+    --shape qwen3-8b --prefix 15360 --tokens 512 --budget 512 --repeats 2
+  for budget in 2048 512; do
+    stage "16k prompt during 32 decoders, budget $budget" timeout ${BURST_S:-100} $B --shape qwen3-8b --accept-len 6.5 \
+      --burst 1 --burst-decoding 32 --prompt-len 16384 --max-tokens 64 --max-num-batched-tokens $budget \
+      --out "$OUT/burst16k_$budget.json"
+  done
+fi
