@@ -10,7 +10,7 @@ from unittest import mock
 import torch
 
 from blockspec.bench.common import (ENGINE_OPTIONS, SHAPES, EngineFailed, build_models, forced_accept, percentile,
-                                    run_batch, synchronize)
+                                    release, run_batch, synchronize)
 from blockspec.config import EngineConfig
 from blockspec.engine import model_runner
 from blockspec.engine.engine import Engine
@@ -92,6 +92,7 @@ def burst_main(args, device: torch.device, block_size: int) -> int:
         for name, drafter in (("plain", None), ("dflash", draft)):
             results[name] = burst(target, drafter, block_size, args.burst, args.burst_decoding, args.prompt_len,
                                   args.max_tokens, args.accept_len, budget)
+            release()              # the next engine sizes its pool from the memory this one held
     except EngineFailed as exc:
         print(f"blockspec bench: error: {exc}", file=sys.stderr)
         return 1
