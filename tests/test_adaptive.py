@@ -1287,8 +1287,9 @@ def test_the_pace_keeps_the_policys_work_hidden_or_within_its_budget():
 def test_at_a_stride_the_policy_learns_fits_and_plans_every_strideth_time():
     """With the pace at stride 4: a step's verify is learnt from (its confidences read) every 4th
     time (a learning cycle's whole blocks always), the cost fit runs every 4th step, and
-    plan_ahead keeps the plan it made for the same sequences in between (one allocation in 4),
-    an arrival planned for at once."""
+    plan_ahead keeps the plan it made for the same sequences in between (one allocation in 4);
+    an arrival in between takes the kept plan's median width (a seeded sampling one its whole
+    block) until the next turn prices everyone."""
     spec = Speculation("adaptive", 7, costs=CostTable.analytic(flat_rows=16, ms_flat=5.0, ms_per_row=0.2,
                                                                draft_ms=1.0))
     spec.pace.choose = lambda: 4
@@ -1316,13 +1317,22 @@ def test_at_a_stride_the_policy_learns_fits_and_plans_every_strideth_time():
     spec.learning_interval = lambda num_seqs: math.inf
     allocated.clear()
     plans = []
-    for step in range(8):
+    for step in range(9):
         spec.plan_ahead(seqs)
         plans.append(spec.planned_widths(seqs))
-    assert allocated == [6, 6] and all(plan == plans[0] for plan in plans)
-    arrival = request_of()
-    spec.plan_ahead(seqs + [arrival])                                              # not in the kept plan
-    assert allocated == [6, 6, 7]
+    assert allocated == [6, 6, 6] and all(plan == plans[0] for plan in plans)
+    kept = plans[0]
+    arrival, seeded = request_of(), request_of(temperature=0.8, seed=3)
+    batch = seqs + [arrival, seeded]                                               # two not in the kept plan
+    spec.plan_ahead(batch)
+    assert allocated == [6, 6, 6]                                                  # nobody re-priced
+    widths = spec.planned_widths(batch)
+    assert widths == kept + [int(np.median(kept)), 7]
+    for step in range(2):
+        spec.plan_ahead(batch)
+        assert allocated == [6, 6, 6] and spec.planned_widths(batch) == widths
+    spec.plan_ahead(batch)                                                         # the pace's turn
+    assert allocated == [6, 6, 6, 8]
 
 
 @pytest.mark.pace

@@ -407,18 +407,25 @@ class Calibration:
         return clamp(conditionals(products), 0.0, 1.0)
 
 
-def widths_for(plan: tuple[list, np.ndarray], seqs: Seq) -> np.ndarray | None:
-    """A plan's (sequences, widths) read for these sequences, in their order, or None where one
-    of them is not in it (an arrival). The batch it was made for (most steps) gets the plan's own
-    array, read only: ahead_draft knows a kept plan by its identity."""
+def widths_for(plan: tuple[list, np.ndarray], seqs: Seq,
+               missing: Callable[[object], int] | None = None) -> np.ndarray | None:
+    """A plan's (sequences, widths) read for these sequences, in their order; a sequence not in
+    it (an arrival) gets missing(seq), or the answer is None without `missing`. The batch it was
+    made for (most steps) gets the plan's own array, read only: ahead_draft knows a kept plan by
+    its identity."""
     planned, widths = plan
     if len(planned) == len(seqs) and all(a is b for a, b in zip(planned, seqs)):
         return widths
     by_id = {id(seq): (seq, int(k)) for seq, k in zip(planned, widths)}
-    found = [by_id.get(id(seq), (None, 0)) for seq in seqs]
-    if any(mine is not seq for (mine, _), seq in zip(found, seqs)):
-        return None
-    return np.fromiter((k for _, k in found), dtype=np.int64, count=len(found))
+    out = []
+    for seq in seqs:
+        mine, k = by_id.get(id(seq), (None, 0))
+        if mine is not seq:
+            if missing is None:
+                return None
+            k = missing(seq)
+        out.append(k)
+    return np.array(out, dtype=np.int64)
 
 
 def engine_average(average: np.ndarray, cycles: np.ndarray) -> np.ndarray:
@@ -764,9 +771,20 @@ class Speculation:
         self.pace.spent("plan", time.perf_counter() - started)
 
     def kept_widths(self, seqs: Seq) -> np.ndarray | None:
-        """The last allocation's width of each of these sequences, or None where it has none for
-        one of them (an arrival: planned anew, with the others)."""
-        return None if self._kept is None else widths_for(self._kept, seqs)
+        """The plan in force's width of each of these sequences (None before any allocation). An
+        arrival it did not see takes the plan's median width — its whole block where a seed pins
+        it (floors) — until the pace's next turn prices it with the others, and the plan in force
+        then includes it. Why not plan anew at once: where the pace strides (the host the
+        bottleneck), a closed loop of 64 short requests brings an arrival nearly every step, and
+        each re-priced the whole batch on the critical path (SmolLM2 at 64: 0.96 × fixed)."""
+        if self._kept is None:
+            return None
+        planned, kept = self._kept
+        typical = int(np.median(kept)) if len(kept) else self.num_slots
+        widths = widths_for(self._kept, seqs, lambda seq: self.num_slots if keeps_whole_block(seq) else typical)
+        if widths is not kept:
+            self._kept = (list(seqs), widths)
+        return widths
 
     def ahead_draft(self) -> tuple[dict[int, int], int] | None:
         """plan_ahead's plan as an early draft reads it (engine/model_runner.py draft_ahead): each
