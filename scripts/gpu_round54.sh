@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # What round 54 ran on the device (BENCHMARKS.md, "Round 54"):
-#   bash scripts/gpu_round54.sh 1   # carry .whl; an H200 (the MoE's bf16 weights): the hybrid (Qwen3.5-4B) and the
+#   bash scripts/gpu_round54.sh 1   # carry .whl (+ .gguf/p0 for call 3 on the same machine); an H200 (the MoE's bf16 weights): the hybrid (Qwen3.5-4B) and the
 #        # MoE (Qwen3.5-35B-A3B) at one sequence, adaptive vs fixed vs plain, 256 new, after the cost table's verify
 #        # probes route their rows apart (ModelRunner.idle_forward); the JSON keeps the table and the fit
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
+if compgen -G ".gguf/p*" > /dev/null; then bash scripts/gguf_pieces.sh keep > /dev/null || exit 1; fi   # a carried piece
 if [ "$M" = 1 ]; then
   stage "the hybrid at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${HYB_S:-170} \
     $C --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
@@ -27,4 +28,14 @@ if [ "$M" = 2 ]; then
       --burst 1 --burst-decoding 32 --prompt-len 16384 --max-tokens 64 --max-num-batched-tokens $budget \
       --out "$OUT/burst16k_$budget.json"
   done
+fi
+#   bash scripts/gpu_round54.sh 3   # carry .gguf/p1 (the demo pair's weights left behind, as in rounds 51–53): the real
+#        # SmolLM2 pair, plain / fixed / adaptive at 1, 16, 64 (7 interleaved rounds, medians), after an arrival
+#        # between the pace's turns takes the kept plan's median width; then adaptive step by step at 64
+if [ "$M" = 3 ]; then
+  bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf || exit 1
+  SMOL_ROUNDS=${SMOL_ROUNDS:-7} SMOL_S=${SMOL_S:-330} smollm2_measure /tmp/w54
+  stage "SmolLM2 adaptive step by step at 64" env BLOCKSPEC_BATCH_INVARIANT=1 timeout ${STEPS_S:-150} \
+    python3 scripts/adaptive_steps.py --model /tmp/smollm2.gguf --draft blockspec/demo/smollm2-draft --device cuda \
+    --dtype bfloat16 --concurrency 64 --rounds 3 --max-tokens 128 --out "$OUT/smollm2_steps_c64.json"
 fi
