@@ -73,7 +73,8 @@ def main() -> None:
     engines = {mode: open_llm(args.model, 1024, args.concurrency, draft=args.draft, device=args.device,
                               speculation=mode, **dtype) for mode in ("fixed", "adaptive")}
     tokenizer = engines["fixed"].tokenizer
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in HELD_OUT][: args.concurrency]
+    chats = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in HELD_OUT]
+    prompts = [chats[i % len(chats)] for i in range(args.concurrency)]          # more requests than chats: again
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     costs = engines["adaptive"].engine.runner.speculation.costs
     report: dict = {"concurrency": args.concurrency, "table": costs.describe() if costs is not None else None}
