@@ -315,3 +315,20 @@ def test_the_request_warm_up_leaves_nothing_behind(models, kind):
     narrow = make_engine(target, draft, block_size=4, max_num_seqs=1, max_queue=1, max_model_len=64)
     warm_requests(narrow, vocab)                 # more warm-up requests than its queue holds
     assert not narrow.has_work and narrow.counters == EngineCounters()
+
+
+def test_the_warm_up_reads_no_more_logit_rows_than_a_step_can(models, monkeypatch):
+    """The warm-up's logits stage runs at each graph bucket, but a step reads the logits of its
+    verify rows and its chunks' last rows only — never more rows than every decoding sequence's
+    block, the figure the memory profile measured. At the bucket's own size, 2,048 rows of a
+    248k vocabulary were 2 GiB the pool was never sized for (the 35B MoE on an 80 GB card)."""
+    target, draft, _ = models["dense"]
+    engine = make_engine(target, draft, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256)
+    runner = engine.runner
+    runner.graphs = runner.make_graphs(capture=False, bucket_keys=False)
+    rows: list[int] = []
+    real = target.compute_logits
+    monkeypatch.setattr(target, "compute_logits", lambda hidden: (rows.append(hidden.shape[0]), real(hidden))[1])
+    runner.warm_up()
+    assert max(runner.graphs.piecewise_tokens) == 64 and runner.max_decode_seqs * runner.width == 8
+    assert rows and max(rows) == 8

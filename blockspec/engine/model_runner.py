@@ -266,7 +266,11 @@ class ModelRunner:
                                       disable=not sys.stderr.isatty()):
             self.idle_forward(kind, size, width)
             if kind != "propose":
-                self.target.compute_logits(torch.zeros(size, self.target.hidden_size, device=self.device,
+                # The logits of the rows a step of this size reads: at most every decoding row (what
+                # profile() measured): a prefill chunk reads its last row only, and 2,048 rows of a
+                # 248k vocabulary were 2 GiB no step ever takes (the MoE ran out on an 80 GB card).
+                rows = min(size, self.max_decode_seqs * self.width)
+                self.target.compute_logits(torch.zeros(rows, self.target.hidden_size, device=self.device,
                                                        dtype=self.dtype))
         if self.is_hybrid:
             self.states.clear([0])                # the captures ran on padding rows (state slot 0)
