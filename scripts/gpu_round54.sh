@@ -9,7 +9,7 @@ if compgen -G ".gguf/p*" > /dev/null; then bash scripts/gguf_pieces.sh keep > /d
 if [ "$M" = 1 ]; then
   stage "the hybrid at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${HYB_S:-170} \
     $C --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
-  if [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
+  if [ -n "${FORCE_MOE:-}" ] || [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
     stage "the MoE at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${MOE_S:-300} \
       $C --shape qwen3.5-35b-a3b --concurrency 1 --out "$OUT/moe_qwen3_5_35b.json"
   else echo "the MoE's bf16 weights need more than this card's memory: not run" | tee -a "$LOG"; fi
