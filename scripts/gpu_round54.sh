@@ -11,7 +11,7 @@ if [ "$M" = 1 ]; then
     $C --shape qwen3.5-4b --concurrency 1 --out "$OUT/hybrid_qwen3_5_4b.json"
   if [ -n "${FORCE_MOE:-}" ] || [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -gt 100000 ]; then
     stage "the MoE at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${MOE_S:-300} \
-      $C --shape qwen3.5-35b-a3b --concurrency 1 --out "$OUT/moe_qwen3_5_35b.json"
+      $C --shape qwen3.5-35b-a3b --concurrency 1 ${MOE_ARGS:-} --out "$OUT/moe_qwen3_5_35b.json"
   else echo "the MoE's bf16 weights need more than this card's memory: not run" | tee -a "$LOG"; fi
 fi
 #   bash scripts/gpu_round54.sh 2   # carry .whl; any card: where a prefill chunk's step goes (issue 30: a 2,048-token
