@@ -39,3 +39,9 @@ if [ "$M" = 3 ]; then
     python3 scripts/adaptive_steps.py --model /tmp/smollm2.gguf --draft blockspec/demo/smollm2-draft --device cuda \
     --dtype bfloat16 --concurrency 64 --rounds 3 --max-tokens 128 --out "$OUT/smollm2_steps_c64.json"
 fi
+#   FORCE_MOE=1 MOE_ARGS="--gpu-memory-utilization 0.96" bash scripts/gpu_round54.sh 4   # the MoE alone (an 80 GB
+#        # card, after the weights are allocated in bf16 from the start)
+if [ "$M" = 4 ]; then
+  stage "the MoE at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${MOE_S:-330} \
+    $C --shape qwen3.5-35b-a3b --concurrency 1 ${MOE_ARGS:-} --out "$OUT/moe_qwen3_5_35b.json"
+fi
