@@ -71,6 +71,9 @@ class Request:
         self.grammar = grammar
         self.grammar_stop_ids = frozenset(stop_ids) | frozenset(params.stop_token_ids)
         self.max_model_len = max_model_len
+        # Output tokens the request may produce in all (max_tokens and the context): num_allowed
+        # is asked for every decoding sequence every step (the adaptive policy's caps).
+        self._output_limit = min(params.max_tokens, max_model_len - len(self.prompt_ids))
         # Images (multimodal/prompt.py MultimodalPrompt): prompt_ids hold their placeholder rows;
         # prompt_keys are the ids the prefix cache keys pages by (image rows by image content).
         self.multimodal = multimodal
@@ -108,9 +111,7 @@ class Request:
     @property
     def num_allowed(self) -> int:
         """Output tokens this request may still produce (max_tokens and context limit)."""
-        by_max_tokens = self.params.max_tokens - len(self.output_ids)
-        by_context = self.max_model_len - len(self.prompt_ids) - len(self.output_ids)
-        return max(0, min(by_max_tokens, by_context))
+        return max(0, self._output_limit - len(self.output_ids))
 
     def commit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
         """Append what may be emitted of `tokens` (and their logprobs); return exactly that part."""

@@ -779,9 +779,11 @@ class Speculation:
         each re-priced the whole batch on the critical path (SmolLM2 at 64: 0.96 × fixed)."""
         if self._kept is None:
             return None
-        planned, kept = self._kept
-        typical = int(np.median(kept)) if len(kept) else self.num_slots
-        widths = widths_for(self._kept, seqs, lambda seq: self.num_slots if keeps_whole_block(seq) else typical)
+        kept = self._kept[1]
+
+        def arrival(seq) -> int:
+            return self.num_slots if keeps_whole_block(seq) or not len(kept) else int(np.median(kept))
+        widths = widths_for(self._kept, seqs, arrival)
         if widths is not kept:
             self._kept = (list(seqs), widths)
         return widths
