@@ -794,3 +794,32 @@ def test_the_switch_interval_setting_never_stops_the_server(value, expected, cap
         assert len(warned) == (1 if value not in (None, "0.005") else 0)
     finally:
         sys.setswitchinterval(before)
+
+
+def test_serve_freezes_the_startup_heap_before_it_listens(monkeypatch):
+    """What startup made lives as long as the server: `serve` moves it out of the garbage
+    collector's reach (gc.freeze) before it listens, so an oldest-generation collection walks only
+    what requests made (one over the demo pair's startup heap held the GIL for 60 ms)."""
+    import gc
+    import socket
+    from types import SimpleNamespace
+    from blockspec.server import app as app_module
+    monkeypatch.setattr(app_module, "configure_logging", lambda level: None)
+    monkeypatch.setattr(app_module, "use_switch_interval", lambda value: None)
+    monkeypatch.setattr(app_module, "load", lambda settings: SimpleNamespace(make_request=None))
+    monkeypatch.setattr(app_module, "bind", lambda host, port: socket.create_server(("127.0.0.1", 0)))
+    seen: dict[str, int] = {}
+
+    class Server:
+        should_exit = False
+
+        def run(self, sockets) -> None:
+            seen["frozen"], seen["young"] = gc.get_freeze_count(), gc.get_count()[2]
+            sockets[0].close()
+    monkeypatch.setattr(app_module, "draining_server", lambda config, state: Server())
+    gc.unfreeze()
+    try:
+        assert app_module.serve(ServerSettings(model="m")) == 0
+    finally:
+        gc.unfreeze()                     # the rest of the suite collects as before
+    assert seen["frozen"] > 10_000 and seen["young"] == 0
