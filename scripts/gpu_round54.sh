@@ -45,3 +45,14 @@ if [ "$M" = 4 ]; then
   stage "the MoE at 1 sequence, adaptive vs fixed vs plain, 256 new" timeout ${MOE_S:-330} \
     $C --shape qwen3.5-35b-a3b --concurrency 1 ${MOE_ARGS:-} --out "$OUT/moe_qwen3_5_35b.json"
 fi
+#   bash scripts/gpu_round54.sh 5   # carry .whl: HTTP bursts (the demo pair, 3 bursts of 64 × 256 streams, fresh prompts),
+#        # the server's startup heap frozen (the default) and not (BLOCKSPEC_GC_FREEZE=0), twice each, alternated
+if [ "$M" = 5 ]; then
+  for run in 1 2; do
+    for freeze in 1 0; do
+      stage "HTTP: demo pair, 3 bursts of 64 x 256, startup heap frozen: $freeze (run $run)" env BLOCKSPEC_GC_FREEZE=$freeze \
+        timeout ${HTTP_S:-80} python3 scripts/bench_streams.py --serve-args "--device cuda --max-num-seqs 64" \
+        --requests 64 --max-tokens 256 --bursts 3
+    done
+  done
+fi

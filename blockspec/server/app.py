@@ -156,7 +156,8 @@ def serve(settings: ServerSettings) -> int:
         server.should_exit = True
 
     app.state.server.on_load_error = on_load_error
-    freeze_startup_heap()
+    if os.environ.get("BLOCKSPEC_GC_FREEZE", "1") != "0":         # =0: not frozen (side-by-side measurements)
+        freeze_startup_heap()
     logger.info("listening on http://%s:%d", settings.host, settings.port)
     with _sigterm_as_clean_exit():
         server.run(sockets=[sock])
