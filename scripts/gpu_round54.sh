@@ -48,7 +48,7 @@ fi
 #   bash scripts/gpu_round54.sh 5   # carry .whl: HTTP bursts (the demo pair, 3 bursts of 64 × 256 streams, fresh prompts),
 #        # the server's startup heap frozen (the default) and not (BLOCKSPEC_GC_FREEZE=0), twice each, alternated
 if [ "$M" = 5 ]; then
-  for run in 1 2; do
+  for run in ${RUNS:-1 2}; do
     for freeze in 1 0; do
       stage "HTTP: demo pair, 3 bursts of 64 x 256, startup heap frozen: $freeze (run $run)" env BLOCKSPEC_GC_FREEZE=$freeze \
         timeout ${HTTP_S:-80} python3 scripts/bench_streams.py --serve-args "--device cuda --max-num-seqs 64" \
