@@ -56,3 +56,13 @@ if [ "$M" = 5 ]; then
     done
   done
 fi
+#   bash scripts/gpu_round54.sh 6   # carry .whl: the GPU tests the session's changes touch (the weights allocated in
+#        # their dtype, the warm-up's logits, the MoE probe rows, arrivals between the pace's turns), four processes
+if [ "$M" = 6 ]; then
+  (timeout ${TESTS_S:-270} $T tests/gpu/test_warm_gpu.py tests/gpu/test_moe_gpu.py > "$OUT/t_warm_moe.log" 2>&1) &
+  (timeout ${TESTS_S:-270} $T tests/gpu/test_adaptive_graphs.py tests/gpu/test_overlap_gpu.py > "$OUT/t_adaptive.log" 2>&1) &
+  (timeout ${TESTS_S:-270} $T tests/gpu/test_fp8.py -k "engine or load or checkpoint" > "$OUT/t_fp8.log" 2>&1) &
+  (timeout ${TESTS_S:-270} $T tests/gpu/test_gpu.py tests/gpu/test_graph_dispatch.py > "$OUT/t_gpu.log" 2>&1) &
+  wait
+  summary
+fi
