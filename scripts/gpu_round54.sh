@@ -61,7 +61,7 @@ fi
 if [ "$M" = 6 ]; then
   (timeout ${TESTS_S:-270} $T tests/gpu/test_warm_gpu.py tests/gpu/test_moe_gpu.py > "$OUT/t_warm_moe.log" 2>&1) &
   (timeout ${TESTS_S:-270} $T tests/gpu/test_adaptive_graphs.py tests/gpu/test_overlap_gpu.py > "$OUT/t_adaptive.log" 2>&1) &
-  (timeout ${TESTS_S:-270} $T tests/gpu/test_fp8.py -k "engine or load or checkpoint" > "$OUT/t_fp8.log" 2>&1) &
+  (timeout ${TESTS_S:-270} $T tests/gpu/test_fp8.py -k "decode_on_the_gpu or experts or replays" > "$OUT/t_fp8.log" 2>&1) &
   (timeout ${TESTS_S:-270} $T tests/gpu/test_gpu.py tests/gpu/test_graph_dispatch.py > "$OUT/t_gpu.log" 2>&1) &
   wait
   summary
