@@ -66,3 +66,11 @@ if [ "$M" = 6 ]; then
   wait
   summary
 fi
+#   bash scripts/gpu_round54.sh 7   # carry .gguf/p1 after `0` (.whl) and `gguf_pieces.sh keep` (.gguf/p0): SmolLM2
+#        # adaptive step by step at 1 request (round 54's 7 rounds: 0.87–0.98 × fixed in every one)
+if [ "$M" = 7 ]; then
+  bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf || exit 1
+  stage "SmolLM2 adaptive step by step at 1" env BLOCKSPEC_BATCH_INVARIANT=1 timeout ${STEPS_S:-150} \
+    python3 scripts/adaptive_steps.py --model /tmp/smollm2.gguf --draft blockspec/demo/smollm2-draft --device cuda \
+    --dtype bfloat16 --concurrency 1 --rounds 3 --max-tokens 128 --out "$OUT/smollm2_steps_c1.json"
+fi
