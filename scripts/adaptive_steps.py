@@ -75,7 +75,7 @@ def main() -> None:
     tokenizer = engines["fixed"].tokenizer
     chats = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in HELD_OUT]
     prompts = [chats[i % len(chats)] for i in range(args.concurrency)]          # more requests than chats: again
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)   # every request its max_tokens
     costs = engines["adaptive"].engine.runner.speculation.costs
     report: dict = {"concurrency": args.concurrency, "table": costs.describe() if costs is not None else None}
     for llm in engines.values():

@@ -1257,9 +1257,9 @@ def test_adaptive_with_measured_arms_is_lossless_and_runs_both(dense, reference,
 
 @pytest.mark.pace
 def test_the_pace_keeps_the_policys_work_hidden_or_within_its_budget():
-    """Pace.choose: every step where the host's wait for the verdict would still exceed the
-    policy's work at stride 1 (the device hides it); else the smallest stride that keeps the
-    work within POLICY_BUDGET of a step, at most MAX_STRIDE."""
+    """Pace.choose: every step where the host's wait for the verdict would still cover the
+    policy's work once more at stride 1 (the device hides it); else the smallest stride that keeps
+    the work within POLICY_BUDGET of a step, at most MAX_STRIDE."""
     from blockspec.engine.spec.policy import MAX_STRIDE, POLICY_BUDGET, Pace
     pace = Pace()
     assert pace.choose() == 1                                        # nothing measured yet
@@ -1268,14 +1268,17 @@ def test_the_pace_keeps_the_policys_work_hidden_or_within_its_budget():
         pace.stepped(2.5e-3, 0.0)                                    # host-bound: the host never waits
     assert pace.stride == math.ceil(0.8 / (POLICY_BUDGET * 2.5)) == 16
     for _ in range(200):
-        pace.stepped(2.5e-3, 0.9e-3)                                 # at stride 16 the host waits 0.9 ms:
-    assert pace.stride == 1                                          # 0.9 − 0.8·15/16 > 0.08, hidden at 1
+        pace.stepped(2.5e-3, 1.2e-3)                                 # at stride 16 the host waits 1.2 ms:
+    assert pace.stride == 16                                         # 1.2 − 0.8·15/16 < 0.8, not hidden at 1
     for _ in range(200):
-        pace.stepped(2.5e-3, 0.5e-3)                                 # at stride 1 it waits 0.5 ms: still hidden
+        pace.stepped(2.5e-3, 2.0e-3)                                 # 2.0 ms: 2.0 − 0.75 ≥ 0.8, hidden at 1
     assert pace.stride == 1
     for _ in range(200):
-        pace.stepped(2.5e-3, 0.05e-3)                                # barely waits at stride 1: the work is
-    assert pace.stride == 16                                         # exposed again
+        pace.stepped(2.5e-3, 0.9e-3)                                 # at stride 1 it waits 0.9 ms ≥ 0.8: still hidden
+    assert pace.stride == 1
+    for _ in range(200):
+        pace.stepped(2.5e-3, 0.5e-3)                                 # 0.5 ms, less than the work: it would be
+    assert pace.stride == 16                                         # exposed somewhere in the cycle
     pace.work_ms = {"observe": 20.0, "fit": 0.0, "plan": 0.0}
     pace.stepped(2.5e-3, 0.0)
     assert pace.stride == MAX_STRIDE
