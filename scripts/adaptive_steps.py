@@ -45,15 +45,17 @@ def traced(log: list[dict]) -> list:
                     "tokens": round(alloc.expected_tokens, 2), "ms": round(alloc.ms, 3)})
         return alloc
 
-    def record(self, seconds, widths, num_tokens, draft_width=0, arm="policy", waited=0.0, drafting=None):
+    def record(self, seconds, widths, num_tokens, draft_width=0, arm="policy", waited=0.0, drafting=None,
+               learns=False):
         log.append({"kind": "step", "widths": list(widths), "draft_width": draft_width, "tokens": num_tokens, "arm": arm,
+                    "learns": learns,
                     "ms": round(seconds * 1e3, 3),
                     "predicted_ms": round(self.predicted_step_ms(widths, num_tokens, draft_width), 3),
                     "scale": round(self.forward_scale, 3), "marginal": round(self.marginal_scale, 3),
                     "per_seq_ms": round(self.overhead_ms_per_seq, 4), "per_token_ms": round(self.overhead_ms_per_token, 4),
                     "stride": self.pace.stride, "wait_ms": round(self.pace.wait_ms, 3),
                     "work_ms": {k: round(v, 3) for k, v in self.pace.work_ms.items()}})
-        return real_record(self, seconds, widths, num_tokens, draft_width, arm, waited, drafting)
+        return real_record(self, seconds, widths, num_tokens, draft_width, arm, waited, drafting, learns)
     return [mock.patch.object(policy, "allocate", allocate), mock.patch.object(policy.Speculation, "record_cycle", record)]
 
 

@@ -1289,7 +1289,8 @@ def test_the_pace_keeps_the_policys_work_hidden_or_within_its_budget():
 @pytest.mark.pace
 def test_at_a_stride_the_policy_learns_fits_and_plans_every_strideth_time():
     """With the pace at stride 4: a step's verify is learnt from (its confidences read) every 4th
-    time (a learning cycle's whole blocks always), the cost fit runs every 4th step, and
+    time (a learning cycle's whole blocks always), the cost fit runs every 4th step (and on every
+    learning cycle, whose whole blocks are its evidence of what drafts cost), and
     plan_ahead keeps the plan it made for the same sequences in between (one allocation in 4);
     an arrival in between takes the kept plan's median width (a seeded sampling one its whole
     block) until the next turn prices everyone."""
@@ -1317,6 +1318,9 @@ def test_at_a_stride_the_policy_learns_fits_and_plans_every_strideth_time():
     spec.learning_interval = lambda num_seqs: 0.0                                  # a learning cycle: always
     spec.planned_widths(seqs)
     assert spec.step_learns and spec.wants_confidences
+    spec.record_cycle(5e-3, [7] * 6, 18, learns=True)                              # learnt and fitted,
+    spec.record_cycle(5e-3, [7] * 6, 18, learns=True)                              # out of the pace's turn
+    assert len(fitted) == 5
     spec.learning_interval = lambda num_seqs: math.inf
     allocated.clear()
     plans = []

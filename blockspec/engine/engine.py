@@ -239,8 +239,9 @@ class Engine:
             seconds, widths, width, arm = time.perf_counter() - started, batch.num_drafts, batch.draft_width, batch.arm
             tokens, waited = sum(a + 1 for a in result.decode.num_accepted), result.waited
             drafting = None if batch.drafted is None else sum(k > 0 for k in batch.drafted)   # late widths
+            learns = batch.learns
             self.runner.defer(lambda: self.runner.speculation.record_cycle(seconds, widths, tokens, width, arm, waited,
-                                                                           drafting))
+                                                                           drafting, learns))
 
     def _first_token(self, seq: Sequence, first_token: FirstToken | None, emitted: list[Emitted]) -> None:
         item = self.scheduler.postprocess_prefill(seq, first_token)

@@ -45,6 +45,7 @@ class Batch:
     num_drafts: list[int] = field(default_factory=list)                 # k_i per decode sequence
     draft_width: int = 0                # the draft's block this step (≥ max k_i + 1); 0: the full block
     arm: str = "policy"                 # adaptive's measured choice this step (policy.Arms): "policy" or "whole"
+    learns: bool = False                # adaptive: a learning cycle (every sequence its whole block)
     drafted: list[int] | None = None    # late widths (CPU): the k_i drafted for, before the runner refined num_drafts
 
     @property
@@ -126,7 +127,8 @@ class Scheduler:
         seqs, ks = [seq for seq, _ in decode], [k for _, k in decode]
         width = self.speculation.draft_width(seqs, ks) if self.speculation is not None else 0
         return Batch(prefill=[(s, n) for s, n in chunks if s in self.running], decode=seqs, num_drafts=ks,
-                     draft_width=width, arm=self.speculation.step_arm if self.speculation is not None else "policy")
+                     draft_width=width, arm=self.speculation.step_arm if self.speculation is not None else "policy",
+                     learns=self.speculation is not None and self.speculation.step_learns)
 
     def _split_running(self) -> tuple[list[Sequence], list[Sequence]]:
         """The running sequences that decode, and those that prefill, each in running order."""

@@ -893,7 +893,8 @@ class Speculation:
         return self.marginal_scale * (whole - plain) / (LEARNING_BUDGET * plain)
 
     def record_cycle(self, seconds: float, widths: Seq[int], num_tokens: int, draft_width: int = 0,
-                     arm: str = "policy", waited: float = 0.0, drafting: int | None = None) -> None:
+                     arm: str = "policy", waited: float = 0.0, drafting: int | None = None,
+                     learns: bool = False) -> None:
         """The engine's wall time of a whole decode-only step (forwards, accept, commits) of
         these widths that committed num_tokens, against the table's forwards for it, fitted as
 
@@ -911,8 +912,12 @@ class Speculation:
         and the host's work per sequence and per committed token is not in it. The host terms are
         kept in the table's units (divided by the scale): maximising tokens per ms does not see it.
         waited: of `seconds`, the host's wait for the verdict (the pace: Pace.stepped); the fit
-        itself runs at the pace's turns. drafting: the sequences the draft ran for, where widths
-        were refined after it (a sequence refined to k = 0 still paid its draft)."""
+        itself runs at the pace's turns, and at every learning cycle (`learns`): where the policy
+        keeps one width (SmolLM2: k = 3 in blocks of 4 at 16 and 64 requests), its whole blocks are
+        the fit's only steps of other widths, so the only evidence of what drafts really cost — at
+        stride 16 the fit saw one in sixteen of them, and priced drafts from the device table alone
+        on a host-bound step. drafting: the sequences the draft ran for, where widths were refined
+        after it (a sequence refined to k = 0 still paid its draft)."""
         if not self.adaptive or not widths:
             return
         self.pace.stepped(seconds, waited)
@@ -920,7 +925,7 @@ class Speculation:
             self.arms.record(len(widths).bit_length(), arm, num_tokens, seconds)
             if arm == "whole":
                 return                       # the fit prices the policy's steps (whole blocks: no work of it)
-        if not self.pace.due("fit"):
+        if not self.pace.due("fit") and not learns:
             return
         started = time.perf_counter()
         self.fit(seconds, widths, num_tokens, draft_width, drafting)
