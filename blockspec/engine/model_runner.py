@@ -293,7 +293,7 @@ class ModelRunner:
             # token are one hidden state in every layer and all pick the same experts, and the cost
             # table then priced a 16-row verify of Qwen3.5-35B-A3B like a few rows' (its real rows
             # read ~100 of 256 experts a layer): adaptive narrowed where the whole block paid.
-            ids = padding_ids(size, self.target.lm_head.out_features)
+            ids = padding_ids(size, self.target.config.vocab_size)
             return self.forward([Entry(idle, 0, ids[at: at + self.width]) for at in range(0, size, self.width)])
         # A prefill of `size` tokens in sequences no longer than the pool's table holds.
         span = self.config.pages_per_seq * self.page_size
