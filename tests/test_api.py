@@ -52,6 +52,27 @@ def test_x_request_id_on_every_response(plain):
         assert response.read().endswith(b"data: [DONE]\n\n")
 
 
+def test_a_request_draws_its_ids_without_a_system_call(plain, monkeypatch):
+    """Response, tool-call and request ids come from Python's generator (server/ids.py), not uuid4:
+    each uuid4 is a getrandom system call, at which the event loop gives up the GIL and waits to
+    take it back behind the engine thread. The ids keep their forms and stay distinct."""
+    import os
+    import re
+    from blockspec.server.ids import new_id
+    drawn: list[int] = []
+    real = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: (drawn.append(n), real(n))[1])
+    chat = plain.post("/v1/chat/completions", {"messages": HELLO, "max_tokens": 2})
+    with httpx.stream("POST", plain.url + "/v1/completions", timeout=60,
+                      json={"prompt": "Hello", "max_tokens": 2, "stream": True}) as response:
+        streamed = response.read()
+    response_id = plain.post("/v1/responses", {"input": "Hello", "max_output_tokens": 2}).json()["id"]
+    assert drawn == []
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", chat.json()["id"]) and len(chat.headers["x-request-id"]) == 32
+    assert re.search(rb'"id":"cmpl-[0-9a-f]{24}"', streamed) and re.fullmatch(r"resp_[0-9a-f]{24}", response_id)
+    assert len({new_id("call_") for _ in range(10_000)}) == 10_000
+
+
 def test_continue_final_message_continues_the_prefill(plain, dflash):
     """vLLM's semantics: the final assistant message stays open (no <|im_end|>), and the output
     continues it; equal to a completion of the rendered, cut prompt."""

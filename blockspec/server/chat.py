@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +13,7 @@ from fastapi.responses import Response
 from blockspec.server.errors import GenerationFailed, error_body
 from blockspec.server.generation import (Choice, close_all, make_choices, meta_info, merged_deltas, submit_all,
                                          total_usage)
+from blockspec.server.ids import new_id
 from blockspec.server.images import check_images, with_images
 from blockspec.server.logprobs import chat_logprobs
 from blockspec.server.output import OutputAccumulator, OutputDelta, OutputProcessor
@@ -36,7 +36,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     check_queue_room(engine, body.num_choices)
     check_images(llm, state.settings, body)
     prompt, grammar = await chat_prompt(llm, state.settings, body)
-    response_id = "chatcmpl-" + uuid.uuid4().hex[:24]
+    response_id = new_id("chatcmpl-")
     choices = make_choices(state, llm, engine, response_id, [prompt], body, arrival,
                            lambda p: chat_processor(llm.tokenizer, p, body), grammar=grammar)
     submit_all(choices)  # last: every rejection above came before any work

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +12,7 @@ from fastapi.responses import Response
 
 from blockspec.server.errors import GenerationFailed, error_body
 from blockspec.server.generation import Choice, close_all, make_choices, meta_info, merged_deltas, submit_all, total_usage
+from blockspec.server.ids import new_id
 from blockspec.server.logprobs import completion_logprobs
 from blockspec.server.output import OutputAccumulator, OutputProcessor
 from blockspec.server.protocol import CompletionRequest
@@ -36,7 +36,7 @@ async def create_completion(state: ServerState, request: Request) -> Response:
 
     # On the loop when small (request_building.INLINE_PROMPT_CHARS says why), else a worker thread.
     prompts = build() if completion_prompts_are_small(body.prompts) else await asyncio.to_thread(build)
-    response_id = "cmpl-" + uuid.uuid4().hex[:24]
+    response_id = new_id("cmpl-")
 
     def processor_for(prompt: Prompt) -> OutputProcessor:
         detokenizer = IncrementalDetokenizer(llm.tokenizer, prompt.token_ids, skip_special_tokens=True)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import ast
 import json
 import re
-import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from blockspec.server.ids import new_id
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -167,7 +168,7 @@ class ToolCallDelta:
 
 
 def new_tool_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+    return new_id("call_")
 
 
 def tool_schemas(tools: Iterable[Any] | None) -> dict[str, dict[str, Any]]:

@@ -3,20 +3,16 @@ logprobs, SGLang's meta_info, the model list (the requests: protocol.py)."""
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from blockspec.server.ids import new_id
 from blockspec.server.protocol import FinishReason, ToolCall
 
 
 def _drop_none(data: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if not (k in keys and v is None)}
-
-
-def _new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex[:24]
 
 
 class PromptTokensDetails(BaseModel):
@@ -91,7 +87,7 @@ class ChatCompletionChoice(BaseModel):
 
 
 class ChatCompletion(BaseModel):
-    id: str = Field(default_factory=lambda: _new_id("chatcmpl-"))
+    id: str = Field(default_factory=lambda: new_id("chatcmpl-"))
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
@@ -160,7 +156,7 @@ class ChatCompletionChunk(BaseModel):
 
     @staticmethod
     def new_id() -> str:
-        return _new_id("chatcmpl-")
+        return new_id("chatcmpl-")
 
 
 class CompletionChoice(BaseModel):
@@ -173,7 +169,7 @@ class CompletionChoice(BaseModel):
 class Completion(BaseModel):
     """A /v1/completions body; streamed chunks use the same shape (usage only on the last)."""
 
-    id: str = Field(default_factory=lambda: _new_id("cmpl-"))
+    id: str = Field(default_factory=lambda: new_id("cmpl-"))
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str

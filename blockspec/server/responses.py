@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +27,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from blockspec.server.chat import chat_processor, chat_prompt
 from blockspec.server.errors import ApiError, GenerationFailed
 from blockspec.server.generation import Choice, close_all, make_choices, merged_deltas, submit_all, total_usage
+from blockspec.server.ids import new_id
 from blockspec.server.images import check_images
 from blockspec.server.output import OutputAccumulator, OutputDelta
 from blockspec.server.protocol import ChatCompletionRequest, _Request
@@ -36,10 +36,6 @@ from blockspec.server.state import ServerState
 from blockspec.server.streaming import SSEResponse, collected
 
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
-
-
-def new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex[:24]
 
 
 class ResponsesRequest(_Request):

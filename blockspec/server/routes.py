@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hmac
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -17,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from blockspec.server.chat import create_chat_completion
 from blockspec.server.completions import create_completion
 from blockspec.server.errors import RETRY_AFTER_S, ApiError, error_body
+from blockspec.server.ids import random_hex
 from blockspec.server.replies import ModelCard, ModelList
 from blockspec.server.responses import create_response
 from blockspec.server.settings import ServerSettings
@@ -143,7 +143,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = dict(scope.get("headers") or []).get(b"x-request-id")
-        request_id = given[:256] if given else uuid.uuid4().hex.encode()
+        request_id = given[:256] if given else random_hex(32).encode()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
