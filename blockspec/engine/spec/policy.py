@@ -780,7 +780,7 @@ class Speculation:
         it (floors) — until the pace's next turn prices it with the others, and the plan in force
         then includes it. Why not plan anew at once: where the pace strides (the host the
         bottleneck), a closed loop of 64 short requests brings an arrival nearly every step, and
-        each re-priced the whole batch on the critical path (SmolLM2 at 64: 0.96 × fixed)."""
+        each would re-price the whole batch on the critical path, the stride undone."""
         if self._kept is None:
             return None
         kept = self._kept[1]
