@@ -13,6 +13,7 @@ the rest).
     python scripts/bench_streams.py --fixture              # the suite's tiny Qwen3 (152k vocabulary), random draft
     python scripts/bench_streams.py --serve-args "--device cuda" --requests 64 --overlap off   # and --overlap on
     python scripts/bench_streams.py --serve-args "--device cuda" --requests 64 --max-tokens 256 --bursts 3
+        [--burst-client processes --client-processes 8]   # the streams dealt among 8 client processes
     py-spy record --subprocesses -o streams.svg -- python scripts/bench_streams.py   # where the time goes
 """
 from __future__ import annotations
@@ -130,24 +131,7 @@ def at_once(url: str, prompts: list[list[int]], max_tokens: int, client: httpx.C
             ) -> tuple[float, list[tuple[str, float]]]:
     """Every prompt streamed at the same moment, one thread each → the wall seconds and each
     stream's (text, seconds to its first token); a failed stream raises here."""
-    results: list[tuple[str, float]] = [("", float("nan"))] * len(prompts)
-    errors: list[BaseException] = []
-
-    def one(i: int) -> None:
-        try:
-            results[i] = timed_stream(url, prompts[i], max_tokens, client)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-    started = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - started, results
+    return at_once_with(lambda prompt: timed_stream(url, prompt, max_tokens, client), prompts)
 
 
 def concurrent(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[str]]:
@@ -180,6 +164,86 @@ def at_once_async(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[
     return time.perf_counter() - started, results
 
 
+def client_worker(url: str, conn) -> None:
+    """A burst client process (--burst-client processes): for each job, its share of a burst's
+    streams, a thread each on fresh connections, started together at the job's moment; replies
+    with each stream's (text, seconds from that moment to its first token). time.monotonic is one
+    clock for every process on the machine. Its code paths are warmed once, on /health (as a load
+    balancer's probe does before traffic), so the first burst does not time this client's own
+    first use."""
+    httpx.get(url + "/health", timeout=30).raise_for_status()
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        prompts, max_tokens, start_at = job
+        time.sleep(max(0.0, start_at - time.monotonic()))
+        with new_client() as client:
+            def timed(prompt: list[int]) -> tuple[str, float]:
+                sent = time.monotonic()
+                text, first = timed_stream(url, prompt, max_tokens, client)
+                return text, sent - start_at + first
+            seconds, results = at_once_with(timed, prompts)
+        conn.send(results)
+
+
+def at_once_with(run, prompts: list[list[int]]) -> tuple[float, list[tuple[str, float]]]:
+    """run(prompt) for every prompt at the same moment, one thread each."""
+    results: list[tuple[str, float]] = [("", float("nan"))] * len(prompts)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            results[i] = run(prompts[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - started, results
+
+
+class ClientProcesses:
+    """--burst-client processes: `count` client processes started (and warmed) before the first
+    burst; each burst's streams dealt round-robin among them, so no process runs more than
+    requests / count client threads (a thread per stream in one process fights itself for its GIL:
+    round 54 on the H100, the client's first-token p50 was 20-38 ms above the server's own)."""
+
+    def __init__(self, url: str, count: int) -> None:
+        import multiprocessing
+        context = multiprocessing.get_context("spawn")
+        self.pipes, self.processes = [], []
+        for _ in range(count):
+            mine, theirs = context.Pipe()
+            process = context.Process(target=client_worker, args=(url, theirs), daemon=True)
+            process.start()
+            self.pipes.append(mine)
+            self.processes.append(process)
+        for pipe in self.pipes:
+            if pipe.recv() != "ready":
+                raise SystemExit("a client process did not start")
+
+    def burst(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[tuple[str, float]]]:
+        count = len(self.pipes)
+        start_at = time.monotonic() + 0.05
+        for k, pipe in enumerate(self.pipes):
+            pipe.send((prompts[k::count], max_tokens, start_at))
+        shares = [pipe.recv() for pipe in self.pipes]
+        results: list[tuple[str, float]] = [("", float("nan"))] * len(prompts)
+        for k, share in enumerate(shares):
+            results[k::count] = share
+        return time.monotonic() - start_at, results
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for process in self.processes:
+            process.join(30)
+
+
 # The server's first-token stages (server/state.py FIRST_TOKEN_STAGES), which add up to its TTFT.
 STAGES = ("build", "queue", "prefill", "delivery")
 
@@ -210,7 +274,7 @@ def mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
 
 
 def bursts(url: str, prompt_sets: list[list[list[int]]], max_tokens: int, client_kind: str = "threads",
-           server_pid: int | None = None) -> list[dict]:
+           server_pid: int | None = None, processes: ClientProcesses | None = None) -> list[dict]:
     """A burst per prompt set, its streams sent at once, the first straight after startup (no
     warm-up request): each burst's first-token p50 / p99 (ms) and its wall time. A server that
     compiled and captured everything before its port opened serves the first burst as fast as
@@ -227,6 +291,8 @@ def bursts(url: str, prompt_sets: list[list[list[int]]], max_tokens: int, client
         cpu_before = server_cpu(server_pid) if server_pid is not None else None
         if client_kind == "async":
             seconds, results = at_once_async(url, prompts, max_tokens)
+        elif processes is not None:
+            seconds, results = processes.burst(prompts, max_tokens)
         else:
             with new_client() as client:
                 seconds, results = at_once(url, prompts, max_tokens, client)
@@ -305,9 +371,12 @@ def main() -> int:
     parser.add_argument("--burst-prompts", choices=("fresh", "same"), default="fresh",
                         help="each burst's prompts its own (default: every burst prefills as the first did), or the "
                              "same prompts each burst (rounds 40-49: the later bursts hit the prefix cache)")
-    parser.add_argument("--burst-client", choices=("async", "threads"), default="threads",
+    parser.add_argument("--burst-client", choices=("async", "threads", "processes"), default="threads",
                         help="the bursts' client: a thread per stream (default; round 48 measured httpx's asyncio "
-                             "client slower on the H200 machine: 298 / 95 / 282 ms against 157 / 80 / 92), or one event loop")
+                             "client slower on the H200 machine: 298 / 95 / 282 ms against 157 / 80 / 92), one event "
+                             "loop, or --client-processes processes started before the first burst, the streams "
+                             "dealt among them")
+    parser.add_argument("--client-processes", type=int, default=8, metavar="N")
     args = parser.parse_args()
     port = free_port()
     if args.fixture:
@@ -319,7 +388,12 @@ def main() -> int:
     try:
         if args.bursts:
             sets = burst_prompt_sets(args.bursts, args.requests, args.model, args.burst_prompts == "fresh")
-            result = bursts(url, sets, args.max_tokens, args.burst_client, server.pid)
+            processes = ClientProcesses(url, args.client_processes) if args.burst_client == "processes" else None
+            try:
+                result = bursts(url, sets, args.max_tokens, args.burst_client, server.pid, processes)
+            finally:
+                if processes is not None:
+                    processes.close()
             print(json.dumps({"requests": args.requests, "max_tokens": args.max_tokens, "client": args.burst_client,
                               "burst_prompts": args.burst_prompts, "bursts": result,
                               "first_over_last_p50": round(result[0]["ttft_p50_ms"] / result[-1]["ttft_p50_ms"], 3)}))

@@ -74,3 +74,11 @@ if [ "$M" = 7 ]; then
     python3 scripts/adaptive_steps.py --model /tmp/smollm2.gguf --draft blockspec/demo/smollm2-draft --device cuda \
     --dtype bfloat16 --concurrency 1 --rounds 3 --max-tokens 128 --out "$OUT/smollm2_steps_c1.json"
 fi
+#   bash scripts/gpu_round54.sh 8   # carry .whl (next session): HTTP bursts with the client a thread per stream and
+#        # with 8 client processes (each warmed on /health, as a load balancer's probe), the heap frozen
+if [ "$M" = 8 ]; then
+  for client in threads processes; do
+    stage "HTTP: demo pair, 3 bursts of 64 x 256, client: $client" timeout ${HTTP_S:-90} python3 scripts/bench_streams.py \
+      --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3 --burst-client $client
+  done
+fi
