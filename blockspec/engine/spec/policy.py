@@ -407,25 +407,18 @@ class Calibration:
         return clamp(conditionals(products), 0.0, 1.0)
 
 
-def widths_for(plan: tuple[list, np.ndarray], seqs: Seq,
-               missing: Callable[[object], int] | None = None) -> np.ndarray | None:
-    """A plan's (sequences, widths) read for these sequences, in their order; a sequence not in
-    it (an arrival) gets missing(seq), or the answer is None without `missing`. The batch it was
-    made for (most steps) gets the plan's own array, read only: ahead_draft knows a kept plan by
-    its identity."""
+def widths_for(plan: tuple[list, np.ndarray], seqs: Seq) -> np.ndarray | None:
+    """A plan's (sequences, widths) read for these sequences, in their order, or None where one
+    of them is not in it (an arrival). The batch it was made for (most steps) gets the plan's own
+    array, read only: ahead_draft knows a kept plan by its identity."""
     planned, widths = plan
     if len(planned) == len(seqs) and all(a is b for a, b in zip(planned, seqs)):
         return widths
     by_id = {id(seq): (seq, int(k)) for seq, k in zip(planned, widths)}
-    out = []
-    for seq in seqs:
-        mine, k = by_id.get(id(seq), (None, 0))
-        if mine is not seq:
-            if missing is None:
-                return None
-            k = missing(seq)
-        out.append(k)
-    return np.array(out, dtype=np.int64)
+    found = [by_id.get(id(seq), (None, 0)) for seq in seqs]
+    if any(mine is not seq for (mine, _), seq in zip(found, seqs)):
+        return None
+    return np.fromiter((k for _, k in found), dtype=np.int64, count=len(found))
 
 
 def engine_average(average: np.ndarray, cycles: np.ndarray) -> np.ndarray:
@@ -775,22 +768,9 @@ class Speculation:
         self.pace.spent("plan", time.perf_counter() - started)
 
     def kept_widths(self, seqs: Seq) -> np.ndarray | None:
-        """The plan in force's width of each of these sequences (None before any allocation). An
-        arrival it did not see takes the plan's median width — its whole block where a seed pins
-        it (floors) — until the pace's next turn prices it with the others, and the plan in force
-        then includes it. Why not plan anew at once: where the pace strides (the host the
-        bottleneck), a closed loop of 64 short requests brings an arrival nearly every step, and
-        each would re-price the whole batch on the critical path, the stride undone."""
-        if self._kept is None:
-            return None
-        kept = self._kept[1]
-
-        def arrival(seq) -> int:
-            return self.num_slots if keeps_whole_block(seq) or not len(kept) else int(np.median(kept))
-        widths = widths_for(self._kept, seqs, arrival)
-        if widths is not kept:
-            self._kept = (list(seqs), widths)
-        return widths
+        """The last allocation's width of each of these sequences, or None where it has none for
+        one of them (an arrival: planned anew, with the others)."""
+        return None if self._kept is None else widths_for(self._kept, seqs)
 
     def ahead_draft(self) -> tuple[dict[int, int], int] | None:
         """plan_ahead's plan as an early draft reads it (engine/model_runner.py draft_ahead): each
@@ -939,10 +919,14 @@ class Speculation:
         x = np.array([plain + extra, extra, float(len(widths)), float(num_tokens)])
         self._xtx = HOST_WORK_MEMORY * self._xtx + np.outer(x, x)
         self._xty = HOST_WORK_MEMORY * self._xty + x * (seconds * 1e3)
-        ridge = 1e-3 * float(np.trace(self._xtx)) / 4 + 1e-12
+        # Each term's ridge in its own units (1e-3 of its own sum of squares): one ridge for all,
+        # 1e-3 of the mean, was set by the per-sequence and per-token terms (tens to hundreds a
+        # step) and held δ, whose term is a few ms, at its prior — at 64 SmolLM2 requests the
+        # steps said wider verifies cost nothing and the fit kept the table's price (round 54).
+        ridge = np.diag(1e-3 * np.diag(self._xtx) + 1e-12)
         # The prior: the table is right (scale 1, δ 0) until the steps say otherwise.
         prior = np.array([1.0, 0.0, 0.0, 0.0])
-        theta = np.linalg.solve(self._xtx + ridge * np.eye(4), self._xty + ridge * prior)
+        theta = np.linalg.solve(self._xtx + ridge, self._xty + ridge @ prior)
         scale = max(0.1, float(theta[0]))
         self.forward_scale = scale
         self.marginal_scale = min(10.0, max(0.1, 1.0 + float(theta[1]) / scale))
