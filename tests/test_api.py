@@ -71,6 +71,15 @@ def test_a_request_draws_its_ids_without_a_system_call(plain, monkeypatch):
     assert re.fullmatch(r"chatcmpl-[0-9a-f]{24}", chat.json()["id"]) and len(chat.headers["x-request-id"]) == 32
     assert re.search(rb'"id":"cmpl-[0-9a-f]{24}"', streamed) and re.fullmatch(r"resp_[0-9a-f]{24}", response_id)
     assert len({new_id("call_") for _ in range(10_000)}) == 10_000
+    import random
+    state = random.getstate()
+    try:
+        random.seed(0)                           # the global generator seeded: ids do not repeat
+        first = new_id("cmpl-")
+        random.seed(0)
+        assert new_id("cmpl-") != first
+    finally:
+        random.setstate(state)
 
 
 def test_continue_final_message_continues_the_prefill(plain, dflash):
