@@ -82,3 +82,9 @@ if [ "$M" = 8 ]; then
       --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3 --burst-client $client
   done
 fi
+#   bash scripts/gpu_round54.sh 9   # carry .whl (next session, an H200): adaptive vs fixed vs plain, Qwen3-8B, 1 … 256,
+#        # on the tree with the pace's rule, the learning cycles' fit and the per-term ridge (issue 31's default)
+if [ "$M" = 9 ]; then
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256, budget 2048" timeout ${ADAPT_S:-420} \
+    $C --shape qwen3-8b --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
+fi
