@@ -181,7 +181,7 @@ def client_worker(url: str, conn) -> None:
                 sent = time.monotonic()
                 text, first = timed_stream(url, prompt, max_tokens, client)
                 return text, sent - start_at + first
-            seconds, results = at_once_with(timed, prompts)
+            _, results = at_once_with(timed, prompts)
         conn.send(results)
 
 

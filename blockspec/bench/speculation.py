@@ -202,7 +202,7 @@ def policy_state(engine) -> dict[str, Any]:
     """What the adaptive policy priced its widths with: the cost table measured at startup and its
     online fit of the steps' real time (so a choice that loses can be traced to the table or the fit)."""
     speculation = engine.runner.speculation
-    if speculation is None or speculation.mode != "adaptive" or speculation.costs is None:
+    if speculation.mode != "adaptive" or speculation.costs is None:
         return {}
     return {"cost_table": speculation.costs.describe(),
             "fit": {"forward_scale": round(speculation.forward_scale, 3), "marginal": round(speculation.marginal_scale, 3),

@@ -486,7 +486,7 @@ PACE_MEMORY = 0.9                   # weight of the past in the pace's averages 
 
 class Pace:
     """How often the policy does its work: every step where the device hides it (the host's wait
-    for the verdict would still exceed it at stride 1), else every `stride`-th time, the stride
+    for the verdict would still cover it once more at stride 1), else every `stride`-th time, the stride
     the smallest that keeps the work within POLICY_BUDGET of a step. Each kind of work keeps its
     own count (a verify is learnt from, a step fitted, a plan made, each every stride-th time) and
     its own measured cost; in between, the calibration and the fit keep what they learnt and a
