@@ -197,6 +197,31 @@ def test_on_a_host_bound_load_the_learning_cycles_teach_that_wider_verifies_cost
     assert set(plan()) == {7}
 
 
+def test_steps_that_all_verify_one_width_leave_the_drafts_at_the_tables_price():
+    """One sequence verifying the whole block every step (the CPU demo pair at one request): the
+    drafts' term is then a fixed multiple of the plain forwards' and of the sequences', so the
+    steps cannot say what the drafts cost apart from the rest. The host's 8 ms a step go to the
+    scale and the per-sequence term; the drafts keep the table's price (a joint ridge gave them a
+    share of it: 1.37 × the table), and every step's time is still predicted."""
+    table = CostTable.analytic(flat_rows=1, ms_flat=6.0, ms_per_row=0.4, draft_ms=3.0)
+    spec = Speculation("adaptive", 7, costs=table)
+    rng = random.Random(0)
+    for _ in range(300):
+        tokens = rng.randint(1, 8)
+        spec.record_cycle((forwards_ms(table, [7]) + 8.0 + 0.05 * tokens) / 1e3, [7], tokens)
+    assert not spec.drafts_vary()
+    assert spec.marginal_scale == pytest.approx(1.0, abs=1e-6)
+    for tokens in (1, 8):
+        truth = forwards_ms(table, [7]) + 8.0 + 0.05 * tokens
+        assert spec.predicted_step_ms([7], tokens) == pytest.approx(truth, rel=0.01)
+    # Steps of another width make the drafts' price the steps' to say.
+    for step in range(300):
+        k = 7 if step % 2 else 1
+        spec.record_cycle((forwards_ms(table, [0]) + 0.5 * (forwards_ms(table, [k]) - forwards_ms(table, [0])) + 8.0)
+                          / 1e3, [k], rng.randint(1, 8))
+    assert spec.drafts_vary() and spec.marginal_scale < 0.8
+
+
 def test_the_fit_learns_what_a_draft_row_really_costs():
     """Steps whose drafts cost half what the table says over a plain step (the demo pair's
     table on the 2-core CPU priced the rows of k = 7 over k = 3 at twice the steps' time): the

@@ -452,6 +452,8 @@ LEARNING_BUDGET = 0.01              # learning cycles (whole blocks verified: ne
                                     # cost this fraction of the plain steps' time
 WARMUP_OBSERVATIONS = 256           # judged drafts, engine-wide, before the calibration is trusted
 HOST_WORK_MEMORY = 0.98             # forgetting factor of the host-work fit (per cycle)
+DRAFTS_VARY = 1e-6                  # Speculation.drafts_vary: the drafts' term's share of its moment
+                                    # apart from the plain forwards and the sequences
 # Narrower than every cap only when the table predicts this much more throughput: a ragged step
 # costs what the table does not see (the partial draft's scatter, the verify rows' gather, a
 # bucket change). On the H200 (Qwen3-8B shape, 8 sequences) adaptive chose 12.3 of 15 drafts
@@ -923,16 +925,47 @@ class Speculation:
         # 1e-3 of the mean, was set by the per-sequence and per-token terms (tens to hundreds a
         # step) and held δ, whose term is a few ms, at its prior — at 64 SmolLM2 requests the
         # steps said wider verifies cost nothing and the fit kept the table's price (round 54).
-        ridge = np.diag(1e-3 * np.diag(self._xtx) + 1e-12)
-        # The prior: the table is right (scale 1, δ 0) until the steps say otherwise.
-        prior = np.array([1.0, 0.0, 0.0, 0.0])
-        theta = np.linalg.solve(self._xtx + ridge, self._xty + ridge @ prior)
+        theta = self.solve()
         scale = max(0.1, float(theta[0]))
         self.forward_scale = scale
         self.marginal_scale = min(10.0, max(0.1, 1.0 + float(theta[1]) / scale))
         self.overhead_ms_per_seq = max(0.0, float(theta[2])) / scale
         self.overhead_ms_per_token = max(0.0, float(theta[3])) / scale
         self._intervals.clear()
+
+    def solve(self) -> np.ndarray:
+        """The fit's θ = (scale, δ, per_seq, per_token) from the running sums: ridge least squares
+        toward the prior (the table is right: scale 1, δ 0), each term's ridge 1e-3 of its own
+        moment; δ held at its prior while the drafts' term has not varied apart from the plain
+        forwards and the sequences (`drafts_vary`)."""
+        xtx, xty = self._xtx, self._xty
+        ridge = 1e-3 * np.diag(xtx) + 1e-12
+        prior = np.array([1.0, 0.0, 0.0, 0.0])
+        terms = [0, 1, 2, 3] if self.drafts_vary() else [0, 2, 3]
+        theta = prior.copy()
+        a = xtx[np.ix_(terms, terms)] + np.diag(ridge[terms])
+        theta[terms] = np.linalg.solve(a, xty[terms] + ridge[terms] * prior[terms])
+        return theta
+
+    def drafts_vary(self) -> bool:
+        """Whether the steps' drafts' term varied apart from their plain forwards and sequences
+        (its moment left over once they explain it, least squares, over the whole: above
+        DRAFTS_VARY). Where it has not — every step verified the same widths at one load, one
+        sequence at the whole block most simply — the three are one constant, the time the
+        forwards do not explain has no owner, and a joint ridge shared it among them: with 8 ms
+        of host work a step the drafts were priced at 1.37 × the table
+        (tests/test_adaptive.py::test_steps_that_all_verify_one_width_leave_the_drafts_at_the_tables_price),
+        and a dearer draft is one the allocation stops verifying. Only steps of other widths
+        can say what the drafts cost apart from the rest."""
+        xtx = self._xtx
+        # Over (plain, extra, sequences): the first term is plain + extra.
+        to_plain = np.array([[1.0, -1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+        z = to_plain @ xtx[:3, :3] @ to_plain.T
+        base = [0, 2]
+        cross = z[base, 1]
+        exact = z[np.ix_(base, base)] + np.diag(1e-9 * np.diag(z)[base] + 1e-12)
+        apart = float(z[1, 1] - cross @ np.linalg.solve(exact, cross))
+        return apart > DRAFTS_VARY * z[1, 1]
 
     def plain_and_extra(self, widths: Seq[int], draft_width: int = 0,
                         drafting: int | None = None) -> tuple[float, float]:
