@@ -137,7 +137,9 @@ def test_the_trainers_draft_logits_are_the_engines_and_its_labels_what_verify_ac
     trainer = Trainer(config(target, data, tmp_path / "draft", block_size=block, steps=40, batch_size=8,
                              target_layer_ids=(0, 2), save_every=0), Ranks(0, 1, torch.device("cpu")))
     run(trainer)                                   # a draft that accepts some drafts and not others
-    llm = LLM(str(target), draft=str(tmp_path / "draft"), block_size=block, device="cpu", show_progress=False)
+    # Fixed: every cycle drafts the whole block, which is what the trainer's block logits are.
+    llm = LLM(str(target), draft=str(tmp_path / "draft"), block_size=block, device="cpu", show_progress=False,
+              speculation="fixed")
     spy = DraftSpy(llm.engine.runner.draft)
     prompts = torch.randint(0, VOCAB - 2, (3, 8), generator=torch.Generator().manual_seed(5)).tolist()
     cycles = []

@@ -386,19 +386,29 @@ class GraphDispatcher:
         draft sequence bucket, {"verify": {tokens: ms}, "draft": {seqs: ms}} (the full block),
         and "narrow": {width: {seqs: ms}} for each narrower draft width; each the median of
         `repeat` runs after a warm one, through the path a step of that shape takes (its graph's
-        replay), on padding rows; monotone in the bucket. The runs go round the buckets in turn
+        replay), on padding rows; monotone in the bucket (unpadded: the powers of two, `sparse`,
+        each within its time budget past MIN_REPEAT runs). The runs go round the buckets in turn
         (each repeat times every bucket once), so a stretch of load on a shared host lands on all
         of them rather than on one bucket's every sample. Measured once (cached in .costs)."""
         if self.costs is not None:
             return self.costs
         widths = self.draft_widths if self.has_draft else ()
-        probes = ([("verify", size, None) for size in self.full_tokens]
-                  + [("propose", size, w) for w in widths for size in self.draft_sizes])
-        for probe in probes:
-            self.probe(*probe)                           # warm
+        tokens, seqs = self.full_tokens, self.draft_sizes
+        if not self.padded:
+            tokens, seqs = sparse(tokens), sparse(seqs)
+        probes = ([("verify", size, None) for size in tokens]
+                  + [("propose", size, w) for w in widths for size in seqs])
+        first: dict[tuple, float] = {}
+        for probe in probes:                             # warm (and, unpadded, what a run costs)
+            start = time.perf_counter()
+            self.probe(*probe)
+            sync(self.device)
+            first[probe] = time.perf_counter() - start
         times: dict[tuple, list[float]] = {probe: [] for probe in probes}
-        for _ in range(repeat):
+        for turn in range(repeat):
             for probe in probes:
+                if turn >= MIN_REPEAT and not self.padded and first[probe] * turn >= EAGER_PROBE_BUDGET_S:
+                    continue
                 sync(self.device)
                 start = time.perf_counter()
                 self.probe(*probe)
@@ -408,11 +418,11 @@ class GraphDispatcher:
         def median_ms(kind: str, size: int, width: int | None = None) -> float:
             samples = sorted(times[(kind, size, width)])
             return samples[len(samples) // 2]
-        verify = [median_ms("verify", size) for size in self.full_tokens]
-        draft = {w: monotone([median_ms("propose", size, w) for size in self.draft_sizes]) for w in widths}
-        self.costs = {"verify": dict(zip(self.full_tokens, monotone(verify))),
-                      "draft": dict(zip(self.draft_sizes, draft.get(self.width, []))),
-                      "narrow": {w: dict(zip(self.draft_sizes, ms)) for w, ms in draft.items() if w != self.width}}
+        verify = [median_ms("verify", size) for size in tokens]
+        draft = {w: monotone([median_ms("propose", size, w) for size in seqs]) for w in widths}
+        self.costs = {"verify": dict(zip(tokens, monotone(verify))),
+                      "draft": dict(zip(seqs, draft.get(self.width, []))),
+                      "narrow": {w: dict(zip(seqs, ms)) for w, ms in draft.items() if w != self.width}}
         return self.costs
 
     @property
@@ -426,6 +436,20 @@ class GraphDispatcher:
                 f"({self.seq_slots(self.full_tokens[-1])} sequences), drafts {len(self.draft_sizes)} "
                 f"sequence buckets ≤ {self.draft_sizes[-1]} at widths {'/'.join(map(str, self.draft_widths))}, PIECEWISE {len(self.piecewise_tokens)} token buckets "
                 f"≤ {self.piecewise_tokens[-1]}, EAGER beyond")
+
+
+# Unpadded (eager: CPU) cost tables: a step runs at its exact size and the table interpolates,
+# so the buckets are measured at powers of two (and the largest), each at least MIN_REPEAT times
+# and past that only while its runs stay within EAGER_PROBE_BUDGET_S. Every bucket at 10 runs
+# made an adaptive engine of 64 sequences on the 2-core CPU start 18.6 s later (the test suite's
+# pair: its 64-sequence draft forward alone 244 ms a run).
+MIN_REPEAT = 3
+EAGER_PROBE_BUDGET_S = 0.1
+
+
+def sparse(sizes: list[int]) -> list[int]:
+    """The powers of two among `sizes`, and the largest."""
+    return [n for n in sizes if n & (n - 1) == 0 or n == sizes[-1]]
 
 
 def monotone(values: list[float]) -> list[float]:

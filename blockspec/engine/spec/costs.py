@@ -10,8 +10,9 @@ padding rows (page 0, state slot 0: nobody's memory) with a short context, so th
 the weights and the per-row work; attention over long contexts is not in it (at a few thousand
 tokens of context the per-row GEMMs still dominate a dense 8B forward), nor the host's work per
 step, which the policy learns online (Speculation.record_cycle). Times are made monotone (more
-rows never cost less: noise must not make the allocation chase it) and logged. A few seconds on an H200; on CPU, where the test
-models take milliseconds per forward, a fraction of a second.
+rows never cost less: noise must not make the allocation chase it) and logged. A few seconds on an
+H200; on CPU, where only the powers of two are measured and a bucket's repeats stop at a time
+budget, a fraction of a second for the test models and a few seconds for 64 sequences.
 """
 from __future__ import annotations
 
