@@ -133,6 +133,15 @@ class LLM:
         return self.draft is not None
 
     @property
+    def speculation_policy(self) -> str:
+        """What the startup line says of the speculation: the mode and the block it drafts."""
+        if not self.speculative:
+            return "none (plain decoding)"
+        if self.config.speculation == "adaptive":
+            return f"adaptive (0..{self.block_size - 1} drafts verified a step, blocks of {self.block_size})"
+        return f"fixed block size {self.block_size}"
+
+    @property
     def vocab_size(self) -> int:
         """Rows of the logits: the token ids logit_bias and grammars may name."""
         return int(self.target.lm_head.out_features)

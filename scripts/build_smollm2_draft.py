@@ -102,7 +102,7 @@ def measure(target: str, draft: Path, device: str, dtype: str, max_tokens: int, 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     plain = LLM(target, device=device, dtype=dtype, max_model_len=1024, max_num_seqs=1, show_progress=False)
     spec = LLM(target, draft=str(draft), block_size=BLOCK, device=device, dtype=dtype, max_model_len=1024,
-               max_num_seqs=1, show_progress=False)
+               max_num_seqs=1, show_progress=False, speculation="fixed")
     prompts = [plain.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in HELD_OUT[:limit]]
     for llm in (plain, spec):                                  # warm-up (graphs, allocator)
         llm.generate_ids(prompts[0], params)

@@ -59,7 +59,7 @@ def smollm2(num_prompts: int, max_tokens: int, device: str) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     results, reference = {}, None
     for quantization in (None, "fp8"):
-        llm = LLM(target, draft=draft, device=device, max_model_len=1024, show_progress=False)
+        llm = LLM(target, draft=draft, device=device, max_model_len=1024, show_progress=False, speculation="fixed")
         if quantization:                    # a GGUF file: quantized in memory, as --quantization fp8 would
             fp8.quantize_model(llm.target)
         prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in HELD_OUT[:num_prompts]]
@@ -91,7 +91,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     results, reference = {}, None
     for layout in ("bf16", "block", "channel"):
-        llm = LLM(str(target), draft=str(draft), block_size=8, device="cpu", show_progress=False)
+        llm = LLM(str(target), draft=str(draft), block_size=8, device="cpu", show_progress=False, speculation="fixed")
         row = {"weight_rel_error": 0.0 if layout == "bf16" else fake_quantize(llm.target, layout)}
         prompts = held_out_prompts(llm.tokenizer, args.prompts)
         outputs = [llm.generate_ids(p, params) for p in prompts]

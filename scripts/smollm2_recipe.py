@@ -419,7 +419,7 @@ def measure(args) -> dict[str, Any]:
             save()
         native = json.loads((Path(draft) / "config.json").read_text())["block_size"]
         for block in sorted({b for b in args.block_sizes if b <= native} | {native}, reverse=True):
-            llm = open_llm(args.target, 1024, 64, draft=draft, block_size=block, **opts)
+            llm = open_llm(args.target, 1024, 64, draft=draft, block_size=block, speculation="fixed", **opts)
             row: dict[str, Any] = {}
             for name, prompts in sets.items():
                 greedy, results = acceptance(llm, prompts, 0.0, args.max_tokens, 0)

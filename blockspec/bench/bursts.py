@@ -28,7 +28,8 @@ def burst(target, draft, block_size: int, arrivals: int, decoding: int, prompt_l
     # The decoding ones (64-token prompts) keep going past the burst: room for prompt_len + max_tokens more.
     config = EngineConfig(**{"max_model_len": 64 + prompt_len + max_tokens + width, **ENGINE_OPTIONS,
                              "max_num_batched_tokens": max_num_batched_tokens},
-                          block_size=width, max_num_seqs=arrivals + decoding, max_queue=arrivals + decoding)
+                          block_size=width, max_num_seqs=arrivals + decoding, max_queue=arrivals + decoding,
+                          speculation="fixed")                # as bench_engine (rounds before 55 ran the default, fixed)
     engine = Engine(target, draft, config)
     gen = torch.Generator().manual_seed(1)
     times: dict[str, list[float]] = {}

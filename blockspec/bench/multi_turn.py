@@ -50,7 +50,8 @@ def multi_turn_run(target, draft, block_size: int, conversations: int, turns: in
     config = EngineConfig(max_model_len=max_len, block_size=block_size if draft is not None else 1,
                           max_num_seqs=conversations, max_queue=conversations, page_size=page_size,
                           prefix_cache=prefix_cache, prefix_state_slots=state_slots, num_gpu_blocks=num_pages,
-                          max_prefill_tokens=min(max_len, 8192), max_num_batched_tokens=min(max_len, 8192))
+                          max_prefill_tokens=min(max_len, 8192), max_num_batched_tokens=min(max_len, 8192),
+                          speculation="fixed")                # as bench_engine (rounds before 55 ran the default, fixed)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()                 # the last run's engine and its pools are gone

@@ -32,7 +32,8 @@ def measure(device: str = "cpu", block_size: int = 8, num_prompts: int = 8, max_
     from blockspec.sampling import SamplingParams
     target, draft = require_built()
     plain = LLM(str(target), device=device, show_progress=False)
-    dflash = LLM(str(target), draft=str(draft), block_size=block_size, device=device, show_progress=False)
+    dflash = LLM(str(target), draft=str(draft), block_size=block_size, device=device, show_progress=False,
+                 speculation="fixed")                           # every draft verified: the draft's own τ
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     prompts = held_out_prompts(plain.tokenizer, num_prompts)
     for llm in (plain, dflash):                                     # warm-up (allocator, graphs)
@@ -63,7 +64,8 @@ def batch_throughput(device: str, concurrency: list[int], block_size: int = 8, m
     from blockspec.sampling import SamplingParams
     target, draft = require_built()
     engines = {"plain": LLM(str(target), device=device, show_progress=False),
-               "dflash": LLM(str(target), draft=str(draft), block_size=block_size, device=device, show_progress=False)}
+               "dflash": LLM(str(target), draft=str(draft), block_size=block_size, device=device, show_progress=False,
+                             speculation="fixed")}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     prompts = held_out_prompts(engines["plain"].tokenizer, max(concurrency) + 1)
     alone = [engines["plain"].generate_ids(p, params).token_ids for p in prompts[1:]]

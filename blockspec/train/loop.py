@@ -397,7 +397,7 @@ def measure_acceptance(target: str, draft: str, examples: data.Examples, config:
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams
     llm = LLM(target, draft=draft, block_size=config.block_size, device=str(device), show_progress=False, threads=None,
-              max_model_len=max_len)
+              max_model_len=max_len, speculation="fixed")        # every draft verified: the draft's own τ
     lengths: list[int] = []
     for i in range(min(config.eval_prompts, len(examples))):
         prompt = eval_prompt(examples.ids[i], int(examples.lengths[i]), int(examples.prompt_lens[i]))[: max_len - 2]

@@ -452,8 +452,7 @@ LEARNING_BUDGET = 0.01              # learning cycles (whole blocks verified: ne
                                     # cost this fraction of the plain steps' time
 WARMUP_OBSERVATIONS = 256           # judged drafts, engine-wide, before the calibration is trusted
 HOST_WORK_MEMORY = 0.98             # forgetting factor of the host-work fit (per cycle)
-DRAFTS_VARY = 1e-6                  # Speculation.drafts_vary: the drafts' term's share of its moment
-                                    # apart from the plain forwards and the sequences
+VARIES = 1e-6                       # varies_apart: a term's share of its moment apart from others
 # Narrower than every cap only when the table predicts this much more throughput: a ragged step
 # costs what the table does not see (the partial draft's scatter, the verify rows' gather, a
 # bucket change). On the H200 (Qwen3-8B shape, 8 sequences) adaptive chose 12.3 of 15 drafts
@@ -539,6 +538,16 @@ class Pace:
 def average(old: float, new: float) -> float:
     """The pace's running average (the first value taken as it is)."""
     return new if old == 0.0 else PACE_MEMORY * old + (1.0 - PACE_MEMORY) * new
+
+
+def varies_apart(moments: np.ndarray, term: int, others: list[int]) -> bool:
+    """Whether `term` varied apart from `others` in these sums of products: its moment left once
+    they explain it (least squares; a vanishing ridge keeps the solve defined where the others are
+    themselves collinear) is above VARIES of its whole."""
+    cross = moments[others, term]
+    exact = moments[np.ix_(others, others)] + np.diag(1e-9 * np.diag(moments)[others] + 1e-12)
+    apart = float(moments[term, term] - cross @ np.linalg.solve(exact, cross))
+    return apart > VARIES * moments[term, term]
 
 
 class Arms:
@@ -936,36 +945,35 @@ class Speculation:
     def solve(self) -> np.ndarray:
         """The fit's θ = (scale, δ, per_seq, per_token) from the running sums: ridge least squares
         toward the prior (the table is right: scale 1, δ 0), each term's ridge 1e-3 of its own
-        moment; δ held at its prior while the drafts' term has not varied apart from the plain
-        forwards and the sequences (`drafts_vary`)."""
+        moment; the scale held at its prior while the plain forwards have not varied apart from
+        the sequences, and δ while the drafts have not varied apart from both (`identified`)."""
         xtx, xty = self._xtx, self._xty
         ridge = 1e-3 * np.diag(xtx) + 1e-12
         prior = np.array([1.0, 0.0, 0.0, 0.0])
-        terms = [0, 1, 2, 3] if self.drafts_vary() else [0, 2, 3]
+        plain_varies, drafts_vary = self.identified()
+        free = [t for t, ok in ((0, plain_varies), (1, drafts_vary), (2, True), (3, True)) if ok]
+        held = [t for t in range(4) if t not in free]
         theta = prior.copy()
-        a = xtx[np.ix_(terms, terms)] + np.diag(ridge[terms])
-        theta[terms] = np.linalg.solve(a, xty[terms] + ridge[terms] * prior[terms])
+        a = xtx[np.ix_(free, free)] + np.diag(ridge[free])
+        b = xty[free] + ridge[free] * prior[free] - xtx[np.ix_(free, held)] @ prior[held]
+        theta[free] = np.linalg.solve(a, b)
         return theta
 
-    def drafts_vary(self) -> bool:
-        """Whether the steps' drafts' term varied apart from their plain forwards and sequences
-        (its moment left over once they explain it, least squares, over the whole: above
-        DRAFTS_VARY). Where it has not — every step verified the same widths at one load, one
-        sequence at the whole block most simply — the three are one constant, the time the
-        forwards do not explain has no owner, and a joint ridge shared it among them: with 8 ms
-        of host work a step the drafts were priced at 1.37 × the table
-        (tests/test_adaptive.py::test_steps_that_all_verify_one_width_leave_the_drafts_at_the_tables_price),
-        and a dearer draft is one the allocation stops verifying. Only steps of other widths
-        can say what the drafts cost apart from the rest."""
-        xtx = self._xtx
-        # Over (plain, extra, sequences): the first term is plain + extra.
+    def identified(self) -> tuple[bool, bool]:
+        """Whether the steps' plain forwards varied apart from their sequences, and their drafts
+        apart from both (each term's moment left over once the others explain it, least squares,
+        over its whole: above VARIES). Where a term has not — every step at one load verifying the
+        same widths, one sequence at the whole block most simply, makes all three one constant —
+        the time the table does not explain has no owner, and a ridge shared it among them: with 8
+        ms of host work a step, one sequence, a joint fit priced the drafts at 1.69 × the table
+        (scale 1.23 × δ's 1.38), and a dearer draft is one the allocation stops verifying
+        (tests/test_adaptive.py::test_steps_that_all_verify_one_width_leave_the_drafts_at_the_tables_price).
+        Only steps of other loads can price the forwards apart from the host's work per
+        sequence, and only steps of other widths the drafts apart from both."""
+        # Over (plain, extra, sequences): the fit's first term is plain + extra.
         to_plain = np.array([[1.0, -1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
-        z = to_plain @ xtx[:3, :3] @ to_plain.T
-        base = [0, 2]
-        cross = z[base, 1]
-        exact = z[np.ix_(base, base)] + np.diag(1e-9 * np.diag(z)[base] + 1e-12)
-        apart = float(z[1, 1] - cross @ np.linalg.solve(exact, cross))
-        return apart > DRAFTS_VARY * z[1, 1]
+        z = to_plain @ self._xtx[:3, :3] @ to_plain.T
+        return varies_apart(z, 0, [2]), varies_apart(z, 1, [0, 2])
 
     def plain_and_extra(self, widths: Seq[int], draft_width: int = 0,
                         drafting: int | None = None) -> tuple[float, float]:
