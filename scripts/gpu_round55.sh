@@ -7,6 +7,8 @@
 #   bash scripts/gpu_round54.sh 8      # HTTP bursts, a thread per stream and 8 client processes
 #   bash scripts/gpu_round55.sh 1      # carry .whl: all of tests/gpu with adaptive the default, four
 #        # processes, then the pool test alone
+#   bash scripts/gpu_round55.sh 2      # carry .whl: the GPU tests the default's change touches most
+#        # (engines built with the default: graphs, dispatch, overlap, adaptive, warm-up), two processes
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -20,5 +22,12 @@ if [ "$M" = 1 ]; then
     $G/test_overlap_gpu.py $G/test_gdn_kernel.py $G/test_warm_gpu.py --deselect $POOL > "$OUT/t_4.log" 2>&1 &
   wait
   timeout 100 $T $POOL > "$OUT/t_5_pool.log" 2>&1
+  summary
+fi
+if [ "$M" = 2 ]; then
+  G=tests/gpu
+  timeout ${TESTS_S:-300} $T $G/test_gpu.py $G/test_graph_dispatch.py $G/test_warm_gpu.py > "$OUT/t_1.log" 2>&1 &
+  timeout ${TESTS_S:-300} $T $G/test_adaptive_graphs.py $G/test_overlap_gpu.py $G/test_readout_gpu.py > "$OUT/t_2.log" 2>&1 &
+  wait
   summary
 fi
