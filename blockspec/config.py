@@ -366,9 +366,9 @@ def default_speculation(options: EngineOptions, device_type: str | None = None) 
     parallelism (adaptive runs on one device only). On CUDA adaptive verifies what pays at the
     load: round 55 (H100) measured it at 1.00–1.54 × fixed on Qwen3-8B from 1 to 256 sequences
     (fixed fell to 0.93 × plain at 256), 0.97–1.05 × on SmolLM2 at 1 / 16 / 64 requests and
-    1.01–1.02 × on the hybrid and the MoE at one. On CPU its host-work fit drifts on a noisy host
-    (BENCHMARKS, round 55: a closed loop at one request stopped drafting where the whole block ran
-    1.2 × plain), so fixed stays the default there until that holds."""
+    1.01–1.02 × on the hybrid and the MoE at one. On CPU a closed loop at one request stopped
+    drafting where the whole block ran 1.2 × plain (BENCHMARKS, round 55: the plan predicted 2.2–2.7
+    tokens a whole-block cycle where they committed 3.3), so fixed stays the default there."""
     if options.speculation is not None:
         return options.speculation
     if options.tensor_parallel_size > 1:
