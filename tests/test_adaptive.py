@@ -866,13 +866,16 @@ def test_narrower_draft_blocks_are_lossless_and_run_at_the_width_they_need(dense
 
 
 def test_adaptive_mode_measures_its_costs_and_is_lossless(dense, reference):
-    """Adaptive mode: the cost table measured at startup on this CPU through the dispatcher (its
-    token and sequence buckets, run at their own size: interpolated between; monotone), then
-    allocation."""
+    """Adaptive mode: the cost table measured at startup on this CPU through the dispatcher (the
+    powers of two of its token and sequence buckets and the largest, run at their own size:
+    interpolated between; monotone), then allocation."""
+    from blockspec.engine.graphs import sparse
+    assert sparse([1, 2, 4, 8, 16, 32, 48, 64, 80]) == [1, 2, 4, 8, 16, 32, 64, 80]
     engine, _ = oracle_engine(dense, reference, None, speculation="adaptive", max_num_seqs=4)
     table, graphs = engine.runner.speculation.costs, engine.runner.graphs
     assert table is not None and not table.padded and not graphs.padded
-    assert table.target_rows == tuple(graphs.full_tokens) and table.target_rows[-1] == 4 * BLOCK
+    assert table.target_rows == tuple(sparse(graphs.full_tokens)) and table.target_rows[-1] == 4 * BLOCK
+    assert set(table.target_rows) == {n for n in graphs.full_tokens if n & (n - 1) == 0} | {4 * BLOCK}
     assert table.draft_batch == tuple(graphs.draft_sizes) == (1, 2, 4)
     assert list(table.target_ms) == sorted(table.target_ms) and list(table.draft_ms) == sorted(table.draft_ms)
     assert table.narrow_widths == (2, 4) and all(list(ms) == sorted(ms) for _, ms in table.narrow)

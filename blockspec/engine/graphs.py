@@ -386,8 +386,8 @@ class GraphDispatcher:
         draft sequence bucket, {"verify": {tokens: ms}, "draft": {seqs: ms}} (the full block),
         and "narrow": {width: {seqs: ms}} for each narrower draft width; each the median of
         `repeat` runs after a warm one, through the path a step of that shape takes (its graph's
-        replay), on padding rows; monotone in the bucket (unpadded: the powers of two, `sparse`,
-        each within its time budget past MIN_REPEAT runs). The runs go round the buckets in turn
+        replay), on padding rows; monotone in the bucket (unpadded: the powers of two and the
+        largest, `sparse`, each repeated past MIN_REPEAT runs only within EAGER_PROBE_BUDGET_S). The runs go round the buckets in turn
         (each repeat times every bucket once), so a stretch of load on a shared host lands on all
         of them rather than on one bucket's every sample. Measured once (cached in .costs)."""
         if self.costs is not None:
@@ -398,16 +398,12 @@ class GraphDispatcher:
             tokens, seqs = sparse(tokens), sparse(seqs)
         probes = ([("verify", size, None) for size in tokens]
                   + [("propose", size, w) for w in widths for size in seqs])
-        first: dict[tuple, float] = {}
-        for probe in probes:                             # warm (and, unpadded, what a run costs)
-            start = time.perf_counter()
-            self.probe(*probe)
-            sync(self.device)
-            first[probe] = time.perf_counter() - start
+        for probe in probes:
+            self.probe(*probe)                           # warm
         times: dict[tuple, list[float]] = {probe: [] for probe in probes}
         for turn in range(repeat):
             for probe in probes:
-                if turn >= MIN_REPEAT and not self.padded and first[probe] * turn >= EAGER_PROBE_BUDGET_S:
+                if turn >= MIN_REPEAT and not self.padded and sum(times[probe]) >= EAGER_PROBE_BUDGET_S * 1e3:
                     continue
                 sync(self.device)
                 start = time.perf_counter()
