@@ -387,9 +387,10 @@ class GraphDispatcher:
         and "narrow": {width: {seqs: ms}} for each narrower draft width; each the median of
         `repeat` runs after a warm one, through the path a step of that shape takes (its graph's
         replay), on padding rows; monotone in the bucket (unpadded: the powers of two and the
-        largest, `sparse`, each repeated past MIN_REPEAT runs only within EAGER_PROBE_BUDGET_S). The runs go round the buckets in turn
-        (each repeat times every bucket once), so a stretch of load on a shared host lands on all
-        of them rather than on one bucket's every sample. Measured once (cached in .costs)."""
+        largest, `sparse`, each repeated past MIN_REPEAT runs only within EAGER_PROBE_BUDGET_S).
+        The runs go round the buckets in turn (each repeat times every bucket once), so a stretch
+        of load on a shared host lands on all of them rather than on one bucket's every sample.
+        Measured once (cached in .costs)."""
         if self.costs is not None:
             return self.costs
         widths = self.draft_widths if self.has_draft else ()

@@ -930,10 +930,6 @@ class Speculation:
         x = np.array([plain + extra, extra, float(len(widths)), float(num_tokens)])
         self._xtx = HOST_WORK_MEMORY * self._xtx + np.outer(x, x)
         self._xty = HOST_WORK_MEMORY * self._xty + x * (seconds * 1e3)
-        # Each term's ridge in its own units (1e-3 of its own sum of squares): one ridge for all,
-        # 1e-3 of the mean, was set by the per-sequence and per-token terms (tens to hundreds a
-        # step) and held δ, whose term is a few ms, at its prior — at 64 SmolLM2 requests the
-        # steps said wider verifies cost nothing and the fit kept the table's price (round 54).
         theta = self.solve()
         scale = max(0.1, float(theta[0]))
         self.forward_scale = scale
@@ -948,6 +944,10 @@ class Speculation:
         moment; the scale held at its prior while the plain forwards have not varied apart from
         the sequences, and δ while the drafts have not varied apart from both (`identified`)."""
         xtx, xty = self._xtx, self._xty
+        # Each term's ridge in its own units (1e-3 of its own sum of squares): one ridge for all,
+        # 1e-3 of the mean, was set by the per-sequence and per-token terms (tens to hundreds a
+        # step) and held δ, whose term is a few ms, at its prior — at 64 SmolLM2 requests the
+        # steps said wider verifies cost nothing and the fit kept the table's price (round 54).
         ridge = 1e-3 * np.diag(xtx) + 1e-12
         prior = np.array([1.0, 0.0, 0.0, 0.0])
         plain_varies, drafts_vary = self.identified()
