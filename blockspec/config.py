@@ -235,8 +235,8 @@ class EngineOptions:
     cuda_graphs: bool = option(True, "capture CUDA graphs for decoding", ())
     speculation: str | None = option(None, "with a draft: adaptive (each step each sequence verifies the drafts "
                                      "that pay off at this load, none: then it does not draft), fixed (every "
-                                     "draft of the block), off (plain decoding); default: adaptive on CUDA, "
-                                     "fixed on CPU and with --tensor-parallel-size > 1", (SERVE, GENERATE),
+                                     "draft of the block), off (plain decoding); default: adaptive, fixed with "
+                                     "--tensor-parallel-size > 1", (SERVE, GENERATE),
                                      choices=SPECULATION_MODES)
     prefix_cache: bool = option(True, "reuse the K/V (and a hybrid target's recurrent state) of prompt "
                                 "prefixes computed before (--no-prefix-cache: every prompt computed whole)")
@@ -358,24 +358,17 @@ def resolve_engine_config(options: EngineOptions, max_positions: int, draft_bloc
         max_num_seqs = DEFAULT_MAX_NUM_SEQS.get(device_type, DEFAULT_MAX_NUM_SEQS["cpu"])
     values = {f.name: getattr(options, f.name) for f in dataclasses.fields(EngineOptions)}
     return EngineConfig(**{**values, "block_size": block_size, "max_model_len": max_model_len,
-                           "max_num_seqs": max_num_seqs, "speculation": default_speculation(options, device_type)})
+                           "max_num_seqs": max_num_seqs, "speculation": default_speculation(options)})
 
 
-def default_speculation(options: EngineOptions, device_type: str | None = None) -> str:
-    """--speculation as given; else adaptive on CUDA and fixed elsewhere, and fixed with tensor
-    parallelism (adaptive runs on one device only). On CUDA adaptive verifies what pays at the
-    load: round 55 (H100) measured it at 1.00–1.54 × fixed on Qwen3-8B from 1 to 256 sequences
-    (fixed fell to 0.93 × plain at 256), 0.97–1.05 × on SmolLM2 at 1 / 16 / 64 requests and
-    1.01–1.02 × on the hybrid and the MoE at one. On CPU a closed loop at one request stopped
-    drafting where the whole block ran 1.2 × plain (BENCHMARKS, round 55: the plan predicted 2.2–2.7
-    tokens a whole-block cycle where they committed 3.3), so fixed stays the default there."""
+def default_speculation(options: EngineOptions) -> str:
+    """--speculation as given; else adaptive, and fixed with tensor parallelism (adaptive runs on
+    one device only). Adaptive verifies what pays at the load: round 55 (H100) measured it at
+    1.00–1.54 × fixed on Qwen3-8B from 1 to 256 sequences (fixed fell to 0.93 × plain at 256),
+    0.97–1.05 × on SmolLM2 at 1 / 16 / 64 requests and 1.01–1.02 × on the hybrid and the MoE at
+    one. On CPU it became the default in round 56, once a sequence the plan leaves at k = 0 came
+    back to drafting (Speculation.allocation): before, a closed loop at one request on the demo
+    pair stopped drafting where the whole block ran 1.2 × plain, and now runs 1.1 × fixed."""
     if options.speculation is not None:
         return options.speculation
-    if options.tensor_parallel_size > 1:
-        return "fixed"
-    if device_type is None:
-        device_type = options.device.split(":")[0]
-        if device_type == "auto":
-            import torch
-            device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    return "adaptive" if device_type == "cuda" else "fixed"
+    return "fixed" if options.tensor_parallel_size > 1 else "adaptive"

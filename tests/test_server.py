@@ -176,21 +176,20 @@ def test_startup_summary_reads_only_the_properties_a_model_has():
 
 def test_the_startup_line_names_the_speculation_the_engine_runs(qwen3_dir, qwen3_draft_dir):
     """A real LLM's summary names its mode (it said "fixed" for any mode that did not name itself);
-    the default is adaptive on CUDA, fixed on CPU and with tensor parallelism, as given otherwise."""
+    the default is adaptive (CPU and CUDA), fixed with tensor parallelism, as given otherwise."""
     from blockspec.config import EngineOptions, default_speculation
     from blockspec.llm import LLM
     from blockspec.server.logs import startup_summary
     settings = ServerSettings(model=str(qwen3_dir), draft=str(qwen3_draft_dir))
-    for asked, said in ((None, "speculation fixed block size 4"),
-                        ("adaptive", "speculation adaptive (0..3 drafts verified a step, blocks of 4)")):
+    for asked, said in ((None, "speculation adaptive (0..3 drafts verified a step, blocks of 4)"),
+                        ("fixed", "speculation fixed block size 4")):
         llm = LLM(str(qwen3_dir), draft=str(qwen3_draft_dir), block_size=4, max_num_seqs=2, max_model_len=64,
                   device="cpu", show_progress=False, **({"speculation": asked} if asked else {}))
         assert said in startup_summary(llm, settings), startup_summary(llm, settings)
-    assert default_speculation(EngineOptions(), "cuda") == "adaptive"
     assert default_speculation(EngineOptions(device="cuda:1")) == "adaptive"
-    assert default_speculation(EngineOptions(device="cpu")) == "fixed"
+    assert default_speculation(EngineOptions(device="cpu")) == "adaptive"
     assert default_speculation(EngineOptions(device="cuda", tensor_parallel_size=2)) == "fixed"
-    assert default_speculation(EngineOptions(speculation="off", tensor_parallel_size=2), "cuda") == "off"
+    assert default_speculation(EngineOptions(speculation="off", tensor_parallel_size=2)) == "off"
 
 
 def test_health_shape_and_startup_answers(dflash, plain, qwen3_draft_dir):

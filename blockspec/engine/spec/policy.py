@@ -48,6 +48,12 @@ PRIOR_STRENGTH = 4.0                # pseudo-observations behind each prior
 SEQUENCE_DECAY = 0.98               # a sequence's old observations fade (its text changes)
 SLOT_EMA = 0.3                      # weight of the newest cycle in a sequence's per-slot prediction
 ENGINE_EMA = 0.05                   # weight of each cycle in the engine-wide one a new sequence starts from
+IDLE_MEMORY = 0.9                   # per step a sequence spends at k = 0: weight its recent prediction keeps
+MAX_BACKOFF = 8                     # a sequence's relaxation slows 2× with each failed return, up to 2^this
+# A sequence's settled prediction (Calibration.relax) is the average of its cycles with the
+# engine's recent one as SETTLED_PRIOR cycles' worth of prior, a running average past SETTLED_MEMORY cycles.
+SETTLED_PRIOR = 4.0
+SETTLED_MEMORY = 16
 
 
 def expected_committed(probs: Seq[float], k: int) -> float:
@@ -330,6 +336,8 @@ class Calibration:
         self.accepted = np.zeros((0, NUM_GROUPS, NUM_BINS))                          # [rows, G, bins]
         self.seen = np.zeros_like(self.accepted)
         self.recent = np.zeros((0, num_slots))                                         # [rows, L]
+        self.settled = np.zeros((0, num_slots))        # [rows, L]: recent's slow average, from the default
+        self.settled_cycles = np.zeros(0)                # [rows]: the cycles in it (at most SETTLED_MEMORY)
         self.engine_recent = np.full(num_slots, math.nan)     # what sequences' cycles realised lately
         self.grow(capacity)
 
@@ -342,11 +350,15 @@ class Calibration:
         self.accepted = np.concatenate((self.accepted, np.zeros((more, NUM_GROUPS, NUM_BINS))))
         self.seen = np.concatenate((self.seen, np.zeros((more, NUM_GROUPS, NUM_BINS))))
         self.recent = np.concatenate((self.recent, np.full((more, self.num_slots), math.nan)))
+        self.settled = np.concatenate((self.settled, np.full((more, self.num_slots), math.nan)))
+        self.settled_cycles = np.concatenate((self.settled_cycles, np.zeros(more)))
 
     def reset(self, row: int) -> None:
         self.accepted[row] = 0.0
         self.seen[row] = 0.0
         self.recent[row] = math.nan
+        self.settled[row] = math.nan
+        self.settled_cycles[row] = 0.0
 
     def engine_estimate(self) -> np.ndarray:
         return (self.engine_accepted + self.strength * BIN_CENTRES) / (self.engine_seen + self.strength)
@@ -367,11 +379,14 @@ class Calibration:
                                                                                      + self.strength)
         return np.where(np.isnan(confidence), math.nan, calibrated)
 
-    def observe(self, confidence, calibrated, widths: Seq[int], accepted: Seq[int], rows) -> None:
+    def observe(self, confidence, calibrated, widths: Seq[int], accepted: Seq[int], rows,
+                restart: np.ndarray | None = None) -> None:
         """After a verify: slots 1 … a of b were accepted, slot a + 1 (if ≤ k_b) rejected; later
         slots were not judged (acceptance is conditional on the prefix). Slots past a narrower
         block than L + 1 (NaN confidence) keep their old conditional chance on top of the new
-        prefix."""
+        prefix. restart [B] (bool): rows whose recent prediction is this cycle's alone (a
+        sequence's first verify after relax brought it back: what it held was a prior, not
+        its evidence)."""
         bins = self.bins(np.asarray(confidence, dtype=np.float64))
         rows = np.asarray(rows, dtype=np.int64)
         slot = np.arange(self.num_slots)[None]
@@ -388,22 +403,42 @@ class Calibration:
         np.add.at(self.engine_seen, (groups, judged_bins), 1.0)
         products = np.cumprod(np.asarray(calibrated, dtype=np.float64), axis=1)
         old = self.recent[rows]
+        if restart is not None:
+            old[restart] = math.nan
         fresh = np.where(np.isnan(old), products, (1 - SLOT_EMA) * old + SLOT_EMA * products)
         if np.isnan(products).any():
             fresh = np.cumprod(np.where(np.isnan(products), conditionals(old), conditionals(fresh)), axis=1)
         self.recent[rows] = fresh
+        settled = self.settled[rows]
+        settled = np.where(np.isnan(settled), self.default()[None], settled)
+        cycles = np.minimum(self.settled_cycles[rows] + 1.0, SETTLED_MEMORY)
+        self.settled_cycles[rows] = cycles
+        self.settled[rows] = settled + (fresh - settled) / (SETTLED_PRIOR + cycles)[:, None]
         self.engine_recent = engine_average(self.engine_recent, fresh[~np.isnan(fresh).any(axis=1)])
+
+    def relax(self, rows: np.ndarray, weight: np.ndarray) -> None:
+        """Move these sequences' predictions `weight` [rows] of the way back to their settled ones
+        (Speculation.allocation: those it left at k = 0, which nothing observes)."""
+        if len(rows):
+            settled = self.settled[rows]
+            settled = np.where(np.isnan(settled), self.default()[None], settled)
+            weight = weight[:, None]
+            self.recent[rows] = (1.0 - weight) * self.recent[rows] + weight * settled
+
+    def default(self) -> np.ndarray:
+        """[L] prefix products for a sequence with no cycles of its own: what the engine's sequences
+        realised lately, or before any the engine-wide estimate of the top confidence bin."""
+        if np.isnan(self.engine_recent).any():
+            return np.cumprod(self.engine_estimate()[self.groups, NUM_BINS - 1])
+        return self.engine_recent
 
     def predicted(self, rows) -> np.ndarray:
         """[B, L] per-slot p whose prefix products are each sequence's recent average ones; a
         sequence never drafted yet starts from what the engine's sequences realised lately (a
         draft that stopped paying is not tried whole again by every new request), and before any
         from the engine-wide estimate of the top confidence bin (a fresh draft is tried)."""
-        default = self.engine_recent
-        if np.isnan(default).any():
-            default = np.cumprod(self.engine_estimate()[self.groups, NUM_BINS - 1])
         products = self.recent[np.asarray(rows, dtype=np.int64)]
-        products = np.where(np.isnan(products), default[None], products)
+        products = np.where(np.isnan(products), self.default()[None], products)
         return clamp(conditionals(products), 0.0, 1.0)
 
 
@@ -541,13 +576,22 @@ def average(old: float, new: float) -> float:
 
 
 def varies_apart(moments: np.ndarray, term: int, others: list[int]) -> bool:
-    """Whether `term` varied apart from `others` in these sums of products: its moment left once
-    they explain it (least squares; a vanishing ridge keeps the solve defined where the others are
-    themselves collinear) is above VARIES of its whole."""
-    cross = moments[others, term]
-    exact = moments[np.ix_(others, others)] + np.diag(1e-9 * np.diag(moments)[others] + 1e-12)
-    apart = float(moments[term, term] - cross @ np.linalg.solve(exact, cross))
-    return apart > VARIES * moments[term, term]
+    """Whether `term` varied apart from `others` (one or two of them) in these sums of products: its
+    moment left once they explain it (least squares; a vanishing ridge keeps the solve defined
+    where the others are themselves collinear) is above VARIES of its whole. Closed forms: on the
+    CPU, np.linalg.solve's overhead made this half of the fit's time (it runs at every learning
+    cycle)."""
+    m = moments
+    whole = float(m[term, term])
+    ridged = [float(m[o, o]) * (1.0 + 1e-9) + 1e-12 for o in others]
+    c = [float(m[o, term]) for o in others]
+    if len(others) == 1:
+        explained = c[0] * c[0] / ridged[0]
+    else:
+        (a, d), b = ridged, float(m[others[0], others[1]])
+        det = a * d - b * b
+        explained = (d * c[0] * c[0] - 2.0 * b * c[0] * c[1] + a * c[1] * c[1]) / det
+    return whole - explained > VARIES * whole
 
 
 class Arms:
@@ -629,6 +673,10 @@ class Speculation:
         self._cycles_since_learning = 0
         self._chosen_width: int | None = None              # planned_widths: the draft width priced last
         self._rescan_load, self._steps_to_rescan = 0, 0
+        self._steps = 0                                     # decode steps planned (planned_widths)
+        self._idle: tuple[np.ndarray, int] = (np.zeros(0, dtype=np.int64), 0)   # allocation: rows left at k = 0, when
+        self._returning = np.zeros(0, dtype=np.int64)     # rows brought back from k = 0, not judged yet
+        self._backoff = np.zeros(64, dtype=np.int64)      # by row: failed returns in a row (allocation)
         self._ahead: tuple[list, np.ndarray] | None = None  # plan_ahead: (sequences, widths) for the next step
         # A step's time beyond the table's forwards ≈ per_seq · B + per_token · committed tokens,
         # fitted online (least squares with forgetting) from the engine's wall time per step.
@@ -684,9 +732,11 @@ class Speculation:
         self.calibration.grow(row + 1)
         self.calibration.reset(row)
         if row >= len(self._floor):
-            self._floor = np.concatenate((self._floor, np.zeros(max(row + 1, 2 * len(self._floor)) - len(self._floor),
-                                                                dtype=np.int64)))
+            more = np.zeros(max(row + 1, 2 * len(self._floor)) - len(self._floor), dtype=np.int64)
+            self._floor = np.concatenate((self._floor, more))
+            self._backoff = np.concatenate((self._backoff, more))
         self._floor[row] = self.num_slots if keeps_whole_block(seq) else 0
+        self._backoff[row] = 0
         self._rows[id(seq)] = (seq, row)
         return row
 
@@ -719,6 +769,7 @@ class Speculation:
         the plain steps' (every 100 cycles where a whole block costs 2 plain steps, every 1 500
         where it costs 16)."""
         ahead, self._ahead = self._ahead, None
+        self._steps += 1
         if not self.adaptive:
             return [self.num_slots] * len(seqs)
         if not seqs:
@@ -806,11 +857,22 @@ class Speculation:
         return cycles >= self.learning_interval(num_seqs)
 
     def allocation(self, seqs: Seq) -> list[int]:
-        """The widths of allocate() over these sequences' predicted acceptance (not a learning cycle)."""
+        """The widths of allocate() over these sequences' predicted acceptance (not a learning cycle).
+
+        The sequences the last allocation left at k = 0 have their prediction moved back toward
+        their settled one first (Calibration.settled: a slow average of their cycles that starts
+        from the engine's), by 1 − IDLE_MEMORY^(steps since ÷ 2^backoff): a sequence that does not
+        draft is never observed, so without it a few unlucky cycles would keep it from drafting
+        until the next learning cycle (the CPU demo pair at one request, round 56: two cycles of
+        one token each put a response's prediction at 1.7 tokens a whole block, where its cycles
+        committed 3.3, and it decoded plain for the rest of its 48 tokens). Its backoff counts the
+        returns that failed in a row (brought back to drafting, left at k = 0 again by the next
+        allocation): a draft that does not pay for a sequence is tried again after ~3, 6, 12 …
+        steps, not every few."""
         rows = self.rows(seqs)
-        # Every draft width is priced now and then (and when the load moves to another power of
-        # two of sequences); in between, only the width chosen last (one scan a step, not one per
-        # width: this runs before every launch, on the critical path).
+        idle, since = self._idle
+        if len(idle):
+            self.calibration.relax(idle, 1.0 - IDLE_MEMORY ** ((self._steps - since) / 2.0 ** self._backoff[idle]))
         load = len(seqs).bit_length()
         rescan = self._steps_to_rescan <= 0 or load != self._rescan_load
         widths = self.costs.draft_widths if rescan else (self._chosen_width,)
@@ -823,7 +885,27 @@ class Speculation:
         if rescan:
             self._chosen_width, self._rescan_load, self._steps_to_rescan = alloc.draft_width, load, RESCAN_STEPS
         self._steps_to_rescan -= 1
+        self.judge_returns(rows, np.asarray(alloc.widths) == 0)
         return alloc.widths
+
+    def judge_returns(self, rows: np.ndarray, left: np.ndarray) -> None:
+        """After an allocation that left rows[left] at k = 0: those it brought back to drafting
+        (left at k = 0 by the one before) wait for their first verdict (judged_returns)."""
+        idle = rows[left]
+        back = rows[~left & np.isin(rows, self._idle[0])]
+        if len(back):
+            self._returning = np.union1d(self._returning, back)
+        self._idle = (idle, self._steps)
+
+    def judged_returns(self, rows: np.ndarray, accepted: np.ndarray) -> None:
+        """The first verify observed for these rows since they were brought back to drafting: each
+        made it if a draft was accepted (its backoff is reset), else failed (its backoff grows)."""
+        if not len(rows):
+            return
+        made_it = accepted > 0
+        self._backoff[rows[made_it]] = 0
+        self._backoff[rows[~made_it]] = np.minimum(self._backoff[rows[~made_it]] + 1, MAX_BACKOFF)
+        self._returning = np.setdiff1d(self._returning, rows)
 
     def refined(self, seqs: Seq, confidence: torch.Tensor | None, widths: list[int]) -> list[int]:
         """Where `late` (the draft read at no cost: CPU), the step's widths once its drafts exist:
@@ -1046,5 +1128,8 @@ class Speculation:
         if APPLY_DEPTH:
             self.learn_depth(rows, [widths[b] for b in drafted], [accepted[b] for b in drafted])
         calibrated = self.calibration.calibrate(confidence, rows)
-        self.calibration.observe(confidence, calibrated, [widths[b] for b in drafted],
-                                 [accepted[b] for b in drafted], rows)
+        mine = [accepted[b] for b in drafted]
+        returning = np.isin(rows, self._returning) if len(self._returning) else None
+        self.calibration.observe(confidence, calibrated, [widths[b] for b in drafted], mine, rows, returning)
+        if returning is not None:
+            self.judged_returns(rows[returning], np.asarray(mine)[returning])
