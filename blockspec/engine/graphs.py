@@ -35,7 +35,9 @@ use; the Triton kernels read each live length on the device, and one graph serve
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -52,6 +54,22 @@ FULL, PIECEWISE, EAGER = "full", "piecewise", "eager"
 # Qwen3.5's shapes) into one space all its FULL graphs share: its FULL graphs stop at this many
 # tokens, with ⌈tokens / block⌉ sequence slots; larger decode steps take the PIECEWISE graphs.
 STASHING_FULL_TOKENS = 256
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's garbage collector off while a graph is captured: a collection there runs the
+    destructors of whatever it frees (an earlier engine's graphs and streams, found in a cycle),
+    and a CUDA call they make invalidates the capture (tests/gpu, round 56: a draft graph's
+    capture failed in the second engine of a process, and every capture after it). Objects freed
+    meanwhile wait for the next collection outside."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def bucket(num: int, sizes: list[int]) -> int | None:
@@ -304,7 +322,7 @@ class GraphDispatcher:
         if states is not None:                  # what this graph stashes, nothing of an earlier forward's
             states.stashed = [None] * len(states.stashed)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with collector_paused(), torch.cuda.graph(graph, pool=self.pool):
             static.output = fn(static.meta)
         static.graph = graph
         if states is not None and any(s is not None for s in states.stashed):
@@ -333,7 +351,7 @@ class GraphDispatcher:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         torch.cuda.synchronize(self.device)
-        with torch.cuda.stream(stream):
+        with collector_paused(), torch.cuda.stream(stream):
             pieces.begin()
             pieces.output = fn(dataclasses.replace(meta, pieces=pieces, shared={}))
             pieces.graphs[-1].capture_end()
