@@ -183,6 +183,8 @@ def test_on_a_host_bound_load_the_learning_cycles_teach_that_wider_verifies_cost
     probs = np.array([[0.62, 0.45, 0.35, 0.3, 0.28, 0.26, 0.25]] * 64)
     spec = Speculation("adaptive", 7, costs=table)
     spec.pace.choose = lambda: 16
+    spec.calibration.engine_seen[:] = WARMUP_OBSERVATIONS         # past the warm-up, whose cycles
+    assert not spec.learns(64, 0)                                 # are fitted at the pace's turns
 
     def plan() -> list[int]:
         return allocate(probs, [7] * 64, table, fixed_ms=spec.overhead_ms_per_seq * 64,
@@ -1408,7 +1410,7 @@ def test_the_pace_keeps_the_policys_work_hidden_or_within_its_budget():
 def test_at_a_stride_the_policy_learns_fits_and_plans_every_strideth_time():
     """With the pace at stride 4: a step's verify is learnt from (its confidences read) every 4th
     time (a learning cycle's whole blocks always), the cost fit runs every 4th step (and on every
-    learning cycle, whose whole blocks are its evidence of what drafts cost), and
+    learning cycle past the warm-up, whose whole blocks are its evidence of what drafts cost), and
     plan_ahead keeps the plan it made for the same sequences in between (one allocation in 4),
     an arrival planned for at once."""
     spec = Speculation("adaptive", 7, costs=CostTable.analytic(flat_rows=16, ms_flat=5.0, ms_per_row=0.2,
@@ -1422,6 +1424,11 @@ def test_at_a_stride_the_policy_learns_fits_and_plans_every_strideth_time():
     spec.fit = lambda *args: (fitted.append(1), real_fit(*args))[1]
     spec.allocation = lambda batch: (allocated.append(len(batch)), real_allocation(batch))[1]
     conf = torch.full((6, 7), 0.8, dtype=torch.float64)
+    for step in range(8):                            # the warm-up: learning cycles of one width,
+        assert spec.planned_widths(seqs) == [7] * 6 and spec.step_learns       # every one learnt
+        spec.record_cycle(5e-3, [7] * 6, 18, learns=True)                      # from, fitted at the
+    assert len(fitted) == 2                                                    # pace's turns
+    fitted.clear()
     spec.calibration.engine_seen[:] = WARMUP_OBSERVATIONS                          # past the warm-up
     spec.learning_interval = lambda num_seqs: math.inf
     observed = []
