@@ -243,11 +243,16 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
     slots that fit beside the sequences' own rows are candidates (the floors always are), so
     "every slot up to its cap" means every slot that fits (round 48: at 256 sequences of blocks of
     16 under 2,048 tokens the allocation planned 4,096 rows, half the sequences sat out each step
-    and adaptive ran at 0.82 × plain). draft_paid: the drafts exist already (Speculation.refined):
-    only the verify is priced."""
+    and adaptive ran at 0.82 × plain). draft_paid: the drafts exist already (Speculation.refined),
+    one whole block for each sequence with a cap: their cost is the same whatever is verified,
+    but it stays in the step's time, whose tokens a millisecond are maximised (without it, a
+    verify row was priced against the verify alone, as if the step's rate were its verify's:
+    on the CPU demo pair at 8 sequences adaptive refined blocks to k ≈ 2 where whole blocks ran
+    1.1 × faster, round 56)."""
     num_seqs, num_slots = probs.shape
     if num_seqs == 0:
         return Allocation([], 0.0, 0.0)
+    paid_ms = costs.draft_ms_of(int(np.count_nonzero(np.asarray(caps) > 0))) if draft_paid else None
     # numpy: this runs every step on the host, on arrays of at most a few thousand entries.
     p = probs.double().numpy() if isinstance(probs, torch.Tensor) else np.asarray(probs, dtype=np.float64)  # [B, L]
     caps_a = clamp(np.asarray(caps, dtype=np.int64), 0, num_slots)
@@ -270,7 +275,7 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
         if max_rows is not None:
             part = part[: max(num_forced, max_rows - num_seqs)]
         candidate = scan(part, survival, num_seqs, num_slots, costs, width, num_forced, fixed_ms, per_token_ms,
-                         margin, marginal, draft_paid)
+                         margin, marginal, paid_ms)
         if best is None or candidate.rate > best.rate:
             best = candidate
     return best
@@ -278,8 +283,9 @@ def allocate(probs: np.ndarray | torch.Tensor, caps: Seq[int], costs: CostTable,
 
 def scan(order: np.ndarray, survival: np.ndarray, num_seqs: int, num_slots: int, costs: CostTable,
          width: int | None, num_forced: int, fixed_ms: float, per_token_ms: float, margin: float,
-         marginal: float = 1.0, draft_paid: bool = False) -> Allocation:
-    """allocate's rate at every prefix of `order` (slot indices, best first) → the best one."""
+         marginal: float = 1.0, paid_ms: float | None = None) -> Allocation:
+    """allocate's rate at every prefix of `order` (slot indices, best first) → the best one.
+    paid_ms: the draft already run (its cost, whatever is taken), else priced by who drafts."""
     taken = survival.ravel()[order]
     tokens = num_seqs + np.concatenate(([0.0], np.cumsum(taken)))
     rows = num_seqs + np.arange(len(order) + 1, dtype=np.float64)
@@ -287,7 +293,7 @@ def scan(order: np.ndarray, survival: np.ndarray, num_seqs: int, num_slots: int,
     first[np.unique(order // num_slots, return_index=True)[1]] = 1.0    # where each sequence starts drafting
     drafting = np.concatenate(([0.0], np.cumsum(first)))
     plain = costs.target_ms_of(num_seqs)
-    forwards = costs.target(rows) + (0.0 if draft_paid else costs.draft(drafting, width))
+    forwards = costs.target(rows) + (paid_ms if paid_ms is not None else costs.draft(drafting, width))
     ms = plain + marginal * (forwards - plain) + fixed_ms + per_token_ms * tokens
     rate = tokens / ms
     rate[:num_forced] = -math.inf                                         # the floors are not optional
@@ -686,7 +692,8 @@ class Speculation:
         self.marginal_scale = 1.0           # measured cost of the drafts over a plain step ÷ the table's
         self._xtx = np.zeros((4, 4))
         self._xty = np.zeros(4)
-        self._depth = np.zeros((2, max(1, self.num_slots)))      # survival by depth: realised, predicted (decaying)
+        # Survival by depth (decaying): realised, the plan's prediction, the cycle's own (late).
+        self._depth = np.zeros((3, max(1, self.num_slots)))
         self.arms = Arms() if MEASURE_ARMS else None
         self.pace = Pace()
         self._kept: tuple[list, np.ndarray] | None = None   # plan_ahead's last allocation: (sequences, widths)
@@ -930,7 +937,7 @@ class Speculation:
             conf = np.concatenate((conf, np.full((conf.shape[0], self.num_slots - conf.shape[1]), math.nan)), axis=1)
         probs = np.nan_to_num(self.calibration.calibrate(conf, rows), nan=0.0)
         caps = np.asarray(widths, dtype=np.int64)
-        alloc = allocate(self.corrected(probs), caps, self.costs, np.maximum(np.minimum(self.floors(rows), caps), pinned),
+        alloc = allocate(self.corrected(probs, against="cycle"), caps, self.costs, np.maximum(np.minimum(self.floors(rows), caps), pinned),
                          fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token,
                          margin=RAGGED_MARGIN, marginal=self.marginal_scale, max_rows=self.max_rows, draft_paid=True)
         return alloc.widths
@@ -1074,16 +1081,28 @@ class Speculation:
         return self.forward_scale * (plain + self.marginal_scale * extra + self.overhead_ms_per_seq * len(widths)
                                      + self.overhead_ms_per_token * num_tokens)
 
-    def depth_ratio(self) -> np.ndarray:
-        """[L]: the survival to each depth the verifies realised ÷ what the prediction gave them
+    def depth_ratio(self, against: str = "plan") -> np.ndarray:
+        """[L]: the survival to each depth the verifies realised ÷ what a prediction gave them
         (observe: over the depths each verify judged, j < k_b, decaying by DEPTH_MEMORY a
-        verify), with DEPTH_PRIOR of prior at 1."""
-        realised, predicted = self._depth
-        return (realised + DEPTH_PRIOR) / (predicted + DEPTH_PRIOR)
+        verify), with DEPTH_PRIOR of prior at 1. against: the plan's prediction (each sequence's
+        recent products) or, late, the cycle's own calibrated chances the widths were refined from."""
+        predicted = self._depth[1 if against == "plan" else 2]
+        return (self._depth[0] + DEPTH_PRIOR) / (predicted + DEPTH_PRIOR)
 
-    def learn_depth(self, rows: np.ndarray, widths: Seq[int], accepted: Seq[int]) -> None:
+    @property
+    def applies_depth(self) -> bool:
+        """Whether the depth correction is learnt and applied: with BLOCKSPEC_ADAPTIVE_DEPTH=1, and
+        wherever widths are refined after the draft (late: CPU). There the refinement allocates
+        over products of per-slot calibrated chances, which understate surviving deep into a block
+        (acceptances run together), so it cut blocks short: on the CPU demo pair at 8 sequences
+        it verified k ≈ 2 of 7 where whole blocks ran 1.1 × faster (round 56)."""
+        return APPLY_DEPTH or self.late
+
+    def learn_depth(self, rows: np.ndarray, widths: Seq[int], accepted: Seq[int],
+                    predicted: np.ndarray | None = None) -> None:
         """Survival by depth, realised against predicted (before this verify is learnt), over the
-        judged depths only (j < k_b: past them, a block accepted whole says nothing)."""
+        judged depths only (j < k_b: past them, a block accepted whole says nothing): the plan's
+        prediction, and `predicted` [B, L] where given (late: the cycle's own chances)."""
         k = np.asarray(widths, dtype=np.int64)[:, None]
         a = np.asarray(accepted, dtype=np.int64)[:, None]
         depth = np.arange(self.num_slots)[None]
@@ -1091,8 +1110,10 @@ class Speculation:
         self._depth *= DEPTH_MEMORY
         self._depth[0] += np.where(judged, depth < a, 0.0).sum(axis=0)
         self._depth[1] += np.where(judged, np.cumprod(self.calibration.predicted(rows), axis=1), 0.0).sum(axis=0)
+        if predicted is not None:
+            self._depth[2] += np.where(judged, np.cumprod(predicted, axis=1), 0.0).sum(axis=0)
 
-    def corrected(self, probs: np.ndarray, apply: bool | None = None) -> np.ndarray:
+    def corrected(self, probs: np.ndarray, apply: bool | None = None, against: str = "plan") -> np.ndarray:
         """Predicted p [B, L] with each depth's survival scaled by depth_ratio (kept ≤ 1 and never
         growing with depth), where the correction applies (APPLY_DEPTH); else probs as they are.
         Why: each slot's p is calibrated on its own, and their product understates the chance of
@@ -1100,9 +1121,9 @@ class Speculation:
         of calibrated p gave 2.09 drafted tokens a cycle where 2.40 were accepted, and the
         deepest slots 0.42–0.50 where they realised 0.67–0.97 given their prefix), so the
         allocation undervalues wide blocks against narrow ones (BENCHMARKS, round 51)."""
-        if not (APPLY_DEPTH if apply is None else apply):
+        if not (self.applies_depth if apply is None else apply):
             return probs
-        survival = np.minimum(np.cumprod(probs, axis=1) * self.depth_ratio()[None, : probs.shape[1]], 1.0)
+        survival = np.minimum(np.cumprod(probs, axis=1) * self.depth_ratio(against)[None, : probs.shape[1]], 1.0)
         return conditionals(np.minimum.accumulate(survival, axis=1))
 
     def observe(self, seqs: Seq, confidence: torch.Tensor | None, widths: Seq[int], accepted: Seq[int],
@@ -1129,9 +1150,12 @@ class Speculation:
             missing = np.full((confidence.shape[0], self.num_slots - confidence.shape[1]), math.nan)
             confidence = np.concatenate((confidence, missing), axis=1)
         rows = self.rows([seqs[b] for b in drafted])
-        if APPLY_DEPTH:
-            self.learn_depth(rows, [widths[b] for b in drafted], [accepted[b] for b in drafted])
         calibrated = self.calibration.calibrate(confidence, rows)
+        if self.applies_depth:
+            # Late, the widths were refined from this cycle's own calibrated chances: the survival
+            # they predicted is what the realised one is held against.
+            self.learn_depth(rows, [widths[b] for b in drafted], [accepted[b] for b in drafted],
+                             np.nan_to_num(calibrated, nan=0.0) if self.late else None)
         mine = [accepted[b] for b in drafted]
         returning = np.isin(rows, self._returning) if len(self._returning) else None
         self.calibration.observe(confidence, calibrated, [widths[b] for b in drafted], mine, rows, returning)
