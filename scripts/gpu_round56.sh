@@ -3,6 +3,8 @@
 #   bash scripts/gpu_round54.sh 9      # Qwen3-8B, adaptive vs fixed vs plain, 1 … 256
 #   python3 scripts/policy_ab.py --old OLD --concurrency 8,32,64   # this tree's policy vs round 55's
 #        # (OLD: `git show 69d3b8b:blockspec/engine/spec/policy.py`, carried in the tree for the call)
+# Next (no device time was left): policy_ab.py --old OLD --concurrency 32 --other-first, whether round
+# 55's policy also settles into the wide regime at 32 when it is a process's first adaptive engine.
 #   TESTS_S=280 bash scripts/gpu_round55.sh 2    # the GPU tests the policy touches (a capture failed)
 #   bash scripts/gpu_round56.sh 1      # after the collector's pause: those tests again, then the hybrid
 #        # and the MoE at one sequence (FORCE_MOE=1 MOE_ARGS="--gpu-memory-utilization 0.96" on an H100)

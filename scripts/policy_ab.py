@@ -2,10 +2,11 @@
 process on one set of random weights (round 56: the GPU figures move run to run, so a change to
 the policy is judged side by side). The other version is a file, e.g.
 
-    git show 69d3b8b:blockspec/engine/spec/policy.py > /tmp/old_policy.py   # (here, before the call)
-    python scripts/policy_ab.py --old /tmp/old_policy.py --shape qwen3-8b --concurrency 8,32,64
+    git show 69d3b8b:blockspec/engine/spec/policy.py > old_policy.py   # untracked: it travels with the tree
+    python scripts/policy_ab.py --old old_policy.py --shape qwen3-8b --concurrency 8,32,64
 
-Runs fixed, then this tree's and the other policy twice each, alternated; prints tok/s ÷ fixed."""
+Runs fixed, then this tree's and the other policy twice each, alternated (--other-first: the other
+first); prints tok/s ÷ fixed."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,9 @@ def main() -> int:
     parser.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     parser.add_argument("--concurrency", default="8,32,64")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--other-first", action="store_true",
+                        help="the other policy's engines before this tree's (a process's first adaptive engine "
+                             "can settle into another regime: round 56 at 32 sequences)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     old = load_policy(args.old)
@@ -46,7 +50,8 @@ def main() -> int:
     _, _, target, draft = build_models(SHAPES[args.shape], torch.device("cuda"), torch.bfloat16, 16)
     profile = LatentProfile(6.5, 16)
     out: dict[str, dict[int, dict[str, float]]] = {}
-    for name in ("fixed", "this", "other", "this2", "other2"):
+    order = ("other", "this", "other2", "this2") if args.other_first else ("this", "other", "this2", "other2")
+    for name in ("fixed", *order):
         policy = old.Speculation if name.startswith("other") else model_runner.Speculation
         with mock.patch.object(model_runner, "Speculation", policy):
             result = speculation_sweep(target, draft, 16, concurrency, 128, 256,
