@@ -386,6 +386,35 @@ def test_a_sequence_left_without_drafts_by_a_bad_patch_drafts_again_and_a_hopele
     assert 3 <= len(tries) <= 8 and all(gaps[1:] >= 1.5 * gaps[:-1]), tries          # backs off
 
 
+def test_a_row_given_to_a_new_sequence_is_neither_idle_nor_returning():
+    """A sequence left at k = 0, brought back, then ended before its first verdict: the next
+    sequence given its row starts as any newcomer, not relaxed as an idle one nor judged (its
+    backoff raised) as a return."""
+    costs = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.05, draft_ms=0.5, draft_ms_per_seq=0.5)
+    spec = Speculation("adaptive", 7, costs=costs)
+    spec.calibration.engine_seen[:] = WARMUP_OBSERVATIONS                    # a draft as good as its word
+    spec.calibration.engine_accepted[:] = WARMUP_OBSERVATIONS * (np.arange(NUM_BINS) + 0.5) / NUM_BINS
+    spec.learning_interval = lambda num_seqs: math.inf
+    good, bad = request_of(num_allowed=1000), request_of(num_allowed=1000)
+    row = int(spec.rows([good, bad])[1])
+    states = []
+    for step in range(60):
+        widths = spec.planned_widths([good, bad])
+        states.append((widths[1], row in spec._idle[0], row in spec._returning))
+        if row in spec._returning:
+            break
+        conf = torch.full((2, 7), 0.9, dtype=torch.float64)
+        if step >= 5:
+            conf[1] = 0.15                                      # from the sixth cycle: a bad patch
+        spec.observe([good, bad], conf, widths, [widths[0], widths[1] if step < 5 else 0])
+    assert states[-1] == (states[-1][0], False, True) and states[-1][0] > 0, states    # brought back
+    assert any(idle for _, idle, _ in states)                                          # after idling
+    spec.forget(bad)
+    newcomer = request_of(num_allowed=1000)
+    assert int(spec.rows([newcomer])[0]) == row
+    assert row not in spec._returning and row not in spec._idle[0] and spec._backoff[row] == 0
+
+
 def request_of(num_allowed: int = 100, **params) -> SimpleNamespace:
     return SimpleNamespace(request=SimpleNamespace(num_allowed=num_allowed, params=SamplingParams(**params)))
 
@@ -1262,9 +1291,9 @@ class PlanCounter(Speculation):
             if seqs:
                 self.steps.append((frozenset(seq.request_id for seq in seqs), self._on_the_spot, capped))
 
-    def allocation(self, seqs):
+    def allocation(self, seqs, ahead=0):
         self._on_the_spot = self._on_the_spot or self._planning
-        return super().allocation(seqs)
+        return super().allocation(seqs, ahead)
 
 
 def test_an_arrival_is_planned_for_while_its_prompt_runs(dense, reference, monkeypatch):
@@ -1426,7 +1455,7 @@ def test_at_a_stride_the_policy_learns_fits_and_plans_every_strideth_time():
     real_observe, real_fit, real_allocation = spec.calibration.observe, spec.fit, spec.allocation
     spec.calibration.observe = lambda *args: (learnt.append(1), real_observe(*args))[1]
     spec.fit = lambda *args: (fitted.append(1), real_fit(*args))[1]
-    spec.allocation = lambda batch: (allocated.append(len(batch)), real_allocation(batch))[1]
+    spec.allocation = lambda batch, ahead=0: (allocated.append(len(batch)), real_allocation(batch, ahead))[1]
     conf = torch.full((6, 7), 0.8, dtype=torch.float64)
     for step in range(8):                            # the warm-up: learning cycles of one width,
         assert spec.planned_widths(seqs) == [7] * 6 and spec.step_learns       # every one learnt
@@ -1506,6 +1535,11 @@ def test_late_widths_follow_this_cycles_own_confidences_with_the_draft_paid():
     probs = spec.calibration.calibrate(conf.numpy(), spec.rows(seqs))
     floors = spec.floors(spec.rows(seqs))
     assert allocate(probs, [7] * 4, dear_draft, floors, draft_paid=True, margin=RAGGED_MARGIN).widths == late
+    # Rows ten times cheaper beside the 50 ms draft: a verify row costs 0.1 % of the step, so every
+    # block is verified whole (priced against the verify alone, the same rows looked worth
+    # leaving out: [7, 2, 0, 7]).
+    cheap_rows = CostTable((1, 4096), (5.0, 5.0 + 4095 * 0.05), (1, 64), (50.0, 50.0))
+    assert allocate(probs, [7] * 4, cheap_rows, floors, draft_paid=True, margin=RAGGED_MARGIN).widths == [7] * 4
     spec.step_learns = True
     assert spec.refined(seqs, conf, [7, 7, 7, 7]) == [7, 7, 7, 7]
     spec.step_learns, spec.late = False, False
@@ -1524,7 +1558,7 @@ def test_late_widths_never_refine_a_sampling_row_and_price_the_drafts_they_ran()
     spec.calibration.engine_accepted[:] = WARMUP_OBSERVATIONS * (np.arange(NUM_BINS) + 0.5) / NUM_BINS
     spec.learning_interval = lambda num_seqs: math.inf
     greedy, sampled = request_of(), request_of(temperature=1.0)
-    spec.allocation = lambda seqs: [3] * len(seqs)                     # the plan: both draft, k = 3
+    spec.allocation = lambda seqs, ahead=0: [3] * len(seqs)            # the plan: both draft, k = 3
     assert spec.planned_widths([greedy, sampled]) == [7, 3]           # widened: the greedy row only
     hopeless = torch.full((2, 7), 0.01, dtype=torch.float64)
     assert spec.refined([greedy, sampled], hopeless, [7, 3]) == [0, 3]

@@ -61,8 +61,10 @@ def collector_paused():
     """Python's garbage collector off while a graph is captured: a collection there runs the
     destructors of whatever it frees (an earlier engine's graphs and streams, found in a cycle),
     and a CUDA call they make invalidates the capture (tests/gpu, round 56: a draft graph's
-    capture failed in the second engine of a process, and every capture after it). Objects freed
-    meanwhile wait for the next collection outside."""
+    capture failed in the second engine of a process, and every capture after it). Cyclic garbage
+    made meanwhile waits for the next collection outside (what reference counting frees still goes
+    at once: nothing the capture drops holds CUDA objects). Engine thread only: the switch is the
+    process's."""
     enabled = gc.isenabled()
     gc.disable()
     try:

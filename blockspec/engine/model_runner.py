@@ -175,9 +175,9 @@ class ModelRunner:
         if self.speculation.mode == "adaptive":
             self.speculation.costs = self.measure_costs()
             if self.device.type == "cuda":
-                # Eager probes (no graphs) of every size leave the caching allocator holding what
-                # the largest needed, beyond the one full-budget forward the pool was sized to
-                # leave room for (tests/gpu test_the_pool_fills_the_memory_it_is_given: 1.3 GiB
+                # Probes that run eagerly (no graph holds their size, or graphs are off) leave the
+                # caching allocator holding what the largest needed, beyond the one full-budget
+                # forward the pool was sized to leave room for (tests/gpu test_the_pool_fills_the_memory_it_is_given: 1.3 GiB
                 # over a 6 GiB budget, once adaptive was the default on CUDA).
                 torch.cuda.empty_cache()
         # Early drafts (draft_ahead): where the device runs while the host finishes a step (CUDA);

@@ -409,17 +409,19 @@ class Calibration:
         np.add.at(self.engine_seen, (groups, judged_bins), 1.0)
         products = np.cumprod(np.asarray(calibrated, dtype=np.float64), axis=1)
         old = self.recent[rows]
+        tail = old.copy()                 # past a narrower block: the old chances (a restart's too)
         if restart is not None:
             old[restart] = math.nan
         fresh = np.where(np.isnan(old), products, (1 - SLOT_EMA) * old + SLOT_EMA * products)
         if np.isnan(products).any():
-            fresh = np.cumprod(np.where(np.isnan(products), conditionals(old), conditionals(fresh)), axis=1)
+            fresh = np.cumprod(np.where(np.isnan(products), conditionals(tail), conditionals(fresh)), axis=1)
         self.recent[rows] = fresh
         settled = self.settled[rows]
         settled = np.where(np.isnan(settled), self.default()[None], settled)
         cycles = np.minimum(self.settled_cycles[rows] + 1.0, SETTLED_MEMORY)
         self.settled_cycles[rows] = cycles
-        self.settled[rows] = settled + (fresh - settled) / (SETTLED_PRIOR + cycles)[:, None]
+        moved = settled + (fresh - settled) / (SETTLED_PRIOR + cycles)[:, None]
+        self.settled[rows] = np.where(np.isnan(fresh), settled, moved)     # (a new row's unjudged tail)
         self.engine_recent = engine_average(self.engine_recent, fresh[~np.isnan(fresh).any(axis=1)])
 
     def relax(self, rows: np.ndarray, weight: np.ndarray) -> None:
@@ -502,10 +504,10 @@ RAGGED_MARGIN = 0.05
 RESCAN_STEPS = 8                    # steps between pricings of every draft width (planned_widths)
 DEPTH_PRIOR = 4.0                   # depth_ratio's prior: this many survivals realised as predicted
 DEPTH_MEMORY = 0.995                # its forgetting factor, per observed verify
-# The depth correction (Speculation.learn_depth, corrected) is learnt and applied only with
-# BLOCKSPEC_ADAPTIVE_DEPTH=1 until a GPU run has weighed it (round 51: on the CPU it made the
-# whole block's predicted tokens what fixed k = 7 realises, 27.5 against 27.3, where they were
-# 22.2; the GPU figures of round 51 are without it).
+# The depth correction (Speculation.learn_depth, corrected) is learnt and applied where widths are
+# late (CPU: Speculation.applies_depth, round 56), elsewhere only with BLOCKSPEC_ADAPTIVE_DEPTH=1
+# until a GPU run has weighed it (round 51: on the CPU it made the whole block's predicted tokens
+# what fixed k = 7 realises, 27.5 against 27.3, where they were 22.2; the GPU figures are without it).
 APPLY_DEPTH = os.environ.get("BLOCKSPEC_ADAPTIVE_DEPTH", "") == "1"
 # The measured choice between the policy and whole blocks (Arms), opt-in with
 # BLOCKSPEC_ADAPTIVE_ARMS=1 until a GPU run has weighed it (round 52: on the SmolLM2 pair the
@@ -744,6 +746,12 @@ class Speculation:
             self._backoff = np.concatenate((self._backoff, more))
         self._floor[row] = self.num_slots if keeps_whole_block(seq) else 0
         self._backoff[row] = 0
+        # The row's last sequence may still be listed as left idle or returning: not this one.
+        if len(self._returning):
+            self._returning = self._returning[self._returning != row]
+        idle, since = self._idle
+        if len(idle):
+            self._idle = (idle[idle != row], since)
         self._rows[id(seq)] = (seq, row)
         return row
 
@@ -815,8 +823,8 @@ class Speculation:
     def plan_ahead(self, seqs: Seq) -> None:
         """While the device runs step N (after the engine's `learn`): the allocation planned_widths
         would make for these sequences at step N + 1, made now. It reads the same state — the
-        observations of steps up to N − 1 (step N's are learnt during step N + 1) — so only the
-        caps can differ then (tokens committed at N). The engine passes the sequences step N
+        observations of steps up to N − 1 (step N's are learnt during step N + 1), the idle
+        sequences relaxed as of N + 1 — so only the caps can differ then (tokens committed at N). The engine passes the sequences step N
         decodes and those whose prompt it completes. Used if step N + 1 decodes only these
         sequences (in any order; those that ended at N left out), each cut to its cap then;
         else planned there (ahead_widths)."""
@@ -830,7 +838,7 @@ class Speculation:
             self._ahead = (seqs, kept)                     # between the pace's turns: the plan made last
             return
         started = time.perf_counter()
-        widths = np.asarray(self.allocation(seqs), dtype=np.int64)
+        widths = np.asarray(self.allocation(seqs, ahead=1), dtype=np.int64)
         self._ahead = (seqs, widths)
         self._kept = (seqs, widths.copy())
         self.pace.restart("plan")
@@ -863,7 +871,7 @@ class Speculation:
                 return True
         return cycles >= self.learning_interval(num_seqs)
 
-    def allocation(self, seqs: Seq) -> list[int]:
+    def allocation(self, seqs: Seq, ahead: int = 0) -> list[int]:
         """The widths of allocate() over these sequences' predicted acceptance (not a learning cycle).
 
         The sequences the last allocation left at k = 0 have their prediction moved back toward
@@ -873,13 +881,15 @@ class Speculation:
         until the next learning cycle (the CPU demo pair at one request, round 56: two cycles of
         one token each put a response's prediction at 1.7 tokens a whole block, where its cycles
         committed 3.3, and it decoded plain for the rest of its 48 tokens). Its backoff counts the
-        returns that failed in a row (brought back to drafting, left at k = 0 again by the next
-        allocation): a draft that does not pay for a sequence is tried again after ~3, 6, 12 …
-        steps, not every few."""
+        returns that failed in a row (brought back to drafting, no draft accepted in the first
+        verify observed since): a draft that does not pay for a sequence is tried again after
+        ~7, 13, 26 … steps, not every few. ahead: planned for the next step (plan_ahead), whose
+        relaxation is one step further on."""
         rows = self.rows(seqs)
         idle, since = self._idle
         if len(idle):
-            self.calibration.relax(idle, 1.0 - IDLE_MEMORY ** ((self._steps - since) / 2.0 ** self._backoff[idle]))
+            steps = self._steps + ahead - since
+            self.calibration.relax(idle, 1.0 - IDLE_MEMORY ** (steps / 2.0 ** self._backoff[idle]))
         load = len(seqs).bit_length()
         rescan = self._steps_to_rescan <= 0 or load != self._rescan_load
         widths = self.costs.draft_widths if rescan else (self._chosen_width,)
@@ -892,17 +902,17 @@ class Speculation:
         if rescan:
             self._chosen_width, self._rescan_load, self._steps_to_rescan = alloc.draft_width, load, RESCAN_STEPS
         self._steps_to_rescan -= 1
-        self.judge_returns(rows, np.asarray(alloc.widths) == 0)
+        self.judge_returns(rows, np.asarray(alloc.widths) == 0, self._steps + ahead)
         return alloc.widths
 
-    def judge_returns(self, rows: np.ndarray, left: np.ndarray) -> None:
-        """After an allocation that left rows[left] at k = 0: those it brought back to drafting
-        (left at k = 0 by the one before) wait for their first verdict (judged_returns)."""
+    def judge_returns(self, rows: np.ndarray, left: np.ndarray, now: int) -> None:
+        """After an allocation for step `now` that left rows[left] at k = 0: those it brought back
+        to drafting (left at k = 0 by the one before) wait for their first verdict (judged_returns)."""
         idle = rows[left]
         back = rows[~left & np.isin(rows, self._idle[0])]
         if len(back):
             self._returning = np.union1d(self._returning, back)
-        self._idle = (idle, self._steps)
+        self._idle = (idle, now)
 
     def judged_returns(self, rows: np.ndarray, accepted: np.ndarray) -> None:
         """The first verify observed for these rows since they were brought back to drafting: each
@@ -1115,7 +1125,8 @@ class Speculation:
 
     def corrected(self, probs: np.ndarray, apply: bool | None = None, against: str = "plan") -> np.ndarray:
         """Predicted p [B, L] with each depth's survival scaled by depth_ratio (kept ≤ 1 and never
-        growing with depth), where the correction applies (APPLY_DEPTH); else probs as they are.
+        growing with depth), where the correction applies (applies_depth); else probs as they are.
+        against: which prediction's ratio (depth_ratio).
         Why: each slot's p is calibrated on its own, and their product understates the chance of
         surviving deep into a block (acceptances run together: on the CPU demo pair the products
         of calibrated p gave 2.09 drafted tokens a cycle where 2.40 were accepted, and the
