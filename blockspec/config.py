@@ -358,7 +358,7 @@ def resolve_engine_config(options: EngineOptions, max_positions: int, draft_bloc
         max_num_seqs = DEFAULT_MAX_NUM_SEQS.get(device_type, DEFAULT_MAX_NUM_SEQS["cpu"])
     values = {f.name: getattr(options, f.name) for f in dataclasses.fields(EngineOptions)}
     return EngineConfig(**{**values, "block_size": block_size, "max_model_len": max_model_len,
-                           "max_num_seqs": max_num_seqs, "speculation": default_speculation(options)})
+                           "max_num_seqs": max_num_seqs})
 
 
 def default_speculation(options: EngineOptions) -> str:

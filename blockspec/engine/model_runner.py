@@ -177,8 +177,8 @@ class ModelRunner:
             if self.device.type == "cuda":
                 # Probes that run eagerly (no graph holds their size, or graphs are off) leave the
                 # caching allocator holding what the largest needed, beyond the one full-budget
-                # forward the pool was sized to leave room for (tests/gpu test_the_pool_fills_the_memory_it_is_given: 1.3 GiB
-                # over a 6 GiB budget, once adaptive was the default on CUDA).
+                # forward the pool was sized to leave room for (tests/gpu: the pool test was 1.3 GiB
+                # over its 6 GiB budget once adaptive was the default on CUDA).
                 torch.cuda.empty_cache()
         # Early drafts (draft_ahead): where the device runs while the host finishes a step (CUDA);
         # BLOCKSPEC_EARLY_DRAFT=0 turns them off, for side-by-side measurements, =1 on anywhere

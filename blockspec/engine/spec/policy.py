@@ -416,8 +416,7 @@ class Calibration:
         if np.isnan(products).any():
             fresh = np.cumprod(np.where(np.isnan(products), conditionals(tail), conditionals(fresh)), axis=1)
         self.recent[rows] = fresh
-        settled = self.settled[rows]
-        settled = np.where(np.isnan(settled), self.default()[None], settled)
+        settled = self.settled_of(rows)
         cycles = np.minimum(self.settled_cycles[rows] + 1.0, SETTLED_MEMORY)
         self.settled_cycles[rows] = cycles
         moved = settled + (fresh - settled) / (SETTLED_PRIOR + cycles)[:, None]
@@ -428,10 +427,13 @@ class Calibration:
         """Move these sequences' predictions `weight` [rows] of the way back to their settled ones
         (Speculation.allocation: those it left at k = 0, which nothing observes)."""
         if len(rows):
-            settled = self.settled[rows]
-            settled = np.where(np.isnan(settled), self.default()[None], settled)
             weight = weight[:, None]
-            self.recent[rows] = (1.0 - weight) * self.recent[rows] + weight * settled
+            self.recent[rows] = (1.0 - weight) * self.recent[rows] + weight * self.settled_of(rows)
+
+    def settled_of(self, rows: np.ndarray) -> np.ndarray:
+        """[B, L] these sequences' settled predictions (the default where they have none yet)."""
+        settled = self.settled[rows]
+        return np.where(np.isnan(settled), self.default()[None], settled)
 
     def default(self) -> np.ndarray:
         """[L] prefix products for a sequence with no cycles of its own: what the engine's sequences
@@ -824,10 +826,10 @@ class Speculation:
         """While the device runs step N (after the engine's `learn`): the allocation planned_widths
         would make for these sequences at step N + 1, made now. It reads the same state — the
         observations of steps up to N − 1 (step N's are learnt during step N + 1), the idle
-        sequences relaxed as of N + 1 — so only the caps can differ then (tokens committed at N). The engine passes the sequences step N
-        decodes and those whose prompt it completes. Used if step N + 1 decodes only these
-        sequences (in any order; those that ended at N left out), each cut to its cap then;
-        else planned there (ahead_widths)."""
+        sequences relaxed as of N + 1 — so only the caps can differ then (tokens committed at N).
+        The engine passes the sequences step N decodes and those whose prompt it completes. Used
+        if step N + 1 decodes only these sequences (in any order; those that ended at N left out),
+        each cut to its cap then; else planned there (ahead_widths)."""
         if not self.adaptive or not seqs or self.learns(len(seqs), self._cycles_since_learning + 1):
             return                                         # a learning cycle's widths are its caps
         if self.arms is not None and self.arms.upcoming(len(seqs).bit_length()) == "whole":
@@ -947,7 +949,8 @@ class Speculation:
             conf = np.concatenate((conf, np.full((conf.shape[0], self.num_slots - conf.shape[1]), math.nan)), axis=1)
         probs = np.nan_to_num(self.calibration.calibrate(conf, rows), nan=0.0)
         caps = np.asarray(widths, dtype=np.int64)
-        alloc = allocate(self.corrected(probs, against="cycle"), caps, self.costs, np.maximum(np.minimum(self.floors(rows), caps), pinned),
+        floors = np.maximum(np.minimum(self.floors(rows), caps), pinned)
+        alloc = allocate(self.corrected(probs, against="cycle"), caps, self.costs, floors,
                          fixed_ms=self.overhead_ms_per_seq * len(seqs), per_token_ms=self.overhead_ms_per_token,
                          margin=RAGGED_MARGIN, marginal=self.marginal_scale, max_rows=self.max_rows, draft_paid=True)
         return alloc.widths
