@@ -4,6 +4,10 @@ torch.profiler, bf16 and then the same weights quantized to FP8 (issue 33). Per 
 and microseconds a replay; the replay's wall time against the sum of its kernels (the gaps).
 
     python scripts/step_profile.py --shape qwen3-8b --widths 1,16 --formats bf16,fp8 [--out F.json]
+
+--min-chunks 4,2,1: the decode attention's fewest BLOCK_N chunks of keys a split takes
+(kernels/attention.MIN_CHUNKS_PER_SPLIT), each value its own graph, side by side;
+--contexts 512,4096: the cached keys before the rows.
 """
 from __future__ import annotations
 
@@ -61,7 +65,8 @@ def main() -> int:
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     ap.add_argument("--widths", default="1,16")
     ap.add_argument("--formats", default="bf16,fp8")
-    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--contexts", default="512")
+    ap.add_argument("--min-chunks", default="", help="values of attention.MIN_CHUNKS_PER_SPLIT to compare")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--layers", type=int, default=None, help="the shape's first N layers only")
     ap.add_argument("--out", default=None)
@@ -72,17 +77,24 @@ def main() -> int:
     torch.manual_seed(0)
     _, _, target, _ = build_models(shape, device, dtype, 16)
     result: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    from blockspec.kernels import attention
+    chunk_values = [int(c) for c in args.min_chunks.split(",")] if args.min_chunks else [attention.MIN_CHUNKS_PER_SPLIT]
     for fmt in args.formats.split(","):
         if fmt == "fp8":
             from blockspec.layers import fp8
             fp8.quantize_model(target)
-        for width in (int(w) for w in args.widths.split(",")):
-            r = profile_width(target, device, width, args.context, args.reps)
-            result[f"{fmt}_w{width}"] = r
-            print(f"== {fmt} width {width}: replay {r['replay_ms']:.3f} ms, kernels {r['kernels_ms']:.3f} ms "
-                  f"({r['kernels_per_replay']:.0f} a replay), gaps {r['gap_ms']:.3f} ms; {r['by_class_ms']}")
-            for k in r["kernels"][:18]:
-                print(f"   {k['us']:9.1f} us {k['calls']:6.0f}x  {k['name']}")
+        for context in (int(c) for c in args.contexts.split(",")):
+            for width in (int(w) for w in args.widths.split(",")):
+                for chunks in chunk_values:
+                    attention.MIN_CHUNKS_PER_SPLIT = chunks
+                    r = profile_width(target, device, width, context, args.reps)
+                    key = f"{fmt}_w{width}" + (f"_ctx{context}" if context != 512 else "") + (
+                        f"_chunks{chunks}" if args.min_chunks else "")
+                    result[key] = r
+                    print(f"== {key}: replay {r['replay_ms']:.3f} ms, kernels {r['kernels_ms']:.3f} ms "
+                          f"({r['kernels_per_replay']:.0f} a replay), gaps {r['gap_ms']:.3f} ms; {r['by_class_ms']}")
+                    for k in r["kernels"][:(18 if not args.min_chunks else 4)]:
+                        print(f"   {k['us']:9.1f} us {k['calls']:6.0f}x  {k['name']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -85,14 +85,19 @@ def test_silu_mul_equals_torch():
 
 @pytest.fixture(scope="module")
 def quantized_target(qwen3_dir, tmp_path_factory):
-    """A tiny Qwen3 (qk-norm) GGUF with Q4_1 / Q4_0 / Q8_0 projections, loaded kept quantized."""
+    """A tiny Qwen3 (qk-norm) GGUF with Q4_1 / Q4_0 / Q8_0 projections, loaded kept quantized with
+    fp32 activations (BLOCKSPEC_CPU_KERNELS=fp32, the native kernel): the stack's op-for-op check
+    needs continuous arithmetic, and int8 activations (the default q8 kernel) round two values a
+    few ulps apart to different steps. The q8 stack: tests/test_quant.py."""
     kinds = {f"model.layers.{i}.{name}.weight": kind for i in range(4)
              for name, kind in {"self_attn.q_proj": "Q4_1", "self_attn.k_proj": "Q4_1", "self_attn.v_proj": "Q4_0",
                                 "self_attn.o_proj": "Q8_0", "mlp.gate_proj": "Q4_1", "mlp.up_proj": "Q4_1",
                                 "mlp.down_proj": "Q4_0"}.items()}
     kinds |= {"model.embed_tokens.weight": "Q8_0", "lm_head.weight": "Q8_0"}
     path = write_gguf(qwen3_dir, tmp_path_factory.mktemp("stack") / "tiny-q.gguf", quantize=kinds, with_tokenizer=False)
-    return load_model(str(path), device="cpu").model
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("BLOCKSPEC_CPU_KERNELS", "fp32")
+        return load_model(str(path), device="cpu").model
 
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 19]
@@ -172,7 +177,10 @@ def build_variant(flags: tuple[str, ...], path) -> "ctypes.CDLL":
                     reason="the AVX2 build runs only on a CPU with AVX2 and FMA")
 def test_the_avx2_build_gives_the_portable_builds_bits(tmp_path):
     """A CPU without AVX-512 runs the kernels' AVX2 path: the portable path's float operations
-    lane for lane and its lane sums' order, so the same bits (and a row the same alone or batched)."""
+    lane for lane and its lane sums' order, so the same bits (and a row the same alone or batched).
+    The int8-activation kernel (quant_linear_q8) gives the same bits on every path: AVX2's int16
+    pair sums, AVX-VNNI's and AVX-512 VNNI's dot products (where this CPU has them: this machine's
+    own build), and the portable loops."""
     avx2 = build_variant(("-O3", "-mavx2", "-mfma", "-mf16c", "-mno-avx512f"), tmp_path / "avx2.so")
     # The portable side at -O1: GCC takes ~40 s to vectorise its 16-lane loops at -O3 for the
     # baseline ISA, and the optimisation level changes none of its float operations (explicit
@@ -195,6 +203,34 @@ def test_the_avx2_build_gives_the_portable_builds_bits(tmp_path):
         assert torch.equal(torch.cat([linear(avx2, x[i: i + 1], bits, values, scale, shift, n) for i in range(13)]), fast)
         for m in (2, 3, 5, 8):
             assert torch.equal(linear(avx2, x[:m], bits, values, scale, shift, n), fast[:m])
+    q8_builds = {"avx2": avx2, "portable": portable}
+    flags = native.cpu_fingerprint().split()
+    if "avx_vnni" in flags:
+        q8_builds["avx-vnni"] = build_variant(("-O3", "-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mno-avx512f"),
+                                              tmp_path / "avxvnni.so")
+    if native.available():
+        q8_builds["this CPU's"] = native.library()
+
+    def q8(lib, x, bits, values, scale, shift, n):
+        y = torch.full((x.shape[0], n), float("nan"))
+        lib.quant_linear_q8(x.data_ptr(), x.shape[0], x.shape[1], values.data_ptr(), bits, scale.data_ptr(),
+                            None if shift is None else shift.data_ptr(), None, n, y.data_ptr())
+        return y
+    for bits, k in ((4, 576), (8, 576), (4, 160), (8, 160)):           # 160: an odd count of blocks
+        n = 37
+        values = torch.randint(0, 256, (n, k // 2 if bits == 4 else k), dtype=torch.uint8, generator=gen(bits))
+        scale = (torch.rand(n, k // 32, generator=gen(1)) * 0.01).half().view(torch.int16)
+        shift = (torch.rand(n, k // 32, generator=gen(2)) * -0.01).half().view(torch.int16) if bits == 4 else None
+        x = torch.randn(13, k, generator=gen(3))
+        x[2, :32] = 0.0
+        outs = {name: q8(lib, x, bits, values, scale, shift, n) for name, lib in q8_builds.items()}
+        first = outs["portable"]
+        assert not first.isnan().any()
+        for name, out in outs.items():
+            assert torch.equal(out, first), name
+        for lib in q8_builds.values():
+            for rows in (slice(0, 1), slice(4, 5), slice(0, 8), slice(3, 12)):
+                assert torch.equal(q8(lib, x[rows], bits, values, scale, shift, n), first[rows])
     x, weight = torch.randn(5, 64, generator=gen(4)), torch.randn(64, generator=gen(5))
     outs = []
     for lib in (avx2, portable):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec import gguf
+from blockspec.kernels import native
 from blockspec.layers import quant
 from blockspec.loader import load_draft, load_model
 from gguf_fixtures import gguf_name, write_gguf
@@ -97,20 +98,102 @@ def test_native_matmul_is_the_dequantized_matmul_and_rows_do_not_depend_on_the_b
         quant.QuantLinear(unfit, kernel="native")
 
 
-def test_a_quantized_target_decodes_like_its_float32_twin_and_dflash_equals_plain(quantized_gguf, qwen3_draft_dir):
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_q8_matmul_is_its_reference_and_rows_do_not_depend_on_the_batch(kind, monkeypatch):
+    """The default kernel: x quantized to int8 per block, exact integer block sums, fp32 scaling:
+    within fp32 rounding of `reference_linear(kernel="q8")`, within 8-bit activations' error of the
+    dequantized matmul, and a row the same alone or in any batch."""
+    blocks = random_blocks(kind, n=99, k=160)                  # tails: 99 columns, 5 blocks a row (an odd count)
+    bias = torch.randn(blocks.shape[0], generator=torch.Generator().manual_seed(1))
+    layer = quant.QuantLinear(blocks, bias=bias)
+    assert layer.kernel == "q8"
+    x = torch.randn(19, blocks.shape[1], generator=torch.Generator().manual_seed(2))
+    x[3, 32:64] = 0.0                                          # a block of zeros: d_x = 0
+    y, ref = layer(x), quant.reference_linear(x, blocks, layer.bias, kernel="q8")
+    q, dx, sums = quant.quantize_activations(x)
+    magnitude = (q.abs() * dx[..., None].double()).flatten(1).float() @ blocks.dequantized().abs().t()
+    assert ((y - ref).abs() <= 8 * blocks.shape[1] * FP32_SUM * (magnitude + x.abs() @ blocks.dequantized().abs().t()
+                                                                 + bias.abs())).all()
+    exact = quant.reference_linear(x, blocks, layer.bias)
+    assert (y - exact).abs().max() < 0.02 * exact.abs().max() and not torch.equal(y, exact)
+    assert not torch.equal(y, quant.reference_linear(x, random_blocks(kind, n=99, k=160, seed=5), layer.bias, "q8"))
+    for rows in (slice(0, 1), slice(3, 4), slice(1, 8), slice(8, 19), slice(2, 11)):
+        assert torch.equal(layer(x[rows]), y[rows])            # a verify's rows are the rows alone
+    assert quant.QuantLinear(layer.blocks(), bias=bias)(x).equal(y)       # blocks() gives back what it holds
+    monkeypatch.setenv("BLOCKSPEC_CPU_KERNELS", "fp32")
+    assert quant.QuantLinear(blocks).kernel == "native"
+
+
+# The q8 kernel's logits against its reference's, relative to the largest: where 8-bit rounding of
+# the activations (a step of max|x| / 127 where two near values round apart) leaves two tokens
+# this close, either may be picked (a tiny random model's 150k logits hold near-ties: 0.17 % in
+# the case that set this).
+NEAR_TIE = 0.005
+
+
+def forced_logits(model, ids: list[int]) -> torch.Tensor:
+    """The model's logits [T, V] after every prefix of ids, in one prefill forward (teacher-forced)."""
+    from blockspec.bench.forward import forward_metadata
+    from blockspec.cache import KVPool
+    config = model.config
+    kv = KVPool(model.num_attention_layers, (len(ids) // 16 + 3) * 16, config.num_key_value_heads, config.head_dim,
+                torch.float32, torch.device("cpu"))
+    meta = forward_metadata(len(ids), 0, 16, kv, torch.device("cpu"))
+    with torch.inference_mode():
+        out = model(torch.tensor(ids), meta.positions, meta)
+        return model.compute_logits(out.hidden).float()
+
+
+def as_reference(model):
+    """The model with every QuantLinear computing its kernel's `reference_linear` (float64 inside)
+    and the torch modules in place of the native stack."""
+    model.native_stack = None
+    for module in model.modules():
+        if isinstance(module, quant.QuantLinear):
+            blocks, kernel = module.blocks(), module.kernel
+            module.forward = lambda x, m=module, b=blocks, k=kernel: quant.reference_linear(
+                x.reshape(-1, m.in_features), b, m.bias, kernel=k).view(*x.shape[:-1], m.out_features)
+    return model
+
+
+def test_a_quantized_target_decodes_like_its_reference_and_dflash_equals_plain(quantized_gguf, qwen3_draft_dir,
+                                                                               monkeypatch):
+    """dtype auto on CPU keeps the blocks and runs the q8 kernel: after every prefix of its greedy
+    output, its own reference (the same model with every projection `reference_linear(kernel="q8")`)
+    picks the token it picked (teacher-forced: 8-bit rounding is discontinuous, so two free runs
+    part at the first near-tie one of them rounds across), and DFlash equals plain on it. With
+    BLOCKSPEC_CPU_KERNELS=fp32 (fp32 activations, the native kernel) the tokens are the float32
+    twin's (the file dequantized), free-running."""
     path, _ = quantized_gguf
+    prompts = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 9]
+
+    def outputs(model, draft=None, block_size=1, prompts=prompts, max_tokens=20):
+        requests = [make_request(f"r{i}", ids, max_tokens=max_tokens) for i, ids in enumerate(prompts)]
+        engine = lambda: make_engine(model, draft, block_size=block_size, max_num_seqs=len(prompts))  # noqa: E731
+        return [run.output_ids for run in run_batch(engine, requests)[1]]
+
     quantized = load_model(str(path), device="cpu").model                  # dtype auto on CPU: kept quantized
-    dequantized = load_model(str(path), device="cpu", dtype="float32").model
     assert isinstance(quantized.model.layers[0].self_attn.qkv_proj, quant.QuantLinear)
     assert isinstance(quantized.lm_head, quant.QuantLinear) and isinstance(quantized.model.embed_tokens,
                                                                         quant.QuantEmbedding)
-    assert isinstance(dequantized.lm_head, torch.nn.Linear)
-    prompts = [[1, 2, 3, 4, 5], [100, 200, 300], [7] * 9]
-
-    def outputs(model, draft=None, block_size=1):
-        requests = [make_request(f"r{i}", ids, max_tokens=20) for i, ids in enumerate(prompts)]
-        engine = lambda: make_engine(model, draft, block_size=block_size, max_num_seqs=len(prompts))  # noqa: E731
-        return [run.output_ids for run in run_batch(engine, requests)[1]]
+    assert {m.kernel for m in quantized.modules() if isinstance(m, quant.QuantLinear)} == {"q8"}
+    assert isinstance(quantized.native_stack, native.DenseStack)             # the layers in one call, q8 inside
     plain = outputs(quantized)
-    assert plain == outputs(dequantized)
+    reference = as_reference(load_model(str(path), device="cpu").model)
+    agree = 0
+    for prompt, out in zip(prompts, plain):
+        logits = forced_logits(reference, prompt + out)[len(prompt) - 1: -1]       # [len(out), V]
+        best = logits.max(-1).values
+        chosen = logits[torch.arange(len(out)), torch.tensor(out)]
+        assert ((best - chosen) <= NEAR_TIE * best.abs()).all()
+        agree += int((chosen == best).sum())
+    assert agree >= 0.9 * sum(len(out) for out in plain)
     assert outputs(quantized, load_draft(str(qwen3_draft_dir), quantized), block_size=4) == plain
+
+    monkeypatch.setenv("BLOCKSPEC_CPU_KERNELS", "fp32")
+    exact = load_model(str(path), device="cpu").model
+    assert {m.kernel for m in exact.modules() if isinstance(m, quant.QuantLinear)} == {"native"}
+    dequantized = load_model(str(path), device="cpu", dtype="float32").model
+    assert isinstance(dequantized.lm_head, torch.nn.Linear)
+    assert outputs(exact) == outputs(dequantized)
+    assert outputs(exact, load_draft(str(qwen3_draft_dir), exact), block_size=4) == outputs(exact)

@@ -195,6 +195,8 @@ def num_sms(device: torch.device) -> int:
 
 
 MAX_SPLITS = 16
+# A split takes at least this many BLOCK_N chunks of keys.
+MIN_CHUNKS_PER_SPLIT = 4
 # BLOCKSPEC_BATCH_INVARIANT=1: each row's keys are cut into fixed ranges of INVARIANT_SPLIT_KEYS
 # from key 0 and the partials merged in range order, so its softmax and weighted sum are the same
 # operations in the same order however many rows, sequences or graph bound share the call. Split
@@ -222,7 +224,8 @@ def choose_num_splits(num_programs: int, max_keys: int, block_n: int, sms: int) 
         return triton.next_power_of_2(max(1, triton.cdiv(max_keys, INVARIANT_SPLIT_KEYS)))
     if num_programs >= sms:
         return 1
-    wanted = max(1, min(triton.cdiv(2 * sms, num_programs), triton.cdiv(max_keys, 4 * block_n), MAX_SPLITS))
+    wanted = max(1, min(triton.cdiv(2 * sms, num_programs), triton.cdiv(max_keys, MIN_CHUNKS_PER_SPLIT * block_n),
+                        MAX_SPLITS))
     return 1 << (wanted.bit_length() - 1)
 
 
@@ -285,7 +288,7 @@ def attention_variants(heads: Heads, shapes: CallShapes, sms: int) -> set[Attent
     variants = set()
     for block_m, tiles in tile_counts(heads, q_lo, q_hi):
         tile = tile_sizes(block_m, heads.head_dim, heads.element_size)     # rows_per_head = block_m: same tile
-        chunk = INVARIANT_SPLIT_KEYS if BATCH_INVARIANT else 4 * tile[1]
+        chunk = INVARIANT_SPLIT_KEYS if BATCH_INVARIANT else MIN_CHUNKS_PER_SPLIT * tile[1]
         top = k_hi if BATCH_INVARIANT else min(k_hi, chunk * MAX_SPLITS)     # more keys split no further
         key_points = {k_lo, k_hi, *range(k_lo, top + 1, chunk)}           # every ⌈keys / chunk⌉ up to there
         for programs in program_counts(tiles, shapes.seqs, heads.num_kv_heads, sms):

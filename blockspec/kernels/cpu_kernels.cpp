@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -44,7 +46,7 @@ static inline float lane_sum(const float acc[LANES]) {
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-#if defined(BLOCKSPEC_AVX2)
+#if defined(__AVX2__)
 /* lane_sum of lanes lo (0-7) and hi (8-15), in its order. */
 static inline float lane_sum2(__m256 lo, __m256 hi) {
     __m256 s8 = _mm256_add_ps(lo, hi);                                               /* i + (i + 8) */
@@ -219,7 +221,7 @@ static void tile(const float *x, int64_t k, const void *weights, const uint16_t 
             half_t lo, hi;
             /* the next tile's block: more rows stream at once than the hardware prefetcher follows
                (a hint past the last row is harmless) */
-            __builtin_prefetch((const uint8_t *)weights + (row + NT) * (k * BITS / 8) + b * (GROUP * BITS / 8), 0, 0);
+            __builtin_prefetch((const uint8_t *)weights + (row + NT) * (k * BITS / 8) + b * (GROUP * BITS / 8), 0, 3);
             if (BITS == 4)
                 unpack_q4((const uint8_t *)weights + row * (k / 2) + b * (GROUP / 2), scale[i][b], shift[i][b], &lo, &hi);
             else
@@ -276,6 +278,264 @@ extern "C" void quant_linear(const float *x, int64_t m, int64_t k, const void *w
         linear<4>(x, m, k, weights, scale, shift, bias, n, y);
     else
         linear<8>(x, m, k, weights, scale, shift, bias, n, y);
+}
+
+/* ---- int8 activations (llama.cpp's way) ------------------------------------------------------
+
+   The same blocks, multiplied by activations quantized to int8 per block of 32 (d = max|x| / 127,
+   q = x / d rounded to nearest even): each block's products are integers, summed exactly (the CPU's
+   int8 dot-product instructions, VNNI where it has them), then scaled by d_w · d_x in fp32; Q4's
+   shift multiplies the block's exact fp32 sum of x. About a third of the fp32 kernel's
+   instructions per weight, at the error of rounding x to 8 bits per block (what llama.cpp's CPU
+   matmuls do). Every path (VNNI, AVX2, portable) and every batch size gives the same bits: the
+   integer sums are exact, and the float operations are lane for lane one fixed sequence: 16
+   lanes, block b's 8 partial sums (4 weights each, in order) into lanes 8·(b mod 2) …, then
+   lane_sum, then the shift's sum (blocks in order), then the bias. */
+
+/* One x row → per block b: q[32 b …] int8, d[b] = max|x| / 127, sum[b] = Σ x in order. */
+static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *d, float *sum) {
+    for (int64_t b = 0; b < k / GROUP; b++) {
+        const float *xb = x + b * GROUP;
+        float amax = 0.0f, s = 0.0f;
+        for (int j = 0; j < GROUP; j++) {
+            const float a = fabsf(xb[j]);
+            amax = a > amax ? a : amax;
+            s += xb[j];
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int j = 0; j < GROUP; j++) {
+            const float v = nearbyintf(xb[j] * inv);
+            q[b * GROUP + j] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+        }
+        d[b] = amax / 127.0f;
+        sum[b] = s;
+    }
+}
+
+#if defined(__AVX512F__)
+/* lane_sum of a 16-lane register, in its order. */
+static inline float sum16(__m512 v) {
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));     /* i + (i + 8) */
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));     /* i + (i + 4) */
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                   /* (0 + 2), (1 + 3) */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}       /* two blocks an instruction: lanes 0-7 the even block, 8-15 the odd one */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define BLOCKSPEC_Q8_256 1       /* one block an instruction, into the even or the odd block's 8 lanes */
+/* 8 int32 lanes: lane l = Σ_{j < 4} u[4l + j] · s[4l + j] (u unsigned, s signed bytes; exact). */
+static inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else   /* pairs in int16 (≤ 2 · 128 · 127: no saturation), then pairs of pairs */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define BLOCKSPEC_Q8_512 1
+#endif
+
+/* n fp16 values → fp32, zero from n to np (a multiple of 16). Read where they lie: a copy first
+   would make the conversion's wide load wait on the copy's narrower stores. */
+static inline void padded_floats(const uint16_t *h, int64_t n, int64_t np, float *out) {
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < np; i += LANES) {
+        const __mmask16 live = n - i >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (n > i ? n - i : 0)) - 1);
+        _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, h + i)));
+    }
+#else
+    halves_to_floats(h, n, out);
+    for (int64_t i = n; i < np; i++) out[i] = 0.0f;
+#endif
+}
+
+/* Σ a[b] · c[b] over np values (a multiple of 16): lane b mod 16 (fmaf, b ascending), then lane_sum. */
+static inline float lane_dot(const float *a, const float *c, int64_t np) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < np; b += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + b), _mm512_loadu_ps(c + b), acc);
+    return sum16(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int64_t b = 0; b < np; b += LANES) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + b), _mm256_loadu_ps(c + b), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + b + 8), _mm256_loadu_ps(c + b + 8), hi);
+    }
+    return lane_sum2(lo, hi);
+#else
+    float acc[LANES] = {0};
+    for (int64_t b = 0; b < np; b += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[b + l], c[b + l], acc[l]);
+    return lane_sum(acc);
+#endif
+}
+
+/* y[m0 .. m0 + MT, n0 .. n0 + NT] from quantized x rows (q [M, K]; d and sum [M, nbp], nbp = the
+   blocks a row rounded up to 16, zero past them): each weight block unpacked once for the MT rows. */
+template <int BITS, int NT, int MT>
+static void tile_q8(const int8_t *q, const float *dx, const float *sx, int64_t k, const void *weights,
+                    const uint16_t *scales, const uint16_t *shifts, const float *bias, int64_t n0, int64_t m0,
+                    int64_t ldy, float *y) {
+    const int64_t nb = k / GROUP, nbp = (nb + LANES - 1) / LANES * LANES, row_bytes = k * BITS / 8;
+    /* s = d_w · d_x per block for every (weight row, x row) of the tile; the shift's sums Σ_b m_b ·
+       Σx_b, lane b mod 16 then lane_sum (zero past the row's blocks: fmaf adds +0, and no lane is −0) */
+    float scale[MAX_BLOCKS + LANES], s[NT][MT][MAX_BLOCKS + LANES], shifted[NT][MT];
+    for (int i = 0; i < NT; i++) {
+        padded_floats(scales + (n0 + i) * nb, nb, nbp, scale);
+        for (int r = 0; r < MT; r++)
+            for (int64_t b = 0; b < nbp; b++) s[i][r][b] = scale[b] * dx[(m0 + r) * nbp + b];
+        if (BITS == 4) {
+            padded_floats(shifts + (n0 + i) * nb, nb, nbp, scale);
+            for (int r = 0; r < MT; r++) shifted[i][r] = lane_dot(scale, sx + (m0 + r) * nbp, nbp);
+        }
+    }
+#if defined(BLOCKSPEC_Q8_512)
+    __m512 acc[NT][MT];
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < MT; r++) acc[i][r] = _mm512_setzero_ps();
+    const __m512i pair_index = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t b = 0; b < nb; b += 2) {
+        const bool whole = b + 1 < nb;                     /* else the last block alone, in lanes 0-7 */
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; i++) {
+            const uint8_t *w = (const uint8_t *)weights + (n0 + i) * row_bytes + b * (GROUP * BITS / 8);
+            __builtin_prefetch(w + NT * row_bytes, 0, 3);
+            __m512i u;
+            __mmask64 negative = 0;
+            if (BITS == 4) {
+                const __m256i bytes = whole ? _mm256_loadu_si256((const __m256i *)w)
+                                            : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)w));
+                u = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1),
+                                     _mm512_set1_epi8(15));              /* [b low | b+1 low | b high | b+1 high] */
+                u = _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0)); /* [b: weights 0-31 | b+1: 0-31] */
+            } else {
+                const __m512i v = whole ? _mm512_loadu_si512(w)
+                                        : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)w));
+                u = _mm512_abs_epi8(v);                                   /* |w| (−128 → 128 unsigned) */
+                negative = _mm512_movepi8_mask(v);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < MT; r++) {
+                const int8_t *qx = q + (m0 + r) * k + b * GROUP;
+                __m512i x = whole ? _mm512_loadu_si512(qx) : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)qx));
+                if (BITS == 8) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);   /* x · sign w */
+                const __m512 sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x));
+                const __m512 sv = _mm512_permutexvar_ps(pair_index, _mm512_castps128_ps512(
+                    _mm_castpd_ps(_mm_load_sd((const double *)&s[i][r][b]))));   /* (s[b] ×8, s[b+1] ×8) */
+                acc[i][r] = whole ? _mm512_fmadd_ps(sums, sv, acc[i][r])
+                                  : _mm512_mask3_fmadd_ps(sums, sv, acc[i][r], 0x00FF);   /* lanes 0-7 only */
+            }
+        }
+    }
+#elif defined(BLOCKSPEC_Q8_256)
+    __m256 acc[NT][MT][2];
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < MT; r++) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();
+    /* Block b into lanes 8 · HALF … (HALF = b mod 2, a constant, so the accumulators stay in registers). */
+    auto block = [&](int64_t b, auto half_constant) __attribute__((always_inline)) {
+        constexpr int HALF = decltype(half_constant)::value;
+#pragma GCC unroll 8
+        for (int i = 0; i < NT; i++) {
+            const uint8_t *w = (const uint8_t *)weights + (n0 + i) * row_bytes + b * (GROUP * BITS / 8);
+            __builtin_prefetch(w + NT * row_bytes, 0, 3);
+            __m256i wv;
+            if (BITS == 4) {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)w);
+                wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(15));
+            } else {
+                wv = _mm256_loadu_si256((const __m256i *)w);
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < MT; r++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(q + (m0 + r) * k + b * GROUP));
+                const __m256i sums = BITS == 4 ? dot_u8s8(wv, x)
+                                               : dot_u8s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(x, wv));
+                acc[i][r][HALF] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_broadcast_ss(&s[i][r][b]),
+                                                  acc[i][r][HALF]);
+            }
+        }
+    };
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        block(b, std::integral_constant<int, 0>());
+        block(b + 1, std::integral_constant<int, 1>());
+    }
+    if (b < nb) block(b, std::integral_constant<int, 0>());
+#else
+    float acc[NT][MT][LANES];
+    memset(acc, 0, sizeof acc);
+    for (int64_t b = 0; b < nb; b++)
+        for (int i = 0; i < NT; i++) {
+            const uint8_t *w = (const uint8_t *)weights + (n0 + i) * row_bytes + b * (GROUP * BITS / 8);
+            for (int r = 0; r < MT; r++) {
+                const int8_t *qx = q + (m0 + r) * k + b * GROUP;
+                for (int l = 0; l < 8; l++) {
+                    int32_t sum = 0;
+                    for (int j = 4 * l; j < 4 * l + 4; j++) {
+                        const int32_t wj = BITS == 4 ? (j < 16 ? (w[j] & 15) : (w[j - 16] >> 4)) : ((const int8_t *)w)[j];
+                        sum += wj * (int32_t)qx[j];
+                    }
+                    float *lane = &acc[i][r][8 * (b & 1) + l];
+                    *lane = fmaf((float)sum, s[i][r][b], *lane);
+                }
+            }
+        }
+#endif
+    for (int i = 0; i < NT; i++)
+        for (int r = 0; r < MT; r++) {
+#if defined(BLOCKSPEC_Q8_512)
+            const float total = sum16(acc[i][r]) + (BITS == 4 ? shifted[i][r] : 0.0f);
+#elif defined(BLOCKSPEC_Q8_256)
+            const float total = lane_sum2(acc[i][r][0], acc[i][r][1]) + (BITS == 4 ? shifted[i][r] : 0.0f);
+#else
+            const float total = lane_sum(acc[i][r]) + (BITS == 4 ? shifted[i][r] : 0.0f);
+#endif
+            y[(m0 + r) * ldy + n0 + i] = total + (bias != nullptr ? bias[n0 + i] : 0.0f);
+        }
+}
+
+template <int BITS, int MT>
+static void rows_q8(const int8_t *q, const float *dx, const float *sx, int64_t k, const void *weights,
+                    const uint16_t *scale, const uint16_t *shift, const float *bias, int64_t n, int64_t m0, float *y) {
+    constexpr int NT = MT > 4 ? 1 : (MT > 2 ? 2 : 4);      /* NT · MT accumulators of 16 lanes ≤ 8 */
+    int64_t n0 = 0;
+    for (; n0 + NT <= n; n0 += NT) tile_q8<BITS, NT, MT>(q, dx, sx, k, weights, scale, shift, bias, n0, m0, n, y);
+    for (; n0 < n; n0++) tile_q8<BITS, 1, MT>(q, dx, sx, k, weights, scale, shift, bias, n0, m0, n, y);
+}
+
+template <int BITS>
+static void linear_q8(const int8_t *q, const float *dx, const float *sx, int64_t m, int64_t k, const void *weights,
+                      const uint16_t *scale, const uint16_t *shift, const float *bias, int64_t n, float *y) {
+    int64_t m0 = 0;
+    for (; m0 + 8 <= m; m0 += 8) rows_q8<BITS, 8>(q, dx, sx, k, weights, scale, shift, bias, n, m0, y);
+    switch (m - m0) {
+        case 7: rows_q8<BITS, 7>(q, dx, sx, k, weights, scale, shift, bias, n, m0, y); break;
+        case 6: rows_q8<BITS, 6>(q, dx, sx, k, weights, scale, shift, bias, n, m0, y); break;
+        case 5: rows_q8<BITS, 5>(q, dx, sx, k, weights, scale, shift, bias, n, m0, y); break;
+        case 4: rows_q8<BITS, 4>(q, dx, sx, k, weights, scale, shift, bias, n, m0, y); break;
+        case 3: rows_q8<BITS, 3>(q, dx, sx, k, weights, scale, shift, bias, n, m0, y); break;
+        case 2: rows_q8<BITS, 2>(q, dx, sx, k, weights, scale, shift, bias, n, m0, y); break;
+        case 1: rows_q8<BITS, 1>(q, dx, sx, k, weights, scale, shift, bias, n, m0, y); break;
+        default: break;
+    }
+}
+
+/* quant_linear with x quantized to int8 per block (above). Returns 0, or −1 when its scratch
+   memory could not be had (nothing written). */
+extern "C" int quant_linear_q8(const float *x, int64_t m, int64_t k, const void *weights, int bits,
+                               const uint16_t *scale, const uint16_t *shift, const float *bias, int64_t n, float *y) {
+    const int64_t nbp = (k / GROUP + LANES - 1) / LANES * LANES;
+    char *mem = (char *)calloc((size_t)(m * k + 2 * m * nbp * (int64_t)sizeof(float)), 1);
+    if (mem == nullptr) return -1;
+    float *dx = (float *)mem, *sx = dx + m * nbp;                        /* zero past each row's blocks */
+    int8_t *q = (int8_t *)(sx + m * nbp);
+    for (int64_t r = 0; r < m; r++) quantize_row_q8(x + r * k, k, q + r * k, dx + r * nbp, sx + r * nbp);
+    if (bits == 4)
+        linear_q8<4>(q, dx, sx, m, k, weights, scale, shift, bias, n, y);
+    else
+        linear_q8<8>(q, dx, sx, m, k, weights, scale, shift, bias, n, y);
+    free(mem);
+    return 0;
 }
 
 /* ---- the layer's other ops ------------------------------------------------------------------ */
@@ -423,6 +683,7 @@ struct Weight {                 /* a QuantLinear's buffers */
     const uint16_t *scale, *shift;       /* fp16; shift NULL for 8 bits */
     const float *bias;                   /* NULL without one */
     int64_t bits, n, k;
+    int64_t int8_activations;            /* 1: quant_linear_q8 (kernel "q8"), 0: quant_linear ("native") */
 };
 
 struct Layer {
@@ -443,8 +704,12 @@ struct Batch {                  /* AttentionMetadata's tensors */
     int64_t rot;
 };
 
-static void apply(const Weight *w, const float *x, int64_t m, float *y) {
+/* Returns 0, or −1 when the int8 kernel's scratch memory could not be had. */
+static int apply(const Weight *w, const float *x, int64_t m, float *y) {
+    if (w->int8_activations)
+        return quant_linear_q8(x, m, w->k, w->values, (int)w->bits, w->scale, w->shift, w->bias, w->n, y);
     quant_linear(x, m, w->k, w->values, (int)w->bits, w->scale, w->shift, w->bias, w->n, y);
+    return 0;
 }
 
 /* x [N, hidden]: the embeddings in; the layers as PreNormLayer.forward_residual runs them, op for
@@ -465,25 +730,30 @@ extern "C" int dense_forward(const Layer *layers, int64_t num_layers, const Shap
     float *q = qkv + sizes[3], *attn = q + sizes[4], *gate_up = attn + sizes[5], *act = gate_up + sizes[6];
     float *scratch = act + sizes[7];
     memcpy(stream, x, sizeof(float) * n * h);
-    for (int64_t i = 0; i < num_layers; i++) {
+    int64_t i = 0;
+    for (; i < num_layers; i++) {
         const Layer *l = layers + i;
         add_rms_norm(stream, i == 0 ? nullptr : residual, l->input_norm, s->eps, n, h, normed, residual);
-        apply(&l->qkv, normed, n, qkv);
+        if (apply(&l->qkv, normed, n, qkv)) break;
         qk_norm_rope_store(qkv, n, s->heads, s->kv_heads, s->head_dim, l->q_norm, l->k_norm, s->eps, b->cos, b->sin,
                            b->rot, l->k_pool, l->v_pool, b->slots, q);
         paged_attention(q, n, s->heads, s->kv_heads, s->head_dim, l->k_pool, l->v_pool, b->block_tables, b->pages,
                         b->page_size, b->query_start, b->context_lens, b->positions, b->num_seqs, s->scale, scratch,
                         attn);
-        apply(&l->o, attn, n, stream);
+        if (apply(&l->o, attn, n, stream)) break;
         add_rms_norm(stream, residual, l->post_norm, s->eps, n, h, normed, residual);
-        apply(&l->gate_up, normed, n, gate_up);
+        if (apply(&l->gate_up, normed, n, gate_up)) break;
         silu_mul(gate_up, n, s->intermediate, act);
-        apply(&l->down, act, n, stream);
+        if (apply(&l->down, act, n, stream)) break;
         if (capture[i] >= 0) {
             for (int64_t t = 0; t < n; t++)
                 for (int64_t j = 0; j < h; j++)
                     features[(t * num_captured + capture[i]) * h + j] = stream[t * h + j] + residual[t * h + j];
         }
+    }
+    if (i < num_layers) {                    /* a projection's scratch memory could not be had */
+        free(mem);
+        return -1;
     }
     add_rms_norm(stream, residual, final_norm, s->eps, n, h, out, residual);
     free(mem);

@@ -34,6 +34,7 @@ FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-shared", "-fPIC"
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {
     "quant_linear": [_P, _I, _I, _P, ctypes.c_int, _P, _P, _P, _I, _P],
+    "quant_linear_q8": [_P, _I, _I, _P, ctypes.c_int, _P, _P, _P, _I, _P],
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P, _P],
     "qk_norm_rope_store": [_P, _I, _I, _I, _I, _P, _P, _F, _P, _P, _I, _P, _P, _P, _P],
     "paged_attention": [_P, _I, _I, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P, _I, _F, _P, _P],
@@ -86,12 +87,20 @@ def library() -> ctypes.CDLL | None:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
-    lib.dense_forward.restype = ctypes.c_int
+    lib.dense_forward.restype = lib.quant_linear_q8.restype = ctypes.c_int
     return lib
 
 
 def available() -> bool:
     return library() is not None
+
+
+def activations() -> str:
+    """What the quantized layers multiply their blocks by where these kernels serve: "int8", x
+    quantized per block of 32 (kernel "q8", llama.cpp's way, the default), or "fp32" with
+    BLOCKSPEC_CPU_KERNELS=fp32 (kernel "native": the dequantized weight's matmul, summed in
+    another order)."""
+    return "fp32" if os.environ.get("BLOCKSPEC_CPU_KERNELS", "") == "fp32" else "int8"
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -105,6 +114,17 @@ def quant_linear(x: torch.Tensor, bits: int, values: torch.Tensor, scale: torch.
     y = torch.empty(x.shape[0], out_features)
     library().quant_linear(x.data_ptr(), x.shape[0], x.shape[1], values.data_ptr(), bits, scale.data_ptr(),
                            _ptr(shift), _ptr(bias), out_features, y.data_ptr())
+    return y
+
+
+def quant_linear_q8(x: torch.Tensor, bits: int, values: torch.Tensor, scale: torch.Tensor,
+                    shift: torch.Tensor | None, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """quant_linear with x quantized to int8 per block of 32 (cpu_kernels.cpp: quant_linear_q8)."""
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], out_features)
+    if library().quant_linear_q8(x.data_ptr(), x.shape[0], x.shape[1], values.data_ptr(), bits, scale.data_ptr(),
+                                 _ptr(shift), _ptr(bias), out_features, y.data_ptr()):
+        raise MemoryError("the CPU kernels' scratch memory could not be allocated")
     return y
 
 
@@ -158,7 +178,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class Weight(ctypes.Structure):
-    _fields_ = [("values", _P), ("scale", _P), ("shift", _P), ("bias", _P), ("bits", _I), ("n", _I), ("k", _I)]
+    _fields_ = [("values", _P), ("scale", _P), ("shift", _P), ("bias", _P), ("bits", _I), ("n", _I), ("k", _I),
+                ("int8_activations", _I)]
 
 
 class Layer(ctypes.Structure):
@@ -179,7 +200,7 @@ class Batch(ctypes.Structure):
 
 def _weight(linear) -> Weight:
     return Weight(linear.values.data_ptr(), linear.scale.data_ptr(), _ptr(linear.shift), _ptr(linear.bias),
-                  linear.bits, linear.out_features, linear.in_features)
+                  linear.bits, linear.out_features, linear.in_features, int(linear.kernel == "q8"))
 
 
 class DenseStack:
@@ -256,7 +277,7 @@ def supports(model: nn.Module) -> bool:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if not isinstance(attn, Attention) or not isinstance(mlp, MLP) or attn.has_output_gate or attn.zero_centred:
             return False
-        if not all(isinstance(p, QuantLinear) and p.kernel == "native"
+        if not all(isinstance(p, QuantLinear) and p.kernel in ("q8", "native")
                    for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return False
         norms = [layer.input_layernorm, layer.post_attention_layernorm]

@@ -4,11 +4,17 @@ llama.cpp's Q4_0 / Q4_1 / Q8_0 tensors are blocks of 32 weights along a row, eac
 scale (and Q4_1 a minimum): w = scale·q + shift (Q4_1: shift = m; Q4_0: q − 8, shift = −8·scale;
 Q8_0: q int8, shift 0). `Blocks` holds them as the file does.
 
-QuantLinear runs them through one of two kernels:
-- "native" (kernels/cpu_kernels.cpp, where it builds): the blocks as stored (4-bit codes packed
-  two to a byte, int8 values), each weight rebuilt in fp32 exactly as dequantizing the file does
-  and multiplied by the fp32 activations: the dequantized weight's matmul summed in another order
-  (`reference_linear`; tests/test_quant.py holds it within fp32 rounding of that).
+QuantLinear runs them through one of three kernels:
+- "q8" (kernels/cpu_kernels.cpp, where it builds; the default there): the blocks as stored (4-bit
+  codes packed two to a byte, int8 values) times the activations quantized to int8 per block of
+  32, as llama.cpp's CPU matmuls do: x ≈ d_x · q_x with d_x = max|x| / 127 and q_x rounded to
+  nearest even; each block's integer products summed exactly, scaled by d_w · d_x in fp32; a
+  4-bit block's shift times the block's exact fp32 sum of x. `reference_linear(kernel="q8")` is
+  its spec (tests/test_quant.py holds it within fp32 rounding of that). About 1.5 × the fp32
+  kernel's speed on SmolLM2 (BENCHMARKS.md, round 57), at the error of 8-bit activations.
+- "native" (the same library; BLOCKSPEC_CPU_KERNELS=fp32): each weight rebuilt in fp32 exactly as
+  dequantizing the file does and multiplied by the fp32 activations: the dequantized weight's
+  matmul summed in another order (`reference_linear`, within fp32 rounding of it).
 - "int4pack", torch's packed int4 CPU matmul (`_weight_int4pack_mm_for_cpu`), where our kernels
   cannot be built: 4-bit codes in groups of 32 with a (scale, zero) pair per group, w = (q − 8)·
   scale + zero, so a 4-bit block is one plane (scale, zero shift + 8·scale) and an 8-bit block two
@@ -121,10 +127,18 @@ def native_fits(blocks: Blocks) -> bool:
     return blocks.shape[1] <= 1024 * GROUP and all(torch.equal(t.half().float(), t) for t in parts)
 
 
+def default_kernel(blocks: Blocks) -> str:
+    """q8 (or native, native.activations()) where our kernels build and hold these blocks, else int4pack."""
+    if not native.available() or not native_fits(blocks):
+        return "int4pack"
+    return "q8" if native.activations() == "int8" else "native"
+
+
 class QuantLinear(nn.Module):
     """y = x Wᵀ (+ b) with W held as GGUF blocks; x and y fp32.
 
-    kernel: "native" or "int4pack" (the module docstring); None picks native where it builds.
+    kernel: "q8", "native" or "int4pack" (the module docstring); None picks q8 where our kernels
+    build (native with BLOCKSPEC_CPU_KERNELS=fp32), else int4pack.
     `weight` is the shape, dtype and device of the weight it stands for (what the engine reads of
     a head: rows, device, activation dtype), a zero-stride view holding no values: the math is
     `forward`."""
@@ -137,9 +151,9 @@ class QuantLinear(nn.Module):
         self.part_sizes = dict(parts or {})
         if self.in_features % GROUP:
             raise ValueError(f"a quantized row has {self.in_features} weights, not a multiple of {GROUP}")
-        self.kernel = kernel or ("native" if native.available() and native_fits(blocks) else "int4pack")
+        self.kernel = kernel or default_kernel(blocks)
         self.bits = blocks.bits
-        if self.kernel == "native":
+        if self.kernel in ("q8", "native"):
             if not native_fits(blocks):
                 raise ValueError("these blocks' scales do not fit the native kernel (fp16, rows ≤ 32768 weights)")
             values = pack_nibbles(blocks.values) if blocks.bits == 4 else blocks.values.contiguous()
@@ -160,8 +174,20 @@ class QuantLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        device = (self.values if self.kernel == "native" else self.packed0).device
+        device = (self.packed0 if self.kernel == "int4pack" else self.values).device
         return torch.zeros((), dtype=torch.float32, device=device).expand(self.out_features, self.in_features)
+
+    def blocks(self) -> Blocks:
+        """The blocks a q8 or native layer holds, unpacked (what `reference_linear` takes)."""
+        if self.kernel == "int4pack":
+            raise ValueError("an int4pack layer holds its kernel's planes, not the file's blocks")
+        scale = self.scale.view(torch.float16).float()
+        if self.bits == 8:
+            return Blocks(self.values, scale, None)
+        n, half = self.values.shape
+        packed = self.values.view(n, half // (GROUP // 2), GROUP // 2)
+        codes = torch.cat([packed & 15, packed >> 4], dim=-1).reshape(n, 2 * half)
+        return Blocks(codes, scale, self.shift.view(torch.float16).float())
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The fused output [..., sum(parts)] → one view per part, in order (FusedLinear.split)."""
@@ -169,9 +195,9 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)                                        # [M, K]
-        if self.kernel == "native":
-            out = native.quant_linear(flat.float(), self.bits, self.values, self.scale, self.shift, self.bias,
-                                      self.out_features)
+        if self.kernel in ("q8", "native"):
+            matmul = native.quant_linear_q8 if self.kernel == "q8" else native.quant_linear
+            out = matmul(flat.float(), self.bits, self.values, self.scale, self.shift, self.bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
         flat = flat.to(MATMUL_DTYPE)
         out = None
@@ -202,11 +228,31 @@ class QuantEmbedding(nn.Module):
         return (rows * self.scales[ids][..., None]).flatten(-2)
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q8 kernel's activations: x [M, K] fp32 → (q [M, K / 32, 32] int8 values as float64,
+    d [M, K / 32] = max|x| / 127 in fp32, the blocks' sums Σx [M, K / 32] in float64)."""
+    blocks = x.float().unflatten(-1, (-1, GROUP))
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    q = torch.round(blocks * inv[..., None]).clamp(-127, 127)          # round half to even, as the kernel
+    return q.double(), amax / 127.0, blocks.double().sum(-1)
+
+
 def reference_linear(x: torch.Tensor, blocks: Blocks, bias: torch.Tensor | None = None,
                      kernel: str = "native") -> torch.Tensor:
-    """What QuantLinear's kernel computes, written plainly (fp32 out): native, the dequantized
-    weight's matmul (in float64, so only the kernel's own rounding is left to compare);
-    int4pack, bf16-rounded x times reference_weight."""
+    """What QuantLinear's kernel computes, written plainly (fp32 out; float64 inside, so only the
+    kernel's own fp32 rounding is left to compare): native, the dequantized weight's matmul; q8,
+    Σ_blocks (d_w · d_x, rounded to fp32) · Σ q_w · q_x + shift · Σx; int4pack, bf16-rounded x
+    times reference_weight."""
+    if kernel == "q8":
+        q, dx, sums = quantize_activations(x)                                 # [M, B, 32], [M, B], [M, B]
+        codes = blocks.values.double().unflatten(-1, (-1, GROUP))            # [N, B, 32]
+        products = torch.einsum("mbj,nbj->mnb", q, codes)                    # exact integers
+        scales = (blocks.scale[None] * dx[:, None]).double()                  # fp32 products, as the kernel's
+        out = (products * scales).sum(-1)
+        if blocks.shift is not None:
+            out = out + (blocks.shift.double()[None] * sums[:, None]).sum(-1)
+        return (out if bias is None else out + bias.double()).float()
     if kernel == "native":
         out = F.linear(x.double(), blocks.dequantized().double(), None if bias is None else bias.double())
         return out.float()
