@@ -319,20 +319,22 @@ static inline float sum16(__m512 v) {
     const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));     /* i + (i + 4) */
     const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                   /* (0 + 2), (1 + 3) */
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}       /* two blocks an instruction: lanes 0-7 the even block, 8-15 the odd one */
+}
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define BLOCKSPEC_Q8_512 1       /* two blocks an instruction: lanes 0-7 the even block, 8-15 the odd one */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define BLOCKSPEC_Q8_256 1       /* one block an instruction, into the even or the odd block's 8 lanes */
 /* 8 int32 lanes: lane l = Σ_{j < 4} u[4l + j] · s[4l + j] (u unsigned, s signed bytes; exact). */
 static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 #if defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else   /* pairs in int16 (≤ 2 · 128 · 127: no saturation), then pairs of pairs */
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif
 }
-#endif
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define BLOCKSPEC_Q8_512 1
 #endif
 
 /* n fp16 values → fp32, zero from n to np (a multiple of 16). Read where they lie: a copy first
@@ -404,13 +406,13 @@ static void tile_q8(const int8_t *q, const float *dx, const float *sx, int64_t k
             __mmask64 negative = 0;
             if (BITS == 4) {
                 const __m256i bytes = whole ? _mm256_loadu_si256((const __m256i *)w)
-                                            : _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)w));
+                                            : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)w));
                 u = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(bytes), _mm256_srli_epi16(bytes, 4), 1),
                                      _mm512_set1_epi8(15));              /* [b low | b+1 low | b high | b+1 high] */
                 u = _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(3, 1, 2, 0)); /* [b: weights 0-31 | b+1: 0-31] */
             } else {
                 const __m512i v = whole ? _mm512_loadu_si512(w)
-                                        : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)w));
+                                        : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)w));
                 u = _mm512_abs_epi8(v);                                   /* |w| (−128 → 128 unsigned) */
                 negative = _mm512_movepi8_mask(v);
             }
@@ -420,8 +422,8 @@ static void tile_q8(const int8_t *q, const float *dx, const float *sx, int64_t k
                 __m512i x = whole ? _mm512_loadu_si512(qx) : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)qx));
                 if (BITS == 8) x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);   /* x · sign w */
                 const __m512 sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x));
-                const __m512 sv = _mm512_permutexvar_ps(pair_index, _mm512_castps128_ps512(
-                    _mm_castpd_ps(_mm_load_sd((const double *)&s[i][r][b]))));   /* (s[b] ×8, s[b+1] ×8) */
+                const __m512 sv = _mm512_permutexvar_ps(pair_index, _mm512_castps128_ps512(_mm_castsi128_ps(
+                    _mm_loadl_epi64((const __m128i *)&s[i][r][b]))));          /* (s[b] ×8, s[b+1] ×8) */
                 acc[i][r] = whole ? _mm512_fmadd_ps(sums, sv, acc[i][r])
                                   : _mm512_mask3_fmadd_ps(sums, sv, acc[i][r], 0x00FF);   /* lanes 0-7 only */
             }
