@@ -120,6 +120,12 @@ def test_q8_matmul_is_its_reference_and_rows_do_not_depend_on_the_batch(kind, mo
     for rows in (slice(0, 1), slice(3, 4), slice(1, 8), slice(8, 19), slice(2, 11)):
         assert torch.equal(layer(x[rows]), y[rows])            # a verify's rows are the rows alone
     assert quant.QuantLinear(layer.blocks(), bias=bias)(x).equal(y)       # blocks() gives back what it holds
+    broken = x[:2].clone()
+    broken[0, 5] = float("nan")                                 # a NaN reaches the block's output, as in the reference
+    broken[1, :32] = torch.tensor([1e-40, -2e-40, 3e-41] + [0.0] * 29)   # 127 / max overflows: those round to ±127
+    out, spec = layer(broken), quant.reference_linear(broken, blocks, layer.bias, kernel="q8")
+    assert out[0].isnan().all() and spec[0].isnan().all()
+    assert out[1].isfinite().all() and torch.allclose(out[1], spec[1], rtol=1e-5, atol=1e-6)
     monkeypatch.setenv("BLOCKSPEC_CPU_KERNELS", "fp32")
     assert quant.QuantLinear(blocks).kernel == "native"
 

@@ -285,7 +285,7 @@ extern "C" void quant_linear(const float *x, int64_t m, int64_t k, const void *w
    The same blocks, multiplied by activations quantized to int8 per block of 32 (d = max|x| / 127,
    q = x / d rounded to nearest even): each block's products are integers, summed exactly (the CPU's
    int8 dot-product instructions, VNNI where it has them), then scaled by d_w · d_x in fp32; Q4's
-   shift multiplies the block's exact fp32 sum of x. About a third of the fp32 kernel's
+   shift multiplies the block's fp32 sum of x (in order). About a third of the fp32 kernel's
    instructions per weight, at the error of rounding x to 8 bits per block (what llama.cpp's CPU
    matmuls do). Every path (VNNI, AVX2, portable) and every batch size gives the same bits: the
    integer sums are exact, and the float operations are lane for lane one fixed sequence: 16
@@ -299,20 +299,24 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *d, floa
         float amax = 0.0f, s = 0.0f;
         for (int j = 0; j < GROUP; j++) {
             const float a = fabsf(xb[j]);
-            amax = a > amax ? a : amax;
+            amax = (a > amax || a != a) ? a : amax;        /* a NaN stays: d is NaN, the block's output too */
             s += xb[j];
         }
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         for (int j = 0; j < GROUP; j++) {
-            const float v = nearbyintf(xb[j] * inv);
-            q[b * GROUP + j] = (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v));
+            const float v = nearbyintf(xb[j] * inv);       /* ±inf where amax is tiny: clamped; NaN: 0 */
+            q[b * GROUP + j] = v == v ? (int8_t)(v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v)) : 0;
         }
         d[b] = amax / 127.0f;
         sum[b] = s;
     }
 }
 
-#if defined(__AVX512F__)
+/* AVX-512 as the q8 helpers use it (F + DQ + BW + VL: every AVX-512 server CPU since Skylake-SP). */
+#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BLOCKSPEC_AVX512 1
+#endif
+#if defined(BLOCKSPEC_AVX512)
 /* lane_sum of a 16-lane register, in its order. */
 static inline float sum16(__m512 v) {
     const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));     /* i + (i + 8) */
@@ -321,7 +325,7 @@ static inline float sum16(__m512 v) {
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
 }
 #endif
-#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(BLOCKSPEC_AVX512) && defined(__AVX512VNNI__)
 #define BLOCKSPEC_Q8_512 1       /* two blocks an instruction: lanes 0-7 the even block, 8-15 the odd one */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define BLOCKSPEC_Q8_256 1       /* one block an instruction, into the even or the odd block's 8 lanes */
@@ -340,7 +344,7 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s) {
 /* n fp16 values → fp32, zero from n to np (a multiple of 16). Read where they lie: a copy first
    would make the conversion's wide load wait on the copy's narrower stores. */
 static inline void padded_floats(const uint16_t *h, int64_t n, int64_t np, float *out) {
-#if defined(__AVX512F__)
+#if defined(BLOCKSPEC_AVX512)
     for (int64_t i = 0; i < np; i += LANES) {
         const __mmask16 live = n - i >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << (n > i ? n - i : 0)) - 1);
         _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, h + i)));
@@ -353,7 +357,7 @@ static inline void padded_floats(const uint16_t *h, int64_t n, int64_t np, float
 
 /* Σ a[b] · c[b] over np values (a multiple of 16): lane b mod 16 (fmaf, b ascending), then lane_sum. */
 static inline float lane_dot(const float *a, const float *c, int64_t np) {
-#if defined(__AVX512F__)
+#if defined(BLOCKSPEC_AVX512)
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < np; b += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + b), _mm512_loadu_ps(c + b), acc);
     return sum16(acc);

@@ -9,7 +9,7 @@ QuantLinear runs them through one of three kernels:
   codes packed two to a byte, int8 values) times the activations quantized to int8 per block of
   32, as llama.cpp's CPU matmuls do: x ≈ d_x · q_x with d_x = max|x| / 127 and q_x rounded to
   nearest even; each block's integer products summed exactly, scaled by d_w · d_x in fp32; a
-  4-bit block's shift times the block's exact fp32 sum of x. `reference_linear(kernel="q8")` is
+  4-bit block's shift times the block's fp32 sum of x. `reference_linear(kernel="q8")` is
   its spec (tests/test_quant.py holds it within fp32 rounding of that). About 1.5 × the fp32
   kernel's speed on SmolLM2 (BENCHMARKS.md, round 57), at the error of 8-bit activations.
 - "native" (the same library; BLOCKSPEC_CPU_KERNELS=fp32): each weight rebuilt in fp32 exactly as
@@ -235,6 +235,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     amax = blocks.abs().amax(-1)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
     q = torch.round(blocks * inv[..., None]).clamp(-127, 127)          # round half to even, as the kernel
+    q = q.nan_to_num(0.0)           # 0 · inf (a block whose max is below ~4e-37) and NaN inputs: 0, as the kernel
     return q.double(), amax / 127.0, blocks.double().sum(-1)
 
 
