@@ -5,6 +5,8 @@
 #        # old_policy.py`, untracked, it travels with the tree) fall into the wide regime at 32 when its
 #        # engine is the process's first adaptive one?
 #   bash scripts/gpu_round57.sh 2   # issue 33: the decode step kernel by kernel (bf16, FP8), then the FP8 bench
+#   (calls 3-4 ran step_profile.py --widths 1 --formats bf16 --contexts 512,4096 --min-chunks 4,2,1, then with
+#    attention.MAX_SPLITS = 64 and --min-chunks 2,1; mode 3 is the fuller form with engine benches, not run)
 #   bash scripts/gpu_round57.sh 3   # the decode attention: splits of at least 4, 2 or 1 chunks of keys
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
