@@ -176,8 +176,9 @@ def build_variant(flags: tuple[str, ...], path) -> "ctypes.CDLL":
 @pytest.mark.skipif("avx2" not in native.cpu_fingerprint().split() or "fma" not in native.cpu_fingerprint().split(),
                     reason="the AVX2 build runs only on a CPU with AVX2 and FMA")
 def test_the_avx2_build_gives_the_portable_builds_bits(tmp_path):
-    """A CPU without AVX-512 runs the kernels' AVX2 path: the portable path's float operations
-    lane for lane and its lane sums' order, so the same bits (and a row the same alone or batched).
+    """A CPU without AVX-512 runs the kernels' AVX2 path, one with it the AVX-512 path (this
+    machine's own build, where it has it): the portable path's float operations lane for lane and
+    its lane sums' order, so the same bits (and a row the same alone or batched).
     The int8-activation kernel (quant_linear_q8) gives the same bits on every path: AVX2's int16
     pair sums, AVX-VNNI's and AVX-512 VNNI's dot products (where this CPU has them: this machine's
     own build), and the portable loops."""
@@ -200,6 +201,8 @@ def test_the_avx2_build_gives_the_portable_builds_bits(tmp_path):
         x = torch.randn(13, k, generator=gen(3))
         fast = linear(avx2, x, bits, values, scale, shift, n)
         assert torch.equal(fast, linear(portable, x, bits, values, scale, shift, n))
+        if native.available():                                 # this CPU's build (AVX-512 here) too
+            assert torch.equal(fast, linear(native.library(), x, bits, values, scale, shift, n))
         assert torch.equal(torch.cat([linear(avx2, x[i: i + 1], bits, values, scale, shift, n) for i in range(13)]), fast)
         for m in (2, 3, 5, 8):
             assert torch.equal(linear(avx2, x[:m], bits, values, scale, shift, n), fast[:m])
@@ -233,8 +236,8 @@ def test_the_avx2_build_gives_the_portable_builds_bits(tmp_path):
                 assert torch.equal(q8(lib, x[rows], bits, values, scale, shift, n), first[rows])
     x, weight = torch.randn(5, 64, generator=gen(4)), torch.randn(64, generator=gen(5))
     outs = []
-    for lib in (avx2, portable):
+    for lib in (avx2, portable) + ((native.library(),) if native.available() else ()):
         out, total = torch.empty(5, 64), torch.empty(5, 64)
         lib.add_rms_norm(x.data_ptr(), None, weight.data_ptr(), 1e-6, 5, 64, out.data_ptr(), total.data_ptr())
         outs.append(out)
-    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(outs[0], out) for out in outs[1:])

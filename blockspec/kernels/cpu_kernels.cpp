@@ -4,7 +4,7 @@
    Each kernel computes every row of its output by the same sequence of float operations however
    many rows it is given, so a verify row equals the same row decoded alone (DFlash == plain
    decoding). Tensors are contiguous float32 (int64 for indices) unless said otherwise. Sums run
-   over LANES partial sums combined in one fixed order (`lane_sum`, or AVX-512's reduce tree);
+   over LANES partial sums combined in one fixed order (`lane_sum`'s, on every path);
    that order, not the math, is where they differ from torch's reductions.
 
    Weights are GGUF blocks of 32 along a row: w = scale * q + shift with q the block's 4-bit codes
@@ -56,12 +56,24 @@ static inline float lane_sum2(__m256 lo, __m256 hi) {
 }
 #endif
 
-/* dot(a, b) over n values (n a multiple of LANES): LANES partial sums, then lane_sum. */
+#if defined(__AVX512F__)
+/* lane_sum of a 16-lane register, in its order. */
+static inline float sum16(__m512 v) {
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), hi);                            /* i + (i + 8) */
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));     /* i + (i + 4) */
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                   /* (0 + 2), (1 + 3) */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#endif
+
+/* dot(a, b) over n values (n a multiple of LANES): LANES partial sums (lane i mod 16), then lane_sum's
+   order on every path. */
 static inline float dot(const float *a, const float *b, int64_t n) {
 #if defined(__AVX512F__)
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
+    return sum16(acc);
 #elif defined(BLOCKSPEC_AVX2)
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; i += LANES) {
@@ -142,7 +154,7 @@ static inline void unpack_q8(const int8_t *values, float scale, half_t *lo, half
 static inline half_t zero_half() { return _mm512_setzero_ps(); }
 static inline half_t fma_half(half_t a, half_t b, half_t c) { return _mm512_fmadd_ps(a, b, c); }
 static inline half_t load_half(const float *p) { return _mm512_loadu_ps(p); }
-static inline float half_sum(half_t v) { return _mm512_reduce_add_ps(v); }   /* a fixed tree of shuffles */
+static inline float half_sum(half_t v) { return sum16(v); }
 #elif defined(BLOCKSPEC_AVX2)
 struct half_t { __m256 lo, hi; };        /* lanes 0-7, 8-15 */
 static inline __m256 widen8(__m128i bytes8) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8)); }
@@ -316,15 +328,6 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *q, float *d, floa
 #if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define BLOCKSPEC_AVX512 1
 #endif
-#if defined(BLOCKSPEC_AVX512)
-/* lane_sum of a 16-lane register, in its order. */
-static inline float sum16(__m512 v) {
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));     /* i + (i + 8) */
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));     /* i + (i + 4) */
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                   /* (0 + 2), (1 + 3) */
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
-}
-#endif
 #if defined(BLOCKSPEC_AVX512) && defined(__AVX512VNNI__)
 #define BLOCKSPEC_Q8_512 1       /* two blocks an instruction: lanes 0-7 the even block, 8-15 the odd one */
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -355,27 +358,6 @@ static inline void padded_floats(const uint16_t *h, int64_t n, int64_t np, float
 #endif
 }
 
-/* Σ a[b] · c[b] over np values (a multiple of 16): lane b mod 16 (fmaf, b ascending), then lane_sum. */
-static inline float lane_dot(const float *a, const float *c, int64_t np) {
-#if defined(BLOCKSPEC_AVX512)
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < np; b += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + b), _mm512_loadu_ps(c + b), acc);
-    return sum16(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-    for (int64_t b = 0; b < np; b += LANES) {
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + b), _mm256_loadu_ps(c + b), lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + b + 8), _mm256_loadu_ps(c + b + 8), hi);
-    }
-    return lane_sum2(lo, hi);
-#else
-    float acc[LANES] = {0};
-    for (int64_t b = 0; b < np; b += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[b + l], c[b + l], acc[l]);
-    return lane_sum(acc);
-#endif
-}
-
 /* y[m0 .. m0 + MT, n0 .. n0 + NT] from quantized x rows (q [M, K]; d and sum [M, nbp], nbp = the
    blocks a row rounded up to 16, zero past them): each weight block unpacked once for the MT rows. */
 template <int BITS, int NT, int MT>
@@ -392,7 +374,7 @@ static void tile_q8(const int8_t *q, const float *dx, const float *sx, int64_t k
             for (int64_t b = 0; b < nbp; b++) s[i][r][b] = scale[b] * dx[(m0 + r) * nbp + b];
         if (BITS == 4) {
             padded_floats(shifts + (n0 + i) * nb, nb, nbp, scale);
-            for (int r = 0; r < MT; r++) shifted[i][r] = lane_dot(scale, sx + (m0 + r) * nbp, nbp);
+            for (int r = 0; r < MT; r++) shifted[i][r] = dot(scale, sx + (m0 + r) * nbp, nbp);
         }
     }
 #if defined(BLOCKSPEC_Q8_512)
