@@ -108,11 +108,12 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--modes", default="plain,dflash")
+    parser.add_argument("--threads", type=int, default=1, help="--threads (torch's intra-op threads; the quantized matmuls run on one)")
     args = parser.parse_args()
     from blockspec import named
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams
-    options = dict(device="cpu", dtype=args.dtype, threads=1, max_model_len=512, max_num_seqs=1, show_progress=False)
+    options = dict(device="cpu", dtype=args.dtype, threads=args.threads, max_model_len=512, max_num_seqs=1, show_progress=False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     modes = {"plain": {}, "dflash": {"draft": str(named.default_draft("smollm2")), "block_size": 8}}
     report = {}
