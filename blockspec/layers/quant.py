@@ -10,8 +10,9 @@ QuantLinear runs them through one of three kernels:
   32, as llama.cpp's CPU matmuls do: x ≈ d_x · q_x with d_x = max|x| / 127 and q_x rounded to
   nearest even; each block's integer products summed exactly, scaled by d_w · d_x in fp32; a
   4-bit block's shift times the block's fp32 sum of x. `reference_linear(kernel="q8")` is
-  its spec (tests/test_quant.py holds it within fp32 rounding of that). About 1.5 × the fp32
-  kernel's speed on SmolLM2 (BENCHMARKS.md, round 57), at the error of 8-bit activations.
+  its spec (tests/test_quant.py holds it within fp32 rounding of that). Its matmuls run
+  1.3–1.5 × the fp32 kernel's at one row, SmolLM2's decoding 1.1 × (BENCHMARKS.md, round 57), at
+  the error of 8-bit activations.
 - "native" (the same library; BLOCKSPEC_CPU_KERNELS=fp32): each weight rebuilt in fp32 exactly as
   dequantizing the file does and multiplied by the fp32 activations: the dequantized weight's
   matmul summed in another order (`reference_linear`, within fp32 rounding of it).
