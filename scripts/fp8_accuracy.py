@@ -59,9 +59,15 @@ def smollm2(num_prompts: int, max_tokens: int, device: str) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     results, reference = {}, None
     for quantization in (None, "fp8"):
-        llm = LLM(target, draft=draft, device=device, max_model_len=1024, show_progress=False, speculation="fixed")
-        if quantization:                    # a GGUF file: quantized in memory, as --quantization fp8 would
+        # dtype float32: the GGUF dequantized into plain linears (on CPU dtype auto keeps its blocks in
+        # QuantLinear, which FP8 does not take, and the script then compared the target with itself:
+        # round 57 found it so), then quantized in memory as --quantization fp8 would.
+        llm = LLM(target, draft=draft, device=device, dtype="float32" if device == "cpu" else "auto",
+                  max_model_len=1024, show_progress=False, speculation="fixed")
+        if quantization:
             fp8.quantize_model(llm.target)
+            if llm.weight_format != "fp8_e4m3":
+                raise SystemExit(f"fp8_accuracy: the target was not quantized ({llm.weight_format})")
         prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in HELD_OUT[:num_prompts]]
         outputs = [llm.generate_ids(p, params) for p in prompts]
         lengths = [n for o in outputs for n in o.stats.acceptance_lengths]
