@@ -208,9 +208,13 @@ def test_the_avx2_build_gives_the_portable_builds_bits(tmp_path):
             assert torch.equal(linear(avx2, x[:m], bits, values, scale, shift, n), fast[:m])
     q8_builds = {"avx2": avx2, "portable": portable}
     flags = native.cpu_fingerprint().split()
-    if "avx_vnni" in flags:
-        q8_builds["avx-vnni"] = build_variant(("-O3", "-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mno-avx512f"),
-                                              tmp_path / "avxvnni.so")
+    if "avx_vnni" in flags:                                    # (GCC 11 on: -mavxvnni; an older one builds it not)
+        import subprocess
+        try:
+            q8_builds["avx-vnni"] = build_variant(("-O3", "-mavx2", "-mfma", "-mf16c", "-mavxvnni", "-mno-avx512f"),
+                                                  tmp_path / "avxvnni.so")
+        except subprocess.CalledProcessError:
+            pass
     if native.available():
         q8_builds["this CPU's"] = native.library()
 
