@@ -18,20 +18,11 @@ from collections import defaultdict
 import torch
 
 from blockspec.bench.common import SHAPES, build_models, graphed, synchronize, timed
-from blockspec.bench.forward import forward_metadata, kernel_class
-from blockspec.cache import KVPool
+from blockspec.bench.forward import kernel_class, sequence_forward
 
 
 def profile_width(target: torch.nn.Module, device: torch.device, width: int, context: int, reps: int) -> dict:
-    config = target.config
-    page = 16
-    kv = KVPool(target.num_attention_layers, (-(-(context + width) // page) + 2) * page,
-                config.num_key_value_heads, config.head_dim, target.lm_head.weight.dtype, device)
-    meta = forward_metadata(width, context, page, kv, device)
-
-    def forward() -> torch.Tensor:
-        out = target(meta.input_ids, meta.positions, meta)
-        return target.compute_logits(out.hidden[-1:] if width == 1 else out.hidden)
+    forward = sequence_forward(target, device, width, context)
 
     with torch.inference_mode():
         forward()

@@ -139,15 +139,9 @@ NEAR_TIE = 0.005
 
 def forced_logits(model, ids: list[int]) -> torch.Tensor:
     """The model's logits [T, V] after every prefix of ids, in one prefill forward (teacher-forced)."""
-    from blockspec.bench.forward import forward_metadata
-    from blockspec.cache import KVPool
-    config = model.config
-    kv = KVPool(model.num_attention_layers, (len(ids) // 16 + 3) * 16, config.num_key_value_heads, config.head_dim,
-                torch.float32, torch.device("cpu"))
-    meta = forward_metadata(len(ids), 0, 16, kv, torch.device("cpu"))
+    from blockspec.bench.forward import sequence_forward
     with torch.inference_mode():
-        out = model(torch.tensor(ids), meta.positions, meta)
-        return model.compute_logits(out.hidden).float()
+        return sequence_forward(model, torch.device("cpu"), len(ids), input_ids=torch.tensor(ids))().float()
 
 
 def as_reference(model):

@@ -47,19 +47,29 @@ def forward_metadata(width: int, context: int, page_size: int, kv: KVPool, devic
                              max_context_len=num_pages * page_size, page_size=page_size, kv=kv.layers)
 
 
-def kernel_breakdown(target: torch.nn.Module, device: torch.device, width: int, context: int = 512,
-                     page_size: int = 16) -> dict[str, Any]:
-    """One eager target forward (+ the LM head over the rows read) under torch.profiler: device
-    milliseconds per kernel class and kernels per layer (on CPU: top-level ops and their CPU
-    time, a smoke test of the same code). Dense targets: the metadata has no state pool."""
+def sequence_forward(target: torch.nn.Module, device: torch.device, width: int, context: int = 0,
+                     page_size: int = 16, input_ids: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+    """A target forward of one sequence feeding `width` tokens (input_ids, else zeros) after
+    `context` cached ones, in a pool of its own, and its logits (every row's; one row's when
+    width is 1). Dense targets: the metadata has no state pool."""
     config = target.config
     kv = KVPool(target.num_attention_layers, (-(-(context + width) // page_size) + 2) * page_size,
                 config.num_key_value_heads, config.head_dim, target.lm_head.weight.dtype, device)
     meta = forward_metadata(width, context, page_size, kv, device)
+    ids = meta.input_ids if input_ids is None else input_ids.to(device)
 
     def forward() -> torch.Tensor:
-        out = target(meta.input_ids, meta.positions, meta)
+        out = target(ids, meta.positions, meta)
         return target.compute_logits(out.hidden[-1:] if width == 1 else out.hidden)
+    return forward
+
+
+def kernel_breakdown(target: torch.nn.Module, device: torch.device, width: int, context: int = 512,
+                     page_size: int = 16) -> dict[str, Any]:
+    """One eager target forward (+ the LM head over the rows read) under torch.profiler: device
+    milliseconds per kernel class and kernels per layer (on CPU: top-level ops and their CPU
+    time, a smoke test of the same code)."""
+    forward = sequence_forward(target, device, width, context, page_size)
 
     is_cuda = device.type == "cuda"
     with torch.inference_mode():

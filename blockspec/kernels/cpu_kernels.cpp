@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
@@ -508,21 +509,37 @@ static void linear_q8(const int8_t *q, const float *dx, const float *sx, int64_t
     }
 }
 
-/* quant_linear with x quantized to int8 per block (above). Returns 0, or −1 when its scratch
-   memory could not be had (nothing written). */
-extern "C" int quant_linear_q8(const float *x, int64_t m, int64_t k, const void *weights, int bits,
-                               const uint16_t *scale, const uint16_t *shift, const float *bias, int64_t n, float *y) {
+/* The scratch quant_linear_q8 needs for M rows of K: q [M, K] int8, then d and sum [M, nbp] fp32
+   (nbp: the blocks a row rounded up to 16), in floats. */
+static int64_t q8_scratch_floats(int64_t m, int64_t k) {
     const int64_t nbp = (k / GROUP + LANES - 1) / LANES * LANES;
-    char *mem = (char *)calloc((size_t)(m * k + 2 * m * nbp * (int64_t)sizeof(float)), 1);
-    if (mem == nullptr) return -1;
-    float *dx = (float *)mem, *sx = dx + m * nbp;                        /* zero past each row's blocks */
+    return (m * k + 3) / 4 + 2 * m * nbp;
+}
+
+/* quant_linear_q8 in a caller's scratch (q8_scratch_floats(m, k) floats or more). */
+static void linear_q8_in(const float *x, int64_t m, int64_t k, const void *weights, int bits, const uint16_t *scale,
+                         const uint16_t *shift, const float *bias, int64_t n, float *y, float *scratch) {
+    const int64_t nb = k / GROUP, nbp = (nb + LANES - 1) / LANES * LANES;
+    float *dx = scratch, *sx = dx + m * nbp;
     int8_t *q = (int8_t *)(sx + m * nbp);
-    for (int64_t r = 0; r < m; r++) quantize_row_q8(x + r * k, k, q + r * k, dx + r * nbp, sx + r * nbp);
+    for (int64_t r = 0; r < m; r++) {
+        quantize_row_q8(x + r * k, k, q + r * k, dx + r * nbp, sx + r * nbp);
+        for (int64_t b = nb; b < nbp; b++) dx[r * nbp + b] = sx[r * nbp + b] = 0.0f;   /* the tile's padding */
+    }
     if (bits == 4)
         linear_q8<4>(q, dx, sx, m, k, weights, scale, shift, bias, n, y);
     else
         linear_q8<8>(q, dx, sx, m, k, weights, scale, shift, bias, n, y);
-    free(mem);
+}
+
+/* quant_linear with x quantized to int8 per block (above). Returns 0, or −1 when its scratch
+   memory could not be had (nothing written). */
+extern "C" int quant_linear_q8(const float *x, int64_t m, int64_t k, const void *weights, int bits,
+                               const uint16_t *scale, const uint16_t *shift, const float *bias, int64_t n, float *y) {
+    float *scratch = (float *)malloc(sizeof(float) * (size_t)q8_scratch_floats(m, k));
+    if (scratch == nullptr) return -1;
+    linear_q8_in(x, m, k, weights, bits, scale, shift, bias, n, y, scratch);
+    free(scratch);
     return 0;
 }
 
@@ -692,12 +709,12 @@ struct Batch {                  /* AttentionMetadata's tensors */
     int64_t rot;
 };
 
-/* Returns 0, or −1 when the int8 kernel's scratch memory could not be had. */
-static int apply(const Weight *w, const float *x, int64_t m, float *y) {
+/* q8: the forward's scratch holds the quantized rows (no allocation per projection). */
+static void apply(const Weight *w, const float *x, int64_t m, float *y, float *q8_scratch) {
     if (w->int8_activations)
-        return quant_linear_q8(x, m, w->k, w->values, (int)w->bits, w->scale, w->shift, w->bias, w->n, y);
-    quant_linear(x, m, w->k, w->values, (int)w->bits, w->scale, w->shift, w->bias, w->n, y);
-    return 0;
+        linear_q8_in(x, m, w->k, w->values, (int)w->bits, w->scale, w->shift, w->bias, w->n, y, q8_scratch);
+    else
+        quant_linear(x, m, w->k, w->values, (int)w->bits, w->scale, w->shift, w->bias, w->n, y);
 }
 
 /* x [N, hidden]: the embeddings in; the layers as PreNormLayer.forward_residual runs them, op for
@@ -708,40 +725,37 @@ extern "C" int dense_forward(const Layer *layers, int64_t num_layers, const Shap
                              const float *x, int64_t n, const int64_t *capture, int64_t num_captured,
                              float *features, const float *final_norm, float *out) {
     const int64_t h = s->hidden, qw = s->heads * s->head_dim, kvw = s->kv_heads * s->head_dim;
+    const int64_t widest = std::max(h, std::max(qw, s->intermediate));       /* the projections' widest input */
     const int64_t sizes[] = {n * h, n * h, n * h, n * (qw + 2 * kvw), n * qw, n * qw, n * 2 * s->intermediate,
-                             n * s->intermediate, 3 * (longest(b->context_lens, b->num_seqs) + 1)};
+                             n * s->intermediate, 3 * (longest(b->context_lens, b->num_seqs) + 1),
+                             q8_scratch_floats(n, widest)};
     int64_t total = 0;
     for (int64_t size : sizes) total += size;
     float *mem = (float *)malloc(sizeof(float) * (size_t)total);
     if (mem == nullptr) return -1;
     float *stream = mem, *residual = stream + sizes[0], *normed = residual + sizes[1], *qkv = normed + sizes[2];
     float *q = qkv + sizes[3], *attn = q + sizes[4], *gate_up = attn + sizes[5], *act = gate_up + sizes[6];
-    float *scratch = act + sizes[7];
+    float *scratch = act + sizes[7], *q8 = scratch + sizes[8];
     memcpy(stream, x, sizeof(float) * n * h);
-    int64_t i = 0;
-    for (; i < num_layers; i++) {
+    for (int64_t i = 0; i < num_layers; i++) {
         const Layer *l = layers + i;
         add_rms_norm(stream, i == 0 ? nullptr : residual, l->input_norm, s->eps, n, h, normed, residual);
-        if (apply(&l->qkv, normed, n, qkv)) break;
+        apply(&l->qkv, normed, n, qkv, q8);
         qk_norm_rope_store(qkv, n, s->heads, s->kv_heads, s->head_dim, l->q_norm, l->k_norm, s->eps, b->cos, b->sin,
                            b->rot, l->k_pool, l->v_pool, b->slots, q);
         paged_attention(q, n, s->heads, s->kv_heads, s->head_dim, l->k_pool, l->v_pool, b->block_tables, b->pages,
                         b->page_size, b->query_start, b->context_lens, b->positions, b->num_seqs, s->scale, scratch,
                         attn);
-        if (apply(&l->o, attn, n, stream)) break;
+        apply(&l->o, attn, n, stream, q8);
         add_rms_norm(stream, residual, l->post_norm, s->eps, n, h, normed, residual);
-        if (apply(&l->gate_up, normed, n, gate_up)) break;
+        apply(&l->gate_up, normed, n, gate_up, q8);
         silu_mul(gate_up, n, s->intermediate, act);
-        if (apply(&l->down, act, n, stream)) break;
+        apply(&l->down, act, n, stream, q8);
         if (capture[i] >= 0) {
             for (int64_t t = 0; t < n; t++)
                 for (int64_t j = 0; j < h; j++)
                     features[(t * num_captured + capture[i]) * h + j] = stream[t * h + j] + residual[t * h + j];
         }
-    }
-    if (i < num_layers) {                    /* a projection's scratch memory could not be had */
-        free(mem);
-        return -1;
     }
     add_rms_norm(stream, residual, final_norm, s->eps, n, h, out, residual);
     free(mem);
