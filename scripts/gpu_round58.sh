@@ -12,14 +12,13 @@ fi
 #   bash scripts/gpu_round58.sh 2   # any card (issue 33): the decode attention's key loop swept (prefetching or
 #        # chained, stages, BLOCK_N, splits), the attention GPU tests, then the step replayed with each loop
 if [ "$M" = 2 ]; then
-  timeout ${TESTS_S:-150} $T tests/gpu/test_attention_kernels.py > "$OUT/t_attention.log" 2>&1 &
-  TAIL=80 stage "decode attention sweep, Qwen3-8B heads" timeout ${SWEEP_S:-240} python3 scripts/decode_attention_sweep.py \
+  TAIL=80 stage "decode attention sweep, Qwen3-8B heads" timeout ${SWEEP_S:-200} python3 scripts/decode_attention_sweep.py \
     --out "$OUT/decode_attention_sweep.json"
-  wait
-  summary
   for prefetch in 0 1; do
     stage "step profile, Qwen3-8B FP8, width 1 and 16, contexts 512 and 4096, prefetch $prefetch" \
-      env BLOCKSPEC_ATTENTION_PREFETCH=$prefetch timeout ${PROF_S:-110} python3 scripts/step_profile.py \
+      env BLOCKSPEC_ATTENTION_PREFETCH=$prefetch timeout ${PROF_S:-90} python3 scripts/step_profile.py \
       --shape qwen3-8b --widths 1,16 --formats fp8 --contexts 512,4096 --out "$OUT/step_profile_prefetch$prefetch.json"
   done
+  timeout ${TESTS_S:-120} $T tests/gpu/test_attention_kernels.py > "$OUT/t_attention.log" 2>&1
+  summary
 fi
