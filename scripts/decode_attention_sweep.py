@@ -1,10 +1,10 @@
-"""Sweep the paged attention kernel's key loop on decode and verify calls (issue 33: at 4,096 keys a
-Qwen3-8B layer's attention read its 16.8 MB at 0.76 TB/s, bound by each program's chained page →
-K/V → math iterations). For each call shape (sequences × query rows × context, the pool's
-capacity as the key bound, as under the engine's graphs): the shipped variant, then every
-combination of the loop's form (PREFETCH: K/V a chunk ahead, pages two ahead), pipeline stages,
-BLOCK_N and the split count (the shipped one, 2× and 4×), timed as replays of a CUDA graph of 20
-calls and checked against the shipped output (the prefetching loop alone must give its bits).
+"""Sweep the paged attention kernel's decode and verify calls (issue 33: at 4,096 keys a Qwen3-8B
+layer's attention read its 16.8 MB at 0.76 TB/s). For each call shape (sequences × query rows ×
+context, the pool's capacity as the key bound, as under the engine's graphs): the shipped variant,
+then every combination of pipeline stages, BLOCK_N and split count (the shipped one, 2× and 4×),
+timed as replays of a CUDA graph of 20 calls (the merge kernel included) and checked against the
+shipped output. Round 58 also swept a key loop loading K/V a chunk ahead of its math and pages two
+ahead: the same bits, no faster (BENCHMARKS.md), so it was dropped.
 
     python scripts/decode_attention_sweep.py --out sweep.json
 """
@@ -39,8 +39,7 @@ def main() -> None:
         q, k_pool, v_pool, meta, _ = make(num_seqs, width, context, args.heads, args.kv_heads, args.head_dim, 16,
                                           max(args.capacity, context), False, device, dtype)
         starts = meta.starts
-        shipped = replace(K.attention_variant(K.heads_of(q, k_pool), width, num_seqs, args.capacity,
-                                              K.num_sms(device)), prefetch=False)
+        shipped = K.attention_variant(K.heads_of(q, k_pool), width, num_seqs, args.capacity, K.num_sms(device))
 
         def run(variant):
             return K.launch(variant, q, k_pool, v_pool, meta.block_tables, meta.context_lens, meta.positions, starts,
@@ -48,8 +47,8 @@ def main() -> None:
         expected = run(shipped)
         kv_bytes = 2 * num_seqs * context * args.kv_heads * args.head_dim * k_pool.element_size()
         rows = []
-        for prefetch, stages, block_n, split_x in itertools.product((False, True), (1, 2, 3, 4), (32, 64), (1, 2, 4)):
-            variant = replace(shipped, prefetch=prefetch, num_stages=stages, block_n=block_n,
+        for stages, block_n, split_x in itertools.product((1, 2, 3, 4), (32, 64), (1, 2, 4)):
+            variant = replace(shipped, num_stages=stages, block_n=block_n,
                               num_splits=min(64, shipped.num_splits * split_x))
             try:
                 out = run(variant)
@@ -62,13 +61,11 @@ def main() -> None:
                              max_err=float((out.float() - expected.float()).abs().max())))
         timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
         base = next(r for r in rows if r["variant"] == asdict(shipped))
-        fetched = next(r for r in rows if r["variant"] == asdict(replace(shipped, prefetch=True)))
         print(f"== {num_seqs} seq × {width} rows, {context} keys: shipped {base['us']:.2f} µs "
-              f"({base['kv_TBps']:.2f} TB/s, {shipped.num_splits} splits), its loop prefetching {fetched['us']:.2f} µs "
-              f"(same bits: {fetched['same_bits']})")
+              f"({base['kv_TBps']:.2f} TB/s, {shipped.num_splits} splits)")
         for r in timed[:6]:
             v = r["variant"]
-            print(f"   {r['us']:8.2f} µs {r['kv_TBps']:5.2f} TB/s  prefetch={v['prefetch']} stages={v['num_stages']} "
+            print(f"   {r['us']:8.2f} µs {r['kv_TBps']:5.2f} TB/s  stages={v['num_stages']} "
                   f"BLOCK_N={v['block_n']} splits={v['num_splits']}  err {r['max_err']:.1e}")
         results.append(dict(num_seqs=num_seqs, width=width, context=context, shipped=asdict(shipped), rows=rows))
     if args.out:

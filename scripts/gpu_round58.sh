@@ -9,8 +9,9 @@ if [ "$M" = 1 ]; then
   TAIL=60 stage "FP8 vs bf16, Qwen3-8B, 1 and 32 sequences" timeout ${FP8_S:-170} $B --shape qwen3-8b --accept-len 6.5 \
     --quantization fp8 --concurrency 1,32 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
 fi
-#   bash scripts/gpu_round58.sh 2   # any card (issue 33): the decode attention's key loop swept (prefetching or
-#        # chained, stages, BLOCK_N, splits), the attention GPU tests, then the step replayed with each loop
+#   bash scripts/gpu_round58.sh 2   # any card (issue 33), run on commit 76c85ac (its prefetching key loop, since
+#        # dropped): the decode attention swept (prefetching or chained loop, stages, BLOCK_N, splits), the step
+#        # replayed with each loop, then the attention GPU tests
 if [ "$M" = 2 ]; then
   TAIL=80 stage "decode attention sweep, Qwen3-8B heads" timeout ${SWEEP_S:-200} python3 scripts/decode_attention_sweep.py \
     --out "$OUT/decode_attention_sweep.json"

@@ -54,25 +54,6 @@ def _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr)
     return m_new, l_i, acc
 
 
-@triton.jit
-def _chunk_pages(table, start, hi, page_size, BLOCK_N: tl.constexpr):
-    """The page of each key start … start + BLOCK_N − 1 (0 from hi on: nothing is read there)."""
-    key_pos = start + tl.arange(0, BLOCK_N)
-    return tl.load(table + key_pos // page_size, mask=key_pos < hi, other=0)
-
-
-@triton.jit
-def _chunk_keys(k_at, v_at, page, start, hi, page_size, stride_ks, stride_vs, d_ok, BLOCK_N: tl.constexpr):
-    """K and V [BLOCK_N, BLOCK_D] of keys start … (zeros from hi on) in pages `page`; k_at / v_at
-    point at this KV head's first element of slot 0, offset by d."""
-    key_pos = start + tl.arange(0, BLOCK_N)
-    slot = page.to(tl.int64) * page_size + key_pos % page_size
-    kv_mask = (key_pos < hi)[:, None] & d_ok[None, :]
-    k = tl.load(k_at + slot[:, None] * stride_ks, mask=kv_mask, other=0.0)
-    v = tl.load(v_at + slot[:, None] * stride_vs, mask=kv_mask, other=0.0)
-    return k, v
-
-
 # Values that change from batch to batch are not specialised on (Triton would compile a variant
 # per divisibility / alignment of each: views of the packed metadata start anywhere, a block
 # table's row is as long as the step's longest sequence): the kernel's variants are its
@@ -86,7 +67,7 @@ def _paged_attention_kernel(
         stride_bkn, stride_bkh, stride_bvn, stride_bvh, stride_bt,
         page_size, head_dim, num_tokens, num_splits, split_keys, qk_scale,
         NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, IS_SPLIT: tl.constexpr, INVARIANT: tl.constexpr,
-        IS_CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr, IEEE: tl.constexpr, PREFETCH: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, HAS_BLOCK: tl.constexpr, IEEE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     tile, seq_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = seq_head // NUM_KV_HEADS, seq_head % NUM_KV_HEADS
@@ -129,35 +110,18 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + b.to(tl.int64) * stride_bt
-    k_at = k_pool_ptr + h * stride_kh + d[None, :]
-    v_at = v_pool_ptr + h * stride_vh + d[None, :]
-    if PREFETCH:
-        # Each chunk's keys and values are loaded one iteration ahead, while the chunk before
-        # is attended to, and its page numbers two ahead: no load of an iteration waits on
-        # another (the plain loop chains page → K/V → math in every chunk). Loads past hi are
-        # masked off, so the last iterations' look-ahead reads nothing. Same math, same order.
-        page = _chunk_pages(table, lo, hi, page_size, BLOCK_N)
-        k, v = _chunk_keys(k_at, v_at, page, lo, hi, page_size, stride_ks, stride_vs, d_ok, BLOCK_N)
-        page = _chunk_pages(table, lo + BLOCK_N, hi, page_size, BLOCK_N)
-        for start in range(lo, hi, BLOCK_N):
-            k_next, v_next = _chunk_keys(k_at, v_at, page, start + BLOCK_N, hi, page_size, stride_ks, stride_vs,
-                                         d_ok, BLOCK_N)
-            page = _chunk_pages(table, start + 2 * BLOCK_N, hi, page_size, BLOCK_N)
-            key_pos = start + tl.arange(0, BLOCK_N)
-            visible = (key_pos < hi)[None, :] & row_ok[:, None]
-            if IS_CAUSAL:
-                visible = visible & (key_pos[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE)
-            k, v = k_next, v_next
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            key_pos = start + tl.arange(0, BLOCK_N)
-            page = _chunk_pages(table, start, hi, page_size, BLOCK_N)
-            k, v = _chunk_keys(k_at, v_at, page, start, hi, page_size, stride_ks, stride_vs, d_ok, BLOCK_N)
-            visible = (key_pos < hi)[None, :] & row_ok[:, None]
-            if IS_CAUSAL:
-                visible = visible & (key_pos[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE)
+    for start in range(lo, hi, BLOCK_N):
+        key_pos = start + tl.arange(0, BLOCK_N)
+        key_ok = key_pos < hi
+        page = tl.load(table + key_pos // page_size, mask=key_ok, other=0)
+        slot = page.to(tl.int64) * page_size + key_pos % page_size
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_pool_ptr + slot[:, None] * stride_ks + h * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_pool_ptr + slot[:, None] * stride_vs + h * stride_vh + d[None, :], mask=kv_mask, other=0.0)
+        visible = key_ok[None, :] & row_ok[:, None]
+        if IS_CAUSAL:
+            visible = visible & (key_pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = _attend_chunk(q, k, v, visible, m_i, l_i, acc, qk_scale, IEEE)
 
     if HAS_BLOCK:
         if split == block_split:
@@ -245,9 +209,6 @@ BATCH_INVARIANT = os.environ.get("BLOCKSPEC_BATCH_INVARIANT", "") == "1"
 # Under BATCH_INVARIANT the keys are cut into ranges of this many from key 0 (a multiple of every
 # BLOCK_N): long contexts still spread over the SMs, and a row's ranges never depend on the call.
 INVARIANT_SPLIT_KEYS = 512
-# The key loop's form (the kernel's PREFETCH): each chunk's K/V loaded an iteration ahead of its
-# math and its pages two ahead, or page → K/V → math chained in every chunk. Same bits either way.
-PREFETCH_KEYS = os.environ.get("BLOCKSPEC_ATTENTION_PREFETCH", "0") == "1"
 
 
 def choose_num_splits(num_programs: int, max_keys: int, block_n: int, sms: int) -> int:
@@ -299,7 +260,6 @@ class AttentionVariant:
     num_warps: int
     num_stages: int
     num_splits: int
-    prefetch: bool = False
 
 
 def attention_variant(heads: Heads, max_query_len: int, num_seqs: int, max_keys: int, sms: int) -> AttentionVariant:
@@ -308,7 +268,7 @@ def attention_variant(heads: Heads, max_query_len: int, num_seqs: int, max_keys:
     block_m, block_n, block_d, num_warps, num_stages = tile_sizes(rows_per_head, heads.head_dim, heads.element_size)
     programs = triton.cdiv(rows_per_head, block_m) * num_seqs * heads.num_kv_heads
     return AttentionVariant(block_m, block_n, block_d, num_warps, num_stages,
-                            choose_num_splits(programs, max_keys, block_n, sms), PREFETCH_KEYS)
+                            choose_num_splits(programs, max_keys, block_n, sms))
 
 
 @dataclass(frozen=True)
@@ -333,8 +293,7 @@ def attention_variants(heads: Heads, shapes: CallShapes, sms: int) -> set[Attent
         key_points = {k_lo, k_hi, *range(k_lo, top + 1, chunk)}           # every ⌈keys / chunk⌉ up to there
         for programs in program_counts(tiles, shapes.seqs, heads.num_kv_heads, sms):
             for max_keys in key_points:
-                variants.add(AttentionVariant(*tile, choose_num_splits(programs, max_keys, tile[1], sms),
-                                              PREFETCH_KEYS))
+                variants.add(AttentionVariant(*tile, choose_num_splits(programs, max_keys, tile[1], sms)))
     return variants
 
 
@@ -410,7 +369,7 @@ def launch(variant: AttentionVariant, q: torch.Tensor, k_pool: torch.Tensor, v_p
         page_size, head_dim, num_tokens, splits, INVARIANT_SPLIT_KEYS, scale * math.log2(math.e),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, IS_SPLIT=splits > 1,
         INVARIANT=BATCH_INVARIANT and splits > 1, IS_CAUSAL=is_causal,
-        HAS_BLOCK=block_kv is not None, IEEE=q.dtype == torch.float32, PREFETCH=variant.prefetch,
+        HAS_BLOCK=block_kv is not None, IEEE=q.dtype == torch.float32,
         BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_D=variant.block_d, num_warps=variant.num_warps,
         num_stages=variant.num_stages)
     if splits > 1:

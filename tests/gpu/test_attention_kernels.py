@@ -38,20 +38,6 @@ def test_target_batches(dtype, num_seqs, width):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("width", [1, 16])
-def test_the_prefetching_key_loop_gives_the_same_bits(monkeypatch, dtype, width):
-    """PREFETCH_KEYS (K/V a chunk ahead, pages two ahead) against the chained loop: every output
-    bit equal, eagerly and under a graph's bound, over contexts of 1-40 chunks of keys."""
-    from blockspec.kernels import attention
-    case = make_case([n + width for n in (5, 700, 2500)], width, 32, 8, 128, dtype, "cuda", seed=width)
-    for bound in (None, 8192):
-        monkeypatch.setattr(attention, "PREFETCH_KEYS", False)
-        chained = kernel(case, bound)
-        monkeypatch.setattr(attention, "PREFETCH_KEYS", True)
-        assert torch.equal(kernel(case, bound), chained), bound
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_flat_ragged_step(dtype):
     """One step of the ragged engine: prefill chunks of two sequences (a 2048-token chunk, 300
     more of a long prompt), plain decode rows and verify rows of every width 2 … 16."""
