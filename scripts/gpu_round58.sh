@@ -23,3 +23,12 @@ if [ "$M" = 2 ]; then
   timeout ${TESTS_S:-120} $T tests/gpu/test_attention_kernels.py > "$OUT/t_attention.log" 2>&1
   summary
 fi
+#   bash scripts/gpu_round58.sh 3   # any card (issue 33): the FP8 weight-only tl.dot kernel swapped (the weight tile
+#        # the left operand) against the shipped tiles at 16 and 4 rows, then the FP8 GPU tests of the variants
+if [ "$M" = 3 ]; then
+  TAIL=40 stage "FP8 weight-only sweep at 16 and 4 rows, swapped tiles" timeout ${SWEEP_S:-200} python3 \
+    scripts/fp8_kernel_bench.py --sweep-only --rows 16,4 --swapped --sweep-budget ${BUDGET:-150} \
+    --out "$OUT/fp8_swap_sweep.json"
+  timeout ${TESTS_S:-150} $T tests/gpu/test_fp8.py -k "variants_equal or split_sums" > "$OUT/t_fp8.log" 2>&1
+  summary
+fi
