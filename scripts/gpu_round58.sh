@@ -32,3 +32,11 @@ if [ "$M" = 3 ]; then
   timeout ${TESTS_S:-150} $T tests/gpu/test_fp8.py -k "variants_equal or split_sums" > "$OUT/t_fp8.log" 2>&1
   summary
 fi
+#   bash scripts/gpu_round58.sh 4   # any card: mode 3's sweep (shorter), then all of tests/gpu in four processes
+#        # (round 55's split) and the pool test alone
+if [ "$M" = 4 ]; then
+  TAIL=40 stage "FP8 weight-only sweep at 16 and 4 rows, swapped tiles" timeout ${SWEEP_S:-160} python3 \
+    scripts/fp8_kernel_bench.py --sweep-only --rows 16,4 --swapped --sweep-budget ${BUDGET:-110} \
+    --out "$OUT/fp8_swap_sweep.json"
+  TESTS_S=${TESTS_S:-330} bash "$(dirname "$0")/gpu_round55.sh" 1
+fi
