@@ -60,7 +60,7 @@ def main() -> int:
     block = config["block_size"]
     layer_ids = ",".join(map(str, config["dflash_config"]["target_layer_ids"]))
     trainer = make_trainer(argparse.Namespace(**vars(args), num_layers=config["num_hidden_layers"], layer_ids=layer_ids,
-                                              steps=0, batch_size=1, lr=0.0, num_anchors=1),
+                                              steps=1, batch_size=1, lr=1e-3, num_anchors=1),
                            work / "responses.jsonl", work / "unused", block_size=block)
     trainer.draft = load_draft(args.draft, trainer.target).float()
     lengths: dict[int, list[int]] = {top: [] for top in TOPS}
