@@ -11,7 +11,7 @@
 # 15 MB pieces). A stage whose output exists is skipped and a draft's training resumes from its
 # checkpoint, so a run cut short continues where it stopped when called again on the same WORK;
 # on one warm machine, calls of one stage each (UNTIL; SWEEP names the drafts to train, of d1b8
-# d1b16 d2b16 d2b8; RESPONSE_S and TRAIN_S their seconds) spread a longer recipe over several calls.
+# d1b16 d2b16 d2b8, and d4b8 d6b8 for a size ladder; RESPONSE_S and TRAIN_S their seconds) spread a longer recipe over several calls.
 set -o pipefail
 GGUF=$1; WORK=$2; OUT=$3; SCALE=${4:-full}
 UNTIL=${UNTIL:-measure}
@@ -73,6 +73,8 @@ flags() {   # the sweep's drafts
     d1b16) echo "$STEPS1 --num-layers 1 --block-size 16 --lr 2e-3" ;;
     d2b16) echo "$STEPS2 --num-layers 2 --block-size 16 --lr 1e-3" ;;
     d2b8) echo "$STEPS2 --num-layers 2 --block-size 8 --lr 1e-3" ;;
+    d4b8) echo "$STEPS2 --num-layers 4 --block-size 8 --lr 7e-4" ;;     # the size ladder (round 58's next
+    d6b8) echo "$STEPS2 --num-layers 6 --block-size 8 --lr 5e-4" ;;     # step): past the 20 MB in bf16
   esac
 }
 
@@ -86,7 +88,7 @@ pack() {   # pack NAME: WORK/NAME's files gzipped into OUT, in pieces of 15 MB (
 }
 
 for d in $SWEEP; do
-  [ -n "$(flags "$d")" ] || { echo "SWEEP: unknown draft $d (d1b8, d1b16, d2b16, d2b8)" >&2; exit 1; }
+  [ -n "$(flags "$d")" ] || { echo "SWEEP: unknown draft $d (d1b8, d1b16, d2b16, d2b8, d4b8, d6b8)" >&2; exit 1; }
 done
 [ -f "$WORK/prompts.train.jsonl" ] || stage prompts $T_PROMPTS python scripts/smollm2_recipe.py prompts --target "$GGUF" --work "$WORK" --seed $SEED $DEV $PROMPTS || exit 1
 [ -f "$WORK/responses.jsonl" ] || stage responses $T_RESPONSES python scripts/smollm2_recipe.py responses --target "$GGUF" --work "$WORK" --seed $SEED $DEV $RESPONSES || exit 1
