@@ -2,6 +2,8 @@
 streams interleave in one batch, configuration is validated in one place."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 
 from blockspec.config import ConfigError
@@ -169,3 +171,36 @@ def test_submit_after_shutdown_is_refused_not_lost(qwen3_dir):
     with pytest.raises(QueueFullError, match="shutting down"):
         llm.engine.submit(make(llm, "late"), lambda event: None)
     assert llm.engine.num_waiting == 0
+
+
+def test_each_hand_over_of_events_runs_inside_event_batch_in_order(llm):
+    """Engine.event_batch (the server's wakeups_held): a step's events reach their callbacks inside
+    one batch, each request's in the order they were made."""
+    log: list[tuple] = []
+
+    @contextmanager
+    def batch():
+        log.append(("enter",))
+        yield
+        log.append(("exit",))
+    engine = llm.engine
+    engine.event_batch = batch
+    try:
+        requests = [make(llm, name, max_tokens=9) for name in ("a", "b", "c")]
+        for request in requests:
+            engine.submit(request, lambda event: log.append(("event", event.request_id, event.token_ids)))
+        while not all(r.is_finished for r in requests) or engine.has_work:
+            engine.step()
+    finally:
+        engine.event_batch = None
+    inside = False
+    for before, entry in zip([("exit",)] + log, log):
+        if entry[0] == "event":
+            assert inside, log
+        else:
+            assert inside == (entry[0] == "exit") and before[0] != "enter", log    # no empty batch
+            inside = entry[0] == "enter"
+    assert not inside and log.count(("enter",)) >= 2
+    for request in requests:
+        tokens = [t for entry in log if entry[0] == "event" and entry[1] == request.request_id for t in entry[2]]
+        assert tokens == request.output_ids

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -96,6 +97,9 @@ class Engine:
         # on CPU, where the launch is the compute and the wait would delay every token a step
         # (BLOCKSPEC_OVERLAP=0 turns it off on CUDA too, for side-by-side measurements).
         self._outbox: list[tuple[EventCallback, TokenEvent]] = []
+        # A consumer whose callbacks wake another thread (the server: its event loop) sets this:
+        # each hand-over of events runs inside it, so that thread is woken once for all of them.
+        self.event_batch: Callable[[], AbstractContextManager[None]] | None = None
         self.overlap = self.runner.device.type == "cuda" and os.environ.get("BLOCKSPEC_OVERLAP", "1") != "0"
         self._steps_since_oom = 0
 
@@ -381,8 +385,18 @@ class Engine:
             self._outbox.append((callback, event))
 
     def _send_events(self) -> None:
-        """Every queued event to its consumer, in the order they were made."""
+        """Every queued event to its consumer, in the order they were made (inside event_batch)."""
         outbox, self._outbox = self._outbox, []
+        if not outbox:
+            return
+        if self.event_batch is None:
+            self._deliver(outbox)
+            return
+        with self.event_batch():
+            self._deliver(outbox)
+
+    @staticmethod
+    def _deliver(outbox: list[tuple[EventCallback, TokenEvent]]) -> None:
         for callback, event in outbox:
             try:
                 callback(event)

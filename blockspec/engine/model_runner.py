@@ -784,23 +784,29 @@ class ModelRunner:
 
     def draw_first(self, batch: Batch, logits: torch.Tensor) -> FirstDraws:
         """The first token of each prefill chunk's sequence whose prompt ends in this step (logits
-        [P, V]: those prompts' last rows), chosen on the device, and on its way to the host."""
-        ending: list[int] = []                          # chunks whose prompt ends here
-        chosen: list[torch.Tensor] = []
-        raw: list[torch.Tensor | None] = []
-        for i, (seq, n) in enumerate(batch.prefill):
-            if not samples_first_token(seq, n):
-                continue
-            scores = logits[len(ending): len(ending) + 1]                                  # [1, V]
-            raw.append(self.raw_logprobs([seq], scores.view(1, 1, -1))[0])     # before any processing
-            if self.processor_of(seq) is not None:
-                scores = seq.logits_processor.rows(scores, [])
-            chosen.append(sample(scores[0], seq.request.params, seq.generator))
-            ending.append(i)
-        if not chosen:
-            return FirstDraws(ending, raw, None)
-        tokens = torch.stack(chosen)
+        [P, V]: those prompts' last rows), chosen on the device, and on its way to the host. The
+        greedy rows that process nothing take one argmax for all of them (the ids each row's own
+        argmax gives; 64 arrivals were 64 argmax launches and a stack), the others their own draw."""
+        ending = [i for i, (seq, n) in enumerate(batch.prefill) if samples_first_token(seq, n)]
+        if not ending:
+            return FirstDraws(ending, [], None)
+        seqs = [batch.prefill[i][0] for i in ending]
+        raw = self.raw_logprobs(seqs, logits.unsqueeze(1))          # before any processing
+        own = [j for j, seq in enumerate(seqs) if self.processor_of(seq) is not None or not seq.request.params.is_greedy]
+        if len(own) < len(seqs):
+            tokens = logits.argmax(dim=-1)                                         # [P]
+        else:
+            tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        for j in own:
+            tokens[j] = self.draw_own(seqs[j], logits[j: j + 1])
         return FirstDraws(ending, raw, Staged(tokens), tokens)
+
+    def draw_own(self, seq: Sequence, scores: torch.Tensor) -> torch.Tensor:
+        """One first token drawn with the sequence's own processor, parameters and generator
+        (scores [1, V])."""
+        if seq.logits_processor is not None:
+            scores = seq.logits_processor.rows(scores, [])
+        return sample(scores[0], seq.request.params, seq.generator)
 
     def first_tokens(self, batch: Batch, logits: torch.Tensor | None,
                      draws: FirstDraws | None = None) -> list[FirstToken | None]:

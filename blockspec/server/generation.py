@@ -8,7 +8,6 @@ import dataclasses
 import logging
 import threading
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from blockspec.server.replies import MetaInfo, UsageInfo
 from blockspec.server.request_building import Body, Grammar, Prompt, make_engine_request
 from blockspec.server.spec_cycles import SpecCycles, wants_spec_cycles  # playground (#26)
 from blockspec.server.state import EngineHandle, ServerState
+from blockspec.server.wakeups import waker_of
 
 logger = logging.getLogger("blockspec.server")
 
@@ -177,50 +177,6 @@ class Generation:
         self.state.generations.discard(self)
         self.state.metrics.requests.labels(finish_reason=reason).inc()
         self.state.metrics.e2e_latency.observe(time.perf_counter() - self.arrival)
-
-
-class LoopWaker:
-    """Wakes the event loop's readers of events made on the engine thread: one
-    call_soon_threadsafe (a write to the loop's wake-up pipe, and one wake-up) for all the
-    generations a step gave events to, not one each."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._waiting: list[Generation] = []
-
-    def wake(self, generation: Generation) -> None:
-        with self._lock:
-            first = not self._waiting
-            self._waiting.append(generation)
-        if not first:             # a wake-up is already on its way; it takes this one too
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._set_ready)
-        except RuntimeError:      # the loop is closed: nobody is listening any more
-            for waiting in self._take():
-                waiting.request.abort()
-
-    def _take(self) -> list[Generation]:
-        with self._lock:
-            waiting, self._waiting = self._waiting, []
-        return waiting
-
-    def _set_ready(self) -> None:
-        for generation in self._take():
-            generation.mark_ready()
-
-
-_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
-_wakers_lock = threading.Lock()
-
-
-def waker_of(loop: asyncio.AbstractEventLoop) -> LoopWaker:
-    with _wakers_lock:
-        waker = _wakers.get(loop)
-        if waker is None:
-            waker = _wakers[loop] = LoopWaker(loop)
-        return waker
 
 
 def merge_events(first: TokenEvent, then: TokenEvent) -> TokenEvent:

@@ -21,6 +21,7 @@ from blockspec.sampling import SamplingParams
 from blockspec.server.errors import ApiError, retry_later
 from blockspec.server.settings import ServerSettings
 from blockspec.server.spec_metrics import speculation_histograms
+from blockspec.server.wakeups import wakeups_held
 from blockspec.tokenizer import Tokenizer
 
 logger = logging.getLogger("blockspec.server")
@@ -198,6 +199,7 @@ class ServerState:
             llm = self.llm_factory()
             engine = llm.engine               # the LLM built it; from now on only its thread steps it
             warm_request_path(llm, engine)
+            engine.event_batch = wakeups_held     # one wake-up of the loop per step's events
             engine.start()
         except BaseException as exc:  # noqa: BLE001 - reported on /health and by serve()
             logger.error("the model failed to load", exc_info=True)
