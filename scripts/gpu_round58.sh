@@ -40,3 +40,18 @@ if [ "$M" = 4 ]; then
     --out "$OUT/fp8_swap_sweep.json"
   TESTS_S=${TESTS_S:-330} bash "$(dirname "$0")/gpu_round55.sh" 1
 fi
+#   bash scripts/gpu_round58.sh 5   # any card: mode 3's sweep (shorter), HTTP bursts after the merged host-path
+#        # changes (one wake-up a step, one argmax for the first tokens), then the GPU tests this round's changes touch
+if [ "$M" = 5 ]; then
+  TAIL=40 stage "FP8 weight-only sweep at 16 and 4 rows, swapped tiles" timeout ${SWEEP_S:-130} python3 \
+    scripts/fp8_kernel_bench.py --sweep-only --rows 16,4 --swapped --sweep-budget ${BUDGET:-90} \
+    --compile-workers 12 --out "$OUT/fp8_swap_sweep.json"
+  stage "HTTP: demo pair, 3 bursts of 64 x 256, a thread per stream" timeout ${HTTP_S:-90} python3 \
+    scripts/bench_streams.py --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3
+  G=tests/gpu
+  timeout ${TESTS_S:-220} $T $G/test_attention_kernels.py -k "target_batches or draft_blocks or invariant" \
+    $G/test_fp8.py -k "swapped or split_sums or target_batches or draft_blocks or invariant" > "$OUT/t_1.log" 2>&1 &
+  timeout ${TESTS_S:-220} $T $G/test_gpu.py $G/test_overlap_gpu.py > "$OUT/t_2.log" 2>&1 &
+  wait
+  summary
+fi
