@@ -55,3 +55,15 @@ if [ "$M" = 5 ]; then
   wait
   summary
 fi
+#   bash scripts/gpu_round58.sh 6   # mode 5 without the HTTP bursts, shorter (the device was scarce): the swap
+#        # sweep, then the swapped variants' and the decode attention's GPU tests
+if [ "$M" = 6 ]; then
+  TAIL=40 stage "FP8 weight-only sweep at 16 and 4 rows, swapped tiles" timeout ${SWEEP_S:-120} python3 \
+    scripts/fp8_kernel_bench.py --sweep-only --rows 16,4 --swapped --sweep-budget ${BUDGET:-80} \
+    --compile-workers 12 --out "$OUT/fp8_swap_sweep.json"
+  G=tests/gpu
+  timeout ${TESTS_S:-150} $T $G/test_fp8.py -k "swapped or split_sums" > "$OUT/t_1.log" 2>&1 &
+  timeout ${TESTS_S:-150} $T $G/test_attention_kernels.py -k "target_batches or invariant" > "$OUT/t_2.log" 2>&1 &
+  wait
+  summary
+fi
