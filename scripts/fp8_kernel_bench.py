@@ -40,7 +40,6 @@ SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (245
 ROWS = (1, 16, 256)
 COPIES = 8
 SWEEP_ROWS = (1, 2, 4, 8, 16)
-SWAP_FIRST = False       # --swapped: at 4-16 rows only the swapped tiles and the best three of DOTS
 SPLITS = (1, 2, 4, 8)
 DEVICE = "cuda"          # the sweep's (a smoke run drives it on the CPU, Triton interpreted)
 
@@ -98,25 +97,18 @@ def gemv(rows: int, block_n: int, k_blocks: int, warps: int, broadcast: bool = T
                              broadcast_x=broadcast, prefetch=prefetch)
 
 
-def dot(block_n: int, k_blocks: int, warps: int, stages: int, swap: bool = False) -> K.WeightOnlyTiles:
-    return K.WeightOnlyTiles(16, block_n, warps, stages, 1, k_blocks=k_blocks, reduce_in_kernel=True, swap=swap)
+def dot(block_n: int, k_blocks: int, warps: int, stages: int) -> K.WeightOnlyTiles:
+    return K.WeightOnlyTiles(16, block_n, warps, stages, 1, k_blocks=k_blocks, reduce_in_kernel=True)
 
 
 # tl.dot tiles for 2-16 rows: round 42's 32 columns at 1, 2 and 4 scale blocks an iteration, then wider.
 DOTS = [dot(32, 1, 4, 4), dot(32, 2, 4, 4), dot(32, 4, 4, 3), dot(64, 2, 4, 4), dot(64, 1, 4, 4),
         dot(32, 2, 4, 3), dot(64, 4, 8, 3), dot(16, 4, 4, 4), dot(32, 1, 4, 6)]
-# The same product swapped (outᵀ = W · xᵀ: the widened weight tile the left operand), round 58:
-# 64-256 weight rows a program (wgmma's M is 64 a warpgroup).
-SWAPS = [dot(64, 1, 4, 4, swap=True), dot(128, 1, 8, 4, swap=True), dot(128, 1, 4, 4, swap=True),
-         dot(64, 2, 4, 3, swap=True), dot(128, 2, 8, 3, swap=True), dot(256, 1, 8, 3, swap=True),
-         dot(64, 1, 4, 6, swap=True), dot(128, 1, 4, 6, swap=True)]
 
 
 def candidates(m: int) -> list[K.WeightOnlyTiles]:
     """The variants timed at m rows (split_k set per shape later), most likely winners first:
     ≤ ~110 distinct kernels over all five row counts."""
-    if SWAP_FIRST and m > 2:
-        return SWAPS + DOTS[:3]
     if m == 1:
         return [gemv(1, 32, 4, 4, broadcast=False),         # round 42's tiles, the split summed in the kernel
                 gemv(1, 32, 4, 4), gemv(1, 16, 8, 4), gemv(1, 16, 4, 4), gemv(1, 32, 2, 4), gemv(1, 64, 2, 4),
@@ -200,7 +192,7 @@ def start_compiles(workers: int, sms: int) -> tuple[ProcessPoolExecutor | None, 
 def tiles_label(tiles: K.WeightOnlyTiles) -> str:
     kind = "gemv" if tiles.gemv else "dot"
     flags = ((" sum-in-kernel", tiles.reduce_in_kernel), (" broadcast-x", tiles.broadcast_x),
-             (" prefetch", tiles.prefetch), (" swap", tiles.swap))
+             (" prefetch", tiles.prefetch))
     extra = "".join(flag for flag, on in flags if on)
     return (f"{kind} m{tiles.block_m} n{tiles.block_n} kb{tiles.k_blocks} w{tiles.num_warps} s{tiles.num_stages}"
             f"{extra}")
@@ -321,13 +313,10 @@ def main() -> None:
     parser.add_argument("--compile-workers", type=int, default=8,
                         help="processes compiling the sweep's kernels ahead (0: compile as they are timed)")
     parser.add_argument("--rows", default=None, help="the sweep's row counts (default 1,2,4,8,16)")
-    parser.add_argument("--swapped", action="store_true",
-                        help="at 4-16 rows: the swapped tiles (SWAPS) and the best three unswapped")
     args = parser.parse_args()
-    global SWEEP_ROWS, SWAP_FIRST
+    global SWEEP_ROWS
     if args.rows:
         SWEEP_ROWS = tuple(int(r) for r in args.rows.split(","))
-    SWAP_FIRST = args.swapped
     import triton
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "copies": COPIES}

@@ -281,9 +281,6 @@ for rows, n, k, block in [(1, 40, 200, fp8.ScaleBlock()), (5, 130, 256, fp8.Scal
     # scale blocks, x loaded either way, the next tile prefetched or not; K split or not, its parts
     # summed in the kernel or after it
     tiles += [K.WeightOnlyTiles(16, 32, 4, 2, split, k_blocks=2, reduce_in_kernel=True) for split in (1, 2)]
-    # the swapped product (the weight tile on the left), one or two scale blocks, K split or not
-    tiles += [K.WeightOnlyTiles(16, 32, 4, 2, split, k_blocks=kb, reduce_in_kernel=summed, swap=True)
-              for split, kb, summed in ((1, 1, False), (3, 1, False), (2, 2, True))]
     tiles += [K.WeightOnlyTiles(rows_a_program, 32, 4, 2, split, gemv=True, k_blocks=kb, reduce_in_kernel=summed,
                                 broadcast_x=broadcast, prefetch=prefetch)
               for rows_a_program, split, kb, summed, broadcast, prefetch in (

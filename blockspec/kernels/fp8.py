@@ -22,8 +22,8 @@ paths, chosen by the number of rows M (all fixed-shape, no host sync: inside CUD
 Measured on the H200 at the Qwen3-8B shapes (scripts/fp8_kernel_bench.py, BENCHMARKS.md): at
 256 rows the FP8 × FP8 kernel took 0.39-0.52 × the weight-only kernel's time, hence the
 threshold of 64 rows (not 256); swapping the dot's operands, weight tile first, was no better
-(BENCHMARKS.md, round 42); at one row the GEMV is 1.2-1.35 × faster than the best tl.dot
-tiles. Round 49's sweep (`fp8_kernel_bench.py --sweep-only`) chose the GEMV at two rows too, x
+(round 42; round 58 on the H100: 5-14 % slower at 4 and 16 rows); at one row the GEMV is
+1.2-1.35 × faster than the best tl.dot tiles. Round 49's sweep (`fp8_kernel_bench.py --sweep-only`) chose the GEMV at two rows too, x
 broadcast in the weight tile's layout, and K split in 4 parts summed inside the kernel at every
 row count (TILES_BY_ROWS).
 torch._scaled_mm's block-wise scaling is not used: ours runs the same on every torch version.
@@ -114,10 +114,7 @@ class WeightOnlyTiles:
     order, so bit for bit what the separate sum kernel gives) instead of a second launch.
     GEMV only: broadcast_x, x loaded in the weight tile's layout, no shared memory (`_load_row`);
     prefetch, the next step's weight tile loaded before this step's math (its num_stages does
-    nothing: Triton pipelines only loads that feed tl.dot). tl.dot only: swap, the product taken
-    as outᵀ = W · xᵀ, the widened weight tile the dot's left operand (which Hopper's wgmma can
-    read from registers, where the right one must come through shared memory) and the rows the
-    narrow side."""
+    nothing: Triton pipelines only loads that feed tl.dot)."""
     block_m: int
     block_n: int
     num_warps: int
@@ -128,15 +125,12 @@ class WeightOnlyTiles:
     reduce_in_kernel: bool = False
     broadcast_x: bool = False
     prefetch: bool = False
-    swap: bool = False
 
     def __post_init__(self) -> None:
         smallest = 1 if self.gemv else 16
         if self.block_m not in (1, 2, 4, 8, 16, 32, 64) or not smallest <= self.block_m <= (16 if self.gemv else 64):
             raise ValueError(f"block_m {self.block_m}: the GEMV takes 1-16 rows a program, tl.dot 16-64 "
                              "(a power of two)")
-        if self.swap and self.gemv:
-            raise ValueError("swap is a form of the tl.dot kernel, not of the GEMV")
 
 
 # K splits give each program at least this many 128-column tiles; at most MAX_SPLITS of them.
@@ -240,8 +234,7 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if tiles.gemv:
         _gemv_kernel[grid](*args, BROADCAST_X=tiles.broadcast_x, PREFETCH=tiles.prefetch, **common)
     else:
-        _weight_only_kernel[grid](*args, PRECISION="ieee" if x.dtype == torch.float32 else None, SWAP=tiles.swap,
-                                  **common)
+        _weight_only_kernel[grid](*args, PRECISION="ieee" if x.dtype == torch.float32 else None, **common)
     if split > 1 and not in_kernel:
         size = num_rows * out_features
         _split_sum_kernel[(triton.cdiv(size, 1024),)](partial, bias if bias is not None else x, out, size,
@@ -329,69 +322,42 @@ if triton is not None:
                             stride_xm, stride_wn, stride_sn, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                             HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                             EVEN_M: tl.constexpr, SPLIT_SUM: tl.constexpr, PRECISION: tl.constexpr,
-                            SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, BLOCK_K: tl.constexpr):
         """Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[m, k] · w[n, k] over the split's columns
         K_PER_SPLIT · split …, KB blocks of BLOCK_K (one scale and one tl.dot each) an iteration;
         stored by `_store_tile`. EVEN_K: K is a multiple of K_PER_SPLIT; EVEN_N: N of BLOCK_N;
-        EVEN_M: M of BLOCK_M (loads without masks). SWAP: the tile computed transposed,
-        [BLOCK_N, BLOCK_M] = W tile · x tileᵀ (the same sums; see WeightOnlyTiles)."""
+        EVEN_M: M of BLOCK_M (loads without masks)."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k_start = tl.program_id(2) * K_PER_SPLIT
         offs_k = tl.arange(0, BLOCK_K)
         m_ok, n_ok = offs_m < M, offs_n < N
-        if SWAP:
-            x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + k_start + offs_k[:, None]   # [BLOCK_K, BLOCK_M]
-            w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + k_start + offs_k[None, :]   # [BLOCK_N, BLOCK_K]
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        else:
-            x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
-            w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k_start + offs_k[:, None]   # [BLOCK_K, BLOCK_N]
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + k_start + offs_k[:, None]   # [BLOCK_K, BLOCK_N]
         s_ptrs = s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), KB * BLOCK_K):
             for kb in tl.static_range(KB):
                 col = k + kb * BLOCK_K
-                a, w = _weight_only_tiles(x_ptrs + kb * BLOCK_K, w_ptrs + kb * BLOCK_K, m_ok, n_ok, offs_k, K - col,
-                                          EVEN_K, EVEN_N, EVEN_M, SWAP)
                 if EVEN_K:
+                    a = (tl.load(x_ptrs + kb * BLOCK_K) if EVEN_M
+                         else tl.load(x_ptrs + kb * BLOCK_K, mask=m_ok[:, None], other=0.0))
+                    w = tl.load(w_ptrs + kb * BLOCK_K) if EVEN_N else tl.load(w_ptrs + kb * BLOCK_K,
+                                                                               mask=n_ok[None, :], other=0.0)
                     s = tl.load(s_ptrs + col // SCALE_COLS) if EVEN_N else tl.load(s_ptrs + col // SCALE_COLS,
                                                                                   mask=n_ok, other=0.0)
                 else:           # a block past K reads nothing, its scale included (partial · NaN is NaN)
+                    k_ok = offs_k < K - col
+                    a = tl.load(x_ptrs + kb * BLOCK_K, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                    w = tl.load(w_ptrs + kb * BLOCK_K, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                     s = tl.load(s_ptrs + col // SCALE_COLS, mask=offs_n < tl.where(col < K, N, 0), other=0.0)
-                if SWAP:
-                    acc += tl.dot(w.to(a.dtype), a, input_precision=PRECISION) * s[:, None]
-                else:
-                    acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * s[None, :]
+                partial = tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
+                acc += partial * s[None, :]
             x_ptrs += KB * BLOCK_K
             w_ptrs += KB * BLOCK_K
-        if SWAP:
-            offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-            ok = n_ok[:, None] & m_ok[None, :]
-        else:
-            offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-            ok = m_ok[:, None] & n_ok[None, :]
-        _store_tile(acc, b_ptr, part_ptr, out_ptr, count_ptr, offs, ok, M, N, HAS_BIAS, SPLIT_SUM)
-
-    @triton.jit
-    def _weight_only_tiles(x_ptrs, w_ptrs, m_ok, n_ok, offs_k, bound, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                           EVEN_M: tl.constexpr, SWAP: tl.constexpr):
-        """One scale block's x and weight tiles at x_ptrs / w_ptrs, in the kernel's layout
-        ([M, K] and [K, N]; SWAP: [K, M] and [N, K]), 0 past M, N and column `bound`."""
-        if SWAP:
-            m_mask, n_mask, k_mask = m_ok[None, :], n_ok[:, None], (offs_k < bound)[:, None]
-            w_k_mask = (offs_k < bound)[None, :]
-        else:
-            m_mask, n_mask, k_mask = m_ok[:, None], n_ok[None, :], (offs_k < bound)[None, :]
-            w_k_mask = (offs_k < bound)[:, None]
-        if EVEN_K:
-            a = tl.load(x_ptrs) if EVEN_M else tl.load(x_ptrs, mask=m_mask, other=0.0)
-            w = tl.load(w_ptrs) if EVEN_N else tl.load(w_ptrs, mask=n_mask, other=0.0)
-        else:
-            a = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
-            w = tl.load(w_ptrs, mask=w_k_mask & n_mask, other=0.0)
-        return a, w
+        offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        _store_tile(acc, b_ptr, part_ptr, out_ptr, count_ptr, offs, m_ok[:, None] & n_ok[None, :], M, N,
+                    HAS_BIAS, SPLIT_SUM)
 
     @triton.jit
     def _load_weights(w_ptrs, n_ok, offs_k, bound, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):

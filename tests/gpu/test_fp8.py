@@ -70,8 +70,8 @@ def test_weight_only_kernel_split_over_k(split, rows):
 
 
 # The weight-only variants the sweep weighs (scripts/fp8_kernel_bench.py): the GEMV at 1-16 rows a
-# program, x loaded either way; tl.dot over 2 and 4 scale blocks an iteration, and swapped (the
-# weight tile on the left); K split, its parts summed in the kernel or by the second one.
+# program, x loaded either way; tl.dot over 2 and 4 scale blocks an iteration; K split, its parts
+# summed in the kernel or by the second one.
 VARIANTS = {
     "gemv1_summed": K.WeightOnlyTiles(1, 32, 4, 2, 4, gemv=True, k_blocks=4, reduce_in_kernel=True),
     "gemv2_broadcast": K.WeightOnlyTiles(2, 32, 4, 3, 4, gemv=True, k_blocks=2, reduce_in_kernel=True,
@@ -85,8 +85,6 @@ VARIANTS = {
     "gemv16_summed": K.WeightOnlyTiles(16, 16, 8, 2, 2, gemv=True, k_blocks=2, reduce_in_kernel=True),
     "dot_2_blocks": K.WeightOnlyTiles(16, 32, 4, 4, 4, k_blocks=2, reduce_in_kernel=True),
     "dot_4_blocks": K.WeightOnlyTiles(16, 64, 4, 3, 2, k_blocks=4, reduce_in_kernel=True),
-    "dot_swapped": K.WeightOnlyTiles(16, 64, 4, 4, 4, reduce_in_kernel=True, swap=True),
-    "dot_swapped_wide": K.WeightOnlyTiles(16, 128, 8, 3, 2, k_blocks=2, swap=True),
 }
 GRAPH_ROWS = [1, 2, 3, 4, 8, 16]        # the graphs' buckets up to 16 rows, and a ragged count
 
