@@ -292,6 +292,55 @@ def sweep(budget: float, workers: int) -> dict:
             "sms": sms, "rows": rows, "per_layer": per_layer}
 
 
+FP8_FP8_ROWS = (256, 512)
+
+
+def fp8_fp8_sweep(budget: float) -> dict:
+    """The FP8 × FP8 kernel's tiles (Fp8Fp8Tiles) at FP8_FP8_ROWS against cuBLAS's bf16 and the
+    shipped tiles, per linear, within `budget` seconds shared by the (rows, linear) entries (the
+    shipped tiles and bf16 first, always)."""
+    start = time.perf_counter()
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    grid = [K.Fp8Fp8Tiles(bm, bn, w, st) for bm in (64, 128) for bn in (64, 128, 256) for w in (4, 8)
+            for st in (3, 4, 5)]
+    rows, per_layer, entry = [], {}, 0
+    for m in FP8_FP8_ROWS:
+        sums = {"bf16": 0.0, "shipped": 0.0, "best": 0.0}
+        for name, (n, k) in SHAPES.items():
+            entry += 1
+            deadline = start + budget * entry / (len(FP8_FP8_ROWS) * len(SHAPES))   # what one leaves passes on
+            x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+            dense = [(torch.randn(n, k, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16) for _ in range(COPIES)]
+            blocks = [fp8.quantize(w) for w in dense]
+            bf16_us = per_linear_us(lambda: [F.linear(x, w) for w in dense], COPIES)
+            shipped = K.fp8_fp8_tiles(m, n, K.num_sms(torch.device(DEVICE)))
+            timed_tiles = []
+            for tiles in [shipped] + [t for t in grid if t != shipped]:
+                if timed_tiles and time.perf_counter() > deadline:     # the shipped tiles always
+                    break
+                try:
+                    us = per_linear_us(lambda: [K.fp8_fp8_linear(x, q, s, fp8.ScaleBlock(), None, tiles)
+                                                for q, s in blocks], COPIES)
+                except Exception as error:                     # shared memory or registers
+                    print(json.dumps({"M": m, "linear": name, "tiles": asdict(tiles), "error": str(error)[:120]}))
+                    continue
+                timed_tiles.append((us, tiles))
+            ranked = sorted(timed_tiles, key=lambda t: t[0])
+            shipped_us = next(us for us, t in timed_tiles if t == shipped)
+            row = {"M": m, "linear": name, "bf16_us": round(bf16_us, 2), "shipped": asdict(shipped),
+                   "shipped_us": round(shipped_us, 2), "timed": len(timed_tiles),
+                   "fastest": [{"tiles": asdict(t), "us": round(us, 2)} for us, t in ranked[:3]]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            sums["bf16"] += bf16_us
+            sums["shipped"] += shipped_us
+            sums["best"] += ranked[0][0]
+        per_layer[m] = {key: round(v, 2) for key, v in sums.items()}
+        print(json.dumps({"M": m, "per_layer_us": per_layer[m]}), flush=True)
+    return {"budget_s": budget, "elapsed_s": round(time.perf_counter() - start, 1), "rows": rows,
+            "per_layer": per_layer}
+
+
 def claim_compiles(futures: dict[tuple, Future], m: int, per_linear: dict) -> None:
     """The timing loop is about to compile what the workers have not: drop those jobs from their
     queue. Nothing waits: a kernel a worker is still compiling is compiled here too (the cache
@@ -313,6 +362,8 @@ def main() -> None:
     parser.add_argument("--compile-workers", type=int, default=8,
                         help="processes compiling the sweep's kernels ahead (0: compile as they are timed)")
     parser.add_argument("--rows", default=None, help="the sweep's row counts (default 1,2,4,8,16)")
+    parser.add_argument("--fp8-fp8-sweep", action="store_true",
+                        help="only the FP8 × FP8 kernel's tiles at 256 and 512 rows (--sweep-budget seconds)")
     args = parser.parse_args()
     global SWEEP_ROWS
     if args.rows:
@@ -320,14 +371,16 @@ def main() -> None:
     import triton
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "copies": COPIES}
-    if not args.sweep_only:
+    if args.fp8_fp8_sweep:
+        result["fp8_fp8_sweep"] = fp8_fp8_sweep(args.sweep_budget)
+    elif not args.sweep_only:
         bandwidth = copy_bandwidth(torch.device("cuda"))
         result["rows"] = [r for name, (n, k) in SHAPES.items() for r in shape_rows(name, n, k, bandwidth)]
         total = {m: {key: sum(r[key] for r in result["rows"] if r["M"] == m)
                      for key in ("bf16_us", "fp8_block_us", "fp8_channel_us")} for m in ROWS}
         result["per_layer_us"] = total          # one Qwen3-8B layer's four linears
         print(json.dumps({"per_layer_us": total}))
-    if not args.no_sweep:
+    if not args.no_sweep and not args.fp8_fp8_sweep:
         result["sweep"] = sweep(args.sweep_budget, args.compile_workers)
     if args.out:
         with open(args.out, "w") as f:

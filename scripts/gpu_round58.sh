@@ -67,3 +67,12 @@ if [ "$M" = 6 ]; then
   wait
   summary
 fi
+#   (calls 4-6, on mode 6's warm machine: HTTP bursts of this tree, then again with its one wake-up a step turned off,
+#    twice; `$B --quantization fp8 --concurrency 1,32` and step_profile.py at two attention stages;
+#    fp8_kernel_bench.py --no-sweep)
+#   bash scripts/gpu_round58.sh 7   # any card (issue 33): the FP8 × FP8 kernel's tiles at 256 and 512 rows against
+#        # cuBLAS's bf16 (round 58: 1.1-1.6 × bf16's time at 256 rows; DFlash at 32 sequences 0.79 × bf16)
+if [ "$M" = 7 ]; then
+  TAIL=20 stage "FP8 x FP8 tiles at 256 and 512 rows" timeout ${SWEEP_S:-150} python3 scripts/fp8_kernel_bench.py \
+    --fp8-fp8-sweep --sweep-budget ${BUDGET:-90} --out "$OUT/fp8_fp8_sweep.json"
+fi

@@ -304,6 +304,8 @@ for rows, n, k, block in [(1, 40, 200, fp8.ScaleBlock()), (5, 130, 256, fp8.Scal
     x_q, x_scale = K.quantize_rows(x)
     ref = fp8.dequantize(x_q, x_scale, fp8.ScaleBlock(rows=1)) @ fp8.dequantize(q, scale, block).T + bias
     assert (K.fp8_fp8_linear(x, q, scale, block, bias) - ref).abs().max() < 1e-4 * ref.abs().max(), (rows, n, k)
+    for tiles in (K.Fp8Fp8Tiles(16, 32, 4, 2, group_m=2), K.Fp8Fp8Tiles(32, 16, 4, 4, group_m=1)):   # a sweep's tiles
+        assert (K.fp8_fp8_linear(x, q, scale, block, bias, tiles) - ref).abs().max() < 1e-4 * ref.abs().max(), tiles
 
 # FP8 experts in the fused MoE kernel, gate | up of 24 rows each (a scale per row)
 from blockspec.kernels import moe as M

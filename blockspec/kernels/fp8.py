@@ -23,9 +23,11 @@ Measured on the H200 at the Qwen3-8B shapes (scripts/fp8_kernel_bench.py, BENCHM
 256 rows the FP8 × FP8 kernel took 0.39-0.52 × the weight-only kernel's time, hence the
 threshold of 64 rows (not 256); swapping the dot's operands, weight tile first, was no better
 (round 42; round 58 on the H100: 5-14 % slower at 4 and 16 rows); at one row the GEMV is
-1.2-1.35 × faster than the best tl.dot tiles. Round 49's sweep (`fp8_kernel_bench.py --sweep-only`) chose the GEMV at two rows too, x
-broadcast in the weight tile's layout, and K split in 4 parts summed inside the kernel at every
-row count (TILES_BY_ROWS).
+1.2-1.35 × faster than the best tl.dot tiles. Round 49's sweep (`fp8_kernel_bench.py
+--sweep-only`) chose the GEMV at two rows too, x broadcast in the weight tile's layout, and K
+split in 4 parts summed inside the kernel at every row count (TILES_BY_ROWS). Round 58 on the
+H100: at 256 rows the FP8 × FP8 kernel took 1.1-1.6 × cuBLAS's bf16 time (`--fp8-fp8-sweep`
+weighs its tiles).
 torch._scaled_mm's block-wise scaling is not used: ours runs the same on every torch version.
 """
 from __future__ import annotations
@@ -243,13 +245,24 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     return out
 
 
-def fp8_fp8_tiles(num_rows: int, out_features: int, sms: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): 128 × 128 where that fills every SM, else smaller tiles
-    (256 rows × 4096 columns are 64 tiles of 128 × 128 for 132 SMs)."""
+@dataclass(frozen=True)
+class Fp8Fp8Tiles:
+    """One FP8 × FP8 launch's tiles: BLOCK_M × BLOCK_N outputs a program (BLOCK_K is the scale
+    block, 128), its warps and pipeline stages, and GROUP_M row tiles walked per column tile."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int = 3
+    group_m: int = 8
+
+
+def fp8_fp8_tiles(num_rows: int, out_features: int, sms: int) -> Fp8Fp8Tiles:
+    """128 × 128 where that fills every SM, else smaller tiles (256 rows × 4096 columns are 64
+    tiles of 128 × 128 for 132 SMs)."""
     for block_m, block_n, warps in ((128, 128, 8), (128, 64, 4)):
         if triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n) >= sms:
-            return block_m, block_n, warps
-    return 64, 64, 4
+            return Fp8Fp8Tiles(block_m, block_n, warps)
+    return Fp8Fp8Tiles(64, 64, 4)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,8 +278,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] quantized per row × 128 columns, then e4m3 × e4m3 → [M, N] in x's dtype."""
+                   bias: torch.Tensor | None, tiles: Fp8Fp8Tiles | None = None) -> torch.Tensor:
+    """x [M, K] quantized per row × 128 columns, then e4m3 × e4m3 → [M, N] in x's dtype (tiles:
+    `fp8_fp8_tiles`' unless given, as scripts/fp8_kernel_bench.py --fp8-fp8-sweep does)."""
     num_rows, in_features = x.shape
     out_features = weight.shape[0]
     x = x.contiguous()
@@ -274,13 +288,14 @@ def fp8_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    block_m, block_n, warps = fp8_fp8_tiles(num_rows, out_features, num_sms(x.device))
-    grid = (triton.cdiv(num_rows, block_m) * triton.cdiv(out_features, block_n),)
+    tiles = tiles or fp8_fp8_tiles(num_rows, out_features, num_sms(x.device))
+    grid = (triton.cdiv(num_rows, tiles.block_m) * triton.cdiv(out_features, tiles.block_n),)
     _fp8_fp8_kernel[grid](
         q, x_scales, weight, scale, bias if bias is not None else x, out, num_rows, out_features, in_features,
         q.stride(0), x_scales.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         SCALE_ROWS=block.rows, SCALE_COLS=scale_cols(block, in_features), HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK, GROUP_M=8, num_warps=warps, num_stages=3)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK, GROUP_M=tiles.group_m, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
     return out
 
 
