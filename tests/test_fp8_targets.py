@@ -259,6 +259,18 @@ def test_cli_says_why_in_one_line(fp8_models, tmp_path, capsys):
     assert parser_exit.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("block", [fp8.ScaleBlock(), fp8.ScaleBlock(rows=1), fp8.ScaleBlock(rows=1, cols=384),
+                                   fp8.ScaleBlock(cols=256)], ids=["128x128", "rows-1", "per-channel", "cols-256"])
+def test_column_scales_dequantize_the_weight_as_its_blocks_do(block):
+    """torch._scaled_mm's 1 × 128 scales of the weight (BLOCKSPEC_FP8_GEMM=cublas) give the weight
+    `dequantize` gives: each 128-column block of each row times its scale."""
+    n, k = 200, 384
+    q, scale = fp8.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(3)), block)
+    per_block = fp8_kernels.column_scales(scale, block, n, k)              # [⌈K/128⌉, N]
+    assert per_block.shape == (3, n) and per_block.is_contiguous()
+    assert torch.equal(q.float() * per_block.t().repeat_interleave(128, dim=1), fp8.dequantize(q, scale, block))
+
+
 # ── the Triton kernels in the interpreter (the GPU runs them for real: tests/gpu/test_fp8.py) ──
 
 INTERPRETED_KERNEL_CHECK = """

@@ -169,6 +169,35 @@ def test_linear_replays_in_a_cuda_graph(rows):
     assert torch.equal(out, K.linear(x, q, scale, block))
 
 
+# BLOCKSPEC_FP8_GEMM=cublas: torch._scaled_mm with 1 × 128 block scales above 64 rows. "block" and
+# "per_channel" have K in whole blocks; "per_row" (K = 1000) stays on our kernel.
+@pytest.mark.parametrize("case", ["block", "per_channel"])
+@pytest.mark.parametrize("rows", [65, 256, 512, 2048])
+def test_blockwise_scaled_mm_equals_the_fp8_fp8_product(monkeypatch, case, rows):
+    assert K.has_blockwise_scaled_mm(torch.device("cuda")) or torch.cuda.get_device_capability() < (9, 0)
+    if not K.has_blockwise_scaled_mm(torch.device("cuda")):
+        pytest.skip("this torch runs no 1 x 128 block-scaled _scaled_mm on this device")
+    monkeypatch.setattr(K, "FP8_GEMM", "cublas")
+    out_features, in_features, block = CASES[case]
+    q, scale = weights(out_features, in_features, block, seed=8)
+    x = torch.randn(rows, in_features, device="cuda").to(torch.bfloat16)
+    bias = torch.randn(out_features, device="cuda").to(torch.bfloat16)
+    x_q, x_scale = K.quantize_rows(x)
+    expected = fp8.dequantize(x_q, x_scale, fp8.ScaleBlock(rows=1)) @ fp8.dequantize(q, scale, block).T
+    ours = K.linear(x, q, scale, block)
+    assert torch.equal(ours, K.scaled_mm_linear(x, q, scale, block, None))            # the dispatch took it
+    assert ours.dtype == torch.bfloat16 and relative_error(ours, expected) < TOLERANCE
+    with_bias = K.linear(x, q, scale, block, bias)
+    assert relative_error(with_bias, expected + bias.float()) < TOLERANCE
+    x.copy_(torch.randn_like(x))                                                      # and inside a CUDA graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = K.linear(x, q, scale, block)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(replayed, K.linear(x, q, scale, block))
+
+
 @pytest.mark.parametrize("inter", [128, 96], ids=["aligned", "straddling"])
 @pytest.mark.parametrize("num_tokens", [1, 16, 64, 256])
 def test_fp8_experts_equal_the_dequantized_reference(inter, num_tokens):
