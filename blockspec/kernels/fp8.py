@@ -28,7 +28,8 @@ threshold of 64 rows (not 256); swapping the dot's operands, weight tile first, 
 split in 4 parts summed inside the kernel at every row count (TILES_BY_ROWS). Round 58 on the
 H100: at 256 rows the FP8 × FP8 kernel took 1.1-1.6 × cuBLAS's bf16 time (`--fp8-fp8-sweep`
 weighs its tiles).
-torch._scaled_mm's block-wise scaling is not used: ours runs the same on every torch version.
+torch._scaled_mm's block-wise scaling is opt-in (BLOCKSPEC_FP8_GEMM=cublas): ours runs the same on
+every torch version.
 """
 from __future__ import annotations
 
@@ -146,8 +147,11 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     e4m3 weight with `column_scales`; a bias is added in fp32, as `reference_fp8_fp8` adds it."""
     num_rows, in_features = x.shape
     q, x_scales = quantize_rows(x.contiguous())
+    # Column-major [M, ⌈K/128⌉], each column's start 16-byte aligned whatever M is.
+    scale_a = x_scales.new_empty(x_scales.shape[1], -(-num_rows // 4) * 4)[:, :num_rows]
+    scale_a.copy_(x_scales.t())
     scale_b = column_scales(scale, block, weight.shape[0], in_features)
-    out = torch._scaled_mm(q, weight.t(), scale_a=x_scales.t().contiguous().t(), scale_b=scale_b,
+    out = torch._scaled_mm(q, weight.t(), scale_a=scale_a.t(), scale_b=scale_b,
                            out_dtype=x.dtype if bias is None else torch.float32)
     return out if bias is None else (out + bias.float()).to(x.dtype)
 
