@@ -269,6 +269,23 @@ def test_column_scales_dequantize_the_weight_as_its_blocks_do(block):
     per_block = fp8_kernels.column_scales(scale, block, n, k)              # [⌈K/128⌉, N]
     assert per_block.shape == (3, n) and per_block.is_contiguous()
     assert torch.equal(q.float() * per_block.t().repeat_interleave(128, dim=1), fp8.dequantize(q, scale, block))
+    kept = fp8_kernels.cached_column_scales(scale, block, n, k)                # made once per weight
+    assert torch.equal(kept, per_block) and fp8_kernels.cached_column_scales(scale, block, n, k) is kept
+    key = id(scale)
+    del scale
+    assert key not in fp8_kernels._column_scales                               # and dropped with it
+
+
+def test_column_scales_refuse_blocks_of_part_of_128_columns_and_the_gemm_variable_is_checked(monkeypatch, caplog):
+    q, scale = fp8.quantize(torch.randn(64, 384), fp8.ScaleBlock(cols=192))
+    with pytest.raises(ValueError, match="not whole 128-column blocks"):
+        fp8_kernels.column_scales(scale, fp8.ScaleBlock(cols=192), 64, 384)
+    monkeypatch.setenv("BLOCKSPEC_FP8_GEMM", "cuBLAS")
+    with caplog.at_level("WARNING", logger="blockspec.engine"):
+        assert fp8_kernels.fp8_gemm_from_env() == "triton"
+    assert "BLOCKSPEC_FP8_GEMM='cuBLAS'" in caplog.text
+    monkeypatch.setenv("BLOCKSPEC_FP8_GEMM", "cublas")
+    assert fp8_kernels.fp8_gemm_from_env() == "cublas"
 
 
 # ── the Triton kernels in the interpreter (the GPU runs them for real: tests/gpu/test_fp8.py) ──

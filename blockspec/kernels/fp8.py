@@ -34,7 +34,9 @@ every torch version.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -88,7 +90,20 @@ def reference_fp8_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 # their rows), 1.6-2.1 × faster than ours and 1.3-1.5 × faster than bf16 at 256-512 rows of the
 # Qwen3-8B linears (H100, round 58, an ad-hoc timing), where ours is 1.1-1.6 × slower than bf16.
 # Opt-in until tests/gpu/test_fp8.py's cases of it and an engine run have passed on a GPU.
-FP8_GEMM = os.environ.get("BLOCKSPEC_FP8_GEMM", "triton")
+FP8_GEMMS = ("triton", "cublas")
+
+
+def fp8_gemm_from_env() -> str:
+    """BLOCKSPEC_FP8_GEMM, or "triton" (named in a warning) where it is neither."""
+    value = os.environ.get("BLOCKSPEC_FP8_GEMM", "triton")
+    if value not in FP8_GEMMS:
+        logging.getLogger("blockspec.engine").warning(
+            "BLOCKSPEC_FP8_GEMM=%r is not one of %s: the FP8 x FP8 product stays on our kernel", value, FP8_GEMMS)
+        return "triton"
+    return value
+
+
+FP8_GEMM = fp8_gemm_from_env()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
@@ -110,6 +125,8 @@ def column_scales(scale: torch.Tensor, block: ScaleBlock, out_features: int, in_
     """The weight's scales as torch._scaled_mm's 1 × 128 scales of its right operand (weightᵀ):
     [⌈K/128⌉, N], row-major, each 128-column block's scale repeated over the rows it covers
     (a per-channel scale over every block of its row). The same dequantized weight."""
+    if block.cols < in_features and block.cols % BLOCK:
+        raise ValueError(f"scale blocks {block.cols} columns wide are not whole 128-column blocks")
     per_row = scale.float().repeat_interleave(block.rows, dim=0)[:out_features]          # [N, ⌈K/cols⌉]
     k_blocks = -(-in_features // BLOCK)
     if block.cols >= in_features:
@@ -117,6 +134,25 @@ def column_scales(scale: torch.Tensor, block: ScaleBlock, out_features: int, in_
     elif block.cols != BLOCK:
         per_row = per_row.repeat_interleave(block.cols // BLOCK, dim=1)[:, :k_blocks]
     return per_row.t().contiguous()
+
+
+# column_scales per weight (its scale tensor): made by the first eager call, read by every later
+# call and graph replay. A call inside a CUDA graph's capture that finds none makes its own (a
+# tensor made during capture holds nothing until the graph replays, so it is never kept).
+# Keyed by the scale tensor's id, the entry dropped when that tensor is (a weak-keyed dict would
+# compare tensors with ==).
+_column_scales: dict[int, torch.Tensor] = {}
+
+
+def cached_column_scales(scale: torch.Tensor, block: ScaleBlock, out_features: int, in_features: int) -> torch.Tensor:
+    kept = _column_scales.get(id(scale))
+    if kept is not None:
+        return kept
+    made = column_scales(scale, block, out_features, in_features)
+    if not (scale.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _column_scales[id(scale)] = made
+        weakref.finalize(scale, _column_scales.pop, id(scale), None)
+    return made
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,29 +165,27 @@ def has_blockwise_scaled_mm(device: torch.device) -> bool:
         ones = torch.ones(16, 2, device=device)
         torch._scaled_mm(q, q.t(), scale_a=ones.t().contiguous().t(), scale_b=ones.t().contiguous(),
                          out_dtype=torch.bfloat16)
-    except (RuntimeError, TypeError, NotImplementedError):
+    except Exception:         # noqa: BLE001 - whatever this torch raises for a layout it lacks
         return False
     return True
 
 
 def blockwise_scaled_mm_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """cuBLASLt's 1 × 128 block-scaled GEMM takes these shapes (K in whole blocks, N aligned)."""
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] % BLOCK == 0 and weight.shape[0] % 16 == 0
+    """cuBLASLt's 1 × 128 block-scaled GEMM takes these shapes (K in whole blocks, N aligned; bf16,
+    the dtype its GPU test covers)."""
+    return (x.dtype == torch.bfloat16 and x.shape[1] % BLOCK == 0 and weight.shape[0] % 16 == 0
             and has_blockwise_scaled_mm(x.device))
 
 
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """`fp8_fp8_linear`'s product through torch._scaled_mm: x [M, K] quantized per row × 128
-    columns (`quantize_rows`, its scales laid out column-major as cuBLASLt wants them), times the
-    e4m3 weight with `column_scales`; a bias is added in fp32, as `reference_fp8_fp8` adds it."""
-    num_rows, in_features = x.shape
+    columns (`quantize_rows`), times the e4m3 weight with its `column_scales` (made once per
+    weight); a bias is added in fp32, as `reference_fp8_fp8` adds it."""
     q, x_scales = quantize_rows(x.contiguous())
-    # Column-major [M, ⌈K/128⌉], each column's start 16-byte aligned whatever M is.
-    scale_a = x_scales.new_empty(x_scales.shape[1], -(-num_rows // 4) * 4)[:, :num_rows]
-    scale_a.copy_(x_scales.t())
-    scale_b = column_scales(scale, block, weight.shape[0], in_features)
-    out = torch._scaled_mm(q, weight.t(), scale_a=scale_a.t(), scale_b=scale_b,
+    scale_b = cached_column_scales(scale, block, weight.shape[0], x.shape[1])
+    # x's scales column-major, strides (1, M): the only layout torch takes for 1 × 128 scales
+    out = torch._scaled_mm(q, weight.t(), scale_a=x_scales.t().contiguous().t(), scale_b=scale_b,
                            out_dtype=x.dtype if bias is None else torch.float32)
     return out if bias is None else (out + bias.float()).to(x.dtype)
 

@@ -169,23 +169,30 @@ def test_linear_replays_in_a_cuda_graph(rows):
     assert torch.equal(out, K.linear(x, q, scale, block))
 
 
-# BLOCKSPEC_FP8_GEMM=cublas: torch._scaled_mm with 1 × 128 block scales above 64 rows. "block" and
-# "per_channel" have K in whole blocks; "per_row" (K = 1000) stays on our kernel.
-@pytest.mark.parametrize("case", ["block", "per_channel"])
+# BLOCKSPEC_FP8_GEMM=cublas: torch._scaled_mm with 1 × 128 block scales above 64 rows, for K in whole
+# blocks ("per_row" of CASES, K = 1000, stays on our kernel): 128 × 128 blocks, a scale per row (a fused
+# q/k/v boundary inside a block), per channel.
+SCALED_MM_CASES = {"block": CASES["block"], "per_row": (640, 1024, fp8.ScaleBlock(rows=1)),
+                   "per_channel": CASES["per_channel"]}
+
+
+@pytest.mark.parametrize("case", list(SCALED_MM_CASES))
 @pytest.mark.parametrize("rows", [65, 256, 512, 2048])
 def test_blockwise_scaled_mm_equals_the_fp8_fp8_product(monkeypatch, case, rows):
-    assert K.has_blockwise_scaled_mm(torch.device("cuda")) or torch.cuda.get_device_capability() < (9, 0)
-    if not K.has_blockwise_scaled_mm(torch.device("cuda")):
-        pytest.skip("this torch runs no 1 x 128 block-scaled _scaled_mm on this device")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("torch runs 1 x 128 block-scaled _scaled_mm on Hopper")
+    assert K.has_blockwise_scaled_mm(torch.device("cuda")), "this torch lacks 1 x 128 block scales on Hopper"
     monkeypatch.setattr(K, "FP8_GEMM", "cublas")
-    out_features, in_features, block = CASES[case]
+    out_features, in_features, block = SCALED_MM_CASES[case]
     q, scale = weights(out_features, in_features, block, seed=8)
     x = torch.randn(rows, in_features, device="cuda").to(torch.bfloat16)
     bias = torch.randn(out_features, device="cuda").to(torch.bfloat16)
     x_q, x_scale = K.quantize_rows(x)
     expected = fp8.dequantize(x_q, x_scale, fp8.ScaleBlock(rows=1)) @ fp8.dequantize(q, scale, block).T
+    def not_ours(*args, **kwargs):
+        raise AssertionError("the FP8 x FP8 kernel ran where cuBLASLt should have")
+    monkeypatch.setattr(K, "fp8_fp8_linear", not_ours)                                 # the dispatch takes cuBLASLt
     ours = K.linear(x, q, scale, block)
-    assert torch.equal(ours, K.scaled_mm_linear(x, q, scale, block, None))            # the dispatch took it
     assert ours.dtype == torch.bfloat16 and relative_error(ours, expected) < TOLERANCE
     with_bias = K.linear(x, q, scale, block, bias)
     assert relative_error(with_bias, expected + bias.float()) < TOLERANCE
