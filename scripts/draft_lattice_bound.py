@@ -72,7 +72,11 @@ def main() -> int:
             logits = trainer.block_logits(ids, anchors)[0].float()                     # [anchors, slots, V]
             where = (anchors[0, :, None] + 1 + torch.arange(block - 1)).clamp(max=len(tokens) - 1)
             truth = torch.tensor(tokens)[where]                                       # the target's token p + k
-            ranks = (logits > logits.gather(-1, truth[..., None])).sum(-1)              # how many the draft puts above it
+            # how many the draft puts above the target's token (ties broken as argmax breaks them: the
+            # lower id first), so top-1 is exactly the chain the engine verifies
+            score = logits.gather(-1, truth[..., None])
+            ids = torch.arange(logits.shape[-1])
+            ranks = ((logits > score) | ((logits == score) & (ids < truth[..., None]))).sum(-1)
             for top in TOPS:
                 lengths[top] += lattice_lengths(tokens, ranks, first, top)
     result = {"draft": args.draft, "block": block, "prompts": len(chat),
