@@ -61,3 +61,92 @@ def test_an_event_outside_a_batch_wakes_the_loop_at_once():
     seen, ready, _ = wake_from_a_thread(held=False, count=3)
     assert seen[0] == 1
     assert ready == [0, 1, 2]
+
+
+class ScriptedLoop:
+    """Stands in for the event loop: keeps what is asked of it to run when the test says (or, closed,
+    refuses as a closed asyncio loop does)."""
+
+    def __init__(self, closed: bool = False) -> None:
+        self.pending: list = []
+        self.closed = closed
+
+    def call_soon_threadsafe(self, callback, *args) -> None:
+        if self.closed:
+            raise RuntimeError("Event loop is closed")
+        self.pending.append(callback)
+
+    def run_pending(self) -> None:
+        pending, self.pending = self.pending, []
+        for callback in pending:
+            callback()
+
+
+class Aborted(Marked):
+    """A generation whose request records an abort (what a closed loop's waiters get)."""
+
+    def __init__(self, index: int, ready: list[int], aborted: list[int]) -> None:
+        super().__init__(index, ready)
+        self.request = self
+        self.aborted = aborted
+
+    def abort(self) -> None:
+        self.aborted.append(self.index)
+
+
+def test_a_wake_up_in_flight_when_a_batch_begins_takes_the_batch_too():
+    """Woken outside a batch, then a batch handed over before the loop ran: the one wake-up on its way
+    marks all three ready, in order, and the batch's end asks for no other."""
+    loop, ready = ScriptedLoop(), []
+    waker = waker_of(loop)
+    waker.wake(Marked(0, ready))
+    with wakeups_held():
+        waker.wake(Marked(1, ready))
+        waker.wake(Marked(2, ready))
+    assert len(loop.pending) == 1
+    loop.run_pending()
+    assert ready == [0, 1, 2] and not loop.pending
+
+
+def test_a_batch_whose_earlier_wake_up_ran_mid_way_is_woken_again_at_its_end():
+    """The loop ran the wake-up on its way in the middle of a batch: what the batch hands over after
+    that is not lost; its end asks for one more."""
+    loop, ready = ScriptedLoop(), []
+    waker = waker_of(loop)
+    waker.wake(Marked(0, ready))
+    with wakeups_held():
+        waker.wake(Marked(1, ready))
+        loop.run_pending()                     # the loop takes the GIL here
+        waker.wake(Marked(2, ready))
+        assert not loop.pending                # held: nothing asked for yet
+    assert len(loop.pending) == 1
+    loop.run_pending()
+    assert ready == [0, 1, 2]
+
+
+def test_a_batch_that_raises_still_wakes_and_an_empty_one_never_does():
+    loop, ready = ScriptedLoop(), []
+    waker = waker_of(loop)
+    with wakeups_held():
+        pass
+    assert not loop.pending
+    try:
+        with wakeups_held():
+            waker.wake(Marked(0, ready))
+            raise ValueError("a callback failed")
+    except ValueError:
+        pass
+    loop.run_pending()
+    assert ready == [0]
+
+
+def test_a_closed_loop_aborts_whoever_waits_for_it():
+    """No loop to wake (the server is shutting down): the waiting generations' requests are aborted,
+    in a batch and outside one, instead of waiting for a wake-up that never comes."""
+    loop, ready, aborted = ScriptedLoop(closed=True), [], []
+    waker = waker_of(loop)
+    waker.wake(Aborted(0, ready, aborted))
+    with wakeups_held():
+        waker.wake(Aborted(1, ready, aborted))
+        waker.wake(Aborted(2, ready, aborted))
+    assert aborted == [0, 1, 2] and not ready
