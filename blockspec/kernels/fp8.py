@@ -160,6 +160,9 @@ def has_blockwise_scaled_mm(device: torch.device) -> bool:
     """Whether torch._scaled_mm takes 1 × 128 block scales on this device (one tiny call)."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
+    if torch.cuda.is_current_stream_capturing():      # the probe would be captured, not run
+        raise RuntimeError("the FP8 GEMM probe runs at the first eager call: run the linear once before "
+                           "capturing a CUDA graph")
     try:        # K of two blocks: scales of (16, 1) would pass as row-wise scaling
         q = torch.zeros(16, 2 * BLOCK, dtype=FP8, device=device)
         ones = torch.ones(16, 2, device=device)
