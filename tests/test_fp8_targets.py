@@ -331,6 +331,8 @@ for rows, n, k, block in [(1, 40, 200, fp8.ScaleBlock()), (5, 130, 256, fp8.Scal
     # FP8 x FP8 against the product of its own quantized activations (the interpreter's e4m3
     # conversion truncates, so its codes are not torch's; the GPU test compares those too)
     x_q, x_scale = K.quantize_rows(x)
+    col_q, col_scale = K.quantize_rows(x, column_major=True)       # torch._scaled_mm's layout: the same values
+    assert col_scale.stride() == (1, rows) and torch.equal(col_scale, x_scale) and torch.equal(col_q, x_q)
     ref = fp8.dequantize(x_q, x_scale, fp8.ScaleBlock(rows=1)) @ fp8.dequantize(q, scale, block).T + bias
     assert (K.fp8_fp8_linear(x, q, scale, block, bias) - ref).abs().max() < 1e-4 * ref.abs().max(), (rows, n, k)
     for tiles in (K.Fp8Fp8Tiles(16, 32, 4, 2, group_m=2), K.Fp8Fp8Tiles(32, 16, 4, 4, group_m=1)):   # a sweep's tiles

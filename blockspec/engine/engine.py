@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -389,16 +389,9 @@ class Engine:
         outbox, self._outbox = self._outbox, []
         if not outbox:
             return
-        if self.event_batch is None:
-            self._deliver(outbox)
-            return
-        with self.event_batch():
-            self._deliver(outbox)
-
-    @staticmethod
-    def _deliver(outbox: list[tuple[EventCallback, TokenEvent]]) -> None:
-        for callback, event in outbox:
-            try:
-                callback(event)
-            except Exception:  # the consumer's failure is the consumer's; keep serving others
-                logger.exception("an event consumer failed (request %s)", event.request_id)
+        with self.event_batch() if self.event_batch is not None else nullcontext():
+            for callback, event in outbox:
+                try:
+                    callback(event)
+                except Exception:  # the consumer's failure is the consumer's; keep serving others
+                    logger.exception("an event consumer failed (request %s)", event.request_id)

@@ -792,13 +792,10 @@ class ModelRunner:
             return FirstDraws(ending, [], None)
         seqs = [batch.prefill[i][0] for i in ending]
         raw = self.raw_logprobs(seqs, logits.unsqueeze(1))          # before any processing
-        own = [j for j, seq in enumerate(seqs) if self.processor_of(seq) is not None or not seq.request.params.is_greedy]
-        if len(own) < len(seqs):
-            tokens = logits.argmax(dim=-1)                                         # [P]
-        else:
-            tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        for j in own:
-            tokens[j] = self.draw_own(seqs[j], logits[j: j + 1])
+        tokens = logits.argmax(dim=-1)                                             # [P]
+        for j, seq in enumerate(seqs):
+            if self.processor_of(seq) is not None or not seq.request.params.is_greedy:
+                tokens[j] = self.draw_own(seq, logits[j: j + 1])
         return FirstDraws(ending, raw, Staged(tokens), tokens)
 
     def draw_own(self, seq: Sequence, scores: torch.Tensor) -> torch.Tensor:

@@ -185,10 +185,10 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """`fp8_fp8_linear`'s product through torch._scaled_mm: x [M, K] quantized per row × 128
     columns (`quantize_rows`), times the e4m3 weight with its `column_scales` (made once per
     weight); a bias is added in fp32, as `reference_fp8_fp8` adds it."""
-    q, x_scales = quantize_rows(x.contiguous())
-    scale_b = cached_column_scales(scale, block, weight.shape[0], x.shape[1])
     # x's scales column-major, strides (1, M): the only layout torch takes for 1 × 128 scales
-    out = torch._scaled_mm(q, weight.t(), scale_a=x_scales.t().contiguous().t(), scale_b=scale_b,
+    q, x_scales = quantize_rows(x.contiguous(), column_major=True)
+    scale_b = cached_column_scales(scale, block, weight.shape[0], x.shape[1])
+    out = torch._scaled_mm(q, weight.t(), scale_a=x_scales, scale_b=scale_b,
                            out_dtype=x.dtype if bias is None else torch.float32)
     return out if bias is None else (out + bias.float()).to(x.dtype)
 
@@ -365,15 +365,20 @@ def fp8_fp8_tiles(num_rows: int, out_features: int, sms: int) -> Fp8Fp8Tiles:
     return Fp8Fp8Tiles(64, 64, 4)
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows_reference` in one launch: x [M, K] → (e4m3 [M, K], scales [M, ⌈K/128⌉])."""
+def quantize_rows(x: torch.Tensor, column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_reference` in one launch: x [M, K] → (e4m3 [M, K], scales [M, ⌈K/128⌉]);
+    column_major: the scales laid out with strides (1, M), as torch._scaled_mm takes them."""
     num_rows, in_features = x.shape
     groups = triton.cdiv(in_features, BLOCK)
     q = torch.empty(num_rows, in_features, dtype=FP8, device=x.device)
-    scales = torch.empty(num_rows, groups, dtype=torch.float32, device=x.device)
+    if column_major:
+        scales = torch.empty(groups, num_rows, dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty(num_rows, groups, dtype=torch.float32, device=x.device)
     if num_rows:
         _quantize_rows_kernel[(num_rows, groups)](x, q, scales, in_features, x.stride(0), q.stride(0),
-                                                  scales.stride(0), FP8_MAX=FP8_MAX, BLOCK_K=BLOCK, num_warps=1)
+                                                  scales.stride(0), scales.stride(1), FP8_MAX=FP8_MAX,
+                                                  BLOCK_K=BLOCK, num_warps=1)
     return q, scales
 
 
@@ -559,8 +564,8 @@ if triton is not None:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, FP8_MAX: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
+                              FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         group = tl.program_id(1)
         offs = group * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -570,7 +575,7 @@ if triton is not None:
         scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
         q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(s_ptr + row * stride_sm + group, scale)
+        tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 
     @triton.jit
     def _fp8_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_am, stride_asm, stride_wn,
