@@ -814,6 +814,27 @@ def test_the_switch_interval_setting_never_stops_the_server(value, expected, cap
         sys.setswitchinterval(before)
 
 
+@pytest.mark.parametrize("value, loop_module, protocol", [(None, "uvloop", "HttpToolsProtocol"),
+                                                          ("plain", "asyncio", "H11Protocol"),
+                                                          ("fast", "uvloop", "HttpToolsProtocol")])
+def test_serve_runs_on_uvloop_and_httptools(value, loop_module, protocol, caplog):
+    """uvicorn's event loop and HTTP parser are the C ones (installed with blockspec, as vLLM's
+    fastapi[standard] installs them); BLOCKSPEC_UVICORN=plain picks asyncio's and h11 for side-by-side
+    runs; any other value is named in one warning and the C ones kept."""
+    import uvicorn
+    from blockspec.server.app import uvicorn_implementations
+    with caplog.at_level("WARNING", logger="blockspec.server"):
+        config = uvicorn.Config(object(), **uvicorn_implementations(value))
+    config.load()
+    loop = config.get_loop_factory()()
+    try:
+        assert type(loop).__module__.split(".")[0] == loop_module
+    finally:
+        loop.close()
+    assert config.http_protocol_class.__name__ == protocol
+    assert len([r for r in caplog.records if "BLOCKSPEC_UVICORN" in r.getMessage()]) == (value == "fast")
+
+
 def test_serve_freezes_the_startup_heap_before_it_listens(monkeypatch):
     """What startup made lives as long as the server: `serve` moves it out of the garbage
     collector's reach (gc.freeze) before it listens, so an oldest-generation collection walks only

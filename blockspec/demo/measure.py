@@ -100,13 +100,26 @@ def main(device: str, out: str | None, concurrency: list[int] | None = None) -> 
 FIXED_BLOCKS = (2, 4, 8)             # fixed widths k = 1, 3, 7 (the draft denoises a block of k + 1)
 
 
+# Fewest requests a mode decodes at one concurrency (rounds × c): at one request a round is ~0.2 s
+# on CPU, so best-of-3 kept whichever round the shared machine's noise spared (±5 %), and a fresh
+# adaptive engine spent those three in its learning cycles (round 58: settled, it ran 1.05 × fixed
+# k = 7 over 20 interleaved requests; its first three, 0.94 ×).
+MIN_REQUESTS = 8
+
+
+def rounds_at(rounds: int, concurrency: int) -> int:
+    """Interleaved rounds at this concurrency: `rounds`, or enough for MIN_REQUESTS requests a mode."""
+    return max(rounds, -(-MIN_REQUESTS // concurrency))
+
+
 def compare_speculation(device: str, concurrency: list[int], block_size: int = 8, max_tokens: int = 48,
                         rounds: int = 3, fixed_blocks: tuple[int, ...] = FIXED_BLOCKS) -> dict[str, Any]:
     """`bench --demo --compare-speculation`: the demo pair (real drafts, real confidences) on
     held-out prompts, output tok/s of plain decoding, of every fixed width (a block of k + 1
     verified whole each cycle) and of adaptive (block_size) at each concurrency, in one process;
-    at each concurrency they run in turn on the same prompts (`rounds` times, interleaved; the
-    best of each is kept) and must give the same greedy output. Adaptive measures its cost table
+    at each concurrency they run in turn on the same prompts (`rounds` times, more at low
+    concurrency (rounds_at), interleaved; the best of each is kept) and must give the same greedy
+    output. Adaptive measures its cost table
     at startup."""
     from blockspec.demo import require_built
     from blockspec.llm import LLM
@@ -126,9 +139,9 @@ def compare_speculation(device: str, concurrency: list[int], block_size: int = 8
     result: dict[str, Any] = {"device": device, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                               "block_size": block_size, "max_tokens": max_tokens, "rounds": rounds}
     for c in concurrency:
-        row: dict[str, Any] = {}
+        row: dict[str, Any] = {"rounds": rounds_at(rounds, c)}
         outputs = {}
-        for _ in range(rounds):                   # interleaved rounds, the best of each: a shared
+        for _ in range(row["rounds"]):            # interleaved rounds, the best of each: a shared
             for name, llm in engines.items():     # machine's noise hits every mode alike
                 started = time.perf_counter()
                 done = llm.generate(prompts[1: c + 1], params)

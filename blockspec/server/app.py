@@ -137,6 +137,18 @@ def use_switch_interval(value: str | None) -> None:
     sys.setswitchinterval(seconds)
 
 
+def uvicorn_implementations(value: str | None) -> dict[str, str]:
+    """uvicorn's event loop and HTTP parser: uvloop and httptools (C; installed with blockspec, as
+    with vLLM's `fastapi[standard]`) where importable, uvicorn's own choice ("auto"); with
+    BLOCKSPEC_UVICORN=plain, asyncio's loop and h11 (pure Python), for side-by-side measurements.
+    Any other value is named in a warning and "auto" kept."""
+    if value == "plain":
+        return {"loop": "asyncio", "http": "h11"}
+    if value not in (None, "", "auto"):
+        logger.warning("blockspec: BLOCKSPEC_UVICORN=%r is neither auto nor plain; using auto", value)
+    return {"loop": "auto", "http": "auto"}
+
+
 def serve(settings: ServerSettings) -> int:
     """Load, bind, then run uvicorn until SIGINT/SIGTERM; those drain open requests, then stop
     the engine. A startup failure raises StartupError before anything listens."""
@@ -147,7 +159,8 @@ def serve(settings: ServerSettings) -> int:
     sock = bind(settings.host, settings.port)
     app = create_app(llm, settings)
     config = uvicorn.Config(app, log_config=None, log_level=settings.log_level, access_log=settings.access_log,
-                            timeout_graceful_shutdown=FINAL_WRITE_S)
+                            timeout_graceful_shutdown=FINAL_WRITE_S,
+                            **uvicorn_implementations(os.environ.get("BLOCKSPEC_UVICORN")))
     server = draining_server(config, app.state.server)
     failures: list[BaseException] = []
 
