@@ -3,7 +3,7 @@
 #   bash scripts/gpu_round59.sh 1   # any card (issue 33): the opt-in cuBLASLt FP8 path's GPU tests, then the FP8
 #        # bench at 1 and 32 sequences with BLOCKSPEC_FP8_GEMM=triton and =cublas (round 58's mode 8)
 #   bash scripts/gpu_round59.sh 2   # any card (issue 30): HTTP bursts with uvicorn on uvloop + httptools (the default
-#        # now) and on asyncio + h11 (BLOCKSPEC_UVICORN=plain), alternated, twice
+#        # now) and on asyncio + h11 (BLOCKSPEC_UVICORN=plain), alternated, twice; then one asyncio client
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 if [ "$M" = 1 ]; then
@@ -17,4 +17,7 @@ if [ "$M" = 2 ]; then
         --requests 64 --max-tokens 256 --bursts 3
     done
   done
+  stage "HTTP: demo pair, 3 bursts of 64 x 256, uvicorn auto, one asyncio client" timeout ${HTTP_S:-70} \
+    python3 scripts/bench_streams.py --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 \
+    --bursts 3 --burst-client async
 fi
