@@ -182,10 +182,10 @@ def plan_counting(plans: Counter):
             state["how"] = "ahead"
         return widths
 
-    def allocation(self, seqs):
+    def allocation(self, seqs, ahead: int = 0):
         if state["in"]:
             state["how"] = "anew"
-        return real_allocation(self, seqs)
+        return real_allocation(self, seqs, ahead)
     with mock.patch.object(Speculation, "planned_widths", planned), \
             mock.patch.object(Speculation, "ahead_widths", ahead), \
             mock.patch.object(Speculation, "allocation", allocation):
