@@ -123,3 +123,19 @@ def test_batch_invariant_attention_gives_a_row_the_same_bits_in_any_call():
     assert result["splits"] == [4, 8]                  # three ranges of keys (a fourth empty), 8 under the bound
     assert result["error"] < 2e-3                      # fp16 against the fp64 torch reference
     assert result["draft"] < 1e-5                      # fp32, as test_interpreted_kernels_match_reference
+
+
+def test_pipeline_stages_follow_the_key_chunk_bytes_and_the_head_width():
+    """tile_sizes' tuning (GPU-only: the interpreter ignores stages, so only this holds it): K/V
+    chunks over 16 KB take two stages, and so do 128-wide bf16 heads' 16 KB chunks (round 58's
+    sweep); 256-wide bf16 heads' 16 KB chunks keep three, smaller chunks three."""
+    from blockspec.kernels.attention import tile_sizes
+
+    # (rows a head, head_dim, element bytes) → (BLOCK_M, BLOCK_N, BLOCK_D, warps, stages)
+    assert tile_sizes(1, 128, 2) == (16, 64, 128, 4, 2)        # Qwen3 decode: 64 × 128 × 2 B = 16 KB
+    assert tile_sizes(33, 128, 2) == (64, 64, 128, 4, 2)       # verify rows: taller tiles, the same chunk
+    assert tile_sizes(1, 256, 2) == (16, 32, 256, 4, 3)        # 32 × 256 × 2 B = 16 KB, not swept
+    assert tile_sizes(1, 64, 2) == (16, 64, 64, 4, 3)          # 8 KB
+    assert tile_sizes(1, 96, 2) == (16, 64, 128, 4, 2)         # padded to 128 wide
+    assert tile_sizes(1, 128, 4) == (16, 64, 128, 4, 2)        # fp32: 32 KB
+    assert tile_sizes(1, 256, 4) == (16, 32, 256, 4, 2)        # fp32: 32 KB

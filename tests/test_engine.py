@@ -5,11 +5,14 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
+import torch
 
 from blockspec.config import ConfigError
 from blockspec.engine.request import Request, TokenEvent
+from blockspec.engine.scheduler import Batch
+from blockspec.engine.sequence import Sequence
 from blockspec.llm import LLM
-from blockspec.sampling import SamplingParams
+from blockspec.sampling import SamplingParams, make_generator, sample
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +207,67 @@ def test_each_hand_over_of_events_runs_inside_event_batch_in_order(llm):
     for request in requests:
         tokens = [t for entry in log if entry[0] == "event" and entry[1] == request.request_id for t in entry[2]]
         assert tokens == request.output_ids
+
+
+def test_events_reach_their_consumers_in_the_order_made_even_past_one_that_raises(llm, monkeypatch):
+    """A step's events are handed over in the order the engine made them, across requests (not
+    only each request's own), and a consumer that raises costs nothing to the events after its
+    own in that hand-over: every event made is delivered, once."""
+    engine = llm.engine
+    made: list[TokenEvent] = []
+    real_emit = engine._emit
+
+    def emit(seq, event: TokenEvent) -> None:
+        made.append(event)
+        real_emit(seq, event)
+    monkeypatch.setattr(engine, "_emit", emit)
+    delivered: list[TokenEvent] = []
+
+    def failing(event: TokenEvent) -> None:
+        delivered.append(event)
+        raise RuntimeError("a consumer's own bug")
+    requests = [make(llm, name, max_tokens=5) for name in ("a", "b", "c")]
+    engine.submit(requests[0], failing)                  # first in every hand-over: the rest follow it
+    for request in requests[1:]:
+        engine.submit(request, delivered.append)
+    while not all(r.is_finished for r in requests) or engine.has_work:
+        engine.step()
+    assert len(made) > len(requests) and [id(e) for e in delivered] == [id(e) for e in made]
+    for request in requests:
+        assert [t for e in delivered if e.request_id == request.request_id for t in e.token_ids] == request.output_ids
+
+
+def test_first_draws_take_each_rows_own_logits_processor_and_generator(llm):
+    """draw_first's rows are the chunks that end their prompt (here after one that does not): the
+    plain greedy rows share one argmax, a greedy row with a logits processor and the sampled rows
+    each draw from their own row with their own processor and generator, and the raw logprobs
+    are each row's own, taken before any processing."""
+    runner = llm.engine.runner
+    vocab = runner.target.lm_head.out_features
+    prompt = [9707, 11, 1879, 13, 358, 1079]
+    specs = [SamplingParams(),                                           # a chunk that does not end its prompt
+             SamplingParams(),                                           # greedy: the shared argmax
+             SamplingParams(logit_bias=((7, 100.0),)),                   # greedy, processed: its own draw
+             SamplingParams(temperature=1.0, seed=3),                    # sampled: its own generator
+             SamplingParams(),
+             SamplingParams(temperature=0.8, top_k=50, seed=11, logit_bias=((5, 3.0),))]
+    requests = [llm.make_request(f"r{i}", prompt, params) for i, params in enumerate(specs)]
+    for i in (1, 3):
+        requests[i].num_logprobs = 2
+    seqs = [Sequence(request, runner.device) for request in requests]
+    batch = Batch(prefill=[(seqs[0], 2)] + [(seq, len(prompt)) for seq in seqs[1:]])
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(1))   # the 5 ending rows
+    with torch.random.fork_rng():
+        torch.manual_seed(0)                     # a draw from the global generator is repeatable, and wrong
+        draws = runner.draw_first(batch, logits)
+    assert draws.ending == [1, 2, 3, 4, 5]
+    biased = logits[4].clone()
+    biased[5] += 3.0
+    expected = [int(logits[0].argmax()), 7,
+                int(sample(logits[2], specs[3], make_generator(specs[3], runner.device))),
+                int(logits[3].argmax()),
+                int(sample(biased, specs[5], make_generator(specs[5], runner.device)))]
+    assert draws.chosen.tolist() == expected
+    assert [r is not None for r in draws.raw] == [True, False, True, False, False]
+    assert torch.equal(draws.raw[0], torch.log_softmax(logits[0:1].float(), dim=-1))
+    assert torch.equal(draws.raw[2], torch.log_softmax(logits[2:3].float(), dim=-1))

@@ -288,6 +288,129 @@ def test_column_scales_refuse_blocks_of_part_of_128_columns_and_the_gemm_variabl
     assert fp8_kernels.fp8_gemm_from_env() == "cublas"
 
 
+
+@pytest.mark.parametrize("block", [fp8.ScaleBlock(), fp8.ScaleBlock(rows=1, cols=200), fp8.ScaleBlock(cols=256)],
+                         ids=["128x128", "per-channel", "cols-256"])
+def test_column_scales_cover_a_ragged_last_block(block):
+    """K = 200: ⌈K/128⌉ = 2 scale rows, the last covering 72 columns (floor division would leave
+    those columns without a scale)."""
+    n, k = 64, 200
+    q, scale = fp8.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(4)), block)
+    per_block = fp8_kernels.column_scales(scale, block, n, k)
+    assert per_block.shape == (2, n)
+    expanded = per_block.t().repeat_interleave(128, dim=1)[:, :k]
+    assert torch.equal(q.float() * expanded, fp8.dequantize(q, scale, block))
+
+
+def test_the_fp8_gemm_defaults_to_our_kernel_without_a_warning(monkeypatch, caplog):
+    """cuBLASLt's GEMM is opt-in until its GPU test and an engine run pass: unset means triton."""
+    monkeypatch.delenv("BLOCKSPEC_FP8_GEMM", raising=False)
+    with caplog.at_level("WARNING", logger="blockspec.engine"):
+        assert fp8_kernels.fp8_gemm_from_env() == "triton"
+    assert not caplog.records
+
+
+class OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA, so the capture guard of cached_column_scales is reached."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def test_column_scales_made_inside_a_graph_capture_are_not_kept(monkeypatch):
+    """A tensor made during capture holds nothing until the graph replays: keeping it would hand
+    every later eager call garbage. The next eager call makes and keeps its own."""
+    block = fp8.ScaleBlock()
+    _, plain = fp8.quantize(torch.randn(256, 256, generator=torch.Generator().manual_seed(5)), block)
+    scale = plain.as_subclass(OnCuda)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    made = fp8_kernels.cached_column_scales(scale, block, 256, 256)
+    assert torch.equal(made, fp8_kernels.column_scales(plain, block, 256, 256))
+    assert id(scale) not in fp8_kernels._column_scales
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    kept = fp8_kernels.cached_column_scales(scale, block, 256, 256)
+    assert kept is not made and fp8_kernels._column_scales[id(scale)] is kept
+
+
+def exact_operands(m: int, n: int, k: int, block: fp8.ScaleBlock) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [m, k] bf16 and an e4m3 weight [n, k] with its scales, both halves in [-1, 1] with a 7 at
+    the head of every 128 columns: every block's scale is 7/448 = 1/64, every code exact, and every
+    product and sum exact in fp32, so any summation order gives the same bits."""
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randint(-2, 3, (m, k), generator=gen).float() / 2
+    w = torch.randint(-2, 3, (n, k), generator=gen).float() / 2
+    x[:, ::128] = 7.0
+    w[:, ::128] = 7.0
+    q, scale = fp8.quantize(w, block)
+    return x.to(torch.bfloat16), q, scale
+
+
+def blockwise_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """Stands in for torch._scaled_mm with 1 × 128 scales on both sides (cuBLASLt; no GPU here),
+    refusing the layouts it refuses: b column-major (the weight transposed), a's scales [M, K/128]
+    with strides (1, M), b's [K/128, N] row-major."""
+    (m, k), n = a.shape, b.shape[1]
+    assert a.dtype == b.dtype == fp8.FP8 and b.stride() == (1, k)
+    assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
+    assert scale_b.shape == (k // 128, n) and scale_b.is_contiguous()
+    product = (a.float() * scale_a.repeat_interleave(128, dim=1)) @ (b.float() * scale_b.repeat_interleave(128, dim=0))
+    return product.to(out_dtype)
+
+
+def reference_quantize_rows(x: torch.Tensor, column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows' values (the interpreter test holds the kernel to them), in either layout."""
+    q, scales = fp8_kernels.quantize_rows_reference(x)
+    return q, scales.t().contiguous().t() if column_major else scales
+
+
+def refused(*_, **__) -> torch.Tensor:
+    raise AssertionError("this path was not chosen")
+
+
+@pytest.fixture
+def cublas_path(monkeypatch):
+    """fp8.linear as on a GPU whose torch runs block-scaled _scaled_mm; returns the patch."""
+    monkeypatch.setattr(fp8_kernels, "use_triton", lambda *_: True)
+    monkeypatch.setattr(fp8_kernels, "has_blockwise_scaled_mm", lambda device: True)
+    monkeypatch.setattr(fp8_kernels, "quantize_rows", reference_quantize_rows)
+    monkeypatch.setattr(torch, "_scaled_mm", blockwise_scaled_mm, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.parametrize("block", [fp8.ScaleBlock(), fp8.ScaleBlock(rows=1), fp8.ScaleBlock(rows=1, cols=256)],
+                         ids=["128x128", "rows-1", "per-channel"])
+def test_the_cublas_gemm_is_the_fp8_fp8_product_bit_for_bit(cublas_path, block):
+    """BLOCKSPEC_FP8_GEMM=cublas above 64 rows: reference_fp8_fp8's bits, the bias added in fp32
+    before the one rounding to bf16 (rounding the product first and again after the bias differs)."""
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
+    cublas_path.setattr(fp8_kernels, "fp8_fp8_linear", refused)
+    x, q, scale = exact_operands(70, 48, 256, block)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    for b in (None, bias):
+        out = fp8_kernels.linear(x.view(7, 10, 256), q, scale, block, b)
+        assert out.shape == (7, 10, 48) and out.dtype == torch.bfloat16
+        assert torch.equal(out.view(70, 48), fp8_kernels.reference_fp8_fp8(x, q, scale, block, b))
+
+
+def test_the_cublas_gemm_is_taken_only_when_asked_for_and_for_shapes_it_serves(cublas_path):
+    """BLOCKSPEC_FP8_GEMM=triton keeps our kernel even where cuBLASLt would serve; =cublas falls back to
+    it for N not a multiple of 16, K not whole 128-column blocks, or fp16 activations."""
+    chosen: list[str] = []
+    cublas_path.setattr(fp8_kernels, "fp8_fp8_linear", lambda *_: chosen.append("triton") or torch.zeros(70, 48))
+    cublas_path.setattr(torch, "_scaled_mm", refused, raising=False)
+    x, q, scale = exact_operands(70, 48, 256, fp8.ScaleBlock())
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "triton")
+    fp8_kernels.linear(x, q, scale, fp8.ScaleBlock())
+    assert chosen == ["triton"]
+    serves = fp8_kernels.blockwise_scaled_mm_serves
+    assert serves(x, q)
+    assert not serves(x, q[:40])                                            # N = 40
+    assert not serves(x[:, :200], q[:, :200])                               # K = 200
+    assert not serves(x.half(), q)
+    assert not serves(x.float(), q)
+
 # ── the Triton kernels in the interpreter (the GPU runs them for real: tests/gpu/test_fp8.py) ──
 
 INTERPRETED_KERNEL_CHECK = """

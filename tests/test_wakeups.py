@@ -150,3 +150,28 @@ def test_a_closed_loop_aborts_whoever_waits_for_it():
         waker.wake(Aborted(1, ready, aborted))
         waker.wake(Aborted(2, ready, aborted))
     assert aborted == [0, 1, 2] and not ready
+
+
+def test_a_batch_held_on_one_thread_does_not_hold_another_threads_events():
+    """wakeups_held is per thread: while the engine thread hands a step over, an event made on any
+    other thread (a second engine, an abort) wakes the loop at once, not at the end of a batch it
+    is no part of."""
+    loop, ready = ScriptedLoop(), []
+    waker = waker_of(loop)
+    inside, release = threading.Event(), threading.Event()
+
+    def engine_thread() -> None:
+        with wakeups_held():
+            inside.set()
+            release.wait(5)
+    holder = threading.Thread(target=engine_thread)
+    holder.start()
+    try:
+        assert inside.wait(5)
+        waker.wake(Marked(0, ready))
+        assert len(loop.pending) == 1          # asked for now, the other thread's batch still open
+    finally:
+        release.set()
+        holder.join(5)
+    loop.run_pending()
+    assert ready == [0] and not loop.pending
