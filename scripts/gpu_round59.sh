@@ -2,6 +2,8 @@
 # What round 59 ran on the device (BENCHMARKS.md, "Round 59"); every call carried .whl.
 #   bash scripts/gpu_round59.sh 1   # any card (issue 33): the opt-in cuBLASLt FP8 path's GPU tests, then the FP8
 #        # bench at 1 and 32 sequences with BLOCKSPEC_FP8_GEMM=triton and =cublas (round 58's mode 8)
+#   bash scripts/gpu_round59.sh 3   # any card (issue 33), after cuBLASLt became the default (rows padded to 16):
+#        # all of tests/gpu/test_fp8.py
 #   bash scripts/gpu_round59.sh 2   # any card (issue 30): HTTP bursts with uvicorn on uvloop + httptools (the default
 #        # now) and on asyncio + h11 (BLOCKSPEC_UVICORN=plain), alternated, twice; then one asyncio client
 . "$(dirname "$0")/gpu_prelude.sh"
@@ -20,4 +22,8 @@ if [ "$M" = 2 ]; then
   stage "HTTP: demo pair, 3 bursts of 64 x 256, uvicorn auto, one asyncio client" timeout ${HTTP_S:-70} \
     python3 scripts/bench_streams.py --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 \
     --bursts 3 --burst-client async
+fi
+if [ "$M" = 3 ]; then
+  timeout ${TESTS_S:-300} $T tests/gpu/test_fp8.py > "$OUT/t_fp8_all.log" 2>&1
+  summary
 fi

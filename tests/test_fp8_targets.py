@@ -280,12 +280,12 @@ def test_column_scales_refuse_blocks_of_part_of_128_columns_and_the_gemm_variabl
     q, scale = fp8.quantize(torch.randn(64, 384), fp8.ScaleBlock(cols=192))
     with pytest.raises(ValueError, match="not whole 128-column blocks"):
         fp8_kernels.column_scales(scale, fp8.ScaleBlock(cols=192), 64, 384)
-    monkeypatch.setenv("BLOCKSPEC_FP8_GEMM", "cuBLAS")
+    monkeypatch.setenv("BLOCKSPEC_FP8_GEMM", "Triton")
     with caplog.at_level("WARNING", logger="blockspec.engine"):
-        assert fp8_kernels.fp8_gemm_from_env() == "triton"
-    assert "BLOCKSPEC_FP8_GEMM='cuBLAS'" in caplog.text
-    monkeypatch.setenv("BLOCKSPEC_FP8_GEMM", "cublas")
-    assert fp8_kernels.fp8_gemm_from_env() == "cublas"
+        assert fp8_kernels.fp8_gemm_from_env() == "cublas"
+    assert "BLOCKSPEC_FP8_GEMM='Triton'" in caplog.text
+    monkeypatch.setenv("BLOCKSPEC_FP8_GEMM", "triton")
+    assert fp8_kernels.fp8_gemm_from_env() == "triton"
 
 
 
@@ -302,11 +302,12 @@ def test_column_scales_cover_a_ragged_last_block(block):
     assert torch.equal(q.float() * expanded, fp8.dequantize(q, scale, block))
 
 
-def test_the_fp8_gemm_defaults_to_our_kernel_without_a_warning(monkeypatch, caplog):
-    """cuBLASLt's GEMM is opt-in until its GPU test and an engine run pass: unset means triton."""
+def test_the_fp8_gemm_defaults_to_cublas_without_a_warning(monkeypatch, caplog):
+    """cuBLASLt's GEMM is the default since its GPU tests and an engine run passed (round 59):
+    unset means cublas (where torch runs it; blockwise_scaled_mm_serves falls back otherwise)."""
     monkeypatch.delenv("BLOCKSPEC_FP8_GEMM", raising=False)
     with caplog.at_level("WARNING", logger="blockspec.engine"):
-        assert fp8_kernels.fp8_gemm_from_env() == "triton"
+        assert fp8_kernels.fp8_gemm_from_env() == "cublas"
     assert not caplog.records
 
 
@@ -350,8 +351,9 @@ def blockwise_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                         out_dtype: torch.dtype) -> torch.Tensor:
     """Stands in for torch._scaled_mm with 1 × 128 scales on both sides (cuBLASLt; no GPU here),
     refusing the layouts it refuses: b column-major (the weight transposed), a's scales [M, K/128]
-    with strides (1, M), b's [K/128, N] row-major."""
+    with strides (1, M), b's [K/128, N] row-major, and M not a multiple of 16 (the H100 refused 65)."""
     (m, k), n = a.shape, b.shape[1]
+    assert m % 16 == 0, f"cuBLASLt refuses {m} rows"
     assert a.dtype == b.dtype == fp8.FP8 and b.stride() == (1, k)
     assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
     assert scale_b.shape == (k // 128, n) and scale_b.is_contiguous()
@@ -386,12 +388,16 @@ def test_the_cublas_gemm_is_the_fp8_fp8_product_bit_for_bit(cublas_path, block):
     before the one rounding to bf16 (rounding the product first and again after the bias differs)."""
     cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
     cublas_path.setattr(fp8_kernels, "fp8_fp8_linear", refused)
-    x, q, scale = exact_operands(70, 48, 256, block)
+    x, q, scale = exact_operands(80, 48, 256, block)
     bias = torch.randn(48, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     for b in (None, bias):
-        out = fp8_kernels.linear(x.view(7, 10, 256), q, scale, block, b)
-        assert out.shape == (7, 10, 48) and out.dtype == torch.bfloat16
-        assert torch.equal(out.view(70, 48), fp8_kernels.reference_fp8_fp8(x, q, scale, block, b))
+        out = fp8_kernels.linear(x.view(8, 10, 256), q, scale, block, b)
+        assert out.shape == (8, 10, 48) and out.dtype == torch.bfloat16
+        assert torch.equal(out.view(80, 48), fp8_kernels.reference_fp8_fp8(x, q, scale, block, b))
+        # 65 and 70 rows: padded with zero rows to 80 for cuBLASLt, the padding's outputs dropped
+        for rows in (65, 70):
+            out = fp8_kernels.linear(x[:rows], q, scale, block, b)
+            assert torch.equal(out, fp8_kernels.reference_fp8_fp8(x[:rows], q, scale, block, b))
 
 
 def test_the_cublas_gemm_is_taken_only_when_asked_for_and_for_shapes_it_serves(cublas_path):

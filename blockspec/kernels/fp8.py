@@ -84,22 +84,24 @@ def reference_fp8_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
-# BLOCKSPEC_FP8_GEMM=cublas: above WEIGHT_ONLY_MAX_ROWS, torch._scaled_mm with 1 × 128 block
-# scales on both sides (cuBLASLt) where this torch and device run it, instead of our FP8 × FP8
-# kernel: the same product (x quantized per row × 128 columns, the weight's scales repeated over
-# their rows), 1.6-2.1 × faster than ours and 1.3-1.5 × faster than bf16 at 256-512 rows of the
-# Qwen3-8B linears (H100, round 58, an ad-hoc timing), where ours is 1.1-1.6 × slower than bf16.
-# Opt-in until tests/gpu/test_fp8.py's cases of it and an engine run have passed on a GPU.
+# Above WEIGHT_ONLY_MAX_ROWS the FP8 × FP8 product runs on cuBLASLt (torch._scaled_mm with 1 × 128
+# block scales on both sides) where this torch and device run it, else on our Triton kernel: the
+# same product (x quantized per row × 128 columns, the weight's scales repeated over their rows).
+# H100, round 58: 1.6-2.1 × faster than ours and 1.3-1.5 × faster than bf16 at 256-512 rows of the
+# Qwen3-8B linears, where ours is 1.1-1.6 × slower than bf16; round 59, the engine: DFlash with FP8
+# at 32 sequences 1.01 × bf16 (ours: 0.82 ×), the plain step 6.12 ms (ours 6.69). The default since
+# round 59's GPU tests; BLOCKSPEC_FP8_GEMM=triton keeps our kernel (side-by-side runs).
 FP8_GEMMS = ("triton", "cublas")
 
 
 def fp8_gemm_from_env() -> str:
-    """BLOCKSPEC_FP8_GEMM, or "triton" (named in a warning) where it is neither."""
-    value = os.environ.get("BLOCKSPEC_FP8_GEMM", "triton")
+    """BLOCKSPEC_FP8_GEMM, or "cublas" (a value that is neither named in a warning)."""
+    value = os.environ.get("BLOCKSPEC_FP8_GEMM", "cublas")
     if value not in FP8_GEMMS:
         logging.getLogger("blockspec.engine").warning(
-            "BLOCKSPEC_FP8_GEMM=%r is not one of %s: the FP8 x FP8 product stays on our kernel", value, FP8_GEMMS)
-        return "triton"
+            "BLOCKSPEC_FP8_GEMM=%r is not one of %s: the FP8 x FP8 product runs on cuBLASLt where it can",
+            value, FP8_GEMMS)
+        return "cublas"
     return value
 
 
@@ -173,6 +175,12 @@ def has_blockwise_scaled_mm(device: torch.device) -> bool:
     return True
 
 
+# cuBLASLt refuses 1 × 128 block scales for a row count that is not a multiple of this (H100, torch
+# 2.11 + CUDA 13, round 59: CUBLAS_STATUS_NOT_SUPPORTED at 65 rows, 256 / 512 / 2,048 served): x is
+# padded with zero rows up to one (at most 15 rows beside the > 64 this path takes).
+SCALED_MM_ROWS = 16
+
+
 def blockwise_scaled_mm_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """cuBLASLt's 1 × 128 block-scaled GEMM takes these shapes (K in whole blocks, N aligned; bf16,
     the dtype its GPU test covers)."""
@@ -185,11 +193,15 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     """`fp8_fp8_linear`'s product through torch._scaled_mm: x [M, K] quantized per row × 128
     columns (`quantize_rows`), times the e4m3 weight with its `column_scales` (made once per
     weight); a bias is added in fp32, as `reference_fp8_fp8` adds it."""
+    rows = x.shape[0]
+    padded = -(-rows // SCALED_MM_ROWS) * SCALED_MM_ROWS
+    if padded != rows:            # zero rows: their outputs are computed and dropped, nothing else reads them
+        x = F.pad(x, (0, 0, 0, padded - rows))
     # x's scales column-major, strides (1, M): the only layout torch takes for 1 × 128 scales
     q, x_scales = quantize_rows(x.contiguous(), column_major=True)
     scale_b = cached_column_scales(scale, block, weight.shape[0], x.shape[1])
     out = torch._scaled_mm(q, weight.t(), scale_a=x_scales, scale_b=scale_b,
-                           out_dtype=x.dtype if bias is None else torch.float32)
+                           out_dtype=x.dtype if bias is None else torch.float32)[:rows]
     return out if bias is None else (out + bias.float()).to(x.dtype)
 
 

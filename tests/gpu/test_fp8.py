@@ -148,6 +148,8 @@ def test_linear_dispatch_by_rows(rows):
     ours = K.linear(x, q, scale, block)
     if rows <= K.WEIGHT_ONLY_MAX_ROWS:
         assert torch.equal(ours, K.weight_only_linear(x, q, scale, block, None))
+    elif K.FP8_GEMM == "cublas" and K.blockwise_scaled_mm_serves(x, q):        # the default on Hopper
+        assert torch.equal(ours, K.scaled_mm_linear(x, q, scale, block, None))
     else:
         assert torch.equal(ours, K.fp8_fp8_linear(x, q, scale, block, None))
     # against the plain dequantized product: FP8 × FP8 adds the activations' e4m3 rounding
