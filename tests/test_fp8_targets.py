@@ -288,7 +288,6 @@ def test_column_scales_refuse_blocks_of_part_of_128_columns_and_the_gemm_variabl
     assert fp8_kernels.fp8_gemm_from_env() == "triton"
 
 
-
 @pytest.mark.parametrize("block", [fp8.ScaleBlock(), fp8.ScaleBlock(rows=1, cols=200), fp8.ScaleBlock(cols=256)],
                          ids=["128x128", "per-channel", "cols-256"])
 def test_column_scales_cover_a_ragged_last_block(block):
@@ -400,11 +399,33 @@ def test_the_cublas_gemm_is_the_fp8_fp8_product_bit_for_bit(cublas_path, block):
             assert torch.equal(out, fp8_kernels.reference_fp8_fp8(x[:rows], q, scale, block, b))
 
 
+def test_the_cublas_gemms_weight_scales_are_made_before_the_pool_is_sized(cublas_path):
+    """keep_column_scales makes every served FP8 linear's cuBLASLt scales up front (the runner calls it
+    before measuring memory: made at the profile's forward they were counted three times); a linear it
+    does not serve (N % 16, K not in whole blocks, fp16) gets none, and the GEMM then takes the kept ones."""
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
+    served, narrow, ragged = (fp8.Fp8Linear(256, 48), fp8.Fp8Linear(256, 40), fp8.Fp8Linear(200, 48))
+    model = torch.nn.Sequential(served, narrow, ragged)
+    for linear in model:
+        linear.weight.data, linear.weight_scale_inv.data = fp8.quantize(torch.randn(linear.out_features,
+                                                                                   linear.in_features))
+    assert fp8.keep_column_scales(model, torch.float16) == 0
+    made = fp8.keep_column_scales(model, torch.bfloat16)
+    kept = fp8_kernels._column_scales.get(id(served.weight_scale_inv))
+    assert kept is not None and made == kept.nbytes == 2 * 48 * 4                     # [K/128, N] fp32
+    assert id(narrow.weight_scale_inv) not in fp8_kernels._column_scales
+    assert id(ragged.weight_scale_inv) not in fp8_kernels._column_scales
+    assert fp8_kernels.cached_column_scales(served.weight_scale_inv, served.block, 48, 256) is kept
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "triton")
+    assert fp8.keep_column_scales(torch.nn.Sequential(fp8.Fp8Linear(256, 32)), torch.bfloat16) == 0
+
+
 def test_the_cublas_gemm_is_taken_only_when_asked_for_and_for_shapes_it_serves(cublas_path):
     """BLOCKSPEC_FP8_GEMM=triton keeps our kernel even where cuBLASLt would serve; =cublas falls back to
     it for N not a multiple of 16, K not whole 128-column blocks, or fp16 activations."""
     chosen: list[str] = []
-    cublas_path.setattr(fp8_kernels, "fp8_fp8_linear", lambda *_: chosen.append("triton") or torch.zeros(70, 48))
+    cublas_path.setattr(fp8_kernels, "fp8_fp8_linear",
+                        lambda x, w, *_: chosen.append("triton") or torch.zeros(x.shape[0], w.shape[0]))
     cublas_path.setattr(torch, "_scaled_mm", refused, raising=False)
     x, q, scale = exact_operands(70, 48, 256, fp8.ScaleBlock())
     cublas_path.setattr(fp8_kernels, "FP8_GEMM", "triton")
@@ -416,6 +437,9 @@ def test_the_cublas_gemm_is_taken_only_when_asked_for_and_for_shapes_it_serves(c
     assert not serves(x[:, :200], q[:, :200])                               # K = 200
     assert not serves(x.half(), q)
     assert not serves(x.float(), q)
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")                    # what it does not serve: ours
+    fp8_kernels.linear(x, q[:40], scale[:1], fp8.ScaleBlock())
+    assert chosen == ["triton", "triton"]
 
 # ── the Triton kernels in the interpreter (the GPU runs them for real: tests/gpu/test_fp8.py) ──
 

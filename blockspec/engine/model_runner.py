@@ -42,6 +42,7 @@ from blockspec.layers import AttentionMetadata
 from blockspec.models.base import MultimodalRows
 from blockspec.models.dflash2 import CandidateWalk
 from blockspec.layers.attention import token_rows, unpack, uses_kernels
+from blockspec.layers.fp8 import keep_column_scales
 from blockspec.sampling import Staged, device_longs, sample
 
 
@@ -190,6 +191,7 @@ class ModelRunner:
     def size_pool(self, graphed: bool) -> PoolSize:
         """The pool's size (engine/memory.py), with the graphs' verify stash of a hybrid target."""
         stash_bytes = 0
+        keep_column_scales(self.target, self.dtype)          # with the weights, not as activations
         if graphed and self.stashes_verify_states:
             stash = self.make_graphs(capture=False)
             stash_bytes = StatePool.space_bytes(self.target.recurrent_shapes, stash.seq_slots(stash.full_tokens[-1]),

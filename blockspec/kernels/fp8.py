@@ -28,8 +28,9 @@ threshold of 64 rows (not 256); swapping the dot's operands, weight tile first, 
 split in 4 parts summed inside the kernel at every row count (TILES_BY_ROWS). Round 58 on the
 H100: at 256 rows the FP8 × FP8 kernel took 1.1-1.6 × cuBLAS's bf16 time (`--fp8-fp8-sweep`
 weighs its tiles).
-torch._scaled_mm's block-wise scaling is opt-in (BLOCKSPEC_FP8_GEMM=cublas): ours runs the same on
-every torch version.
+Above 64 rows the product runs on torch._scaled_mm's 1 × 128 block scaling (cuBLASLt) where this
+torch and GPU run it (bf16 activations, K in whole blocks, N % 16), else on ours, which runs the
+same on every torch version; BLOCKSPEC_FP8_GEMM=triton keeps ours (side-by-side runs).
 """
 from __future__ import annotations
 

@@ -483,6 +483,24 @@ def quantize_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def keep_column_scales(model: nn.Module, dtype: torch.dtype) -> int:
+    """Make now the cuBLASLt GEMM's weight scales (kernels/fp8.column_scales: [K/128, N] fp32, 128 ×
+    a 128 × 128-blocked weight's own) of every FP8 linear it will serve, so that they are counted
+    once with the weights when the pool is sized (made at the profile's first forward, they were
+    counted as its activations, then again as what the process holds and as the graphs' reserve:
+    ~0.65 GB of KV cache on Qwen3-8B). Returns their bytes."""
+    from blockspec.kernels import fp8 as kernels
+    made = 0
+    for module in model.modules():
+        if not isinstance(module, Fp8Linear) or kernels.FP8_GEMM != "cublas":
+            continue             # (off CUDA, blockwise_scaled_mm_serves says no)
+        probe = torch.empty(0, module.in_features, dtype=dtype, device=module.weight.device)
+        if kernels.blockwise_scaled_mm_serves(probe, module.weight):
+            made += kernels.cached_column_scales(module.weight_scale_inv, module.block, module.out_features,
+                                                 module.in_features).nbytes
+    return made
+
+
 def weight_format(model: nn.Module) -> str:
     """`fp8_e4m3` when the target holds e4m3 weights, else its weights' dtype (`bfloat16`)."""
     if any(isinstance(m, (Fp8Linear, Fp8Experts)) for m in model.modules()):
