@@ -302,8 +302,8 @@ def test_column_scales_cover_a_ragged_last_block(block):
 
 
 def test_the_fp8_gemm_defaults_to_cublas_without_a_warning(monkeypatch, caplog):
-    """cuBLASLt's GEMM is the default since its GPU tests and an engine run passed (round 59):
-    unset means cublas (where torch runs it; blockwise_scaled_mm_serves falls back otherwise)."""
+    """cuBLASLt's GEMM is the default since round 59 (its GPU tests at 256-2,048 rows and an engine
+    run): unset means cublas (where torch runs it; blockwise_scaled_mm_serves falls back otherwise)."""
     monkeypatch.delenv("BLOCKSPEC_FP8_GEMM", raising=False)
     with caplog.at_level("WARNING", logger="blockspec.engine"):
         assert fp8_kernels.fp8_gemm_from_env() == "cublas"

@@ -91,7 +91,9 @@ def reference_fp8_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 # H100, round 58: 1.6-2.1 × faster than ours and 1.3-1.5 × faster than bf16 at 256-512 rows of the
 # Qwen3-8B linears, where ours is 1.1-1.6 × slower than bf16; round 59, the engine: DFlash with FP8
 # at 32 sequences 1.01 × bf16 (ours: 0.82 ×), the plain step 6.12 ms (ours 6.69). The default since
-# round 59's GPU tests; BLOCKSPEC_FP8_GEMM=triton keeps our kernel (side-by-side runs).
+# round 59 (its GPU tests passed at 256-2,048 rows, with a bias and in a graph; 65 rows was refused,
+# hence the padding to SCALED_MM_ROWS, whose own GPU run is scripts/gpu_round59.sh 3);
+# BLOCKSPEC_FP8_GEMM=triton keeps our kernel (side-by-side runs).
 FP8_GEMMS = ("triton", "cublas")
 
 
