@@ -19,6 +19,8 @@ the rest).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import shlex
@@ -176,13 +178,29 @@ def client_worker(url: str, conn) -> None:
     while (job := conn.recv()) is not None:
         prompts, max_tokens, start_at = job
         time.sleep(max(0.0, start_at - time.monotonic()))
-        with new_client() as client:
+        with new_client() as client, collector_quiet():
             def timed(prompt: list[int]) -> tuple[str, float]:
                 sent = time.monotonic()
                 text, first = timed_stream(url, prompt, max_tokens, client)
                 return text, sent - start_at + first
             _, results = at_once_with(timed, prompts)
         conn.send(results)
+
+
+@contextlib.contextmanager
+def collector_quiet(quiet: bool = True):
+    """The client's garbage collector held off for a burst (collected before it, on again after):
+    64 threads parsing 256 chunks each make enough objects for a collection mid-burst, which stops
+    every client thread at once and is counted as the server's latency (--client-gc on: as before)."""
+    if not quiet:
+        yield
+        return
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def at_once_with(run, prompts: list[list[int]]) -> tuple[float, list[tuple[str, float]]]:
@@ -274,7 +292,8 @@ def mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
 
 
 def bursts(url: str, prompt_sets: list[list[list[int]]], max_tokens: int, client_kind: str = "threads",
-           server_pid: int | None = None, processes: ClientProcesses | None = None) -> list[dict]:
+           server_pid: int | None = None, processes: ClientProcesses | None = None, quiet_gc: bool = True
+           ) -> list[dict]:
     """A burst per prompt set, its streams sent at once, the first straight after startup (no
     warm-up request): each burst's first-token p50 / p99 (ms) and its wall time. A server that
     compiled and captured everything before its port opened serves the first burst as fast as
@@ -289,13 +308,14 @@ def bursts(url: str, prompt_sets: list[list[list[int]]], max_tokens: int, client
     for prompts in prompt_sets:
         before = server_histograms(url)
         cpu_before = server_cpu(server_pid) if server_pid is not None else None
-        if client_kind == "async":
-            seconds, results = at_once_async(url, prompts, max_tokens)
-        elif processes is not None:
-            seconds, results = processes.burst(prompts, max_tokens)
-        else:
-            with new_client() as client:
-                seconds, results = at_once(url, prompts, max_tokens, client)
+        with collector_quiet(quiet_gc):
+            if client_kind == "async":
+                seconds, results = at_once_async(url, prompts, max_tokens)
+            elif processes is not None:
+                seconds, results = processes.burst(prompts, max_tokens)
+            else:
+                with new_client() as client:
+                    seconds, results = at_once(url, prompts, max_tokens, client)
         after = server_histograms(url)
         ttfts = sorted(first for _, first in results)
         out.append({"ttft_p50_ms": round(percentile(ttfts, 50) * 1e3, 1),
@@ -371,6 +391,9 @@ def main() -> int:
     parser.add_argument("--burst-prompts", choices=("fresh", "same"), default="fresh",
                         help="each burst's prompts its own (default: every burst prefills as the first did), or the "
                              "same prompts each burst (rounds 40-49: the later bursts hit the prefix cache)")
+    parser.add_argument("--client-gc", choices=("quiet", "on"), default="quiet",
+                        help="the client's garbage collector during a burst: held off (collected before it; "
+                             "the default since round 59) or on (rounds 40-58)")
     parser.add_argument("--burst-client", choices=("async", "threads", "processes"), default="threads",
                         help="the bursts' client: a thread per stream (default; round 48 measured httpx's asyncio "
                              "client slower on the H200 machine: 298 / 95 / 282 ms against 157 / 80 / 92), one event "
@@ -390,7 +413,8 @@ def main() -> int:
             sets = burst_prompt_sets(args.bursts, args.requests, args.model, args.burst_prompts == "fresh")
             processes = ClientProcesses(url, args.client_processes) if args.burst_client == "processes" else None
             try:
-                result = bursts(url, sets, args.max_tokens, args.burst_client, server.pid, processes)
+                result = bursts(url, sets, args.max_tokens, args.burst_client, server.pid, processes,
+                                args.client_gc == "quiet")
             finally:
                 if processes is not None:
                     processes.close()
