@@ -34,3 +34,12 @@ if [ "$M" = 3 ]; then
   TAIL=60 stage "step profile, Qwen3-8B, 512 rows, bf16 and FP8" timeout ${PROF_S:-120} python3 scripts/step_profile.py \
     --shape qwen3-8b --widths 512 --formats bf16,fp8 --out "$OUT/step_profile_512.json"
 fi
+#   bash scripts/gpu_round59.sh 4   # any card, mode 3 cut to what the budget's end held: the cuBLASLt cases of
+#        # tests/gpu/test_fp8.py (the padded row counts among them), then one HTTP run with the client's collector quiet
+if [ "$M" = 4 ]; then
+  timeout ${TESTS_S:-120} $T tests/gpu/test_fp8.py -k "blockwise_scaled_mm or dispatch or replays" > "$OUT/t_fp8.log" 2>&1
+  summary
+  stage "HTTP: demo pair, 3 bursts of 64 x 256, the client's collector quiet" timeout ${HTTP_S:-55} \
+    python3 scripts/bench_streams.py --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 \
+    --bursts 3 --client-gc quiet
+fi
