@@ -178,9 +178,10 @@ def has_blockwise_scaled_mm(device: torch.device) -> bool:
     return True
 
 
-# cuBLASLt refuses 1 × 128 block scales for a row count that is not a multiple of this (H100, torch
-# 2.11 + CUDA 13, round 59: CUBLAS_STATUS_NOT_SUPPORTED at 65 rows, 256 / 512 / 2,048 served): x is
-# padded with zero rows up to one (at most 15 rows beside the > 64 this path takes).
+# cuBLASLt refused 1 × 128 block scales at 65 rows (H100, torch 2.11 + CUDA 13, round 59:
+# CUBLAS_STATUS_NOT_SUPPORTED) and served 16 (the probe), 256, 512 and 2,048 (likely the scales'
+# column of M fp32 values must be 16-byte aligned): x is padded with zero rows to a multiple of
+# this (at most 15 rows beside the > 64 this path takes).
 SCALED_MM_ROWS = 16
 
 
