@@ -119,8 +119,7 @@ def compare_speculation(device: str, concurrency: list[int], block_size: int = 8
     verified whole each cycle) and of adaptive (block_size) at each concurrency, in one process;
     at each concurrency they run in turn on the same prompts (`rounds` times, more at low
     concurrency (rounds_at), interleaved; the best of each is kept) and must give the same greedy
-    output. Adaptive measures its cost table
-    at startup."""
+    output. Adaptive measures its cost table at startup."""
     from blockspec.demo import require_built
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams

@@ -232,16 +232,17 @@ def choose_num_splits(num_programs: int, max_keys: int, block_n: int, sms: int) 
 def tile_sizes(rows_per_head: int, head_dim: int, element_size: int) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages): tl.dot wants ≥ 16 rows; 256-wide
     heads take narrower key chunks to stay in registers, and K/V chunks of more than 16 KB two
-    pipeline stages (fp32's, to fit in shared memory), as do the 16 KB chunks of 128-wide bf16
-    heads: two beat three at 7 of 8 decode and verify shapes (Qwen3-8B heads, 512-16k keys, 1 and
-    32 sequences; H100, round 58, scripts/decode_attention_sweep.py: 1-9 % of the call), with the
-    same bits. 256-wide heads' 16 KB chunks keep three (not swept)."""
+    pipeline stages (fp32's, to fit in shared memory), as do the 16 KB chunks of heads up to 128
+    wide (128-wide bf16, 64-wide fp32): two beat three at 7 of 8 decode and verify shapes of
+    128-wide bf16 heads (Qwen3-8B heads, 512-16k keys, 1 and 32 sequences; H100, round 58,
+    scripts/decode_attention_sweep.py: 1-9 % of the call), with the same bits. 256-wide heads'
+    16 KB chunks (32 keys of bf16) keep three (not swept)."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_m = min(64, max(16, triton.next_power_of_2(rows_per_head)))
     block_n = 64 if block_d <= 128 else 32
     num_warps = 4 if block_m * block_d <= 64 * 128 else 8
-    chunk_bytes = block_n * block_d * element_size
-    num_stages = 2 if chunk_bytes > 64 * 128 * 2 or (chunk_bytes == 64 * 128 * 2 and block_d <= 128) else 3
+    chunk_bytes, sixteen_kb = block_n * block_d * element_size, 16 * 1024
+    num_stages = 2 if chunk_bytes > sixteen_kb or (chunk_bytes == sixteen_kb and block_d <= 128) else 3
     return block_m, block_n, block_d, num_warps, num_stages
 
 

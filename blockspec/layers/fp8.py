@@ -490,10 +490,13 @@ def keep_column_scales(model: nn.Module, dtype: torch.dtype) -> int:
     counted as its activations, then again as what the process holds and as the graphs' reserve:
     ~0.65 GB of KV cache on Qwen3-8B). Returns their bytes."""
     from blockspec.kernels import fp8 as kernels
+    if kernels.FP8_GEMM != "cublas":
+        return 0
     made = 0
     for module in model.modules():
-        if not isinstance(module, Fp8Linear) or kernels.FP8_GEMM != "cublas":
-            continue             # (off CUDA, blockwise_scaled_mm_serves says no)
+        if not isinstance(module, Fp8Linear):
+            continue
+        # the shapes and device a call would bring (off CUDA, blockwise_scaled_mm_serves says no)
         probe = torch.empty(0, module.in_features, dtype=dtype, device=module.weight.device)
         if kernels.blockwise_scaled_mm_serves(probe, module.weight):
             made += kernels.cached_column_scales(module.weight_scale_inv, module.block, module.out_features,
