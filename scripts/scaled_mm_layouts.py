@@ -1,0 +1,86 @@
+"""Which block-scale layouts torch._scaled_mm (cuBLASLt) serves on this GPU, and at what speed, at
+the Qwen3-8B linear shapes (issue 33). Three forms of the same FP8 × FP8 product:
+  - bf16: F.linear on the dequantized weight (cuBLAS), the baseline;
+  - 1x128: x per row × 128 columns, the weight's scales expanded to 1 × 128 (`column_scales`,
+    what `kernels/fp8.scaled_mm_linear` runs: [K/128, N] fp32 per weight, ~217 MB for Qwen3-8B);
+  - 128x128: the same x scales, the weight's own [N/128, K/128] block scales passed as
+    BlockWise128x128 (no expansion), if this torch and cuBLASLt take them.
+Each at several row counts (multiples of 16 and not), graphed over COPIES weights, with the
+relative error of each against the fp32 product of the dequantized operands, and what any call
+raised. Usage: python scripts/scaled_mm_layouts.py [--rows 16,65,80,256,512,2048] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.bench import graphed, timed
+from blockspec.kernels import fp8 as K
+from blockspec.layers import fp8
+
+SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (24576, 4096), "down_proj": (4096, 12288)}
+COPIES = 8
+
+
+def per_linear_us(fn) -> float:
+    return timed(graphed(fn, torch.device("cuda")), repeat=30, warmup=3) * 1e3 / COPIES
+
+
+def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def product_1x128(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return K.scaled_mm_linear(x, q, s, fp8.ScaleBlock(), None)
+
+
+def product_128x128(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    # s [N/128, K/128] row-major; its transpose [K/128, N/128] has strides (1, K/128): the
+    # outer-dim-major layout torch's tests pass for a 128 × 128-scaled right operand
+    xq, x_scales = K.quantize_rows(x.contiguous(), column_major=True)
+    return torch._scaled_mm(xq, q.t(), scale_a=x_scales, scale_b=s.t(), out_dtype=x.dtype)
+
+
+def try_form(name: str, fn, ref: torch.Tensor) -> dict:
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        return {f"{name}_rel_err": round(relative_error(out, ref), 5)}
+    except Exception as exc:        # noqa: BLE001 - what this torch / cuBLASLt says is the finding
+        return {f"{name}_error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="16,65,80,256,512,2048")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for name, (n, k) in SHAPES.items():
+        weights = [(torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) for _ in range(COPIES)]
+        blocks = [fp8.quantize(w) for w in weights]
+        dequantized = [fp8.dequantize(q, s, fp8.ScaleBlock()).to(torch.bfloat16) for q, s in blocks]
+        for m in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+            q0, s0 = blocks[0]
+            ref = K.reference_fp8_fp8(x, q0, s0, fp8.ScaleBlock(), None)
+            row = {"linear": name, "N": n, "K": k, "M": m}
+            row |= try_form("1x128", lambda: product_1x128(x, q0, s0), ref)
+            row |= try_form("128x128", lambda: product_128x128(x, q0, s0), ref)
+            row["bf16_us"] = round(per_linear_us(lambda: [F.linear(x, w) for w in dequantized]), 2)
+            for form, fn in (("1x128", product_1x128), ("128x128", product_128x128)):
+                if f"{form}_rel_err" in row:
+                    row[f"{form}_us"] = round(per_linear_us(lambda: [fn(x, q, s) for q, s in blocks]), 2)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
