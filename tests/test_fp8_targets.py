@@ -441,6 +441,116 @@ def test_the_cublas_gemm_is_taken_only_when_asked_for_and_for_shapes_it_serves(c
     fp8_kernels.linear(x, q[:40], scale[:1], fp8.ScaleBlock())
     assert chosen == ["triton", "triton"]
 
+
+def test_the_cublas_gemm_pads_only_rows_short_of_a_multiple_of_16_and_with_zeros(cublas_path):
+    """cuBLASLt is handed x padded with zero rows up to the next multiple of SCALED_MM_ROWS (16):
+    65 and 81 rows go in as 80 and 96, while 80 and 96 rows go in as they are (no copy, no wasted
+    rows); the padding's outputs never come back."""
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
+    handed: list[tuple[int, bool]] = []
+
+    def recording(a, b, scale_a, scale_b, out_dtype):
+        handed.append((a.shape[0], bool((a[rows:].float() == 0).all())))
+        return blockwise_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+    cublas_path.setattr(torch, "_scaled_mm", recording, raising=False)
+    block = fp8.ScaleBlock()
+    x, q, scale = exact_operands(96, 48, 256, block)
+    for rows in (65, 80, 81, 96):
+        out = fp8_kernels.linear(x[:rows], q, scale, block)
+        assert torch.equal(out, fp8_kernels.reference_fp8_fp8(x[:rows], q, scale, block, None))
+    assert handed == [(80, True), (80, True), (96, True), (96, True)]
+
+
+def row_wise_only(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm of a torch that has row-wise scaling ([M, 1] × [1, N]) but no 1 × 128 blocks."""
+    if scale_a.shape != (a.shape[0], 1) or scale_b.shape != (1, b.shape[1]):
+        raise RuntimeError("Invalid scaling configuration")
+    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+
+def test_the_cublas_probe_runs_two_k_blocks_once_per_device_and_never_in_a_capture(monkeypatch):
+    """has_blockwise_scaled_mm: off CUDA, or without torch._scaled_mm, no (no probe); on CUDA one
+    probe of K = 2 blocks per device, kept: a torch that serves it says yes, one with row-wise
+    scaling only says no (with K = 1 block its [16, 1] scales would pass as row-wise); inside a
+    CUDA graph's capture it raises rather than be captured (nothing would run)."""
+    probe = fp8_kernels.has_blockwise_scaled_mm
+    cuda = torch.device("cuda")
+    calls: list[tuple] = []
+
+    def recording(serve):
+        def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+            calls.append((tuple(a.shape), tuple(scale_a.shape), scale_a.stride(), tuple(scale_b.shape), out_dtype))
+            return serve(a, b, scale_a, scale_b, out_dtype)
+        return scaled_mm
+    # the probe's tensors on this CPU-only machine: CUDA's placement dropped, nothing else changed
+    for name in ("zeros", "ones"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *args, device=None, real=real, **kwargs: real(*args, **kwargs))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    probe.cache_clear()
+    try:
+        monkeypatch.setattr(torch, "_scaled_mm", recording(blockwise_scaled_mm), raising=False)
+        assert not probe(torch.device("cpu")) and calls == []
+        capturing[0] = True
+        with pytest.raises(RuntimeError, match="run the linear once before capturing a CUDA graph"):
+            probe(cuda)
+        assert calls == []
+        capturing[0] = False
+        assert probe(cuda) and probe(cuda)
+        assert calls == [((16, 256), (16, 2), (1, 16), (2, 16), torch.bfloat16)]        # once
+        probe.cache_clear()
+        monkeypatch.setattr(torch, "_scaled_mm", recording(row_wise_only), raising=False)
+        assert not probe(cuda) and len(calls) == 2
+        probe.cache_clear()
+        monkeypatch.delattr(torch, "_scaled_mm", raising=False)
+        assert not probe(cuda) and len(calls) == 2
+    finally:
+        probe.cache_clear()
+
+
+def test_keep_column_scales_counts_every_served_linear(cublas_path):
+    """keep_column_scales returns the bytes of every served linear's kept scales together (the
+    pool is sized after them), not the last one's."""
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
+    first, second = fp8.Fp8Linear(256, 48), fp8.Fp8Linear(384, 32)
+    model = torch.nn.Sequential(first, torch.nn.Sequential(second))
+    for linear in (first, second):
+        linear.weight.data, linear.weight_scale_inv.data = fp8.quantize(torch.randn(linear.out_features,
+                                                                                   linear.in_features))
+    assert fp8.keep_column_scales(model, torch.bfloat16) == 2 * 48 * 4 + 3 * 32 * 4
+    for linear in (first, second):
+        kept = fp8_kernels._column_scales[id(linear.weight_scale_inv)]
+        assert torch.equal(kept, fp8_kernels.column_scales(linear.weight_scale_inv, linear.block,
+                                                           linear.out_features, linear.in_features))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_runner_keeps_the_cublas_scales_before_it_sizes_the_pool(fp8_models, one_tokenizer, monkeypatch, dtype):
+    """ModelRunner.size_pool makes the target's cuBLASLt weight scales before the pool's memory is
+    measured (engine/memory.size_pool), for the activations' dtype: a bf16 engine holds every FP8
+    linear's by then (here all are served: K in 128s, N in 16s); an fp32 engine, whose linears
+    never take cuBLASLt, none."""
+    from blockspec.engine import model_runner
+    monkeypatch.setattr(fp8_kernels, "FP8_GEMM", "cublas")
+    monkeypatch.setattr(fp8_kernels, "has_blockwise_scaled_mm", lambda device: True)
+    real, seen = model_runner.size_pool, []
+
+    def sizing(config, target, *args, **kwargs):
+        linears = [m for m in target.modules() if isinstance(m, fp8.Fp8Linear)]
+        seen.append([(m, fp8_kernels._column_scales.get(id(m.weight_scale_inv))) for m in linears])
+        return real(config, target, *args, **kwargs)
+    monkeypatch.setattr(model_runner, "size_pool", sizing)
+    llm = LLM(str(fp8_models["qwen3_moe"][1]), dtype=dtype, max_model_len=256, show_progress=False)
+    assert llm.dtype == dtype and len(seen) == 1 and len(seen[0]) >= 4
+    for linear, kept in seen[0]:
+        if dtype == "float32":
+            assert kept is None
+        else:
+            assert torch.equal(kept, fp8_kernels.column_scales(linear.weight_scale_inv, linear.block,
+                                                               linear.out_features, linear.in_features))
+
 # ── the Triton kernels in the interpreter (the GPU runs them for real: tests/gpu/test_fp8.py) ──
 
 INTERPRETED_KERNEL_CHECK = """
