@@ -139,3 +139,14 @@ def test_pipeline_stages_follow_the_key_chunk_bytes_and_the_head_width():
     assert tile_sizes(1, 96, 2) == (16, 64, 128, 4, 2)         # padded to 128 wide
     assert tile_sizes(1, 128, 4) == (16, 64, 128, 4, 2)        # fp32: 32 KB
     assert tile_sizes(1, 256, 4) == (16, 32, 256, 4, 2)        # fp32: 32 KB
+
+
+def test_64_wide_fp32_heads_16kb_chunks_take_two_stages_as_128_wide_bf16_heads_do():
+    """The two-stage rule for 16 KB K/V chunks is by head width (≤ 128), not by dtype: 64 keys of
+    a 64-wide fp32 head are 16 KB, as are 64 keys of a 128-wide bf16 head (tile_sizes' docstring
+    names both); 32-wide fp32 chunks (8 KB) keep three."""
+    from blockspec.kernels.attention import tile_sizes
+
+    assert tile_sizes(1, 64, 4) == (16, 64, 64, 4, 2)          # 64 × 64 × 4 B = 16 KB
+    assert tile_sizes(16, 48, 4) == (16, 64, 64, 4, 2)         # padded to 64 wide
+    assert tile_sizes(1, 32, 4) == (16, 64, 32, 4, 3)          # 8 KB

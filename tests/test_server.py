@@ -816,11 +816,14 @@ def test_the_switch_interval_setting_never_stops_the_server(value, expected, cap
 
 @pytest.mark.parametrize("value, loop_module, protocol", [(None, "uvloop", "HttpToolsProtocol"),
                                                           ("plain", "asyncio", "H11Protocol"),
-                                                          ("fast", "uvloop", "HttpToolsProtocol")])
+                                                          ("fast", "uvloop", "HttpToolsProtocol"),
+                                                          ("", "uvloop", "HttpToolsProtocol"),
+                                                          ("auto", "uvloop", "HttpToolsProtocol")])
 def test_serve_runs_on_uvloop_and_httptools(value, loop_module, protocol, caplog):
     """uvicorn's event loop and HTTP parser are the C ones (installed with blockspec, as vLLM's
     fastapi[standard] installs them); BLOCKSPEC_UVICORN=plain picks asyncio's and h11 for side-by-side
-    runs; any other value is named in one warning and the C ones kept."""
+    runs; "auto" and an empty value (`BLOCKSPEC_UVICORN= blockspec serve`) are the default, unwarned;
+    any other value is named in one warning and the C ones kept."""
     import uvicorn
     from blockspec.server.app import uvicorn_implementations
     with caplog.at_level("WARNING", logger="blockspec.server"):
@@ -834,6 +837,36 @@ def test_serve_runs_on_uvloop_and_httptools(value, loop_module, protocol, caplog
     assert config.http_protocol_class.__name__ == protocol
     assert len([r for r in caplog.records if "BLOCKSPEC_UVICORN" in r.getMessage()]) == (value == "fast")
 
+
+
+@pytest.mark.parametrize("value, loop, http", [(None, "auto", "auto"), ("plain", "asyncio", "h11")])
+def test_serve_reads_blockspec_uvicorn_into_uvicorns_config(value, loop, http, monkeypatch):
+    """`serve` hands uvicorn the loop and HTTP parser BLOCKSPEC_UVICORN names (read at serve time)."""
+    from types import SimpleNamespace
+    from blockspec.server import app as app_module
+    monkeypatch.setattr(app_module, "configure_logging", lambda level: None)
+    monkeypatch.setattr(app_module, "use_switch_interval", lambda value: None)
+    monkeypatch.setattr(app_module, "load", lambda settings: SimpleNamespace(make_request=None))
+    monkeypatch.setattr(app_module, "bind", lambda host, port: socket.create_server(("127.0.0.1", 0)))
+    monkeypatch.setenv("BLOCKSPEC_GC_FREEZE", "0")
+    if value is None:
+        monkeypatch.delenv("BLOCKSPEC_UVICORN", raising=False)
+    else:
+        monkeypatch.setenv("BLOCKSPEC_UVICORN", value)
+    seen: list[tuple[str, str]] = []
+
+    class Server:
+        should_exit = False
+
+        def run(self, sockets) -> None:
+            sockets[0].close()
+
+    def draining(config, state):
+        seen.append((config.loop, config.http))
+        return Server()
+    monkeypatch.setattr(app_module, "draining_server", draining)
+    assert app_module.serve(ServerSettings(model="m")) == 0
+    assert seen == [(loop, http)]
 
 def test_serve_freezes_the_startup_heap_before_it_listens(monkeypatch):
     """What startup made lives as long as the server: `serve` moves it out of the garbage
