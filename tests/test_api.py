@@ -495,3 +495,75 @@ def test_first_token_stages_add_up_to_the_time_to_first_token(plain):
     total = sum(grew[f"blockspec_first_token_{stage}_seconds_sum"] for stage in stages)
     assert total == pytest.approx(grew["blockspec_time_to_first_token_seconds_sum"], abs=1e-6)
     assert all(grew[f"blockspec_first_token_{stage}_seconds_sum"] >= 0 for stage in stages)
+
+
+@pytest.fixture(scope="module")
+def bench_streams():
+    """scripts/bench_streams.py, imported as a module (its main is not run)."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("bench_streams", Path(__file__).resolve().parents[1] / "scripts"
+                                                  / "bench_streams.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_streams_holds_the_clients_collector_off_for_a_burst_unless_asked(plain, bench_streams, monkeypatch):
+    """--client-gc quiet (the default): the client's garbage collector is off while a burst's
+    streams run (the thread client's and each client process's) and on again after it, also when
+    a stream raised; --client-gc on leaves it on."""
+    import gc
+    assert gc.isenabled()
+    with bench_streams.collector_quiet():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with bench_streams.collector_quiet(False):
+        assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="a stream failed"):
+        with bench_streams.collector_quiet():
+            raise RuntimeError("a stream failed")
+    assert gc.isenabled()
+    during: list[bool] = []
+    real = bench_streams.timed_stream
+
+    def timed_stream(*args, **kwargs):
+        during.append(gc.isenabled())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(bench_streams, "timed_stream", timed_stream)
+    prompt = [9707, 11, 1879, 13]
+    for quiet in (True, False):
+        result = bench_streams.bursts(plain.url, [[prompt, prompt]], 2, quiet_gc=quiet)
+        assert len(result) == 1 and result[0]["ttft_p50_ms"] >= 0 and gc.isenabled()
+    assert during == [False, False, True, True]
+
+    class Pipe:                                      # client_worker's end of a ClientProcesses pipe
+        def __init__(self, jobs):
+            self.jobs, self.sent = list(jobs), []
+
+        def recv(self):
+            return self.jobs.pop(0)
+
+        def send(self, message):
+            self.sent.append(message)
+    import time
+    pipe = Pipe([([prompt], 2, time.monotonic()), None])
+    bench_streams.client_worker(plain.url, pipe)
+    assert pipe.sent[0] == "ready" and len(pipe.sent[1]) == 1 and pipe.sent[1][0][0]
+    assert during[4:] == [False] and gc.isenabled()
+
+
+@pytest.mark.parametrize("flag, quiet", [((), True), (("--client-gc", "on"), False), (("--client-gc", "quiet"), True)])
+def test_bench_streams_client_gc_defaults_to_quiet(bench_streams, monkeypatch, capsys, flag, quiet):
+    """`--bursts` hands bursts() quiet_gc: on by default (since round 59), off with --client-gc on."""
+    import sys
+    from types import SimpleNamespace
+    asked: list[bool] = []
+    server = SimpleNamespace(pid=None, send_signal=lambda signal: None, wait=lambda timeout: 0)
+    monkeypatch.setattr(bench_streams, "start_server", lambda *args: server)
+    monkeypatch.setattr(bench_streams, "burst_prompt_sets", lambda *args: [[[1, 2]]])
+    monkeypatch.setattr(bench_streams, "bursts", lambda *args: asked.append(args[-1]) or [{"ttft_p50_ms": 1.0}])
+    monkeypatch.setattr(sys, "argv", ["bench_streams.py", "--bursts", "1", *flag])
+    assert bench_streams.main() == 0
+    assert asked == [quiet]
+    assert '"first_over_last_p50": 1.0' in capsys.readouterr().out

@@ -104,3 +104,44 @@ def test_serve_without_model_answers_with_dflash_statistics(tmp_path):
         assert accepted > 0
     finally:
         server.stop()
+
+
+def test_rounds_at_gives_every_mode_at_least_eight_requests_at_low_concurrency():
+    """`bench --demo --compare-speculation` runs max(rounds, ⌈MIN_REQUESTS / c⌉) interleaved
+    rounds at concurrency c: at one request eight rounds (best-of-3 at ~0.2 s a round kept the
+    noise, and a fresh adaptive engine spent them learning), rounded up, never fewer than asked."""
+    from blockspec.demo.measure import MIN_REQUESTS, rounds_at
+    assert MIN_REQUESTS == 8
+    assert [rounds_at(3, c) for c in (1, 2, 3, 4, 8, 32)] == [8, 4, 3, 3, 3, 3]
+    assert [rounds_at(1, c) for c in (1, 3, 5, 7, 8, 9, 64)] == [8, 3, 2, 2, 1, 1, 1]
+    assert rounds_at(10, 1) == 10
+
+
+def test_compare_speculation_runs_each_mode_rounds_at_times_per_concurrency(monkeypatch):
+    """Each concurrency's row runs every mode rounds_at(rounds, c) times on its c prompts (after
+    one warm-up of two), and says how many; the top-level `rounds` is the one asked for."""
+    from types import SimpleNamespace
+    from blockspec import llm as llm_module
+    from blockspec.demo import measure
+    engines: list = []
+
+    class CountingLLM:
+        def __init__(self, model, draft=None, **kwargs):
+            self.runs: list[int] = []
+            self.tokenizer = None
+            self.engine = SimpleNamespace(counters=SimpleNamespace(spec_widths={}))
+            engines.append(self)
+
+        def generate(self, prompts, params):
+            self.runs.append(len(prompts))
+            return [SimpleNamespace(token_ids=list(p) * 3, stats=SimpleNamespace(acceptance_lengths=[2]))
+                    for p in prompts]
+    monkeypatch.setattr(demo, "require_built", lambda: ("target", "draft"))
+    monkeypatch.setattr(llm_module, "LLM", CountingLLM)
+    monkeypatch.setattr(measure, "held_out_prompts", lambda tokenizer, n: [[i] for i in range(n)])
+    result = measure.compare_speculation("cpu", [1, 3, 16], rounds=3, fixed_blocks=(2, 8))
+    assert len(engines) == 4                                         # plain, fixed k = 1 and 7, adaptive
+    for engine in engines:
+        assert engine.runs == [2] + [1] * 8 + [3] * 3 + [16] * 3
+    assert result["rounds"] == 3
+    assert [result[f"c{c}"]["rounds"] for c in (1, 3, 16)] == [8, 3, 3]
