@@ -19,3 +19,8 @@ if [ "$M" = 1 ]; then
       --bursts 3 --client-gc $gc
   done
 fi
+#   bash scripts/gpu_round60.sh 2   # an H200 (issue 33's figures): FP8 vs bf16, Qwen3-8B, 1 and 32 sequences
+if [ "$M" = 2 ]; then
+  TAIL=60 stage "FP8 vs bf16, Qwen3-8B, 1 and 32 sequences" timeout ${FP8_S:-200} $B --shape qwen3-8b --accept-len 6.5 \
+    --quantization fp8 --concurrency 1,32 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
+fi
