@@ -13,7 +13,7 @@ if [ "$M" = 1 ]; then
   summary
   TAIL=60 stage "step profile, Qwen3-8B, 512 rows, bf16 and FP8" timeout ${PROF_S:-100} python3 scripts/step_profile.py \
     --shape qwen3-8b --widths 512 --formats bf16,fp8 --out "$OUT/step_profile_512.json"
-  for gc in quiet on; do
+  for gc in $([ "${HTTP:-1}" = 1 ] && echo quiet on); do   # HTTP=0: without them
     stage "HTTP: demo pair, 3 bursts of 64 x 256, the client's collector $gc" timeout ${HTTP_S:-50} \
       python3 scripts/bench_streams.py --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 \
       --bursts 3 --client-gc $gc
