@@ -288,6 +288,28 @@ def test_abort_stops_the_dflash_loop_within_one_cycle(dense, others):
             counter.handle.remove()
 
 
+def test_an_aborted_waiting_request_ends_at_the_next_step_before_any_compute(dense):
+    """One seat: r0 decodes, r1 waits for the seat. r1's client leaves: the next step ends it
+    with abort and no token (it is never admitted, never prefilled); r0 goes on to its own
+    output alone, and every page comes back."""
+    target, draft = dense
+    alone = run_alone(lambda: make_engine(target, draft, block_size=4), make_request("r0", PROMPT, max_tokens=12))
+    engine = make_engine(target, draft, block_size=4, max_num_seqs=1)
+    runs = [submit(engine, make_request(f"r{i}", PROMPT, max_tokens=12)) for i in range(2)]
+    while len(runs[0].events) < 2:
+        engine.step()
+    assert [seq.request_id for seq in engine.scheduler.waiting] == ["r1"]
+    runs[1].request.abort()
+    engine.step()
+    assert runs[1].request.finish_reason == "abort" and runs[1].output_ids == []
+    assert not engine.scheduler.waiting and [s.request_id for s in engine.scheduler.running] == ["r0"]
+    run_until_done(engine, runs)
+    for run in runs:
+        run.check_events()
+    assert runs[0].output_ids == alone.output_ids and runs[0].request.finish_reason == "length"
+    assert engine.cache.usage == 0.0 and not engine.has_work
+
+
 def test_engine_shutdown_aborts_running_and_waiting_requests(dense):
     """One seat: one request decodes, two wait (one admitted to the queue, one still in the inbox).
     Shutdown ends all three with abort, exactly once, frees every page, and runs no forward."""

@@ -113,6 +113,67 @@ def test_stop_id_inside_an_accepted_block_ends_right_after_it(pairs, stop_at):
     assert plain_request.output_ids == expected and plain_request.finish_reason == "stop"
 
 
+
+def first_occurrences(tokens: list[int]) -> dict[int, int]:
+    """Each token's first index in tokens."""
+    first: dict[int, int] = {}
+    for i, token in enumerate(tokens):
+        first.setdefault(token, i)
+    return first
+
+
+def test_the_first_of_two_stop_ids_in_one_accepted_block_ends_it(pairs):
+    """Two different stop ids inside one block (the oracle accepts whole blocks of 8: output
+    1 … 8 is the first cycle's): the output ends at the first, the second is never emitted."""
+    target, draft = pairs["qwen3"]
+    reference = plain(target, SHORT, max_tokens=30).output_ids
+    first = first_occurrences(reference)
+    inside = sorted(i for token, i in first.items() if 1 <= i <= 8)
+    assert len(inside) >= 2, reference
+    early, late = inside[0], inside[-1]
+    stops = STOPS | {reference[early], reference[late]}
+    expected = reference[: early + 1]
+    for drafter in (draft, OracleDraft(draft, SHORT + reference)):
+        request = dflash(target, drafter, SHORT, 8, max_tokens=30, stops=stops)
+        assert request.output_ids == expected and request.finish_reason == "stop"
+        assert request.stats.output_tokens == len(expected)
+    assert plain(target, SHORT, max_tokens=30, stops=stops).output_ids == expected
+
+
+@pytest.mark.parametrize("stop_at", [1, 5, 8, 9])
+def test_a_stop_id_that_is_the_last_allowed_token_finishes_with_stop(pairs, stop_at):
+    """max_tokens ends the output exactly at a stop id: the model stopped, the reason is stop
+    (a stop id inside the block, at its end and in the next cycle's first slot)."""
+    target, draft = pairs["qwen3"]
+    reference = plain(target, SHORT, max_tokens=30).output_ids
+    index = first_occurrences(reference)[reference[stop_at]]
+    stops = STOPS | {reference[index]}
+    expected = reference[: index + 1]
+    for drafter in (None, draft, OracleDraft(draft, SHORT + reference)):
+        request = (plain(target, SHORT, max_tokens=index + 1, stops=stops) if drafter is None else
+                   dflash(target, drafter, SHORT, 8, max_tokens=index + 1, stops=stops))
+        assert request.output_ids == expected and request.finish_reason == "stop"
+    # one token short of it: the limit, not the stop id, ends the output
+    assert dflash(target, draft, SHORT, 8, max_tokens=index, stops=stops).finish_reason == "length"
+
+
+def test_logprobs_are_cut_with_the_tokens_at_a_stop_id_inside_a_block(pairs):
+    """A request asking for logprobs: a stop id inside an accepted block cuts its logprobs with
+    its tokens (one per emitted token, none for the drafts after the stop)."""
+    target, draft = pairs["qwen3"]
+    reference = plain(target, SHORT, max_tokens=30).output_ids
+    index = first_occurrences(reference)[reference[3]]
+    stops = STOPS | {reference[index]}
+    for drafter in (draft, OracleDraft(draft, SHORT + reference)):
+        request = make_request(SHORT, max_tokens=30, stops=stops)
+        request.num_logprobs = 1
+        run = run_alone(lambda: dflash_engine(target, drafter, 8), request)
+        assert request.output_ids == reference[: index + 1] and request.finish_reason == "stop"
+        assert [lp.token_id for lp in request.output_logprobs] == request.output_ids
+        streamed = [lp for event in run.events for lp in event.logprobs or []]
+        assert streamed == request.output_logprobs
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 8, 9])
 def test_max_tokens_is_exact(pairs, max_tokens):
     target, draft = pairs["qwen3"]

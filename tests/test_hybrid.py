@@ -245,6 +245,42 @@ def test_select_refuses_keeping_nothing_of_the_block(hybrids):
             seq.states.select([seq.state_slot], [bad])
 
 
+def test_a_decode_cycle_keeps_the_state_at_each_page_boundary_its_kept_rows_reach():
+    """[prefix] ModelRunner.snapshot_page_boundaries after a verify of 4 rows on pages of 16: a
+    sequence whose kept rows (num_cached … num_cached + a) reach a page's last position keeps
+    the state after that position in its pending slot, bit for bit (SSM state and conv window
+    from the verify's stash), and remembers the boundary; one that reaches none keeps nothing."""
+    from types import SimpleNamespace
+    from blockspec.cache import StatePool
+    from blockspec.cache.state_pool import RecurrentShape
+    from blockspec.engine.model_runner import ModelRunner
+    shapes = [RecurrentShape(conv_dim=3, conv_kernel=4, num_v_heads=2, k_dim=2, v_dim=2)] * 2
+    pool = StatePool(20, shapes, torch.float32, torch.device("cpu"))
+    width, window = 4, 3
+    # (num_cached, accepted, the boundary kept: None where the kept rows reach none)
+    cases = [(14, 1, 16), (13, 2, 16), (30, 3, 32), (17, 3, None), (15, 0, 16), (31, 3, 32), (16, 3, None)]
+    stashes = []
+    for layer in range(len(shapes)):
+        steps = torch.randn(len(cases), width, 2, 2, 2, generator=torch.Generator().manual_seed(layer))
+        conv = torch.randn(len(cases), 3, window + width, generator=torch.Generator().manual_seed(10 + layer))
+        pool.stash(layer, steps, conv)
+        stashes.append((steps, conv))
+    seqs = [SimpleNamespace(num_cached=n, pending_slot=6 + b, pending_boundary=None, state_slot=1 + b)
+            for b, (n, _, _) in enumerate(cases)]
+    runner = SimpleNamespace(page_size=16, states=pool)
+    ModelRunner.snapshot_page_boundaries(runner, seqs, [a for _, a, _ in cases], from_stash=True)
+    for b, (seq, (num_cached, _, boundary)) in enumerate(zip(seqs, cases)):
+        assert seq.pending_boundary == boundary, (b, seq.pending_boundary)
+        for layer, (steps, conv) in enumerate(stashes):
+            if boundary is None:
+                assert not pool.ssm[layer][seq.pending_slot].any() and not pool.conv[layer][seq.pending_slot].any()
+                continue
+            kept = boundary - num_cached
+            assert torch.equal(pool.ssm[layer][seq.pending_slot], steps[b, kept - 1])
+            assert torch.equal(pool.conv[layer][seq.pending_slot], conv[b, :, kept: kept + window])
+    assert pool.stashed[0] is not None              # the stash stays for the cycle's rollback
+
+
 def test_a_stacked_pools_select_copy_and_clear_equal_the_per_layer_ones():
     """Layers of one shape share [L, slots, …] tensors, and a graphed verify stashes into the stacked
     space: select from it (every slot and row, with and without keep_stash / rows), copy and clear

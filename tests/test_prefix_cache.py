@@ -139,6 +139,26 @@ def test_pinned_pages_are_never_evicted():
     cache.check()
 
 
+def test_a_leaf_filed_for_eviction_then_pinned_again_is_never_evicted():
+    """a's three pages are cached and unpinned (its leaf filed for eviction); b then hits all
+    three and pins them: an eviction while b holds them takes only c's unpinned pages, never
+    theirs, and each of them is evictable again (and evicted once) when b lets go."""
+    cache, pages = make()
+    for tokens in (list(range(13)), [50] * 9):       # a's, then c's
+        cached = Seq(cache, pages, tokens)
+        cached.publish()
+        cached.release()
+    b = Seq(cache, pages, list(range(13)) + [99])
+    assert b.hit == 12 and cache.num_evictable == 2
+    assert cache.evict(100) == 2                     # c's two pages, none of b's
+    assert cache.match(list(range(13)), 12).num_tokens(PAGE) == 12
+    assert all(pages.refcount(page) == 2 for page in b.block_table[:3])      # the tree's and b's
+    cache.check()
+    b.release()
+    assert cache.evict(100) == 3 and pages.num_free == pages.num_pages - 1
+    cache.check()
+
+
 def test_eviction_is_lru_over_leaves():
     cache, pages = make()
     old, new = Seq(cache, pages, [1] * 8 + [2]), Seq(cache, pages, [3] * 8 + [4])

@@ -265,6 +265,34 @@ def test_a_hybrid_hit_stops_at_the_deepest_snapshot_then_snapshots_the_branch(hy
         engine.cache.prefix.check()
 
 
+def test_a_stop_id_inside_a_block_caches_no_page_past_the_committed_tokens(dense):
+    """A 9-token prompt, an oracle draft accepting whole blocks of 8: the third cycle feeds
+    positions 25 … 32, and a stop id among its first tokens ends the output before position 32.
+    The page of positions 16 … 31 was fed (drafts past the stop included) but is not full of
+    committed tokens: it must not join the tree (check: every node a full page of tokens). The
+    output is plain decoding's, cut at the stop id."""
+    from helpers import OracleDraft
+    target, drafts, vocab = dense
+    prompt = tokens(vocab, 9, 21)
+    fresh = factory(target, None, False)()
+    reference = submit(fresh, make_request("r", prompt, max_tokens=30))
+    run_until_done(fresh, [reference])
+    output = reference.output_ids
+    first = {}
+    for i, token in enumerate(output):
+        first.setdefault(token, i)
+    stop_at = next(i for i in range(17, 23) if first[output[i]] == i)     # output 17 … 24: the third cycle's
+    engine = factory(target, OracleDraft(drafts["dflash"], prompt + output), True)()
+    engine.runner.draft.bind(engine)
+    run = submit(engine, make_request("s", prompt, max_tokens=30, stop_token_ids=(output[stop_at],)))
+    run_until_done(engine, [run])
+    run.check_events()
+    assert run.output_ids == output[: stop_at + 1] and run.finish_reason == "stop"
+    assert run.stats.acceptance_lengths[:2] == [8, 8]
+    engine.cache.prefix.check()
+    assert engine.cache.prefix.num_nodes == 1            # only positions 0 … 15: the one full page
+
+
 def test_no_prefix_cache_keeps_nothing(dense):
     target, drafts, vocab = dense
     engine = factory(target, None, False)()

@@ -176,3 +176,26 @@ def test_acceptance_never_passes_k(families):
         lengths = run.stats.acceptance_lengths
         assert all(n == widths[rid] + 1 for n in lengths[:-1]) and lengths[-1] <= widths[rid] + 1, (rid, lengths)
         assert run.stats.draft_tokens <= widths[rid] * len(lengths), rid        # drafts counted: ≤ k_i a cycle
+
+
+def test_a_seeded_sampling_row_verifying_no_draft_draws_once_as_plain_decoding(families):
+    """k_i = 0 for a seeded sampling sequence next to a greedy one that drafts (so the step has
+    a proposal): its token is the one draw from row 0 (draw_plain), its generator used once a
+    step as in plain decoding, so its output is plain decoding's, token for token."""
+    target, drafts, vocab = families["dense"]
+    prompt_of = dict(zip(["s", "g"], prompts(vocab, [11, 8], seed=9)))
+
+    def requests():
+        return [make_request("s", prompt_of["s"], max_tokens=12, temperature=1.0, seed=7),
+                make_request("g", prompt_of["g"], max_tokens=12)]
+    plain = {r.request_id: run_alone(factory(target, None), r).output_ids for r in requests()}
+
+    def build():
+        engine = make_engine(target, drafts["dflash"], block_size=BLOCK)
+        engine.scheduler.verify_widths = lambda decoding: [0 if seq.request_id == "s" else BLOCK - 1
+                                                           for seq in decoding]
+        return engine
+    _, runs = run_batch(build, requests())
+    by_id = {run.request.request_id: run for run in runs}
+    assert by_id["g"].stats.draft_tokens > 0 and by_id["s"].stats.draft_tokens == 0
+    assert {rid: run.output_ids for rid, run in by_id.items()} == plain
