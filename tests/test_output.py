@@ -149,6 +149,18 @@ def test_stop_that_completes_first_wins_in_any_batching() -> None:
         assert total.content == "xxa"
 
 
+def test_one_token_completing_two_stop_strings_cuts_at_the_one_ending_first() -> None:
+    """"OP" is one token: it completes "TO" (ending a char earlier, so it wins) and "STOP"
+    together, and "STOP" and "OP" on the same char (the longer wins); the order of the list
+    decides nothing."""
+    cases = [(("STOP", "TO"), "Hi S"), (("TO", "STOP"), "Hi S"), (("OP", "STOP"), "Hi "), (("STOP", "OP"), "Hi ")]
+    for stops, content in cases:
+        for batches in batchings(tokenize("Hi STOP!")):
+            processor, _, total = run(batches, "length", stop=stops)
+            assert (total.content, total.finish_reason) == (content, "stop"), (stops, batches)
+            assert processor.completion_tokens == 5          # H i ␠ ST OP: counted up to the one that stopped
+
+
 def test_stop_in_detokenizer_flush() -> None:
     # "é" split in two byte tokens; an incomplete trailing byte is decoded only by flush().
     ids = tokenize("aé")[:-1]
@@ -379,3 +391,21 @@ def test_text_chunks_equal_the_models_rendered_each_time(kind):
     fast = TextChunks(render)
     for text in TRICKY_TEXTS:
         assert fast(text) == render(text), repr(text)
+
+
+def test_a_failed_stream_ends_only_its_unfinished_choices_the_failed_one_first():
+    """n = 3, choice 2 already sent its finish reason: the server stopping (abort) ends choice 1
+    (the one that failed) then 0, never 2 a second time; an error ends none (it has no reason)."""
+    from types import SimpleNamespace
+
+    from blockspec.server.errors import GenerationFailed
+    from blockspec.server.streaming import ended_by
+
+    choices = [SimpleNamespace(index=i) for i in range(3)]
+    stopped = GenerationFailed(503, "the server shut down", finish_reason="abort")
+    stopped.index = 1
+    assert ended_by(stopped, choices, finished={2}) == [1, 0]
+    assert ended_by(stopped, choices, finished=set()) == [1, 0, 2]
+    failed = GenerationFailed(500, "generation failed")
+    failed.index = 1
+    assert ended_by(failed, choices, finished=set()) == []

@@ -424,6 +424,25 @@ def test_chat_request_rejections(body: dict, param: str, words: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "fields,over",
+    [
+        ({"stop": [f"s{i}" for i in range(16)]}, {"stop": [f"s{i}" for i in range(17)]}),
+        ({"logprobs": True, "top_logprobs": 20}, {"top_logprobs": 21, "logprobs": True}),
+        ({"n": 128}, {"n": 129}),
+        ({"temperature": 2}, {"temperature": 2.01}),
+        ({"presence_penalty": -2, "frequency_penalty": 2}, {"presence_penalty": -2.01}),
+        ({"logit_bias": {"5": -100, "6": 100}}, {"logit_bias": {"5": -100.5}}),
+    ],
+)
+def test_each_limit_is_inclusive(fields: dict, over: dict) -> None:
+    """The documented bounds themselves are accepted (16 stop strings, top_logprobs 20, n 128,
+    ...); one past them is the 400 naming the parameter."""
+    ChatCompletionRequest.model_validate({"messages": USER, **fields})
+    _, param = rejection({"messages": USER, **over})
+    assert param == next(iter(over))           # the first field of `over` is the one past its bound
+
+
+@pytest.mark.parametrize(
     "body,words",
     [
         ({"prompt": ["a", [1]]}, "only strings or only token-id lists"),

@@ -738,6 +738,89 @@ def test_engine_error_is_500_and_the_server_keeps_serving(tokenizer):
         assert 'blockspec_requests_total{finish_reason="error"} 2.0' in metrics
 
 
+def sse_payloads(raw: bytes) -> list:
+    """A stream's raw bytes as its events: each must be one `data:` line ended by a blank line."""
+    assert raw.endswith(b"\n\n"), raw[-80:]
+    events = raw[:-2].split(b"\n\n")
+    assert all(e.startswith(b"data: ") and b"\n" not in e for e in events), raw
+    return [e[6:].decode() if e == b"data: [DONE]" else json.loads(e[6:]) for e in events]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_failed_stream_ends_with_its_error_object_then_a_terminated_done(tokenizer, path):
+    """Chat and completions alike: the error object (no finish reason before it: an error has
+    none), then [DONE] as a whole SSE event (its blank line: clients dispatch on it)."""
+    llm = ScriptedLLM(tokenizer)
+    llm.release.set()
+    body = {"max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
+            **({"messages": [{"role": "user", "content": "FAIL"}]} if "chat" in path else {"prompt": "FAIL"})}
+    with InProcessServer(lambda: llm, ServerSettings(model="scripted")) as server:
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200)
+        response = httpx.post(server.url + path, json=body, timeout=30)
+        assert response.status_code == 200
+        events = sse_payloads(response.content)
+        ok = httpx.post(server.url + path, json={**body, "stream": True,
+                                                 **({"messages": HELLO} if "chat" in path else {"prompt": "hi"})},
+                        timeout=30)
+        ok_events = sse_payloads(ok.content)
+    assert events[-2:] == [{"error": {"message": "generation failed: scripted failure", "type": "server_error",
+                                      "param": None, "code": 500}}, "[DONE]"]
+    assert all(c["finish_reason"] is None for e in events[:-2] for c in e["choices"])
+    assert ok_events[-1] == "[DONE]" and ok_events[-2]["choices"] == []
+    assert ok_events[-2]["usage"]["completion_tokens"] == 3
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def scripted_tool_calls(tokenizer) -> ScriptedLLM:
+    """A scripted model that answers two hermes tool calls, then <|im_end|>."""
+    llm = ScriptedLLM(tokenizer)
+    text = "".join(f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>\n'
+                   for city in ("Rome", "Oslo"))
+    llm.word = tokenizer.encode(text) + [tokenizer.encode("<|im_end|>")[0]]
+    assert llm.word[-1] in tokenizer.stop_token_ids
+    llm.release.set()
+    return llm
+
+
+def test_tool_calls_have_openais_shape_whole_and_streamed(tokenizer):
+    """Parsed calls are message.tool_calls (content null), each arguments a JSON string, finish
+    reason tool_calls; streamed as deltas of index, id, type, name and arguments; both calls
+    unless parallel_tool_calls is false (then the first alone)."""
+    llm = scripted_tool_calls(tokenizer)
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS, "max_tokens": 200}
+    with InProcessServer(lambda: llm, ServerSettings(model="scripted")) as server:
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200)
+        whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30).json()
+        single = httpx.post(server.url + "/v1/chat/completions", json={**body, "parallel_tool_calls": False},
+                            timeout=30).json()
+        streamed = sse_payloads(httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": True},
+                                           timeout=30).content)
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    calls = choice["message"].pop("tool_calls")
+    assert choice["message"] == {"role": "assistant", "content": None}
+    assert [call["id"].startswith("call_") for call in calls] == [True, True]
+    assert [{**call, "id": None} for call in calls] == [
+        {"id": None, "type": "function", "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+        for city in ("Rome", "Oslo")]
+    assert whole["usage"]["completion_tokens"] == len(llm.word)
+    only = single["choices"][0]
+    assert [c["function"]["arguments"] for c in only["message"]["tool_calls"]] == ['{"city": "Rome"}']
+    assert only["finish_reason"] == "tool_calls" and only["message"]["content"] is None
+    deltas = [c["delta"] for e in streamed[:-1] for c in e["choices"]]
+    pieces = [piece for d in deltas for piece in d.get("tool_calls") or []]
+    assert [{**p, "id": None} for p in pieces] == [
+        {"index": i, "id": None, "type": "function",
+         "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}
+        for i, city in enumerate(("Rome", "Oslo"))]
+    assert "".join(d.get("content") or "" for d in deltas) == ""
+    assert [c["finish_reason"] for e in streamed[:-1] for c in e["choices"] if c["finish_reason"]] == ["tool_calls"]
+    assert streamed[-1] == "[DONE]"
+
+
 def test_eight_concurrent_clients_get_their_answers_alone(dflash):
     """Greedy answers of 8 clients decoded together (one batch, mixed lengths, streamed and not)
     equal the answers each gets alone; the engine really ran them as a batch."""
