@@ -691,6 +691,11 @@ MUTANTS = [
            'name += f"[{part}]"',
            'name += f".{part}"',
            ("tests/test_parsers.py::test_chat_request_rejections",), "server60"),
+    # round 60: a failure that carries tokens streams them before its error
+    Mutant("failure-drops-its-tokens", "blockspec/server/generation.py",
+           "    if event.finish_reason not in FAILURES or not event.token_ids:",
+           "    if True:",
+           ("tests/test_server.py::test_tokens_merged_into_a_failure_reach_the_stream_before_its_error",), "server60"),
 ]
 
 

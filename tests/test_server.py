@@ -770,6 +770,40 @@ def test_a_failed_stream_ends_with_its_error_object_then_a_terminated_done(token
     assert ok_events[-2]["usage"]["completion_tokens"] == 3
 
 
+class MergedFailureEngine(ScriptedEngine):
+    """The scripted failure as a reader that fell behind sees it: the tokens committed before
+    the error merged into the error's event (Generation's one pending slot)."""
+
+    def _decode(self, request: Request):
+        from blockspec.server.generation import merge_events
+        events = list(super()._decode(request))
+        while len(events) > 1:
+            events[:2] = [merge_events(events[0], events[1])]
+        yield from events
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_tokens_merged_into_a_failure_reach_the_stream_before_its_error(tokenizer, stream):
+    """Work is never lost to a failure's timing: the tokens committed before an engine error
+    are streamed first, then the error object and [DONE], whether or not the reader kept up;
+    a whole (non-streamed) response fails with the 500 error object alone."""
+    llm = ScriptedLLM(tokenizer)
+    llm.engine = MergedFailureEngine(llm, 64)
+    llm.release.set()
+    with InProcessServer(lambda: llm, ServerSettings(model="scripted")) as server:
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200)
+        response = scripted_chat(server.url, "FAIL", stream=stream)
+    error = {"error": {"message": "generation failed: scripted failure", "type": "server_error", "param": None,
+                       "code": 500}}
+    if not stream:
+        assert response.status_code == 500 and response.json() == error
+        return
+    events = sse_payloads(response.content)
+    assert events[-2:] == [error, "[DONE]"]
+    text = "".join(c["delta"].get("content") or "" for e in events[:-2] for c in e["choices"])
+    assert text == tokenizer.decode(llm.word)
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 

@@ -105,7 +105,7 @@ class Generation:
     async def deltas(self) -> AsyncIterator[OutputDelta]:
         try:
             while not self.processor.is_finished:
-                event = await self._next_event()
+                event, failure = split_failure(await self._next_event())
                 self._check(event)
                 self._observe_first_token(event)
                 delta = self._process(event)
@@ -113,6 +113,8 @@ class Generation:
                     self.request.abort()  # the engine stops within one cycle
                 if not delta.is_empty:
                     yield delta
+                if failure is not None and not self.processor.is_finished:
+                    self._check(failure)
             stats = self.request.stats
             self._final_stats = dataclasses.replace(stats, acceptance_lengths=list(stats.acceptance_lengths),
                                                     verify_widths=list(stats.verify_widths))
@@ -177,6 +179,19 @@ class Generation:
         self.state.generations.discard(self)
         self.state.metrics.requests.labels(finish_reason=reason).inc()
         self.state.metrics.e2e_latency.observe(time.perf_counter() - self.arrival)
+
+
+FAILURES = ("error", "abort", "shutdown")
+
+
+def split_failure(event: TokenEvent) -> tuple[TokenEvent, TokenEvent | None]:
+    """A failure that carries tokens (committed before it, merged into its event while the
+    reader was behind) as those tokens first, then the failure: what was generated reaches the
+    client before the error, as it would have had the reader kept up."""
+    if event.finish_reason not in FAILURES or not event.token_ids:
+        return event, None
+    tokens = TokenEvent(event.request_id, event.token_ids, None, None, None, event.logprobs)
+    return tokens, TokenEvent(event.request_id, [], event.finish_reason, event.stats, event.error)
 
 
 def merge_events(first: TokenEvent, then: TokenEvent) -> TokenEvent:
