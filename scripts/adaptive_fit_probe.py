@@ -33,11 +33,12 @@ def main() -> None:
         policy = llm.engine.runner.speculation
         if engine == 0 and policy.costs is not None:
             print(policy.costs.describe())
-        prompts = held_out_prompts(llm.tokenizer, args.concurrency + 1)
+        prompts = held_out_prompts(llm.tokenizer, args.concurrency + 2)
         llm.generate(prompts[:2], params)                                   # warm-up, as the bench does
+        llm.engine.counters.spec_widths.clear()
         for round_ in range(args.rounds):
             started = time.perf_counter()
-            done = llm.generate(prompts[1:args.concurrency + 1], params)
+            done = llm.generate(prompts[2:args.concurrency + 2], params)   # none of the warm-up's
             seconds = time.perf_counter() - started
             widths = llm.engine.counters.spec_widths
             mean_width = sum(k * n for k, n in widths.items()) / max(1, sum(widths.values()))

@@ -696,6 +696,10 @@ MUTANTS = [
            "    if event.finish_reason not in FAILURES or not event.token_ids:",
            "    if True:",
            ("tests/test_server.py::test_tokens_merged_into_a_failure_reach_the_stream_before_its_error",), "server60"),
+    Mutant("carried-stop-then-fails", "blockspec/server/generation.py",
+           "                if failure is not None and not self.processor.is_finished:",
+           "                if failure is not None:",
+           ("tests/test_server.py::test_a_stop_string_in_tokens_merged_into_a_failure_finishes_the_request",), "server60"),
 ]
 
 

@@ -3,8 +3,9 @@ the Qwen3-8B linear shapes (issue 33). Three forms of the same FP8 × FP8 produc
   - bf16: F.linear on the dequantized weight (cuBLAS), the baseline;
   - 1x128: x per row × 128 columns, the weight's scales expanded to 1 × 128 (`column_scales`,
     what `kernels/fp8.scaled_mm_linear` runs: [K/128, N] fp32 per weight, ~217 MB for Qwen3-8B);
-  - 128x128: the same x scales, the weight's own [N/128, K/128] block scales passed as
-    BlockWise128x128 (no expansion), if this torch and cuBLASLt take them.
+  - 128x128: the same x (padded to whole 16 rows alike) and scales, the weight's own
+    [N/128, K/128] block scales passed as BlockWise128x128 (no expansion), if this torch and
+    cuBLASLt take them.
 Each at several row counts (multiples of 16 and not), graphed over COPIES weights, with the
 relative error of each against the fp32 product of the dequantized operands, and what any call
 raised. Usage: python scripts/scaled_mm_layouts.py [--rows 16,65,80,256,512,2048] [--out FILE]
@@ -39,10 +40,13 @@ def product_1x128(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Te
 
 
 def product_128x128(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    # s [N/128, K/128] row-major; its transpose [K/128, N/128] has strides (1, K/128): the
-    # outer-dim-major layout torch's tests pass for a 128 × 128-scaled right operand
+    # x padded with zero rows to a multiple of K.SCALED_MM_ROWS, as scaled_mm_linear pads it (the
+    # two forms differ in the weight's scales only); s [N/128, K/128] row-major, its transpose
+    # [K/128, N/128] with strides (1, K/128): the layout torch's tests pass for 128 × 128 scales
+    rows = x.shape[0]
+    x = F.pad(x, (0, 0, 0, -rows % K.SCALED_MM_ROWS))
     xq, x_scales = K.quantize_rows(x.contiguous(), column_major=True)
-    return torch._scaled_mm(xq, q.t(), scale_a=x_scales, scale_b=s.t(), out_dtype=x.dtype)
+    return torch._scaled_mm(xq, q.t(), scale_a=x_scales, scale_b=s.t(), out_dtype=x.dtype)[:rows]
 
 
 def try_form(name: str, fn, ref: torch.Tensor) -> dict:
@@ -77,13 +81,16 @@ def main() -> None:
             row["bf16_us"] = round(per_linear_us(lambda: [F.linear(x, w) for w in dequantized]), 2)
             for form, fn in (("1x128", product_1x128), ("128x128", product_128x128)):
                 if f"{form}_rel_err" in row:
-                    row[f"{form}_us"] = round(per_linear_us(lambda: [fn(x, q, s) for q, s in blocks]), 2)
+                    try:            # a form that runs eagerly may still fail in a graph's capture
+                        row[f"{form}_us"] = round(per_linear_us(lambda: [fn(x, q, s) for q, s in blocks]), 2)
+                    except Exception as exc:        # noqa: BLE001 - recorded, the other rows go on
+                        row[f"{form}_us_error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
             results.append(row)
             print(json.dumps(row), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
-            json.dump({"device": device, "torch": torch.__version__, "rows": results}, f, indent=1)
+            if args.out:        # after every row: a run cut by its timeout keeps what it measured
+                with open(args.out, "w") as f:
+                    device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+                    json.dump({"device": device, "torch": torch.__version__, "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -281,7 +281,7 @@ def test_a_stop_id_inside_a_block_caches_no_page_past_the_committed_tokens(dense
     first = {}
     for i, token in enumerate(output):
         first.setdefault(token, i)
-    stop_at = next(i for i in range(17, 23) if first[output[i]] == i)     # output 17 … 24: the third cycle's
+    stop_at = next(i for i in range(17, 22) if first[output[i]] == i)     # output 17 … 24: the third cycle's
     engine = factory(target, OracleDraft(drafts["dflash"], prompt + output), True)()
     engine.runner.draft.bind(engine)
     run = submit(engine, make_request("s", prompt, max_tokens=30, stop_token_ids=(output[stop_at],)))

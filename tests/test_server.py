@@ -804,6 +804,24 @@ def test_tokens_merged_into_a_failure_reach_the_stream_before_its_error(tokenize
     assert text == tokenizer.decode(llm.word)
 
 
+def test_a_stop_string_in_tokens_merged_into_a_failure_finishes_the_request(tokenizer):
+    """Carried tokens that complete a stop string end the output there: the request finished
+    before its failure, so the stream ends with finish_reason stop and no error object."""
+    llm = ScriptedLLM(tokenizer)
+    llm.engine = MergedFailureEngine(llm, 64)
+    llm.release.set()
+    text = tokenizer.decode(llm.word)
+    with InProcessServer(lambda: llm, ServerSettings(model="scripted")) as server:
+        assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200)
+        response = scripted_chat(server.url, "FAIL", stream=True, stop=[text[-1]])
+    events = sse_payloads(response.content)
+    assert response.status_code == 200 and events[-1] == "[DONE]"
+    assert not any(isinstance(e, dict) and "error" in e for e in events), events
+    choices = [c for e in events[:-1] for c in e["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == text[:-1]
+    assert choices[-1]["finish_reason"] == "stop"
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 

@@ -259,7 +259,7 @@ class PrefixCache:
         assert len({n.page for n in nodes}) == len(nodes), "a page in two nodes"
         for n in nodes:
             assert n.parent.children[n.key] is n and n.depth == n.parent.depth + 1
-            assert len(n.key) == self.page_size, "a node whose page is not a full page of committed tokens"
+            assert len(n.key) == self.page_size, "a node whose key is not a full page"
             assert all(n.refs >= c.refs for c in n.children.values()), "a child pinned more than its parent"
         filed = {id(entry[2]) for entry in self._leaves}
         assert all(id(n) in filed for n in nodes if n.refs == 0 and not n.children), "an evictable leaf not filed"
