@@ -1408,6 +1408,62 @@ def test_adaptive_with_measured_arms_is_lossless_and_runs_both(dense, reference,
     assert spec.arms.sums[1]["whole"][2] > 0 and spec.arms.sums[1]["policy"][2] > 0
 
 
+def test_three_arms_are_measured_in_turn_then_the_fastest_runs_and_the_others_in_rotation():
+    """Arms with the plain arm (and whole blocks): each runs a window first, in order; then the
+    fastest by its own steps' tokens a second, the others one window each in turn every
+    ARM_EXPLORE windows."""
+    from blockspec.engine.spec.policy import ARM_EXPLORE, ARM_WINDOW, Arms
+    arms = Arms(("policy", "whole", "plain"))
+    ms = {"policy": 3.0, "whole": 4.0, "plain": 2.0}            # the same tokens a step: plain fastest
+    taken = []
+    for _ in range(ARM_WINDOW * (3 + 3 * ARM_EXPLORE)):
+        taken.append(arms.arm(4))
+        arms.record(4, taken[-1], 20, ms[taken[-1]] / 1e3)
+    windows = [taken[i] for i in range(0, len(taken), ARM_WINDOW)]
+    assert windows[:3] == ["policy", "whole", "plain"]
+    explored = [(i, arm) for i, arm in enumerate(windows[3:], start=3) if arm != "plain"]
+    assert explored == [(ARM_EXPLORE, "policy"), (2 * ARM_EXPLORE, "whole"), (3 * ARM_EXPLORE, "policy")]
+
+
+def test_the_plain_arm_joins_the_arms_when_asked(monkeypatch):
+    """make_arms: none where the policy runs alone; the plain arm beside the policy (and whole
+    blocks under BLOCKSPEC_ADAPTIVE_ARMS=1); Speculation keeps its choice across reset."""
+    from blockspec.engine.spec import policy
+    assert policy.make_arms(False) is None and policy.make_arms(True).arms == ("policy", "plain")
+    spec = Speculation("adaptive", BLOCK - 1, plain_arm=True)
+    spec.reset()
+    assert spec.arms.arms == ("policy", "plain") and Speculation("adaptive", BLOCK - 1).arms is None
+    monkeypatch.setattr(policy, "MEASURE_ARMS", True)
+    assert policy.make_arms(True).arms == ("policy", "whole", "plain")
+
+
+def test_adaptive_with_the_plain_arm_is_lossless_and_its_steps_verify_no_drafts(dense, reference, monkeypatch):
+    """The plain arm's windows: every sequence at k = 0 (a seeded sampling request would keep its
+    block); the policy's windows narrow as before; the output equals plain decoding's, and the
+    policy learns nothing from plain steps."""
+    from blockspec.engine.spec import policy
+    monkeypatch.setattr(policy, "ARM_WINDOW", 2)
+    monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)
+    dear = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.3, draft_ms=0.5)
+    spec = Speculation("adaptive", BLOCK - 1, costs=dear, plain_arm=True)
+    learnt: list[int] = []
+    real_observe = spec.calibration.observe
+    spec.calibration.observe = lambda *args: (learnt.append(1), real_observe(*args))[1]
+    spec.fit = lambda *args, **kwargs: None
+    engine, _ = oracle_engine(dense, reference, spec, honest=True, speculation="adaptive")
+    steps = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda batch: (steps.append((batch.arm, list(batch.num_drafts))), launch(batch))[1]
+    run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=30))
+    assert run.output_ids == reference
+    decode = [step for step in steps if step[1]]
+    assert {"policy", "plain"} == {arm for arm, _ in decode}
+    assert all(ks == [0] for arm, ks in decode if arm == "plain")
+    assert any(arm == "policy" and ks != [0] for arm, ks in decode)
+    assert 0 < len(learnt) < len(decode)                                         # not from plain steps
+    assert spec.arms.sums[1]["plain"][2] > 0 and spec.arms.sums[1]["policy"][2] > 0
+
+
 @pytest.mark.pace
 def test_the_pace_keeps_the_policys_work_hidden_or_within_its_budget():
     """Pace.choose: every step where the host's wait for the verdict would still cover the

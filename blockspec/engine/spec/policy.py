@@ -515,6 +515,13 @@ APPLY_DEPTH = os.environ.get("BLOCKSPEC_ADAPTIVE_DEPTH", "") == "1"
 # BLOCKSPEC_ADAPTIVE_ARMS=1 until a GPU run has weighed it (round 52: on the SmolLM2 pair the
 # policy's own host work made its steps 0.7–1.2 ms longer than fixed's for the same tokens).
 MEASURE_ARMS = os.environ.get("BLOCKSPEC_ADAPTIVE_ARMS", "") == "1"
+# The plain arm (Arms: windows at k = 0 against the policy's), BLOCKSPEC_PLAIN_ARM=1. Opt-in for
+# now: on the CPU demo pair it kept adaptive at 0.99-1.18 × the best fixed width at 8 and 32
+# requests where the policy alone fell to 0.88-0.95 (round 60: the step-time fit's extrapolation
+# to k = 0 is unchecked, marginal_scale 0.48-0.65 against the steps' ~1.2), but tests that measure
+# the drafts' acceptance through adaptive's default on the CPU would then count plain steps, and
+# on CUDA an exploration window of plain steps would cost up to 1 ÷ ARM_EXPLORE of a 5 × speed-up.
+PLAIN_ARM = os.environ.get("BLOCKSPEC_PLAIN_ARM", "") == "1"
 ARM_WINDOW = 8                      # decode steps an arm runs before the choice is made again
 ARM_EXPLORE = 8                     # once both are measured, the slower one runs one window in this many
 ARM_MEMORY = 0.95                   # each arm's tokens and seconds decay by this a step of its own
@@ -612,11 +619,15 @@ class Arms:
     faster, the other re-measured one window in ARM_EXPLORE. Why: where the host is the bottleneck
     (a small target's ~2 ms steps) the policy's ~0.5 ms of learning and planning a step is on the
     critical path and no plan repays it; where the device is, it is hidden and the policy's
-    narrower verifies win (1.2–1.5 × fixed from 32 sequences, round 52)."""
+    narrower verifies win (1.2–1.5 × fixed from 32 sequences, round 52). With the plain arm
+    (BLOCKSPEC_PLAIN_ARM=1), windows at k = 0 too: the check of a fit that extrapolates wrongly
+    (round 60); with more than two arms the slower ones are re-measured in turn."""
 
     ARMS = ("policy", "whole")
 
-    def __init__(self) -> None:
+    def __init__(self, arms: tuple[str, ...] = ARMS) -> None:
+        """arms: those compared, "policy" first (the plain arm: "plain", every sequence at k = 0)."""
+        self.arms = arms
         self.sums: dict[int, dict[str, list[float]]] = {}     # load → arm → [tokens, seconds, steps]
         self.windows: dict[int, list] = {}                     # load → [arm, steps left, windows run]
 
@@ -637,11 +648,13 @@ class Arms:
 
     def next_arm(self, load: int, current: str, windows: int) -> str:
         sums = self.sums.get(load, {})
-        measured = [a for a in self.ARMS if sums.get(a, (0.0, 0.0, 0))[2] >= ARM_WINDOW]
-        if len(measured) < 2:
-            return "whole" if current == "policy" else "policy"          # both measured first
-        best, other = sorted(self.ARMS, key=lambda a: -self.rate(load, a))
-        return other if windows % ARM_EXPLORE == 0 else best
+        measured = [a for a in self.arms if sums.get(a, (0.0, 0.0, 0))[2] >= ARM_WINDOW]
+        if len(measured) < len(self.arms):                               # each measured first, in turn
+            return self.arms[(self.arms.index(current) + 1) % len(self.arms)]
+        best, *others = sorted(self.arms, key=lambda a: -self.rate(load, a))
+        if windows % ARM_EXPLORE:
+            return best
+        return others[(windows // ARM_EXPLORE - 1) % len(others)]      # the others re-measured in turn
 
     def rate(self, load: int, arm: str) -> float:
         tokens, seconds, _ = self.sums.get(load, {}).get(arm, (0.0, 0.0, 0))
@@ -654,6 +667,13 @@ class Arms:
         sums[2] += 1
 
 
+def make_arms(plain: bool) -> Arms | None:
+    """The arms compared at each load: the policy, whole blocks (BLOCKSPEC_ADAPTIVE_ARMS=1) and
+    plain steps (plain); None where the policy runs alone."""
+    arms = ("policy",) + (("whole",) if MEASURE_ARMS else ()) + (("plain",) if plain else ())
+    return Arms(arms) if len(arms) > 1 else None
+
+
 class Speculation:
     """What the engine asks each step (engine thread only): the scheduler, which widths (before
     anything runs); the runner, whether to report confidences; after the verify, what was
@@ -661,9 +681,12 @@ class Speculation:
     runner); `adaptive` allocates as above."""
 
     def __init__(self, mode: str, num_slots: int, costs: CostTable | None = None,
-                 measure: Callable[[], CostTable] | None = None, max_rows: int | None = None) -> None:
+                 measure: Callable[[], CostTable] | None = None, max_rows: int | None = None,
+                 plain_arm: bool = False) -> None:
         """max_rows: the step's token budget (max_num_batched_tokens): an allocation never plans
-        more verify rows than a step holds (the scheduler would cut them unpriced)."""
+        more verify rows than a step holds (the scheduler would cut them unpriced). plain_arm: the
+        policy's steps measured against plain ones (Arms; BLOCKSPEC_PLAIN_ARM)."""
+        self.plain_arm = plain_arm
         if mode not in MODES:
             raise ValueError(f"speculation must be one of {', '.join(MODES)}")
         self.mode, self.num_slots, self.costs, self.max_rows = mode, num_slots, costs, max_rows
@@ -698,7 +721,7 @@ class Speculation:
         self._xty = np.zeros(4)
         # Survival by depth (decaying): realised, the plan's prediction, the cycle's own (late).
         self._depth = np.zeros((3, max(1, self.num_slots)))
-        self.arms = Arms() if MEASURE_ARMS else None
+        self.arms = make_arms(self.plain_arm)
         self.pace = Pace()
         self._kept: tuple[list, np.ndarray] | None = None   # plan_ahead's last allocation: (sequences, widths)
         self._ahead_read: tuple[np.ndarray, tuple] | None = None     # ahead_draft's answer, by plan
@@ -795,6 +818,8 @@ class Speculation:
         self.step_learns, self.step_observes = False, False
         if self.step_arm == "whole":
             return self.caps(seqs).tolist()        # (whole blocks learn nothing: their point is no policy work)
+        if self.step_arm == "plain":               # k = 0, no draft; a seeded sampling request keeps its block
+            return [int(cap) if keeps_whole_block(seq) else 0 for seq, cap in zip(seqs, self.caps(seqs))]
         self._cycles_since_learning += 1
         if self.learns(len(seqs), self._cycles_since_learning):
             # A learning cycle's whole blocks are there to be learnt from: always observed.
@@ -832,8 +857,8 @@ class Speculation:
         each cut to its cap then; else planned there (ahead_widths)."""
         if not self.adaptive or not seqs or self.learns(len(seqs), self._cycles_since_learning + 1):
             return                                         # a learning cycle's widths are its caps
-        if self.arms is not None and self.arms.upcoming(len(seqs).bit_length()) == "whole":
-            return                                         # so are whole blocks'
+        if self.arms is not None and self.arms.upcoming(len(seqs).bit_length()) != "policy":
+            return                                         # so are whole blocks' (plain steps': none)
         seqs = list(seqs)
         kept = self.kept_widths(seqs) if self.pace.stride > 1 and not self.pace.due("plan") else None
         if kept is not None:
@@ -937,7 +962,7 @@ class Speculation:
         give 2.50: round 52), so the plan narrowed where whole blocks paid. Greedy rows only (a
         sampling row's k is its plan's). Adaptive speculation is refused with tensor parallelism
         (config.py), whose leader sends the ranks the widths before the draft runs."""
-        if not self.late or confidence is None or self.step_learns or self.step_arm == "whole" or not self.adaptive:
+        if not self.late or confidence is None or self.step_learns or self.step_arm != "policy" or not self.adaptive:
             return widths
         rows = self.rows(seqs)
         # A sampling row keeps its planned width: the rejection rule is exact only for a k fixed
@@ -1017,8 +1042,8 @@ class Speculation:
         self.pace.stepped(seconds, waited)
         if self.arms is not None:
             self.arms.record(len(widths).bit_length(), arm, num_tokens, seconds)
-            if arm == "whole":
-                return                       # the fit prices the policy's steps (whole blocks: no work of it)
+            if arm != "policy":
+                return                       # the fit prices the policy's steps (whole blocks, plain: no work of it)
         # A learning cycle past the warm-up is always fitted (above); the warm-up's are all whole
         # blocks of one width, which the fit sees at the pace's turns as well as at every one
         # (on the CPU demo pair the fit's 0.28 ms a step was 2.5 % of a step there).
