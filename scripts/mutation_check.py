@@ -700,6 +700,15 @@ MUTANTS = [
            "                if failure is not None and not self.processor.is_finished:",
            "                if failure is not None:",
            ("tests/test_server.py::test_a_stop_string_in_tokens_merged_into_a_failure_finishes_the_request",), "server60"),
+    # round 60: the opt-in plain arm (policy.Arms over any number of arms)
+    Mutant("plain-arm-verifies-its-caps", POLICY,
+           "return [int(cap) if keeps_whole_block(seq) else 0 for seq, cap in zip(seqs, self.caps(seqs))]",
+           "return [int(cap) for seq, cap in zip(seqs, self.caps(seqs))]",
+           ("tests/test_adaptive.py::test_adaptive_with_the_plain_arm_is_lossless_and_its_steps_verify_no_drafts",), "round60"),
+    Mutant("arms-explore-only-the-second", POLICY,
+           "return others[(windows // ARM_EXPLORE - 1) % len(others)]",
+           "return others[0]",
+           ("tests/test_adaptive.py::test_three_arms_are_measured_in_turn_then_the_fastest_runs_and_the_others_in_rotation",), "round60"),
 ]
 
 
