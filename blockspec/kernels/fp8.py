@@ -92,7 +92,7 @@ def reference_fp8_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 # Qwen3-8B linears, where ours is 1.1-1.6 × slower than bf16; round 59, the engine: DFlash with FP8
 # at 32 sequences 1.01 × bf16 (ours: 0.82 ×), the plain step 6.12 ms (ours 6.69). The default since
 # round 59 (its GPU tests passed at 256-2,048 rows, with a bias and in a graph; 65 rows was refused,
-# hence the padding to SCALED_MM_ROWS, whose own GPU run is scripts/gpu_round59.sh 3);
+# hence the padding to SCALED_MM_ROWS, whose own GPU run, not yet made, is scripts/gpu_round60.sh 1 or 3);
 # BLOCKSPEC_FP8_GEMM=triton keeps our kernel (side-by-side runs).
 FP8_GEMMS = ("triton", "cublas")
 
