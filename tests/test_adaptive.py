@@ -1357,7 +1357,7 @@ def counting_policy() -> tuple[Speculation, list[int]]:
 def test_arms_measure_both_then_keep_the_faster_and_remeasure_the_other():
     """The measured choice (policy.Arms): at a new load the policy and whole blocks each run a
     window first; then the one whose own steps committed more tokens a second runs, the other one
-    window in ARM_EXPLORE; another load is measured on its own."""
+    window in ARM_EXPLORE × (the faster's rate ÷ its own)²; another load is measured on its own."""
     from blockspec.engine.spec.policy import ARM_EXPLORE, ARM_WINDOW, Arms
     arms = Arms()
     ms = {"policy": 3.0, "whole": 2.0}                 # the same tokens a step, whole blocks faster
@@ -1369,16 +1369,33 @@ def test_arms_measure_both_then_keep_the_faster_and_remeasure_the_other():
             taken.append(arms.windows[load][0])
             arms.record(load, taken[-1], 20, ms[taken[-1]] / 1e3)
         return taken
-    taken = run(4, ARM_WINDOW * (2 + 2 * ARM_EXPLORE))
+    gap = round(ARM_EXPLORE * 1.5 ** 2)                # 18 windows apart: the policy is 1.5 × slower
+    taken = run(4, ARM_WINDOW * (2 * gap + 1))
     windows = [taken[i] for i in range(0, len(taken), ARM_WINDOW)]
     assert windows[:2] == ["policy", "whole"]                                  # both measured first
-    assert windows.count("policy") == 1 + 2 and windows.count("whole") == len(windows) - 3
-    assert [i for i, arm in enumerate(windows) if arm == "policy"][1:] == [ARM_EXPLORE, 2 * ARM_EXPLORE]
+    assert [i for i, arm in enumerate(windows) if arm == "policy"] == [0, gap, 2 * gap]
     assert arms.rate(4, "whole") > arms.rate(4, "policy")
     ms["policy"] = 1.0                                 # the load changed: the policy became faster
-    later = run(4, ARM_WINDOW * 2 * ARM_EXPLORE)
+    later = run(4, ARM_WINDOW * 3 * gap)               # its re-measurements find it
     assert later[-ARM_WINDOW:] == ["policy"] * ARM_WINDOW
     assert run(6, ARM_WINDOW)[0] == "policy" and arms.rate(6, "whole") == 0.0   # a load of its own
+
+
+def test_an_arm_far_behind_is_remeasured_rarely_and_one_level_every_explore_windows():
+    """Arms.interval: an arm's windows ARM_EXPLORE of them apart at equal rates, ARM_EXPLORE ×
+    gap² behind, at most MAX_EXPLORE; plain windows are PLAIN_WINDOW steps. The plain arm 5 ×
+    slower than the policy (one sequence on the GPU) runs 2 steps in 402, 0.5 % of them."""
+    from blockspec.engine.spec.policy import ARM_EXPLORE, ARM_WINDOW, MAX_EXPLORE, PLAIN_WINDOW, Arms
+    arms = Arms(("policy", "plain"))
+    for arm, ms in (("policy", 1.0), ("plain", 5.0), ("whole", 1.0), ("slow", 1e3)):
+        for _ in range(ARM_WINDOW):
+            arms.record(1, arm, 6, ms / 1e3)
+    assert arms.interval(1, "policy", "whole") == ARM_EXPLORE * ARM_WINDOW
+    assert arms.interval(1, "policy", "plain") == pytest.approx(ARM_EXPLORE * 25 * PLAIN_WINDOW) == 400
+    assert arms.interval(1, "policy", "slow") == MAX_EXPLORE * ARM_WINDOW
+    taken = [arms.arm(1) for _ in range(850)]
+    starts = [i for i, arm in enumerate(taken) if arm == "plain" and taken[i - 1] != "plain"]
+    assert starts == [400, 802] and taken.count("plain") == 2 * PLAIN_WINDOW
 
 
 def test_adaptive_with_measured_arms_is_lossless_and_runs_both(dense, reference, monkeypatch):
@@ -1408,21 +1425,24 @@ def test_adaptive_with_measured_arms_is_lossless_and_runs_both(dense, reference,
     assert spec.arms.sums[1]["whole"][2] > 0 and spec.arms.sums[1]["policy"][2] > 0
 
 
-def test_three_arms_are_measured_in_turn_then_the_fastest_runs_and_the_others_in_rotation():
+def test_three_arms_are_measured_in_turn_then_the_fastest_runs_and_the_others_when_due():
     """Arms with the plain arm (and whole blocks): each runs a window first, in order; then the
-    fastest by its own steps' tokens a second, the others one window each in turn every
-    ARM_EXPLORE windows."""
-    from blockspec.engine.spec.policy import ARM_EXPLORE, ARM_WINDOW, Arms
+    fastest by its own steps' tokens a second, each other one window ARM_EXPLORE × its gap² of
+    its windows after its last began (the policy 1.5 × slower: 144 steps; whole blocks 2 ×: 256);
+    the plain arm's windows are PLAIN_WINDOW steps."""
+    from blockspec.engine.spec.policy import ARM_EXPLORE, ARM_WINDOW, PLAIN_WINDOW, Arms
     arms = Arms(("policy", "whole", "plain"))
     ms = {"policy": 3.0, "whole": 4.0, "plain": 2.0}            # the same tokens a step: plain fastest
     taken = []
-    for _ in range(ARM_WINDOW * (3 + 3 * ARM_EXPLORE)):
+    for _ in range(300):
         taken.append(arms.arm(4))
         arms.record(4, taken[-1], 20, ms[taken[-1]] / 1e3)
-    windows = [taken[i] for i in range(0, len(taken), ARM_WINDOW)]
-    assert windows[:3] == ["policy", "whole", "plain"]
-    explored = [(i, arm) for i, arm in enumerate(windows[3:], start=3) if arm != "plain"]
-    assert explored == [(ARM_EXPLORE, "policy"), (2 * ARM_EXPLORE, "whole"), (3 * ARM_EXPLORE, "policy")]
+    starts = [(i, arm) for i, arm in enumerate(taken) if i == 0 or taken[i - 1] != arm]
+    assert starts[:3] == [(0, "policy"), (ARM_WINDOW, "whole"), (2 * ARM_WINDOW, "plain")]
+    assert taken[2 * ARM_WINDOW: 2 * ARM_WINDOW + PLAIN_WINDOW + 1] == ["plain"] * (PLAIN_WINDOW + 1)
+    policy_gap, whole_gap = ARM_WINDOW * ARM_EXPLORE * 1.5 ** 2, ARM_WINDOW * ARM_EXPLORE * 2.0 ** 2
+    explored = [(i, arm) for i, arm in starts[3:] if arm != "plain"]
+    assert explored == [(policy_gap, "policy"), (ARM_WINDOW + whole_gap, "whole"), (2 * policy_gap, "policy")]
 
 
 def test_the_plain_arm_joins_the_arms_when_asked(monkeypatch):
@@ -1435,6 +1455,42 @@ def test_the_plain_arm_joins_the_arms_when_asked(monkeypatch):
     assert spec.arms.arms == ("policy", "plain") and Speculation("adaptive", BLOCK - 1).arms is None
     monkeypatch.setattr(policy, "MEASURE_ARMS", True)
     assert policy.make_arms(True).arms == ("policy", "whole", "plain")
+
+
+def test_the_plain_arm_is_on_where_widths_are_late_unless_switched_off(dense, reference, monkeypatch):
+    """policy.plain_arm_default: on where widths are refined after the draft (the CPU), off
+    elsewhere; BLOCKSPEC_PLAIN_ARM=1 everywhere, =0 nowhere. A CPU engine's policy has it."""
+    from blockspec.engine.spec import policy
+    monkeypatch.setattr(policy, "PLAIN_ARM", "")
+    assert policy.plain_arm_default(True) and not policy.plain_arm_default(False)
+    engine, _ = oracle_engine(dense, reference, None, speculation="adaptive")
+    assert engine.runner.speculation.arms.arms == ("policy", "plain")
+    monkeypatch.setattr(policy, "PLAIN_ARM", "0")
+    assert not policy.plain_arm_default(True)
+    assert oracle_engine(dense, reference, None, speculation="adaptive")[0].runner.speculation.arms is None
+    monkeypatch.setattr(policy, "PLAIN_ARM", "1")
+    assert policy.plain_arm_default(False)
+
+
+def test_a_plain_step_is_planned_ahead_without_drafts_and_that_plan_serves_no_other_arm():
+    """plan_ahead for a step the plain arm will take: k = 0 for each sequence (a seeded sampling
+    one keeps its block), so the early draft (ahead_draft) drafts none of the others; where the
+    step turns out the policy's after all (the rates moved between: Arms.next_arm), it is
+    planned anew, not served those zeros."""
+    spec = Speculation("adaptive", 7, costs=ROOFLINE, plain_arm=True)
+    spec.learning_interval = lambda num_seqs: math.inf          # no learning cycle (every cap)
+    spec._warm = True
+    seqs = [request_of(), request_of(temperature=0.8, seed=5), request_of()]
+    load = len(seqs).bit_length()
+    spec.arms.windows[load] = ["plain", 4, 1]                   # mid-window: the next step is plain
+    spec.plan_ahead(seqs)
+    plan, width = spec.ahead_draft()
+    assert [plan[id(seq)] for seq in seqs] == [0, 7, 0] and width == 0
+    assert spec.planned_widths(seqs) == [0, 7, 0] and spec.step_arm == "plain"
+    spec.plan_ahead(seqs)
+    spec.arms.windows[load] = ["policy", 4, 2]                  # the arm changed since the plan
+    assert spec.planned_widths(seqs) == spec.allocation(seqs) and spec.step_arm == "policy"
+    assert any(k > 0 for k in spec.planned_widths(seqs)[::2])   # (the greedy rows draft here)
 
 
 def test_adaptive_with_the_plain_arm_is_lossless_and_its_steps_verify_no_drafts(dense, reference, monkeypatch):

@@ -227,7 +227,9 @@ def test_partial_acceptance_rolls_back_exactly(moe, one_tokenizer, kind, tmp_pat
     llm = LLM(str(target_dir), draft=str(draft_dir), block_size=8, max_model_len=256, show_progress=False)
     alone = [llm.generate_ids(p, params) for p in prompts]
     assert [r.token_ids for r in alone] == list(references.values())
-    assert all(1 < n < 8 for r in alone for n in r.stats.acceptance_lengths[1:])     # partial blocks
+    # Partial blocks wherever drafts were verified (the plain arm's steps verify none: policy.Arms)
+    drafting = [n for r in alone for n, k in zip(r.stats.acceptance_lengths[1:], r.stats.verify_widths[1:]) if k]
+    assert len(drafting) >= 4 and all(1 < n < 8 for n in drafting)
     assert [r.token_ids for r in llm.generate(prompts, params)] == list(references.values())
 
 

@@ -37,7 +37,8 @@ from blockspec.engine.logprobs import TokenLogprob, log_softmax_rows, token_logp
 from blockspec.engine.scheduler import Batch, FirstToken
 from blockspec.engine.sequence import Sequence, completes_prefill
 from blockspec.engine.spec.dflash import DraftReadout, Proposal, Verdict, accept, judge, process_verify, propose
-from blockspec.engine.spec.policy import PLAIN_ARM, Speculation
+from blockspec.engine.spec import policy
+from blockspec.engine.spec.policy import Speculation
 from blockspec.layers import AttentionMetadata
 from blockspec.models.base import MultimodalRows
 from blockspec.models.dflash2 import CandidateWalk
@@ -158,7 +159,7 @@ class ModelRunner:
         # graphs' capture) reads out the confidences when the policy reads them.
         self.speculation = Speculation(config.speculation if self.draft is not None else "fixed", self.width - 1,
                                        measure=self.measure_costs, max_rows=config.max_num_batched_tokens,
-                                       plain_arm=PLAIN_ARM)
+                                       plain_arm=policy.plain_arm_default(self.device.type == "cpu"))
         self.speculation.late = self.device.type == "cpu"     # the draft's confidences read at no sync
         self.graphs = self.make_graphs(capture=False, padded=False)     # the profile runs eagerly
         # The pool: measured after the weights and one full-budget forward (engine/memory.py).

@@ -515,15 +515,27 @@ APPLY_DEPTH = os.environ.get("BLOCKSPEC_ADAPTIVE_DEPTH", "") == "1"
 # BLOCKSPEC_ADAPTIVE_ARMS=1 until a GPU run has weighed it (round 52: on the SmolLM2 pair the
 # policy's own host work made its steps 0.7–1.2 ms longer than fixed's for the same tokens).
 MEASURE_ARMS = os.environ.get("BLOCKSPEC_ADAPTIVE_ARMS", "") == "1"
-# The plain arm (Arms: windows at k = 0 against the policy's), BLOCKSPEC_PLAIN_ARM=1. Opt-in for
-# now: on the CPU demo pair it kept adaptive at 0.99-1.18 × the best fixed width at 8 and 32
-# requests where the policy alone fell to 0.88-0.95 (round 60: the step-time fit's extrapolation
-# to k = 0 is unchecked, marginal_scale 0.48-0.65 against the steps' ~1.2), but tests that measure
-# the drafts' acceptance through adaptive's default on the CPU would then count plain steps, and
-# on CUDA an exploration window of plain steps would cost up to 1 ÷ ARM_EXPLORE of a 5 × speed-up.
-PLAIN_ARM = os.environ.get("BLOCKSPEC_PLAIN_ARM", "") == "1"
+# The plain arm (Arms: windows at k = 0 against the policy's): on where widths are late (CPU),
+# elsewhere with BLOCKSPEC_PLAIN_ARM=1 (=0: nowhere) until a GPU run has weighed it. Round 60, the
+# CPU demo pair: it kept adaptive at 0.99-1.18 × the best fixed width at 8 and 32 requests where
+# the policy alone fell to 0.88-0.95 (the step-time fit's extrapolation to k = 0 is unchecked:
+# marginal_scale 0.48-0.65 against the steps' ~1.2). On the GPU its first window at each load is
+# the cost still unmeasured (8 plain steps where the policy commits ~6 tokens a step).
+PLAIN_ARM = os.environ.get("BLOCKSPEC_PLAIN_ARM", "")
+
+
+def plain_arm_default(late: bool) -> bool:
+    """Whether the engine's policy measures the plain arm (BLOCKSPEC_PLAIN_ARM; else where late)."""
+    return PLAIN_ARM == "1" or (PLAIN_ARM != "0" and late)
+
+
 ARM_WINDOW = 8                      # decode steps an arm runs before the choice is made again
-ARM_EXPLORE = 8                     # once both are measured, the slower one runs one window in this many
+# ... the plain arm's: its steps' time barely varies (no draft, no acceptance), so a short window
+# measures it, and its windows are the ones that cost where the policy pays (on the CPU demo pair
+# at 8 requests, 8-step plain windows at each load took 0.84-0.86 × the best fixed width, round 61).
+PLAIN_WINDOW = 2
+ARM_EXPLORE = 8                     # once measured, a slower arm runs one window in this many × (gap)²
+MAX_EXPLORE = 512                   # ... and at least one in this many
 ARM_MEMORY = 0.95                   # each arm's tokens and seconds decay by this a step of its own
 
 
@@ -615,28 +627,40 @@ class Arms:
     """Whether the policy pays for itself at a load, measured: "policy" (the allocation, and what
     it learns from every verify) against "whole" (every sequence its cap, no allocation, nothing
     learnt: fixed's work), each by the tokens a second its own decode-only steps committed at this
-    load (sequences, by power of two), in windows of ARM_WINDOW steps — both first, then the
-    faster, the other re-measured one window in ARM_EXPLORE. Why: where the host is the bottleneck
-    (a small target's ~2 ms steps) the policy's ~0.5 ms of learning and planning a step is on the
-    critical path and no plan repays it; where the device is, it is hidden and the policy's
-    narrower verifies win (1.2–1.5 × fixed from 32 sequences, round 52). With the plain arm
-    (BLOCKSPEC_PLAIN_ARM=1), windows at k = 0 too: the check of a fit that extrapolates wrongly
-    (round 60); with more than two arms the slower ones are re-measured in turn."""
+    load (sequences, by power of two), in windows of ARM_WINDOW steps (the plain arm's:
+    PLAIN_WINDOW) — each arm first, in turn, then the fastest, each slower one re-measured one
+    window each ARM_EXPLORE × (the fastest's rate ÷ its own)² of its windows' steps, at most
+    MAX_EXPLORE. Why the square: a re-measurement costs in proportion to the gap, so an arm close
+    to the best (whose lead may change with the load) is checked often and one far behind rarely
+    — the plain arm at one sequence, 5 × slower than the policy on the GPU, runs 0.5 % of the
+    steps, where one window in eight would cost 10 % of the time.
+    Why arms at all: where the host is the bottleneck (a small target's ~2 ms steps) the
+    policy's ~0.5 ms of learning and planning a step is on the critical path and no plan repays
+    it; where the device is, it is hidden and the policy's narrower verifies win (1.2–1.5 × fixed
+    from 32 sequences, round 52). The plain arm ("plain", every sequence at k = 0) checks the
+    step-time fit where it extrapolates to k = 0 (round 60)."""
 
     ARMS = ("policy", "whole")
 
     def __init__(self, arms: tuple[str, ...] = ARMS) -> None:
-        """arms: those compared, "policy" first (the plain arm: "plain", every sequence at k = 0)."""
+        """arms: those compared, "policy" first."""
         self.arms = arms
         self.sums: dict[int, dict[str, list[float]]] = {}     # load → arm → [tokens, seconds, steps]
-        self.windows: dict[int, list] = {}                     # load → [arm, steps left, windows run]
+        self.windows: dict[int, list] = {}                     # load → [arm, steps left, steps run]
+        self.last: dict[int, dict[str, int]] = {}              # load → arm → the step its last window began
 
     def arm(self, load: int) -> str:
         """The arm of a step planned at this load (counts it against the window)."""
-        window = self.windows.setdefault(load, ["policy", ARM_WINDOW, 0])
+        window = self.windows.get(load)
+        if window is None:
+            window = self.windows[load] = ["policy", window_of("policy"), 0]
+            self.last.setdefault(load, {})["policy"] = 0
         if window[1] <= 0:                                       # the window is run: the next one's arm
-            window[:] = [self.upcoming(load), ARM_WINDOW, window[2] + 1]
+            arm = self.upcoming(load)
+            window[:] = [arm, window_of(arm), window[2]]
+            self.last.setdefault(load, {})[arm] = window[2]
         window[1] -= 1
+        window[2] += 1
         return window[0]
 
     def upcoming(self, load: int) -> str:
@@ -644,17 +668,26 @@ class Arms:
         window = self.windows.get(load)
         if window is None:
             return "policy"
-        return window[0] if window[1] > 0 else self.next_arm(load, window[0], window[2] + 1)
+        return window[0] if window[1] > 0 else self.next_arm(load, window[0], window[2])
 
-    def next_arm(self, load: int, current: str, windows: int) -> str:
+    def next_arm(self, load: int, current: str, step: int) -> str:
+        """The arm of the window that starts at this load's step number `step` (the one before ran
+        `current`)."""
         sums = self.sums.get(load, {})
-        measured = [a for a in self.arms if sums.get(a, (0.0, 0.0, 0))[2] >= ARM_WINDOW]
+        measured = [a for a in self.arms if sums.get(a, (0.0, 0.0, 0))[2] >= window_of(a)]
         if len(measured) < len(self.arms):                               # each measured first, in turn
             return self.arms[(self.arms.index(current) + 1) % len(self.arms)]
         best, *others = sorted(self.arms, key=lambda a: -self.rate(load, a))
-        if windows % ARM_EXPLORE:
-            return best
-        return others[(windows // ARM_EXPLORE - 1) % len(others)]      # the others re-measured in turn
+        last = self.last.get(load, {})
+        overdue = [(step - last.get(a, 0) - self.interval(load, best, a), a) for a in others]
+        lateness, arm = max(overdue, default=(-1.0, best))
+        return arm if lateness >= 0 else best
+
+    def interval(self, load: int, best: str, other: str) -> float:
+        """Steps from one window of `other`, slower than `best` at this load, to the next: its
+        window × ARM_EXPLORE × the gap², at most MAX_EXPLORE windows."""
+        ratio = self.rate(load, best) / max(self.rate(load, other), 1e-12)
+        return window_of(other) * min(MAX_EXPLORE, ARM_EXPLORE * ratio * ratio)
 
     def rate(self, load: int, arm: str) -> float:
         tokens, seconds, _ = self.sums.get(load, {}).get(arm, (0.0, 0.0, 0))
@@ -665,6 +698,11 @@ class Arms:
         sums[0] = ARM_MEMORY * sums[0] + tokens
         sums[1] = ARM_MEMORY * sums[1] + seconds
         sums[2] += 1
+
+
+def window_of(arm: str) -> int:
+    """The steps of one window of this arm."""
+    return PLAIN_WINDOW if arm == "plain" else ARM_WINDOW
 
 
 def make_arms(plain: bool) -> Arms | None:
@@ -711,6 +749,7 @@ class Speculation:
         self._returning = np.zeros(0, dtype=np.int64)     # rows brought back from k = 0, not judged yet
         self._backoff = np.zeros(64, dtype=np.int64)      # by row: failed returns in a row (allocation)
         self._ahead: tuple[list, np.ndarray] | None = None  # plan_ahead: (sequences, widths) for the next step
+        self._plain_ahead: tuple[list, np.ndarray] | None = None     # the last one made for a plain step
         # A step's time beyond the table's forwards ≈ per_seq · B + per_token · committed tokens,
         # fitted online (least squares with forgetting) from the engine's wall time per step.
         self.overhead_ms_per_seq = 0.0
@@ -818,21 +857,26 @@ class Speculation:
         self.step_learns, self.step_observes = False, False
         if self.step_arm == "whole":
             return self.caps(seqs).tolist()        # (whole blocks learn nothing: their point is no policy work)
-        if self.step_arm == "plain":               # k = 0, no draft; a seeded sampling request keeps its block
-            return [int(cap) if keeps_whole_block(seq) else 0 for seq, cap in zip(seqs, self.caps(seqs))]
+        if self.step_arm == "plain":
+            return self.plain_widths(seqs)
         self._cycles_since_learning += 1
         if self.learns(len(seqs), self._cycles_since_learning):
             # A learning cycle's whole blocks are there to be learnt from: always observed.
             self._cycles_since_learning, self.step_learns, self.step_observes = 0, True, True
             return self.caps(seqs).tolist()
         self.step_observes = self.pace.due("observe")
-        widths = self.ahead_widths(ahead, seqs) if ahead is not None else None
+        # (a plan made for a plain step, whose arm changed since with the rates: planned anew)
+        widths = self.ahead_widths(ahead, seqs) if ahead is not None and ahead is not self._plain_ahead else None
         if widths is None:
             widths = self.allocation(seqs)
         if self.late:       # who drafts is planned; how much each greedy row verifies, refined after the draft
             return [cap if k > 0 and seq.request.params.is_greedy else k
                     for seq, k, cap in zip(seqs, widths, self.caps(seqs).tolist())]
         return widths
+
+    def plain_widths(self, seqs: Seq) -> list[int]:
+        """The plain arm's widths: k = 0, no draft; a seeded sampling request keeps its block."""
+        return [int(cap) if keeps_whole_block(seq) else 0 for seq, cap in zip(seqs, self.caps(seqs))]
 
     def ahead_widths(self, ahead: tuple[list, np.ndarray], seqs: Seq) -> list[int] | None:
         """The widths plan_ahead made, for these sequences, or None (planned anew): each
@@ -855,11 +899,15 @@ class Speculation:
         The engine passes the sequences step N decodes and those whose prompt it completes. Used
         if step N + 1 decodes only these sequences (in any order; those that ended at N left out),
         each cut to its cap then; else planned there (ahead_widths)."""
-        if not self.adaptive or not seqs or self.learns(len(seqs), self._cycles_since_learning + 1):
-            return                                         # a learning cycle's widths are its caps
-        if self.arms is not None and self.arms.upcoming(len(seqs).bit_length()) != "policy":
-            return                                         # so are whole blocks' (plain steps': none)
+        if not self.adaptive or not seqs:
+            return
+        upcoming = self.arms.upcoming(len(seqs).bit_length()) if self.arms is not None else "policy"
         seqs = list(seqs)
+        if upcoming == "plain":            # no early draft for a plain step (but a seeded request's)
+            self._ahead = self._plain_ahead = (seqs, np.asarray(self.plain_widths(seqs), dtype=np.int64))
+            return
+        if upcoming != "policy" or self.learns(len(seqs), self._cycles_since_learning + 1):
+            return                                         # whole blocks' and a learning cycle's widths are their caps
         kept = self.kept_widths(seqs) if self.pace.stride > 1 and not self.pace.due("plan") else None
         if kept is not None:
             self._ahead = (seqs, kept)                     # between the pace's turns: the plan made last
