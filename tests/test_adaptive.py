@@ -1457,19 +1457,15 @@ def test_the_plain_arm_joins_the_arms_when_asked(monkeypatch):
     assert policy.make_arms(True).arms == ("policy", "whole", "plain")
 
 
-def test_the_plain_arm_is_on_where_widths_are_late_unless_switched_off(dense, reference, monkeypatch):
-    """policy.plain_arm_default: on where widths are refined after the draft (the CPU), off
-    elsewhere; BLOCKSPEC_PLAIN_ARM=1 everywhere, =0 nowhere. A CPU engine's policy has it."""
+def test_the_plain_arm_is_opt_in(dense, reference, monkeypatch):
+    """BLOCKSPEC_PLAIN_ARM=1 (policy.PLAIN_ARM) gives an engine's policy the plain arm; without
+    it the policy runs alone (no arms)."""
     from blockspec.engine.spec import policy
-    monkeypatch.setattr(policy, "PLAIN_ARM", "")
-    assert policy.plain_arm_default(True) and not policy.plain_arm_default(False)
-    engine, _ = oracle_engine(dense, reference, None, speculation="adaptive")
-    assert engine.runner.speculation.arms.arms == ("policy", "plain")
-    monkeypatch.setattr(policy, "PLAIN_ARM", "0")
-    assert not policy.plain_arm_default(True)
+    monkeypatch.setattr(policy, "PLAIN_ARM", True)
+    assert oracle_engine(dense, reference, None, speculation="adaptive")[0].runner.speculation.arms.arms == (
+        "policy", "plain")
+    monkeypatch.setattr(policy, "PLAIN_ARM", False)
     assert oracle_engine(dense, reference, None, speculation="adaptive")[0].runner.speculation.arms is None
-    monkeypatch.setattr(policy, "PLAIN_ARM", "1")
-    assert policy.plain_arm_default(False)
 
 
 def test_a_plain_step_is_planned_ahead_without_drafts_and_that_plan_serves_no_other_arm():

@@ -159,7 +159,7 @@ class ModelRunner:
         # graphs' capture) reads out the confidences when the policy reads them.
         self.speculation = Speculation(config.speculation if self.draft is not None else "fixed", self.width - 1,
                                        measure=self.measure_costs, max_rows=config.max_num_batched_tokens,
-                                       plain_arm=policy.plain_arm_default(self.device.type == "cpu"))
+                                       plain_arm=policy.PLAIN_ARM)
         self.speculation.late = self.device.type == "cpu"     # the draft's confidences read at no sync
         self.graphs = self.make_graphs(capture=False, padded=False)     # the profile runs eagerly
         # The pool: measured after the weights and one full-budget forward (engine/memory.py).

@@ -515,20 +515,13 @@ APPLY_DEPTH = os.environ.get("BLOCKSPEC_ADAPTIVE_DEPTH", "") == "1"
 # BLOCKSPEC_ADAPTIVE_ARMS=1 until a GPU run has weighed it (round 52: on the SmolLM2 pair the
 # policy's own host work made its steps 0.7–1.2 ms longer than fixed's for the same tokens).
 MEASURE_ARMS = os.environ.get("BLOCKSPEC_ADAPTIVE_ARMS", "") == "1"
-# The plain arm (Arms: windows at k = 0 against the policy's): on where widths are late (CPU),
-# elsewhere with BLOCKSPEC_PLAIN_ARM=1 (=0: nowhere) until a GPU run has weighed it. Round 60, the
-# CPU demo pair: it kept adaptive at 0.99-1.18 × the best fixed width at 8 and 32 requests where
-# the policy alone fell to 0.88-0.95 (the step-time fit's extrapolation to k = 0 is unchecked:
-# marginal_scale 0.48-0.65 against the steps' ~1.2). On the GPU its first window at each load is
-# the cost still unmeasured (8 plain steps where the policy commits ~6 tokens a step).
-PLAIN_ARM = os.environ.get("BLOCKSPEC_PLAIN_ARM", "")
-
-
-def plain_arm_default(late: bool) -> bool:
-    """Whether the engine's policy measures the plain arm (BLOCKSPEC_PLAIN_ARM; else where late)."""
-    return PLAIN_ARM == "1" or (PLAIN_ARM != "0" and late)
-
-
+# The plain arm (Arms: windows at k = 0 against the policy's), BLOCKSPEC_PLAIN_ARM=1. Opt-in: on
+# the CPU demo pair it was no better than the policy alone in paired runs (round 61, six pairs:
+# adaptive ÷ best fixed 0.85-1.33 with it, 0.85-1.25 without, the 2-core machine's noise as large
+# as either), though it once kept adaptive at 0.99-1.18 where the policy alone fell to 0.88-0.95
+# (round 60: the step-time fit extrapolates to k = 0 unchecked, marginal_scale 0.48-0.65 against
+# the steps' ~1.2); on the GPU its cost is unmeasured (a plain window at each load).
+PLAIN_ARM = os.environ.get("BLOCKSPEC_PLAIN_ARM", "") == "1"
 ARM_WINDOW = 8                      # decode steps an arm runs before the choice is made again
 # ... the plain arm's: its steps' time barely varies (no draft, no acceptance), so a short window
 # measures it, and its windows are the ones that cost where the policy pays (on the CPU demo pair
