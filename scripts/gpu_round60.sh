@@ -34,3 +34,16 @@ if [ "$M" = 3 ]; then
   TAIL=60 stage "step profile, Qwen3-8B, 512 rows, bf16 and FP8" timeout ${PROF_S:-100} python3 scripts/step_profile.py \
     --shape qwen3-8b --widths 512 --formats bf16,fp8 --out "$OUT/step_profile_512.json"
 fi
+#   bash scripts/gpu_round60.sh 4   # any card, ~480 s (round 61: for a session that may get one call only): the cuBLASLt
+#        # cases of tests/gpu/test_fp8.py first (the default FP8 path's padded rows, never run on a GPU), FP8 vs bf16 at
+#        # 1 and 32 sequences (issue 33; its acceptance figures need an H200), the layouts, the 512-row profile
+if [ "$M" = 4 ]; then
+  timeout ${TESTS_S:-90} $T tests/gpu/test_fp8.py -k "blockwise_scaled_mm or dispatch or replays" > "$OUT/t_fp8.log" 2>&1
+  summary
+  TAIL=60 stage "FP8 vs bf16, Qwen3-8B, 1 and 32 sequences" timeout ${FP8_S:-170} $B --shape qwen3-8b --accept-len 6.5 \
+    --quantization fp8 --concurrency 1,32 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
+  TAIL=30 stage "torch._scaled_mm block-scale layouts, Qwen3-8B linears" timeout ${LAYOUT_S:-60} \
+    python3 scripts/scaled_mm_layouts.py --out "$OUT/scaled_mm_layouts.json"
+  TAIL=60 stage "step profile, Qwen3-8B, 512 rows, bf16 and FP8" timeout ${PROF_S:-100} python3 scripts/step_profile.py \
+    --shape qwen3-8b --widths 512 --formats bf16,fp8 --out "$OUT/step_profile_512.json"
+fi
