@@ -10,6 +10,7 @@ dequantized to fp32. fp32, CPU.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -459,6 +460,45 @@ def test_the_cublas_gemm_pads_only_rows_short_of_a_multiple_of_16_and_with_zeros
         out = fp8_kernels.linear(x[:rows], q, scale, block)
         assert torch.equal(out, fp8_kernels.reference_fp8_fp8(x[:rows], q, scale, block, None))
     assert handed == [(80, True), (80, True), (96, True), (96, True)]
+
+
+def test_a_shape_cublas_refuses_runs_on_our_kernel_from_then_on(cublas_path, caplog):
+    """cuBLASLt answers a shape it does not serve with an error (65 rows on the H100, round 59): that
+    call and every later one of the shape run on our FP8 x FP8 kernel, with one warning, and the step
+    goes on; other shapes keep cuBLASLt. Inside a capture a refusal is raised, never swallowed."""
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
+    cublas_path.setattr(fp8_kernels, "_refused_by_cublas", set())
+    tried: list[int] = []
+
+    def refuses_80(a, b, scale_a, scale_b, out_dtype):
+        tried.append(a.shape[0])
+        if a.shape[0] == 80:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+        return blockwise_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+    ours: list[int] = []
+
+    def our_kernel(x, w, s, b, bias):
+        ours.append(x.shape[0])
+        return fp8_kernels.reference_fp8_fp8(x, w, s, b, bias)
+    cublas_path.setattr(torch, "_scaled_mm", refuses_80, raising=False)
+    cublas_path.setattr(fp8_kernels, "fp8_fp8_linear", our_kernel)
+    block = fp8.ScaleBlock()
+    x, q, scale = exact_operands(96, 48, 256, block)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="blockspec.engine"):
+        for rows in (70, 80, 96, 65):
+            out = fp8_kernels.linear(x[:rows], q, scale, block, bias)
+            assert torch.equal(out, fp8_kernels.reference_fp8_fp8(x[:rows], q, scale, block, bias))
+        fp8_kernels.linear(x[:80, :128], q[:32, :128], scale[:1, :1], block)       # another shape at 80 rows
+    assert tried == [80, 96, 80]                # 80 x 48 x 256 refused once, never asked again (65 pads to 80)
+    assert ours == [70, 80, 65, 80]             # the unpadded rows, as the kernel takes them
+    warnings = [r.getMessage() for r in caplog.records if "cuBLASLt refused" in r.getMessage()]
+    assert warnings == [warnings[0]] and "80 rows (N 48, K 256)" in warnings[0]     # once a row count
+    cublas_path.setattr(fp8_kernels, "_refused_by_cublas", set())
+    cublas_path.setattr(fp8_kernels, "capturing", lambda x: True)
+    with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):
+        fp8_kernels.linear(x[:80], q, scale, block, bias)
+    assert not fp8_kernels._refused_by_cublas
 
 
 def row_wise_only(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

@@ -192,20 +192,49 @@ def blockwise_scaled_mm_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and has_blockwise_scaled_mm(x.device))
 
 
+# The (device, padded rows, N, K) that cuBLASLt refused at an eager call. Its block-scaled GEMM
+# refuses some shapes with an error (65 rows, round 59) rather than wrong numbers, so the padding
+# above is a guess until a GPU runs it: a shape it refuses is served by our kernel from then on,
+# with one warning, instead of failing the step. Every graph is warmed eagerly before its capture
+# (`Graphs.warm`), so a capture never meets a refusal for the first time.
+_refused_by_cublas: set[tuple[torch.device, int, int, int]] = set()
+
+
+def capturing(x: torch.Tensor) -> bool:
+    """Whether x's device is capturing a CUDA graph."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """`fp8_fp8_linear`'s product through torch._scaled_mm: x [M, K] quantized per row × 128
     columns (`quantize_rows`), times the e4m3 weight with its `column_scales` (made once per
-    weight); a bias is added in fp32, as `reference_fp8_fp8` adds it."""
+    weight); a bias is added in fp32, as `reference_fp8_fp8` adds it. A shape cuBLASLt refuses
+    runs on `fp8_fp8_linear` (the same product)."""
     rows = x.shape[0]
     padded = -(-rows // SCALED_MM_ROWS) * SCALED_MM_ROWS
+    shape = (x.device, padded, weight.shape[0], x.shape[1])
+    if shape in _refused_by_cublas:
+        return fp8_fp8_linear(x, weight, scale, block, bias)
+    unpadded = x
     if padded != rows:            # zero rows: their outputs are computed and dropped, nothing else reads them
         x = F.pad(x, (0, 0, 0, padded - rows))
     # x's scales column-major, strides (1, M): the only layout torch takes for 1 × 128 scales
     q, x_scales = quantize_rows(x.contiguous(), column_major=True)
     scale_b = cached_column_scales(scale, block, weight.shape[0], x.shape[1])
-    out = torch._scaled_mm(q, weight.t(), scale_a=x_scales, scale_b=scale_b,
-                           out_dtype=x.dtype if bias is None else torch.float32)[:rows]
+    try:
+        out = torch._scaled_mm(q, weight.t(), scale_a=x_scales, scale_b=scale_b,
+                               out_dtype=x.dtype if bias is None else torch.float32)[:rows]
+    except RuntimeError as error:
+        if capturing(x):
+            raise                 # not met first in a capture (see above); a capture cannot fall back
+        first_at_rows = not any(kept[:2] == shape[:2] for kept in _refused_by_cublas)
+        _refused_by_cublas.add(shape)
+        logging.getLogger("blockspec.engine").log(
+            logging.WARNING if first_at_rows else logging.DEBUG,
+            "cuBLASLt refused the block-scaled FP8 GEMM at %d rows (N %d, K %d): our Triton kernel serves "
+            "that shape (%s)", padded, shape[2], shape[3], str(error).splitlines()[0] if str(error) else "no message")
+        return fp8_fp8_linear(unpadded, weight, scale, block, bias)
     return out if bias is None else (out + bias.float()).to(x.dtype)
 
 
