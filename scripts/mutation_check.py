@@ -738,6 +738,15 @@ MUTANTS = [
            "if ahead is not None and ahead is not self._plain_ahead else None",
            "if ahead is not None else None",
            ("tests/test_adaptive.py::test_a_plain_step_is_planned_ahead_without_drafts_and_that_plan_serves_no_other_arm",), "round61"),
+    # round 62: a shape cuBLASLt refuses falls back to our FP8 x FP8 kernel, and is not asked again
+    Mutant("cublas-refusal-asked-again", FP8,
+           "    if shape in _refused_by_cublas:\n        return fp8_fp8_linear(x, weight, scale, block, bias)\n",
+           "",
+           (FP8_TESTS + "::test_a_shape_cublas_refuses_runs_on_our_kernel_from_then_on",), "round62"),
+    Mutant("cublas-refusal-swallowed-in-capture", FP8,
+           "        if capturing(x):\n            raise",
+           "        if False:\n            raise",
+           (FP8_TESTS + "::test_a_shape_cublas_refuses_runs_on_our_kernel_from_then_on",), "round62"),
 ]
 
 
