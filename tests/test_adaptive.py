@@ -415,6 +415,57 @@ def test_a_row_given_to_a_new_sequence_is_neither_idle_nor_returning():
     assert row not in spec._returning and row not in spec._idle[0] and spec._backoff[row] == 0
 
 
+def backed_off(spec: Speculation, seqs: list, good_from: int, steps: int, patch_at: int | None = None
+               ) -> list[tuple[int, int, int]]:
+    """Two sequences accepted whole, except the second's drafts: rejected at the first draft
+    (confidence 0.15) from step 60 to `good_from` (it is left at k = 0 and fails its returns:
+    its backoff grows), and for four steps from `patch_at` → (step, its k, its backoff)."""
+    row = int(spec.rows(seqs)[1])
+    out = []
+    for step in range(steps):
+        widths = spec.planned_widths(seqs)
+        conf = torch.full((2, 7), 0.9, dtype=torch.float64)
+        bad = 60 <= step < good_from or patch_at is not None and patch_at <= step < patch_at + 4
+        if bad:
+            conf[1] = 0.15
+        spec.observe(seqs, conf, widths, [widths[0], 0 if bad else widths[1]])
+        out.append((step, widths[1], int(spec._backoff[row])))
+    return out
+
+
+def test_a_return_that_pays_resets_the_backoff():
+    """A sequence whose returns failed three times (its relaxation 8 × slower) drafts again once
+    its drafts are accepted: that first paying return resets its backoff, so a later bad patch
+    leaves it at k = 0 for a few steps only, as a sequence that never failed."""
+    costs = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.05, draft_ms=0.5, draft_ms_per_seq=0.5)
+    spec = Speculation("adaptive", 7, costs=costs)
+    spec.learning_interval = lambda num_seqs: math.inf            # returns only, no learning cycle
+    steps = backed_off(spec, [request_of(num_allowed=1000), request_of(num_allowed=1000)], good_from=150,
+                       steps=320, patch_at=290)
+    assert max(backoff for _, _, backoff in steps[:150]) >= 3
+    back = next(step for step, k, _ in steps[150:] if k > 0)                     # the first paying return
+    assert steps[back][2] == 0 and all(k == 7 for _, k, _ in steps[back: 290])
+    idle = [step for step, k, _ in steps[290:] if k == 0]
+    assert idle and idle[-1] < 302, idle                                         # drafts again within a few
+
+
+def test_a_reused_row_starts_without_the_old_sequences_backoff():
+    """A sequence that backed off (failed returns) ends; the next sequence given its row starts at
+    backoff 0: its first bad patch leaves it at k = 0 for a few steps, as any newcomer's."""
+    costs = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.05, draft_ms=0.5, draft_ms_per_seq=0.5)
+    spec = Speculation("adaptive", 7, costs=costs)
+    spec.learning_interval = lambda num_seqs: math.inf
+    good, hopeless = request_of(num_allowed=1000), request_of(num_allowed=1000)
+    row = int(spec.rows([good, hopeless])[1])
+    assert backed_off(spec, [good, hopeless], good_from=150, steps=150)[-1][2] >= 3
+    spec.forget(hopeless)
+    newcomer = request_of(num_allowed=1000)
+    assert int(spec.rows([newcomer])[0]) == row and spec._backoff[row] == 0
+    steps = backed_off(spec, [good, newcomer], good_from=0, steps=70, patch_at=30)   # a bad patch at 30-33 only
+    idle = [step for step, k, _ in steps[30:] if k == 0]
+    assert idle and idle[-1] < 42, idle
+
+
 def request_of(num_allowed: int = 100, **params) -> SimpleNamespace:
     return SimpleNamespace(request=SimpleNamespace(num_allowed=num_allowed, params=SamplingParams(**params)))
 
@@ -1443,6 +1494,28 @@ def test_three_arms_are_measured_in_turn_then_the_fastest_runs_and_the_others_wh
     policy_gap, whole_gap = ARM_WINDOW * ARM_EXPLORE * 1.5 ** 2, ARM_WINDOW * ARM_EXPLORE * 2.0 ** 2
     explored = [(i, arm) for i, arm in starts[3:] if arm != "plain"]
     assert explored == [(policy_gap, "policy"), (ARM_WINDOW + whole_gap, "whole"), (2 * policy_gap, "policy")]
+
+
+def test_a_steps_time_is_measured_at_the_load_it_was_planned_at():
+    """Arms count a step against its window at len(seqs).bit_length() (planned_widths) and
+    record its time at the same load (record_cycle): at 3 sequences (load 2) the policy's window
+    runs, then the plain arm's; both then measured, the faster (plain, 3 × the tokens a second)
+    keeps running, the policy re-measured only when due. Recorded at another load (3), neither
+    would ever count as measured and the arms would alternate window by window."""
+    from blockspec.engine.spec.policy import ARM_WINDOW, PLAIN_WINDOW
+    spec = Speculation("adaptive", 7, costs=ROOFLINE, plain_arm=True)
+    spec.learning_interval = lambda num_seqs: math.inf
+    spec._warm = True
+    seqs = [request_of() for _ in range(3)]
+    arms = []
+    for _ in range(ARM_WINDOW + PLAIN_WINDOW + 20):
+        widths = spec.planned_widths(seqs)
+        arms.append(spec.step_arm)
+        seconds = 1e-3 if spec.step_arm == "plain" else 3e-3
+        spec.record_cycle(seconds, widths, num_tokens=len(seqs), arm=spec.step_arm)
+    assert arms == ["policy"] * ARM_WINDOW + ["plain"] * (PLAIN_WINDOW + 20)
+    assert set(spec.arms.sums) == {len(seqs).bit_length()}
+    assert spec.arms.sums[2]["policy"][2] == ARM_WINDOW and spec.arms.sums[2]["plain"][2] == PLAIN_WINDOW + 20
 
 
 def test_the_plain_arm_joins_the_arms_when_asked(monkeypatch):
