@@ -259,6 +259,24 @@ def test_the_fit_learns_what_a_draft_row_really_costs():
     assert before == [5] * 8 and min(after) >= 6
 
 
+def test_the_learning_interval_follows_each_fit():
+    """learning_interval keeps its value per load only until the next fit (it is asked twice a
+    step): once the steps have shown 2 ms of host work a sequence that the table does not price,
+    the interval at that load is the fitted one (whole blocks then cost less against a plain
+    step: learning cycles come sooner), not the table's from before."""
+    table = CostTable.analytic(flat_rows=1, ms_flat=10.0, ms_per_row=1.0, draft_ms=4.0, draft_ms_per_seq=1.0)
+    spec = Speculation("adaptive", 7, costs=table)
+    before = spec.learning_interval(8)
+    assert before == spec.interval_of(8)
+    rng = random.Random(2)
+    for _ in range(100):
+        widths = [rng.choice((0, 1, 3, 7)) for _ in range(rng.randint(1, 12))]
+        seconds = (forwards_ms(table, widths) + 2.0 * len(widths)) / 1e3
+        spec.fit(seconds, widths, len(widths) + sum(widths) // 2, 0)
+        assert spec.learning_interval(8) == spec.interval_of(8)
+    assert spec.overhead_ms_per_seq > 1.0 and spec.learning_interval(8) < 0.9 * before
+
+
 def test_cost_table_interpolates_and_extrapolates():
     table = CostTable((1, 16, 64), (2.0, 2.0, 8.0), (1,), (1.0,))
     assert interpolate(torch.tensor([0.5, 1.0, 8.0, 40.0, 128.0], dtype=torch.float64),
@@ -1516,6 +1534,24 @@ def test_a_steps_time_is_measured_at_the_load_it_was_planned_at():
     assert arms == ["policy"] * ARM_WINDOW + ["plain"] * (PLAIN_WINDOW + 20)
     assert set(spec.arms.sums) == {len(seqs).bit_length()}
     assert spec.arms.sums[2]["policy"][2] == ARM_WINDOW and spec.arms.sums[2]["plain"][2] == PLAIN_WINDOW + 20
+
+
+def test_the_fit_learns_from_the_policys_steps_only():
+    """record_cycle: every arm's step counts toward its arm's rate, but only the policy's steps
+    are fitted (a plain arm's or whole blocks' steps are not the policy's work, and their
+    widths never vary: fitted, 40 ms plain steps would price every forward at 4 × the table's)."""
+    from blockspec.engine.spec import policy
+    table = CostTable.analytic(flat_rows=1, ms_flat=10.0, ms_per_row=1.0, draft_ms=4.0, draft_ms_per_seq=1.0)
+    spec = Speculation("adaptive", 7, costs=table, plain_arm=True)
+    spec.arms = policy.Arms(("policy", "whole", "plain"))
+    for arm, widths in (("plain", [0, 0, 0]), ("whole", [7, 7, 7])):
+        for _ in range(20):
+            spec.record_cycle(4 * forwards_ms(table, widths) / 1e3, widths, 3, arm=arm)
+    assert spec.arms.sums[2]["plain"][2] == spec.arms.sums[2]["whole"][2] == 20
+    assert (spec.forward_scale, spec.marginal_scale, spec.overhead_ms_per_seq, spec.overhead_ms_per_token) == (
+        1.0, 1.0, 0.0, 0.0) and not spec._xtx.any()
+    spec.record_cycle(4 * forwards_ms(table, [3, 0, 1]) / 1e3, [3, 0, 1], 5, arm="policy")
+    assert spec._xtx.any()                                  # (the pace's first turn: fitted)
 
 
 def test_the_plain_arm_joins_the_arms_when_asked(monkeypatch):
