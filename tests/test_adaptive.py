@@ -853,6 +853,30 @@ def test_adaptive_policy_drops_the_draft_of_a_sequence_it_does_not_pay_for(dense
     assert engine.counters.spec_widths[0] == bad.stats.cycles - verified
 
 
+def test_late_widths_learn_from_and_price_every_sequence_drafted_for(dense, reference, monkeypatch):
+    """Late widths (refined after the draft, CPU): the runner keeps the widths the draft ran for
+    apart from the refined ones it verifies. With every draft refined to k = 0, the verify is still
+    learnt from for the sequence drafted for (observe's drafted_widths: else a draft never verified
+    is planned and drafted for ever) and the step's time is priced with its draft (record_cycle's
+    drafting); the output is plain decoding's."""
+    from blockspec.engine.spec import policy
+    monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)
+    spec, _ = counting_policy()
+    spec.late = True
+    spec.refined = lambda seqs, confidence, widths: [0] * len(widths)          # every draft refined away
+    observed, priced = [], []
+    real_observe, real_record = spec.observe, spec.record_cycle
+    spec.observe = lambda seqs, conf, widths, accepted, drafted=None: (
+        observed.append((list(widths), drafted and list(drafted))), real_observe(seqs, conf, widths, accepted, drafted))[1]
+    spec.record_cycle = lambda seconds, widths, *args: (priced.append((list(widths), args[4])),
+                                                        real_record(seconds, widths, *args))[1]
+    engine, _ = oracle_engine(dense, reference, spec, honest=True, speculation="adaptive")
+    run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=12))
+    assert run.output_ids == reference[:12] and run.stats.draft_tokens == 0
+    assert observed and all(widths == [0] and drafted[0] > 0 for widths, drafted in observed), observed
+    assert priced and all(widths == [0] and drafting == 1 for widths, drafting in priced), priced
+
+
 class Pattern(Speculation):
     """Each request's widths by its own cycle count: pattern[request id][i mod length]."""
 
