@@ -259,6 +259,24 @@ def test_the_fit_learns_what_a_draft_row_really_costs():
     assert before == [5] * 8 and min(after) >= 6
 
 
+def test_the_learning_interval_follows_each_fit():
+    """learning_interval keeps its value per load only until the next fit (it is asked twice a
+    step): once the steps have shown 2 ms of host work a sequence that the table does not price,
+    the interval at that load is the fitted one (whole blocks then cost less against a plain
+    step: learning cycles come sooner), not the table's from before."""
+    table = CostTable.analytic(flat_rows=1, ms_flat=10.0, ms_per_row=1.0, draft_ms=4.0, draft_ms_per_seq=1.0)
+    spec = Speculation("adaptive", 7, costs=table)
+    before = spec.learning_interval(8)
+    assert before == spec.interval_of(8)
+    rng = random.Random(2)
+    for _ in range(100):
+        widths = [rng.choice((0, 1, 3, 7)) for _ in range(rng.randint(1, 12))]
+        seconds = (forwards_ms(table, widths) + 2.0 * len(widths)) / 1e3
+        spec.fit(seconds, widths, len(widths) + sum(widths) // 2, 0)
+        assert spec.learning_interval(8) == spec.interval_of(8)
+    assert spec.overhead_ms_per_seq > 1.0 and spec.learning_interval(8) < 0.9 * before
+
+
 def test_cost_table_interpolates_and_extrapolates():
     table = CostTable((1, 16, 64), (2.0, 2.0, 8.0), (1,), (1.0,))
     assert interpolate(torch.tensor([0.5, 1.0, 8.0, 40.0, 128.0], dtype=torch.float64),
@@ -413,6 +431,57 @@ def test_a_row_given_to_a_new_sequence_is_neither_idle_nor_returning():
     newcomer = request_of(num_allowed=1000)
     assert int(spec.rows([newcomer])[0]) == row
     assert row not in spec._returning and row not in spec._idle[0] and spec._backoff[row] == 0
+
+
+def backed_off(spec: Speculation, seqs: list, good_from: int, steps: int, patch_at: int | None = None
+               ) -> list[tuple[int, int, int]]:
+    """Two sequences accepted whole, except the second's drafts: rejected at the first draft
+    (confidence 0.15) from step 60 to `good_from` (it is left at k = 0 and fails its returns:
+    its backoff grows), and for four steps from `patch_at` → (step, its k, its backoff)."""
+    row = int(spec.rows(seqs)[1])
+    out = []
+    for step in range(steps):
+        widths = spec.planned_widths(seqs)
+        conf = torch.full((2, 7), 0.9, dtype=torch.float64)
+        bad = 60 <= step < good_from or patch_at is not None and patch_at <= step < patch_at + 4
+        if bad:
+            conf[1] = 0.15
+        spec.observe(seqs, conf, widths, [widths[0], 0 if bad else widths[1]])
+        out.append((step, widths[1], int(spec._backoff[row])))
+    return out
+
+
+def test_a_return_that_pays_resets_the_backoff():
+    """A sequence whose returns failed three times (its relaxation 8 × slower) drafts again once
+    its drafts are accepted: that first paying return resets its backoff, so a later bad patch
+    leaves it at k = 0 for a few steps only, as a sequence that never failed."""
+    costs = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.05, draft_ms=0.5, draft_ms_per_seq=0.5)
+    spec = Speculation("adaptive", 7, costs=costs)
+    spec.learning_interval = lambda num_seqs: math.inf            # returns only, no learning cycle
+    steps = backed_off(spec, [request_of(num_allowed=1000), request_of(num_allowed=1000)], good_from=150,
+                       steps=320, patch_at=290)
+    assert max(backoff for _, _, backoff in steps[:150]) >= 3
+    back = next(step for step, k, _ in steps[150:] if k > 0)                     # the first paying return
+    assert steps[back][2] == 0 and all(k == 7 for _, k, _ in steps[back: 290])
+    idle = [step for step, k, _ in steps[290:] if k == 0]
+    assert idle and idle[-1] < 302, idle                                         # drafts again within a few
+
+
+def test_a_reused_row_starts_without_the_old_sequences_backoff():
+    """A sequence that backed off (failed returns) ends; the next sequence given its row starts at
+    backoff 0: its first bad patch leaves it at k = 0 for a few steps, as any newcomer's."""
+    costs = CostTable.analytic(flat_rows=1, ms_flat=1.0, ms_per_row=0.05, draft_ms=0.5, draft_ms_per_seq=0.5)
+    spec = Speculation("adaptive", 7, costs=costs)
+    spec.learning_interval = lambda num_seqs: math.inf
+    good, hopeless = request_of(num_allowed=1000), request_of(num_allowed=1000)
+    row = int(spec.rows([good, hopeless])[1])
+    assert backed_off(spec, [good, hopeless], good_from=150, steps=150)[-1][2] >= 3
+    spec.forget(hopeless)
+    newcomer = request_of(num_allowed=1000)
+    assert int(spec.rows([newcomer])[0]) == row and spec._backoff[row] == 0
+    steps = backed_off(spec, [good, newcomer], good_from=0, steps=70, patch_at=30)   # a bad patch at 30-33 only
+    idle = [step for step, k, _ in steps[30:] if k == 0]
+    assert idle and idle[-1] < 42, idle
 
 
 def request_of(num_allowed: int = 100, **params) -> SimpleNamespace:
@@ -782,6 +851,30 @@ def test_adaptive_policy_drops_the_draft_of_a_sequence_it_does_not_pay_for(dense
     else:
         assert widths == [BLOCK - 1 if c in drafted else 0 for c in range(len(widths))], widths
     assert engine.counters.spec_widths[0] == bad.stats.cycles - verified
+
+
+def test_late_widths_learn_from_and_price_every_sequence_drafted_for(dense, reference, monkeypatch):
+    """Late widths (refined after the draft, CPU): the runner keeps the widths the draft ran for
+    apart from the refined ones it verifies. With every draft refined to k = 0, the verify is still
+    learnt from for the sequence drafted for (observe's drafted_widths: else a draft never verified
+    is planned and drafted for ever) and the step's time is priced with its draft (record_cycle's
+    drafting); the output is plain decoding's."""
+    from blockspec.engine.spec import policy
+    monkeypatch.setattr(policy, "WARMUP_OBSERVATIONS", 0)
+    spec, _ = counting_policy()
+    spec.late = True
+    spec.refined = lambda seqs, confidence, widths: [0] * len(widths)          # every draft refined away
+    observed, priced = [], []
+    real_observe, real_record = spec.observe, spec.record_cycle
+    spec.observe = lambda seqs, conf, widths, accepted, drafted=None: (
+        observed.append((list(widths), drafted and list(drafted))), real_observe(seqs, conf, widths, accepted, drafted))[1]
+    spec.record_cycle = lambda seconds, widths, *args: (priced.append((list(widths), args[4])),
+                                                        real_record(seconds, widths, *args))[1]
+    engine, _ = oracle_engine(dense, reference, spec, honest=True, speculation="adaptive")
+    run = run_alone(lambda: engine, make_request("r", PROMPT, max_tokens=12))
+    assert run.output_ids == reference[:12] and run.stats.draft_tokens == 0
+    assert observed and all(widths == [0] and drafted[0] > 0 for widths, drafted in observed), observed
+    assert priced and all(widths == [0] and drafting == 1 for widths, drafting in priced), priced
 
 
 class Pattern(Speculation):
@@ -1443,6 +1536,46 @@ def test_three_arms_are_measured_in_turn_then_the_fastest_runs_and_the_others_wh
     policy_gap, whole_gap = ARM_WINDOW * ARM_EXPLORE * 1.5 ** 2, ARM_WINDOW * ARM_EXPLORE * 2.0 ** 2
     explored = [(i, arm) for i, arm in starts[3:] if arm != "plain"]
     assert explored == [(policy_gap, "policy"), (ARM_WINDOW + whole_gap, "whole"), (2 * policy_gap, "policy")]
+
+
+def test_a_steps_time_is_measured_at_the_load_it_was_planned_at():
+    """Arms count a step against its window at len(seqs).bit_length() (planned_widths) and
+    record its time at the same load (record_cycle): at 3 sequences (load 2) the policy's window
+    runs, then the plain arm's; both then measured, the faster (plain, 3 × the tokens a second)
+    keeps running, the policy re-measured only when due. Recorded at another load (3), neither
+    would ever count as measured and the arms would alternate window by window."""
+    from blockspec.engine.spec.policy import ARM_WINDOW, PLAIN_WINDOW
+    spec = Speculation("adaptive", 7, costs=ROOFLINE, plain_arm=True)
+    spec.learning_interval = lambda num_seqs: math.inf
+    spec._warm = True
+    seqs = [request_of() for _ in range(3)]
+    arms = []
+    for _ in range(ARM_WINDOW + PLAIN_WINDOW + 20):
+        widths = spec.planned_widths(seqs)
+        arms.append(spec.step_arm)
+        seconds = 1e-3 if spec.step_arm == "plain" else 3e-3
+        spec.record_cycle(seconds, widths, num_tokens=len(seqs), arm=spec.step_arm)
+    assert arms == ["policy"] * ARM_WINDOW + ["plain"] * (PLAIN_WINDOW + 20)
+    assert set(spec.arms.sums) == {len(seqs).bit_length()}
+    assert spec.arms.sums[2]["policy"][2] == ARM_WINDOW and spec.arms.sums[2]["plain"][2] == PLAIN_WINDOW + 20
+
+
+def test_the_fit_learns_from_the_policys_steps_only():
+    """record_cycle: every arm's step counts toward its arm's rate, but only the policy's steps
+    are fitted (a plain arm's or whole blocks' steps are not the policy's work, and their
+    widths never vary: fitted, 40 ms plain steps would price every forward at 4 × the table's)."""
+    from blockspec.engine.spec import policy
+    table = CostTable.analytic(flat_rows=1, ms_flat=10.0, ms_per_row=1.0, draft_ms=4.0, draft_ms_per_seq=1.0)
+    spec = Speculation("adaptive", 7, costs=table, plain_arm=True)
+    spec.arms = policy.Arms(("policy", "whole", "plain"))
+    for arm, widths in (("plain", [0, 0, 0]), ("whole", [7, 7, 7])):
+        for _ in range(20):
+            spec.record_cycle(4 * forwards_ms(table, widths) / 1e3, widths, 3, arm=arm)
+    assert spec.arms.sums[2]["plain"][2] == spec.arms.sums[2]["whole"][2] == 20
+    assert (spec.forward_scale, spec.marginal_scale, spec.overhead_ms_per_seq, spec.overhead_ms_per_token) == (
+        1.0, 1.0, 0.0, 0.0) and not spec._xtx.any()
+    spec.record_cycle(4 * forwards_ms(table, [3, 0, 1]) / 1e3, [3, 0, 1], 5, arm="policy")
+    assert spec._xtx.any()                                  # (the pace's first turn: fitted)
 
 
 def test_the_plain_arm_joins_the_arms_when_asked(monkeypatch):

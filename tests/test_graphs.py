@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import fixtures
-from blockspec.engine.graphs import (EAGER, FULL, PIECEWISE, BatchDescriptor, bucket, capture_sizes,
-                                     token_buckets)
+from blockspec.engine.graphs import (EAGER, FULL, PIECEWISE, BatchDescriptor, GraphDispatcher, bucket,
+                                     capture_sizes, token_buckets)
 from blockspec.loader import load_draft, load_model
 from helpers import OracleDraft, make_engine, make_request, run_batch
 from test_adaptive import ForcedWidths, use_policy
@@ -48,6 +48,30 @@ def test_plans_by_descriptor(dense):
     assert (draft_plan.mode, draft_plan.desc) == (FULL, BatchDescriptor(16, 4, False))
     assert engine.runner.make_graphs(capture=False, padded=False).plan(13, 5, False, 40, 3).mode == EAGER
 
+
+
+def test_a_full_graph_serves_as_many_sequences_as_it_has_slots():
+    """A FULL graph of N tokens has min(N, max_num_seqs) sequence slots, and a step that fills
+    every slot takes it: 8 plain rows of 8 sequences run in the 8-token graph (not the PIECEWISE
+    path past it), max_num_seqs single rows in the max_num_seqs bucket."""
+    graphs = GraphDispatcher(4, 8, 64, pages_per_seq=4, page_size=16, device=torch.device("cpu"), capture=False)
+    for num_seqs in (1, 2, 4, 8):
+        plan = graphs.plan(num_seqs, num_seqs, False, live_keys=40, cols=3)
+        assert (plan.mode, plan.desc) == (FULL, BatchDescriptor(num_seqs, num_seqs, False)), num_seqs
+    assert graphs.plan(32, 8, False, 40, 3).desc == BatchDescriptor(32, 8, False)     # 8 whole blocks
+
+
+def test_a_stashing_targets_full_graphs_have_a_slot_per_started_block():
+    """A hybrid target's FULL graphs stash every row's state in slots × block rows: ⌈tokens ÷
+    block⌉ slots, so one plain row runs in the 1-token graph (one slot) and 5 rows of 2 sequences
+    in the 8-token graph (two slots), not padded to a whole block per sequence."""
+    graphs = GraphDispatcher(4, 8, 64, pages_per_seq=4, page_size=16, device=torch.device("cpu"), capture=False,
+                             stashing=True)
+    assert [graphs.seq_slots(n) for n in (1, 2, 3, 4, 5, 8, 9, 32, 64)] == [1, 1, 1, 1, 2, 2, 3, 8, 8]
+    assert graphs.plan(1, 1, False, 40, 3).desc == BatchDescriptor(1, 1, False)
+    assert graphs.plan(2, 1, False, 40, 3).desc == BatchDescriptor(2, 1, False)
+    assert graphs.plan(5, 2, False, 40, 3).desc == BatchDescriptor(8, 2, False)
+    assert graphs.plan(3, 2, False, 40, 3).desc == BatchDescriptor(8, 2, False)       # 4 tokens: one slot
 
 # -- models ------------------------------------------------------------------------------------
 

@@ -158,6 +158,23 @@ def test_verify_widths_is_the_one_hook_for_k():
     assert before == [2, 2, 2]                        # 4 + k + 1 positions of 4 per page
 
 
+
+def test_a_sequence_that_drafts_has_pages_for_the_whole_draft_block():
+    """A sequence verifying k ≥ 1 drafts still feeds the draft a block of the full width at
+    num_cached … num_cached + W − 1: its pages cover those positions (else the block's rows past
+    its table land in page 0, shared by every sequence of the step); a plain row (k = 0) needs
+    pages for its one position only. Prompts of 2 in pages of 4, blocks of 4: k = 1 verifies
+    positions 2-3 (one page) but drafts 2-5 (two)."""
+    scheduler = make_scheduler(num_pages=512)
+    seqs = [make_seq(f"s{i}", 2) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_step(scheduler, scheduler.schedule())
+    scheduler.verify_widths = lambda decoding: [0, 1, 3][: len(decoding)]
+    batch = scheduler.schedule()
+    assert batch.num_drafts == [0, 1, 3] and [s.num_cached for s in seqs] == [2, 2, 2]
+    assert [len(s.block_table) for s in seqs] == [1, 2, 2]
+
 # -- memory -----------------------------------------------------------------------------------
 
 def test_every_page_is_freed_exactly_once():
@@ -283,6 +300,37 @@ def test_decoding_sequences_beyond_the_budget_take_turns():
         assert all(step - seen <= 1 for seen in last_seen.values()), (step, last_seen)
         run_step(scheduler, batch)
 
+
+
+def test_a_cut_never_gives_a_sequence_more_drafts_than_it_planned():
+    """Three decoders planned at k = 1, 3, 3 under a budget that leaves 6 drafts: the cut lowers
+    the longest to one cap (2) and hands the draft left over to the first sequence below its own
+    plan (3, 2), never to one already at it (k = 1 is the first sequence's cap: its max_tokens,
+    or what the policy found worth verifying)."""
+    scheduler = make_scheduler(num_pages=512, max_num_batched_tokens=9)
+    seqs = [make_seq(f"s{i}", 3, max_tokens=500) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_step(scheduler, scheduler.schedule())
+    scheduler.verify_widths = lambda decoding: [1, 3, 3][: len(decoding)]
+    batch = scheduler.schedule()
+    assert batch.decode == seqs and batch.num_drafts == [1, 3, 2] and batch.num_tokens == 9
+
+
+def test_a_finished_sequence_leaves_no_turn_behind():
+    """The decode turns (who waited longest goes first) are kept for running sequences only: one
+    that ends takes its entry with it, so a server's scheduler does not grow with every request
+    it ever served, nor a new sequence given a freed object's id inherit its turn."""
+    scheduler = make_scheduler(num_pages=512, max_num_batched_tokens=64)
+    for round_ in range(3):
+        seqs = [make_seq(f"r{round_}-{i}", 3, max_tokens=6) for i in range(4)]
+        for seq in seqs:
+            scheduler.add(seq)
+        while scheduler.has_work:
+            run_step(scheduler, scheduler.schedule())
+            finish_done(scheduler)
+        assert all(seq.request.is_finished for seq in seqs)
+        assert scheduler._last_decoded == {}, scheduler._last_decoded
 
 # -- issue 36: the token budget and the queue, under load ----------------------------------------
 
