@@ -49,7 +49,6 @@ def test_plans_by_descriptor(dense):
     assert engine.runner.make_graphs(capture=False, padded=False).plan(13, 5, False, 40, 3).mode == EAGER
 
 
-
 def test_a_full_graph_serves_as_many_sequences_as_it_has_slots():
     """A FULL graph of N tokens has min(N, max_num_seqs) sequence slots, and a step that fills
     every slot takes it: 8 plain rows of 8 sequences run in the 8-token graph (not the PIECEWISE

@@ -158,7 +158,6 @@ def test_verify_widths_is_the_one_hook_for_k():
     assert before == [2, 2, 2]                        # 4 + k + 1 positions of 4 per page
 
 
-
 def test_a_sequence_that_drafts_has_pages_for_the_whole_draft_block():
     """A sequence verifying k ≥ 1 drafts still feeds the draft a block of the full width at
     num_cached … num_cached + W − 1: its pages cover those positions (else the block's rows past
@@ -301,11 +300,10 @@ def test_decoding_sequences_beyond_the_budget_take_turns():
         run_step(scheduler, batch)
 
 
-
 def test_a_cut_never_gives_a_sequence_more_drafts_than_it_planned():
     """Three decoders planned at k = 1, 3, 3 under a budget that leaves 6 drafts: the cut lowers
     the longest to one cap (2) and hands the draft left over to the first sequence below its own
-    plan (3, 2), never to one already at it (k = 1 is the first sequence's cap: its max_tokens,
+    plan (1, 3, 2), never to one already at it (k = 1 is the first sequence's cap: its max_tokens,
     or what the policy found worth verifying)."""
     scheduler = make_scheduler(num_pages=512, max_num_batched_tokens=9)
     seqs = [make_seq(f"s{i}", 3, max_tokens=500) for i in range(3)]
