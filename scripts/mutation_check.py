@@ -87,8 +87,8 @@ MUTANTS = [
            "seq.num_cached += num_accepted + 2",
            ("tests/test_acceptance.py", "tests/test_dflash.py")),
     Mutant("state-select-num-kept", "blockspec/cache/state_pool.py",
-           "step_states[rows, num_kept - 1]",
-           "step_states[rows, (num_kept).clamp_max(step_states.shape[1] - 1)]",
+           "rows + [kept - 1 for kept in num_kept]",
+           "rows + [min(kept, width - 1) for kept in num_kept]",
            ("tests/test_hybrid.py",)),
     Mutant("stop-cut-removed", "blockspec/engine/request.py",
            "                allowed = allowed[: i + 1]\n",
@@ -109,13 +109,11 @@ MUTANTS = [
            ("tests/test_output.py",)),
     # invariant 8: the id that completes a stop string is counted, nothing after it
     Mutant("usage-count-after-stop", "blockspec/server/output.py",
-           "            if self._add_text(self._detokenizer.add([token_id]), delta):\n"
-           "                return self._finish(delta, \"stop\", stop_hit=True)\n"
-           "        if finished is None:\n",
-           "            if self._add_text(self._detokenizer.add([token_id]), delta):\n"
-           "                self.completion_tokens -= 1\n"
-           "                return self._finish(delta, \"stop\", stop_hit=True)\n"
-           "        if finished is None:\n",
+           "                if self._add_text(self._detokenizer.add([token_id]), delta):\n"
+           "                    return self._finish(delta, \"stop\", stop_hit=True)\n",
+           "                if self._add_text(self._detokenizer.add([token_id]), delta):\n"
+           "                    self.completion_tokens -= 1\n"
+           "                    return self._finish(delta, \"stop\", stop_hit=True)\n",
            ("tests/test_output.py",)),
     # invariant 3: a finished or preempted sequence's pages (and state slot) go back
     Mutant("pages-kept-on-finish", "blockspec/engine/scheduler.py",
@@ -138,8 +136,9 @@ MUTANTS = [
            "        self.pages.free(seq.block_table)\n",
            ("tests/test_scheduler.py",)),
     Mutant("prefill-always-wins", "blockspec/engine/scheduler.py",
-           "        decoding = [s for s in self.running if not s.is_prefilling]\n",
-           "        decoding = [s for s in self.running if not any(r.is_prefilling for r in self.running)]\n",
+           "            (prefilling if seq.is_prefilling else decoding).append(seq)\n        return decoding, prefilling\n",
+           "            (prefilling if seq.is_prefilling else decoding).append(seq)\n"
+           "        return ([] if prefilling else decoding), prefilling\n",
            ("tests/test_scheduler.py",)),
     # the CUDA-graph path: padding rows write only page 0 and read only state slot 0
     Mutant("graph-padding-writes-page-1", "blockspec/engine/model_runner.py",
@@ -197,8 +196,8 @@ MUTANTS = [
            "",
            ("tests/test_adaptive.py::test_greedy_random_widths_equals_plain_alone_batched_and_padded",)),
     Mutant("sampled-judges-past-k", "blockspec/engine/spec/dflash.py",
-           "processed.get(b, logits[b, : k + 1]), k)",
-           "processed.get(b, logits[b]), width - 1)",
+           "processed.get(b, logits[b, : k + 1]),\n" + " " * 60 + "k)",
+           "processed.get(b, logits[b]),\n" + " " * 60 + "logits.shape[1] - 1)",
            ("tests/test_adaptive.py::test_sampled_accept_never_reads_past_k",)),
     Mutant("draft-runs-at-k-0", "blockspec/engine/model_runner.py",
            "drafting = [b for b, k in enumerate(num_drafts) if k > 0]",
@@ -223,8 +222,8 @@ MUTANTS = [
     # issue 36: the invariants of the token-level engine, the prefix cache and the policy that
     # an audit found no test holding, each with its own test
     Mutant("hit-covers-the-last-position", PREFIX,
-           "hit = self.prefix.match(seq.tokens, seq.prefill_len - 1)",
-           "hit = self.prefix.match(seq.tokens, seq.prefill_len)",
+           "hit = self.prefix.match(seq.key_tokens, seq.prefill_len - 1)",
+           "hit = self.prefix.match(seq.key_tokens, seq.prefill_len)",
            ("tests/test_prefix_engine.py::test_a_fully_cached_prompt_of_whole_pages_still_recomputes_its_last_position",),
            "issue36"),
     Mutant("preempted-lookup-counted-again", PREFIX,
