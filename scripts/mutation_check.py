@@ -140,14 +140,16 @@ MUTANTS = [
            "            (prefilling if seq.is_prefilling else decoding).append(seq)\n"
            "        return ([] if prefilling else decoding), prefilling\n",
            ("tests/test_scheduler.py",)),
-    # the CUDA-graph path: padding rows write only page 0 and read only state slot 0
+    # the CUDA-graph path: padding rows write only page 0 and read only state slot 0. A bucket's
+    # padding tokens are sent to page 0 by derive_positions (padding sequences' tables are never
+    # written through: the target's have no rows, the draft keeps its block's K/V out of the pool)
     Mutant("graph-padding-writes-page-1", "blockspec/engine/model_runner.py",
-           "        tables += [0] * (num_padding * cols)\n",
-           "        tables += [1] * (num_padding * cols)\n",
+           "meta.slot_mapping.masked_fill_(~real, 0)",
+           "meta.slot_mapping.masked_fill_(~real, page_size)",
            ("tests/test_batching.py::test_padding_rows_stay_inside_page_0_when_the_block_outgrows_a_page",)),
     Mutant("graph-padding-uses-state-slot-1", "blockspec/engine/model_runner.py",
-           "        state_slots += [0] * num_padding\n",
-           "        state_slots += [1] * num_padding\n",
+           "dtype=np.int64, count=n)\n        if self.target.visual is not None:\n",
+           "dtype=np.int64, count=n)\n        state_slots[n:] = 1\n        if self.target.visual is not None:\n",
            ("tests/test_batching.py::test_padded_graph_path_batch_equals_alone",)),
     # invariant 6: the draft's context features are the outputs of layers l (hidden_states[l + 1])
     Mutant("features-miss-the-residual", "blockspec/models/base.py",
