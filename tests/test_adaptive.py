@@ -1787,6 +1787,27 @@ def test_late_widths_follow_this_cycles_own_confidences_with_the_draft_paid():
     assert spec.refined(seqs, conf, [7, 7, 7, 7]) == [7, 7, 7, 7]
 
 
+def test_a_paid_draft_stays_in_the_steps_time_at_its_own_batch_whatever_is_verified():
+    """allocate(draft_paid=True): the draft already ran for every sequence with a cap, so its cost
+    is the same whatever is verified, and it stays in the step's time. Rows 0.5 ms each over a
+    6 ms plain step of three sequences (hand-computed rates below):
+    - a 50 ms draft, one confident block beside two hopeless ones: paid, the confident block is
+      verified (9.2 tokens in 59.5 ms against 3 in 56); priced as if not yet run, drafting at all
+      would cost 50 ms and the step stays plain;
+    - a draft of 10 ms for one block and 90 ms for three, one sequence with a cap, confidences
+      0.5: the 10 ms it ran for one makes 3 of its rows the best (3.875 tokens in 17.5 ms, 0.2214 a
+      ms; 2 rows 0.2206, 4 rows 0.2188); priced at three sequences' 90 ms it would verify all 7."""
+    dear_draft = CostTable((1, 4096), (5.0, 5.0 + 4095 * 0.5), (1, 64), (50.0, 50.0))
+    probs = torch.tensor([[0.97] * 7, [0.02] * 7, [0.02] * 7], dtype=torch.float64)
+    assert allocate(probs, [7] * 3, dear_draft, draft_paid=True, margin=RAGGED_MARGIN).widths == [7, 0, 0]
+    assert allocate(probs, [7] * 3, dear_draft, draft_paid=False, margin=RAGGED_MARGIN).widths == [0, 0, 0]
+    by_batch = CostTable((1, 4096), (5.0, 5.0 + 4095 * 0.5), (1, 3), (10.0, 90.0))
+    halves = torch.full((3, 7), 0.5, dtype=torch.float64)
+    paid = allocate(halves, [7, 0, 0], by_batch, draft_paid=True, margin=RAGGED_MARGIN)
+    assert paid.widths == [3, 0, 0]
+    assert paid.ms == pytest.approx(6.0 + 3 * 0.5 + 10.0) and paid.expected_tokens == pytest.approx(3.875)
+
+
 def test_late_widths_never_refine_a_sampling_row_and_price_the_drafts_they_ran():
     """A sampling row's k is fixed before its drafts are drawn (the rejection rule is exact only
     then): late widths neither widen it at planning nor refine it after the draft, whatever the
