@@ -495,6 +495,14 @@ def test_a_shape_cublas_refuses_runs_on_our_kernel_from_then_on(cublas_path, cap
     warnings = [r.getMessage() for r in caplog.records if "cuBLASLt refused" in r.getMessage()]
     assert warnings == [warnings[0]] and "80 rows (N 48, K 256)" in warnings[0]     # once a row count
     cublas_path.setattr(fp8_kernels, "_refused_by_cublas", set())
+
+    def out_of_memory(*_, **__):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    cublas_path.setattr(torch, "_scaled_mm", out_of_memory, raising=False)
+    with pytest.raises(torch.OutOfMemoryError):                   # no refusal of the shape: raised, not kept
+        fp8_kernels.linear(x[:96], q, scale, block, bias)
+    assert not fp8_kernels._refused_by_cublas
+    cublas_path.setattr(torch, "_scaled_mm", refuses_80, raising=False)
     cublas_path.setattr(fp8_kernels, "capturing", lambda x: True)
     with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):
         fp8_kernels.linear(x[:80], q, scale, block, bias)

@@ -226,8 +226,9 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         out = torch._scaled_mm(q, weight.t(), scale_a=x_scales, scale_b=scale_b,
                                out_dtype=x.dtype if bias is None else torch.float32)[:rows]
     except RuntimeError as error:
-        if capturing(x):
-            raise                 # not met first in a capture (see above); a capture cannot fall back
+        if capturing(x) or isinstance(error, torch.OutOfMemoryError):
+            raise                 # a capture cannot fall back (and never meets a refusal first: see above); out of
+                                  # memory is no refusal of the shape
         first_at_rows = not any(kept[:2] == shape[:2] for kept in _refused_by_cublas)
         _refused_by_cublas.add(shape)
         logging.getLogger("blockspec.engine").log(
