@@ -196,7 +196,7 @@ def blockwise_scaled_mm_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # refuses some shapes with an error (65 rows, round 59) rather than wrong numbers, so the padding
 # above is a guess until a GPU runs it: a shape it refuses is served by our kernel from then on,
 # with one warning, instead of failing the step. Every graph is warmed eagerly before its capture
-# (`Graphs.warm`), so a capture never meets a refusal for the first time.
+# (`GraphDispatcher.warm`), so a capture never meets a refusal for the first time.
 _refused_by_cublas: set[tuple[torch.device, int, int, int]] = set()
 
 
