@@ -143,14 +143,20 @@ def test_several_prompts_prefill_in_one_step():
     assert batch.prefill == [(s, 10 + i) for i, s in enumerate(seqs)] and not batch.decode
 
 
-def test_verify_widths_is_the_one_hook_for_k():
+def decoding_at_widths(prompt_len: int, widths: list[int]):
+    """Sequences of prompt_len tokens prefilled in one step, then scheduled to verify `widths`
+    drafts each (the policy's hook): (scheduler, seqs, that decode batch)."""
     scheduler = make_scheduler(num_pages=512)
-    seqs = [make_seq(f"s{i}", 4) for i in range(3)]
+    seqs = [make_seq(f"s{i}", prompt_len) for i in range(len(widths))]
     for seq in seqs:
         scheduler.add(seq)
     run_step(scheduler, scheduler.schedule())
-    scheduler.verify_widths = lambda decoding: [0, 2, 3][: len(decoding)]
-    batch = scheduler.schedule()
+    scheduler.verify_widths = lambda decoding: widths[: len(decoding)]
+    return scheduler, seqs, scheduler.schedule()
+
+
+def test_verify_widths_is_the_one_hook_for_k():
+    scheduler, seqs, batch = decoding_at_widths(4, [0, 2, 3])
     assert batch.num_drafts == [0, 2, 3] and batch.num_tokens == 1 + 3 + 4
     before = [len(s.block_table) for s in seqs]
     run_step(scheduler, batch)
@@ -164,13 +170,7 @@ def test_a_sequence_that_drafts_has_pages_for_the_whole_draft_block():
     its table land in page 0, shared by every sequence of the step); a plain row (k = 0) needs
     pages for its one position only. Prompts of 2 in pages of 4, blocks of 4: k = 1 verifies
     positions 2-3 (one page) but drafts 2-5 (two)."""
-    scheduler = make_scheduler(num_pages=512)
-    seqs = [make_seq(f"s{i}", 2) for i in range(3)]
-    for seq in seqs:
-        scheduler.add(seq)
-    run_step(scheduler, scheduler.schedule())
-    scheduler.verify_widths = lambda decoding: [0, 1, 3][: len(decoding)]
-    batch = scheduler.schedule()
+    _, seqs, batch = decoding_at_widths(2, [0, 1, 3])
     assert batch.num_drafts == [0, 1, 3] and [s.num_cached for s in seqs] == [2, 2, 2]
     assert [len(s.block_table) for s in seqs] == [1, 2, 2]
 
