@@ -5,8 +5,12 @@ the Qwen3-8B linear shapes (issue 33). Three forms of the same FP8 × FP8 produc
     what `kernels/fp8.scaled_mm_linear` runs: [K/128, N] fp32 per weight, ~217 MB for Qwen3-8B);
   - 128x128: the same x (padded to whole 16 rows alike) and scales, the weight's own
     [N/128, K/128] block scales passed as BlockWise128x128 (no expansion), if this torch and
-    cuBLASLt take them.
-Each at several row counts (multiples of 16 and not), graphed over COPIES weights, with the
+    cuBLASLt take them;
+  - rowwise: x per row (one scale a token), the weight per output channel (one scale a row of
+    it, requantized from the dequantized blocks): cuBLAS's row-wise scaled GEMM, the fastest
+    FP8 form Hopper has, at a coarser activation scale (its error says what that costs);
+and quantize_rows alone (`quantize_us`, with its share of the copy bandwidth's bytes: read bf16,
+write e4m3). Each at several row counts (multiples of 16 and not), graphed over COPIES weights, with the
 relative error of each against the fp32 product of the dequantized operands, and what any call
 raised. Usage: python scripts/scaled_mm_layouts.py [--rows 16,65,80,256,512,2048] [--out FILE]
 """
@@ -18,7 +22,7 @@ import json
 import torch
 import torch.nn.functional as F
 
-from blockspec.bench import graphed, timed
+from blockspec.bench import copy_bandwidth, graphed, timed
 from blockspec.kernels import fp8 as K
 from blockspec.layers import fp8
 
@@ -49,6 +53,20 @@ def product_128x128(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.
     return torch._scaled_mm(xq, q.t(), scale_a=x_scales, scale_b=s.t(), out_dtype=x.dtype)[:rows]
 
 
+def rowwise_weight(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block-scaled weight requantized per output channel: (e4m3 [N, K], scales [1, N])."""
+    q, scale = fp8.quantize(fp8.dequantize(q, s, fp8.ScaleBlock()), fp8.ScaleBlock(rows=1, cols=q.shape[1]))
+    return q, scale.reshape(1, -1)
+
+
+def product_rowwise(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x quantized per row (one scale each) times the per-channel weight of `rowwise_weight`."""
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    x_scale = torch.where(amax > 0, amax / fp8.FP8_MAX, torch.ones_like(amax))
+    xq = (x.float() / x_scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8)
+    return torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=s, out_dtype=x.dtype)
+
+
 def try_form(name: str, fn, ref: torch.Tensor) -> dict:
     try:
         out = fn()
@@ -67,6 +85,9 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     results = []
+    copy_bytes_per_s = copy_bandwidth(torch.device(DEVICE))
+    first_rows = int(args.rows.split(",")[0])
+    rowwise = []
     for name, (n, k) in SHAPES.items():
         weights = [(torch.randn(n, k, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16) for _ in range(COPIES)]
         blocks = [fp8.quantize(w) for w in weights]
@@ -78,11 +99,16 @@ def main() -> None:
             row = {"linear": name, "N": n, "K": k, "M": m}
             row |= try_form("1x128", lambda: product_1x128(x, q0, s0), ref)
             row |= try_form("128x128", lambda: product_128x128(x, q0, s0), ref)
+            rowwise = [rowwise_weight(q, s) for q, s in blocks] if m == first_rows else rowwise
+            row |= try_form("rowwise", lambda: product_rowwise(x, *rowwise[0]), ref)
+            row["quantize_us"] = round(per_linear_us(lambda: [K.quantize_rows(x) for _ in range(COPIES)]), 2)
+            row["quantize_share_of_copy"] = round(m * k * 3 / (row["quantize_us"] * 1e-6) / copy_bytes_per_s, 3)
             row["bf16_us"] = round(per_linear_us(lambda: [F.linear(x, w) for w in dequantized]), 2)
-            for form, fn in (("1x128", product_1x128), ("128x128", product_128x128)):
+            for form, fn, operands in (("1x128", product_1x128, blocks), ("128x128", product_128x128, blocks),
+                                       ("rowwise", product_rowwise, rowwise)):
                 if f"{form}_rel_err" in row:
                     try:            # a form that runs eagerly may still fail in a graph's capture
-                        row[f"{form}_us"] = round(per_linear_us(lambda: [fn(x, q, s) for q, s in blocks]), 2)
+                        row[f"{form}_us"] = round(per_linear_us(lambda: [fn(x, q, s) for q, s in operands]), 2)
                     except Exception as exc:        # noqa: BLE001 - recorded, the other rows go on
                         row[f"{form}_us_error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
             results.append(row)

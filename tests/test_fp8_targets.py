@@ -644,10 +644,23 @@ for rows, n, k, block in [(1, 40, 200, fp8.ScaleBlock()), (5, 130, 256, fp8.Scal
     x_q, x_scale = K.quantize_rows(x)
     col_q, col_scale = K.quantize_rows(x, column_major=True)       # torch._scaled_mm's layout: the same values
     assert col_scale.stride() == (1, rows) and torch.equal(col_scale, x_scale) and torch.equal(col_q, x_q)
+    assert torch.allclose(x_scale, K.quantize_rows_reference(x)[1], rtol=1e-6, atol=0)
     ref = fp8.dequantize(x_q, x_scale, fp8.ScaleBlock(rows=1)) @ fp8.dequantize(q, scale, block).T + bias
     assert (K.fp8_fp8_linear(x, q, scale, block, bias) - ref).abs().max() < 1e-4 * ref.abs().max(), (rows, n, k)
     for tiles in (K.Fp8Fp8Tiles(16, 32, 4, 2, group_m=2), K.Fp8Fp8Tiles(32, 16, 4, 4, group_m=1)):   # a sweep's tiles
         assert (K.fp8_fp8_linear(x, q, scale, block, bias, tiles) - ref).abs().max() < 1e-4 * ref.abs().max(), tiles
+
+# quantize_rows over more scale groups than a program takes (8): 21 groups, the last one ragged.
+# Each group is quantized on its own, so a call on one group's columns gives the same codes and
+# scale (the interpreter's e4m3 conversion is not torch's, so the codes are held to the kernel's own)
+x = torch.randn(3, 21 * 128 - 40, generator=gen) * torch.rand(3, 1, generator=gen) * 10
+for column_major in (False, True):
+    x_q, x_scale = K.quantize_rows(x, column_major)
+    assert x_q.shape == x.shape and torch.allclose(x_scale, K.quantize_rows_reference(x)[1], rtol=1e-6, atol=0)
+    for group in (0, 7, 8, 15, 16, 20):
+        one_q, one_scale = K.quantize_rows(x[:, group * 128:(group + 1) * 128].contiguous())
+        assert torch.equal(one_scale[:, 0], x_scale[:, group]), group
+        assert torch.equal(one_q.view(torch.uint8), x_q[:, group * 128:(group + 1) * 128].view(torch.uint8)), group
 
 # FP8 experts in the fused MoE kernel, gate | up of 24 rows each (a scale per row)
 from blockspec.kernels import moe as M

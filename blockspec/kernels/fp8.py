@@ -53,6 +53,7 @@ except ImportError:          # CPU-only installs: the reference path serves
     triton = None
 
 WEIGHT_ONLY_MAX_ROWS = 64
+QUANT_GROUPS = 8             # quantize_rows: scale groups of 128 columns a program
 MIN_CAPABILITY = (8, 9)      # e4m3 tensor-core and conversion instructions: Ada and Hopper on
 
 
@@ -422,9 +423,13 @@ def quantize_rows(x: torch.Tensor, column_major: bool = False) -> tuple[torch.Te
     else:
         scales = torch.empty(num_rows, groups, dtype=torch.float32, device=x.device)
     if num_rows:
-        _quantize_rows_kernel[(num_rows, groups)](x, q, scales, in_features, x.stride(0), q.stride(0),
-                                                  scales.stride(0), scales.stride(1), FP8_MAX=FP8_MAX,
-                                                  BLOCK_K=BLOCK, num_warps=1)
+        # QUANT_GROUPS scale groups a program (1,024 columns, 4 warps): one group a program made
+        # 49k programs of 128 elements for 512 × 12,288 and ran at a quarter of the copy bandwidth
+        # (2.3 of a 14 ms FP8 verify of 512 rows on the H100, round 63).
+        per_program = min(QUANT_GROUPS, triton.next_power_of_2(groups))
+        _quantize_rows_kernel[(num_rows, triton.cdiv(groups, per_program))](
+            x, q, scales, in_features, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+            FP8_MAX=FP8_MAX, BLOCK_K=BLOCK, GROUPS=per_program, num_warps=max(1, per_program // 2))
     return q, scales
 
 
@@ -611,17 +616,19 @@ if triton is not None:
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
-                              FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
+                              FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr):
+        """Row program_id(0), scale groups GROUPS · program_id(1) … + GROUPS - 1 (as a
+        [GROUPS, BLOCK_K] tile: one largest magnitude per tile row)."""
         row = tl.program_id(0).to(tl.int64)
-        group = tl.program_id(1)
-        offs = group * BLOCK_K + tl.arange(0, BLOCK_K)
+        groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        offs = groups[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
         ok = offs < K
         x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
+        amax = tl.max(tl.abs(x), axis=1)
         scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+        q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
+        tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * BLOCK_K < K)
 
     @triton.jit
     def _fp8_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_am, stride_asm, stride_wn,
