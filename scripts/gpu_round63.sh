@@ -3,6 +3,8 @@
 #   bash scripts/gpu_round63.sh 1   # any card (issue 33): quantize_rows at 8 scale groups a program, its GPU tests,
 #        # the layouts (with cuBLAS's row-wise form and quantize_rows alone), the step at 1, 16 and 512 rows in bf16
 #        # and FP8 kernel by kernel, then FP8 vs bf16 at 1 and 32 sequences
+#   bash scripts/gpu_round63.sh 3   # any card (issue 33): the weight's own 128 x 128 scales above 256 rows: the
+#        # cuBLASLt GPU tests, the step at 512 rows in FP8, FP8 vs bf16 at 1 and 32 sequences
 #   bash scripts/gpu_round63.sh 2   # any card (issue 30): a prefill chunk profiled at budgets 2,048 and 512, the 16k
 #        # prompt among 32 decoders at both, then the demo pair's HTTP bursts
 . "$(dirname "$0")/gpu_prelude.sh"
@@ -15,6 +17,14 @@ if [ "$M" = 1 ]; then
     python3 scripts/scaled_mm_layouts.py --rows 16,80,512,2048 --out "$OUT/scaled_mm_layouts.json"
   TAIL=120 stage "step profile, Qwen3-8B, 1, 16 and 512 rows, bf16 and FP8" timeout ${PROF_S:-150} \
     python3 scripts/step_profile.py --shape qwen3-8b --widths 1,16,512 --formats bf16,fp8 --out "$OUT/step_profile.json"
+  TAIL=60 stage "FP8 vs bf16, Qwen3-8B, 1 and 32 sequences" timeout ${FP8_S:-170} $B --shape qwen3-8b --accept-len 6.5 \
+    --quantization fp8 --concurrency 1,32 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
+fi
+if [ "$M" = 3 ]; then
+  timeout ${TESTS_S:-120} $T tests/gpu/test_fp8.py -k "blockwise_scaled_mm or dispatch or replays" > "$OUT/t_fp8.log" 2>&1
+  summary
+  TAIL=40 stage "step profile, Qwen3-8B, 512 and 2,048 rows, FP8" timeout ${PROF_S:-100} \
+    python3 scripts/step_profile.py --shape qwen3-8b --widths 512,2048 --formats fp8 --out "$OUT/step_profile.json"
   TAIL=60 stage "FP8 vs bf16, Qwen3-8B, 1 and 32 sequences" timeout ${FP8_S:-170} $B --shape qwen3-8b --accept-len 6.5 \
     --quantization fp8 --concurrency 1,32 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
 fi

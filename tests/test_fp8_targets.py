@@ -349,14 +349,19 @@ def exact_operands(m: int, n: int, k: int, block: fp8.ScaleBlock) -> tuple[torch
 
 def blockwise_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                         out_dtype: torch.dtype) -> torch.Tensor:
-    """Stands in for torch._scaled_mm with 1 × 128 scales on both sides (cuBLASLt; no GPU here),
-    refusing the layouts it refuses: b column-major (the weight transposed), a's scales [M, K/128]
-    with strides (1, M), b's [K/128, N] row-major, and M not a multiple of 16 (the H100 refused 65)."""
+    """Stands in for torch._scaled_mm with 1 × 128 scales on a (cuBLASLt; no GPU here), refusing
+    the layouts it refuses: b column-major (the weight transposed), a's scales [M, K/128] with
+    strides (1, M), b's either 1 × 128 ([K/128, N] row-major) or 128 × 128 ([K/128, N/128] with
+    strides (1, K/128), the transpose of the weight's own), and M not a multiple of 16 (the H100
+    refused 65)."""
     (m, k), n = a.shape, b.shape[1]
     assert m % 16 == 0, f"cuBLASLt refuses {m} rows"
     assert a.dtype == b.dtype == fp8.FP8 and b.stride() == (1, k)
     assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
-    assert scale_b.shape == (k // 128, n) and scale_b.is_contiguous()
+    if scale_b.shape == (k // 128, n // 128):
+        assert n % 128 == 0 and scale_b.stride() == (1, k // 128)
+        scale_b = scale_b.repeat_interleave(128, dim=1)
+    assert scale_b.shape == (k // 128, n) and scale_b.stride() in ((n, 1), (1, k // 128))
     product = (a.float() * scale_a.repeat_interleave(128, dim=1)) @ (b.float() * scale_b.repeat_interleave(128, dim=0))
     return product.to(out_dtype)
 
@@ -376,6 +381,7 @@ def cublas_path(monkeypatch):
     """fp8.linear as on a GPU whose torch runs block-scaled _scaled_mm; returns the patch."""
     monkeypatch.setattr(fp8_kernels, "use_triton", lambda *_: True)
     monkeypatch.setattr(fp8_kernels, "has_blockwise_scaled_mm", lambda device: True)
+    monkeypatch.setattr(fp8_kernels, "has_block128_scaled_mm", lambda device: True)
     monkeypatch.setattr(fp8_kernels, "quantize_rows", reference_quantize_rows)
     monkeypatch.setattr(torch, "_scaled_mm", blockwise_scaled_mm, raising=False)
     return monkeypatch
@@ -398,6 +404,40 @@ def test_the_cublas_gemm_is_the_fp8_fp8_product_bit_for_bit(cublas_path, block):
         for rows in (65, 70):
             out = fp8_kernels.linear(x[:rows], q, scale, block, b)
             assert torch.equal(out, fp8_kernels.reference_fp8_fp8(x[:rows], q, scale, block, b))
+
+
+def test_above_256_rows_cublas_takes_a_128_blocked_weights_own_scales(cublas_path):
+    """Above WEIGHT_BLOCK_SCALES_ROWS (256) padded rows a 128 × 128-blocked weight's own scales go to
+    cuBLASLt as they are (their transpose: no copy); at 256 rows and below, other blocks, N not in
+    128s, or a torch without the form, its column scales; every one reference_fp8_fp8's bits."""
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
+    handed: list[tuple[int, bool]] = []
+
+    def recording(a, b, scale_a, scale_b, out_dtype):
+        handed.append((a.shape[0], scale_b.data_ptr() == scale.data_ptr() and scale_b.shape == scale.t().shape))
+        return blockwise_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+    cublas_path.setattr(torch, "_scaled_mm", recording, raising=False)
+    x, q, scale = exact_operands(300, 256, 384, fp8.ScaleBlock())
+    bias = torch.randn(256, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    for rows in (256, 241, 257, 300):
+        for b in (None, bias):
+            out = fp8_kernels.linear(x[:rows], q, scale, fp8.ScaleBlock(), b)
+            assert torch.equal(out, fp8_kernels.reference_fp8_fp8(x[:rows], q, scale, fp8.ScaleBlock(), b)), rows
+    assert handed == [(256, False)] * 4 + [(272, True)] * 2 + [(304, True)] * 2
+    handed.clear()
+    per_row = fp8.quantize(fp8.dequantize(q, scale, fp8.ScaleBlock()), fp8.ScaleBlock(rows=1))
+    ragged = exact_operands(300, 208, 384, fp8.ScaleBlock())
+    for (_, w, s), block in (((None, *per_row), fp8.ScaleBlock(rows=1)), (ragged, fp8.ScaleBlock())):
+        scale = s                       # what `recording` compares the handed scales with
+        out = fp8_kernels.linear(x, w, s, block)
+        assert torch.equal(out, fp8_kernels.reference_fp8_fp8(x, w, s, block, None))
+    assert handed == [(304, False), (304, False)]
+    cublas_path.setattr(fp8_kernels, "has_block128_scaled_mm", lambda device: False)
+    handed.clear()
+    x, q, scale = exact_operands(300, 256, 384, fp8.ScaleBlock())
+    assert torch.equal(fp8_kernels.linear(x, q, scale, fp8.ScaleBlock()),
+                       fp8_kernels.reference_fp8_fp8(x, q, scale, fp8.ScaleBlock(), None))
+    assert handed == [(304, False)]
 
 
 def test_the_cublas_gemms_weight_scales_are_made_before_the_pool_is_sized(cublas_path):
@@ -553,6 +593,44 @@ def test_the_cublas_probe_runs_two_k_blocks_once_per_device_and_never_in_a_captu
         assert not probe(cuda) and len(calls) == 2
         probe.cache_clear()
         monkeypatch.delattr(torch, "_scaled_mm", raising=False)
+        assert not probe(cuda) and len(calls) == 2
+    finally:
+        probe.cache_clear()
+
+
+def test_the_128_block_probe_asks_once_after_the_1x128_one(monkeypatch):
+    """has_block128_scaled_mm: no where the 1 × 128 form is missing (no call of its own); else one
+    call per device with the weight's scales [K/128, N/128] = [2, 1], strides (1, 2), kept; a torch
+    that refuses it says no; inside a capture it raises."""
+    probe = fp8_kernels.has_block128_scaled_mm
+    cuda = torch.device("cuda")
+    calls: list[tuple] = []
+
+    def recording(serve):
+        def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+            calls.append((tuple(a.shape), tuple(b.shape), tuple(scale_b.shape), scale_b.stride()))
+            return serve(a, b, scale_a, scale_b, out_dtype)
+        return scaled_mm
+    for name in ("zeros", "ones"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *args, device=None, real=real, **kwargs: real(*args, **kwargs))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch, "_scaled_mm", recording(blockwise_scaled_mm), raising=False)
+    probe.cache_clear()
+    try:
+        monkeypatch.setattr(fp8_kernels, "has_blockwise_scaled_mm", lambda device: False)
+        assert not probe(cuda) and calls == []
+        probe.cache_clear()
+        monkeypatch.setattr(fp8_kernels, "has_blockwise_scaled_mm", lambda device: True)
+        capturing[0] = True
+        with pytest.raises(RuntimeError, match="run the linear once before capturing a CUDA graph"):
+            probe(cuda)
+        capturing[0] = False
+        assert probe(cuda) and probe(cuda)
+        assert calls == [((16, 256), (256, 128), (2, 1), (1, 2))]
+        probe.cache_clear()
+        monkeypatch.setattr(torch, "_scaled_mm", recording(row_wise_only), raising=False)
         assert not probe(cuda) and len(calls) == 2
     finally:
         probe.cache_clear()

@@ -179,6 +179,43 @@ def has_blockwise_scaled_mm(device: torch.device) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def has_block128_scaled_mm(device: torch.device) -> bool:
+    """Whether torch._scaled_mm also takes a weight's own 128 × 128 block scales (x's still 1 × 128;
+    one tiny call, eager, as `has_blockwise_scaled_mm`)."""
+    if not has_blockwise_scaled_mm(device):
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the FP8 GEMM probe runs at the first eager call: run the linear once before "
+                           "capturing a CUDA graph")
+    try:
+        a = torch.zeros(16, 2 * BLOCK, dtype=FP8, device=device)
+        b = torch.zeros(BLOCK, 2 * BLOCK, dtype=FP8, device=device)
+        torch._scaled_mm(a, b.t(), scale_a=torch.ones(2, 16, device=device).t(),
+                         scale_b=torch.ones(1, 2, device=device).t(), out_dtype=torch.bfloat16)
+    except Exception:         # noqa: BLE001 - whatever this torch raises for a layout it lacks
+        return False
+    return True
+
+
+# Above WEIGHT_BLOCK_SCALES_ROWS rows a 128 × 128-blocked weight's own scales go to cuBLASLt as they
+# are: the same product as with `column_scales`, and faster there (H100, round 63,
+# scripts/scaled_mm_layouts.py over the Qwen3-8B linears: 14 % less time at 512 and at 2,048 rows,
+# even at 256, while at 80 rows the 1 × 128 form is 1.2-1.6 × faster for qkv_proj and down_proj).
+WEIGHT_BLOCK_SCALES_ROWS = 256
+
+
+def weight_block_scales(scale: torch.Tensor, block: ScaleBlock, weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """The weight's own scales [N/128, K/128] as torch._scaled_mm takes 128 × 128 ones ([K/128, N/128],
+    strides (1, K/128): their transpose, no copy), where that form serves these rows; else None."""
+    out_features, in_features = weight.shape
+    if (rows <= WEIGHT_BLOCK_SCALES_ROWS or block != ScaleBlock() or out_features % BLOCK or in_features % BLOCK
+            or scale.dtype != torch.float32 or not scale.is_contiguous()
+            or not has_block128_scaled_mm(weight.device)):
+        return None
+    return scale.t()
+
+
 # cuBLASLt refused 1 × 128 block scales at 65 rows (H100, torch 2.11 + CUDA 13, round 59:
 # CUBLAS_STATUS_NOT_SUPPORTED) and served 16 (the probe), 256, 512 and 2,048 (likely the scales'
 # column of M fp32 values must be 16-byte aligned): x is padded with zero rows to a multiple of
@@ -209,8 +246,8 @@ def capturing(x: torch.Tensor) -> bool:
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """`fp8_fp8_linear`'s product through torch._scaled_mm: x [M, K] quantized per row × 128
-    columns (`quantize_rows`), times the e4m3 weight with its `column_scales` (made once per
-    weight); a bias is added in fp32, as `reference_fp8_fp8` adds it. A shape cuBLASLt refuses
+    columns (`quantize_rows`), times the e4m3 weight with its own 128 × 128 scales above
+    WEIGHT_BLOCK_SCALES_ROWS rows, else its `column_scales` (made once per weight); a bias is added in fp32, as `reference_fp8_fp8` adds it. A shape cuBLASLt refuses
     runs on `fp8_fp8_linear` (the same product)."""
     rows = x.shape[0]
     padded = -(-rows // SCALED_MM_ROWS) * SCALED_MM_ROWS
@@ -222,7 +259,9 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         x = F.pad(x, (0, 0, 0, padded - rows))
     # x's scales column-major, strides (1, M): the only layout torch takes for 1 × 128 scales
     q, x_scales = quantize_rows(x.contiguous(), column_major=True)
-    scale_b = cached_column_scales(scale, block, weight.shape[0], x.shape[1])
+    scale_b = weight_block_scales(scale, block, weight, padded)
+    if scale_b is None:
+        scale_b = cached_column_scales(scale, block, weight.shape[0], x.shape[1])
     try:
         out = torch._scaled_mm(q, weight.t(), scale_a=x_scales, scale_b=scale_b,
                                out_dtype=x.dtype if bias is None else torch.float32)[:rows]

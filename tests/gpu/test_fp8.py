@@ -199,6 +199,8 @@ def test_blockwise_scaled_mm_equals_the_fp8_fp8_product(monkeypatch, case, rows)
     def not_ours(*args, **kwargs):
         raise AssertionError("the FP8 x FP8 kernel ran where cuBLASLt should have")
     monkeypatch.setattr(K, "fp8_fp8_linear", not_ours)                                 # the dispatch takes cuBLASLt
+    if case == "block" and rows > K.WEIGHT_BLOCK_SCALES_ROWS:       # with the weight's own 128 x 128 scales
+        assert K.weight_block_scales(scale, block, q, rows) is not None
     ours = K.linear(x, q, scale, block)
     assert ours.dtype == torch.bfloat16 and relative_error(ours, expected) < TOLERANCE
     with_bias = K.linear(x, q, scale, block, bias)
