@@ -5,6 +5,9 @@
 #        # and FP8 kernel by kernel, then FP8 vs bf16 at 1 and 32 sequences
 #   bash scripts/gpu_round63.sh 3   # any card (issue 33): the weight's own 128 x 128 scales above 256 rows: the
 #        # cuBLASLt GPU tests, the step at 512 rows in FP8, FP8 vs bf16 at 1 and 32 sequences
+#   bash scripts/gpu_round63.sh 4   # any card (issue 33): the weight-only tl.dot in fp16 against bf16 at 4-64 rows,
+#        # then the MoE (Qwen3.5-35B-A3B shape) with FP8 weights beside bf16 at one sequence (the bf16 MoE needs
+#        # --gpu-memory-utilization 0.96 on the H100's 80 GB)
 #   bash scripts/gpu_round63.sh 2   # any card (issue 30): a prefill chunk profiled at budgets 2,048 and 512, the 16k
 #        # prompt among 32 decoders at both, then the demo pair's HTTP bursts
 . "$(dirname "$0")/gpu_prelude.sh"
@@ -27,6 +30,13 @@ if [ "$M" = 3 ]; then
     python3 scripts/step_profile.py --shape qwen3-8b --widths 512,2048 --formats fp8 --out "$OUT/step_profile.json"
   TAIL=60 stage "FP8 vs bf16, Qwen3-8B, 1 and 32 sequences" timeout ${FP8_S:-170} $B --shape qwen3-8b --accept-len 6.5 \
     --quantization fp8 --concurrency 1,32 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
+fi
+if [ "$M" = 4 ]; then
+  TAIL=30 stage "FP8 weight-only tl.dot: fp16 against bf16 operands" timeout ${PROBE_S:-120} \
+    python3 scripts/fp8_dot_f16_probe.py --out "$OUT/fp8_dot_f16.json"
+  TAIL=40 stage "FP8 vs bf16, Qwen3.5-35B-A3B, 1 sequence" timeout ${MOE_S:-300} $B --shape qwen3.5-35b-a3b \
+    --accept-len 6.5 --quantization fp8 --concurrency 1 --prompt-len 128 --max-tokens 64 --gpu-memory-utilization 0.96 \
+    --out "$OUT/fp8_moe.json"
 fi
 if [ "$M" = 2 ]; then
   PP_S=${PP_S:-100} BURST_S=${BURST_S:-90} bash "$(dirname "$0")/gpu_round54.sh" 2

@@ -717,6 +717,12 @@ for rows, n, k, block in [(1, 40, 200, fp8.ScaleBlock()), (5, 130, 256, fp8.Scal
             assert torch.equal(out, K.weight_only_linear(x, q, scale, block, bias, replace(t, reduce_in_kernel=False)))
             assert torch.equal(out, K.weight_only_linear(x, q, scale, block, bias, tiles=t)), (rows, n, k, t)
             assert not K.split_counters(x.device).any()
+    # the fp16 dot (scripts/fp8_dot_f16_probe.py) on a bf16 x, against the fp32 product of the same
+    # operands (not against the bf16 dot: the interpreter's e4m3 → bf16 conversion is not the GPU's)
+    x_bf16 = x.bfloat16()
+    f16_out = K.weight_only_linear(x_bf16, q, scale, block, bias, K.WeightOnlyTiles(16, 32, 4, 2, 2, dot_f16=True))
+    exact = K.reference_linear(x_bf16.float(), q, scale, block, bias)
+    assert f16_out.dtype == torch.bfloat16 and (f16_out.float() - exact).abs().max() <= 2 ** -6 * exact.abs().max()
     # FP8 x FP8 against the product of its own quantized activations (the interpreter's e4m3
     # conversion truncates, so its codes are not torch's; the GPU test compares those too)
     x_q, x_scale = K.quantize_rows(x)

@@ -302,7 +302,10 @@ class WeightOnlyTiles:
     order, so bit for bit what the separate sum kernel gives) instead of a second launch.
     GEMV only: broadcast_x, x loaded in the weight tile's layout, no shared memory (`_load_row`);
     prefetch, the next step's weight tile loaded before this step's math (its num_stages does
-    nothing: Triton pipelines only loads that feed tl.dot)."""
+    nothing: Triton pipelines only loads that feed tl.dot). tl.dot only: dot_f16, both operands
+    widened to fp16 rather than x's bf16 (e4m3 → fp16 is one conversion, → bf16 two; a bf16 x is
+    exact in fp16 within its range): an experiment (scripts/fp8_dot_f16_probe.py), not chosen
+    by `weight_only_tiles`."""
     block_m: int
     block_n: int
     num_warps: int
@@ -313,6 +316,7 @@ class WeightOnlyTiles:
     reduce_in_kernel: bool = False
     broadcast_x: bool = False
     prefetch: bool = False
+    dot_f16: bool = False
 
     def __post_init__(self) -> None:
         smallest = 1 if self.gemv else 16
@@ -422,7 +426,8 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if tiles.gemv:
         _gemv_kernel[grid](*args, BROADCAST_X=tiles.broadcast_x, PREFETCH=tiles.prefetch, **common)
     else:
-        _weight_only_kernel[grid](*args, PRECISION="ieee" if x.dtype == torch.float32 else None, **common)
+        _weight_only_kernel[grid](*args, PRECISION="ieee" if x.dtype == torch.float32 else None,
+                                  DOT_F16=tiles.dot_f16 and x.dtype == torch.bfloat16, **common)
     if split > 1 and not in_kernel:
         size = num_rows * out_features
         _split_sum_kernel[(triton.cdiv(size, 1024),)](partial, bias if bias is not None else x, out, size,
@@ -532,7 +537,8 @@ if triton is not None:
                             stride_xm, stride_wn, stride_sn, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                             HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                             EVEN_M: tl.constexpr, SPLIT_SUM: tl.constexpr, PRECISION: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, BLOCK_K: tl.constexpr,
+                            DOT_F16: tl.constexpr = False):
         """Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[m, k] · w[n, k] over the split's columns
         K_PER_SPLIT · split …, KB blocks of BLOCK_K (one scale and one tl.dot each) an iteration;
         stored by `_store_tile`. EVEN_K: K is a multiple of K_PER_SPLIT; EVEN_N: N of BLOCK_N;
@@ -561,7 +567,10 @@ if triton is not None:
                     a = tl.load(x_ptrs + kb * BLOCK_K, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                     w = tl.load(w_ptrs + kb * BLOCK_K, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                     s = tl.load(s_ptrs + col // SCALE_COLS, mask=offs_n < tl.where(col < K, N, 0), other=0.0)
-                partial = tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
+                if DOT_F16:
+                    partial = tl.dot(a.to(tl.float16), w.to(tl.float16))
+                else:
+                    partial = tl.dot(a, w.to(a.dtype), input_precision=PRECISION)
                 acc += partial * s[None, :]
             x_ptrs += KB * BLOCK_K
             w_ptrs += KB * BLOCK_K
