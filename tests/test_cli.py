@@ -248,6 +248,22 @@ def test_a_failing_bench_request_stops_the_run(qwen3_dir):
 
 
 
+def test_a_bench_whose_requests_end_at_their_first_token_says_why(qwen3_dir):
+    """Prompts that fill the context end with their first token (finish reason length): the bench
+    stops with what did not fit, not with 0 tok/s and a division by zero (the H100's bf16 MoE,
+    round 63: a 128-token pool)."""
+    from blockspec.bench import EngineFailed, run_batch
+    from blockspec.loader import load_model
+    from helpers import make_engine
+
+    engine = make_engine(load_model(str(qwen3_dir), device="cpu", dtype="float32").model,
+                         max_model_len=32, max_num_seqs=2, max_queue=2)
+    with pytest.raises(EngineFailed, match=r"decoded nothing after their prefill \(length after 1 of 8 tokens\): "
+                                           r"a 31-token prompt and 8 new tokens do not fit this engine's 32-token"):
+        run_batch(engine, 2, 31, 8)
+    assert run_batch(engine, 2, 16, 8)["tok_s"] > 0                # the same engine, prompts that fit
+
+
 def test_the_closed_loop_bench_keeps_its_load_and_ends_unmeasured(qwen3_dir):
     """run_batch(rounds=3): every request that ends is replaced until 3 × concurrency were sent,
     never more than `concurrency` run at once, and all of them finish (the unmeasured drain)."""
