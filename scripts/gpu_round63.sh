@@ -8,6 +8,9 @@
 #   bash scripts/gpu_round63.sh 4   # any card (issue 33): the weight-only tl.dot in fp16 against bf16 at 4-64 rows,
 #        # then the MoE (Qwen3.5-35B-A3B shape) with FP8 weights beside bf16 at one sequence (the bf16 MoE needs
 #        # --gpu-memory-utilization 0.96 on the H100's 80 GB)
+#   bash scripts/gpu_round63.sh 5   # an H200 (needs_h200: the MoE's bf16 and FP8 copies, ~70 + 35 GB, do not fit an
+#        # H100; mode 4 ran out of memory there): the MoE with FP8 weights beside bf16 at one sequence, then on the
+#        # same card issue 31's Qwen3-8B adaptive vs fixed vs plain at 1 ... 256 and FP8 vs bf16 at 1 and 32
 #   bash scripts/gpu_round63.sh 2   # any card (issue 30): a prefill chunk profiled at budgets 2,048 and 512, the 16k
 #        # prompt among 32 decoders at both, then the demo pair's HTTP bursts
 . "$(dirname "$0")/gpu_prelude.sh"
@@ -37,6 +40,14 @@ if [ "$M" = 4 ]; then
   TAIL=40 stage "FP8 vs bf16, Qwen3.5-35B-A3B, 1 sequence" timeout ${MOE_S:-300} $B --shape qwen3.5-35b-a3b \
     --accept-len 6.5 --quantization fp8 --concurrency 1 --prompt-len 128 --max-tokens 64 --gpu-memory-utilization 0.96 \
     --out "$OUT/fp8_moe.json"
+fi
+if [ "$M" = 5 ]; then
+  TAIL=60 stage "FP8 vs bf16, Qwen3.5-35B-A3B, 1 sequence" timeout ${MOE_S:-200} $B --shape qwen3.5-35b-a3b \
+    --accept-len 6.5 --quantization fp8 --concurrency 1 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_moe.json"
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256" timeout ${ADAPT_S:-200} \
+    $C --shape qwen3-8b --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
+  TAIL=30 stage "FP8 vs bf16, Qwen3-8B, 1 and 32 sequences" timeout ${FP8_S:-100} $B --shape qwen3-8b --accept-len 6.5 \
+    --quantization fp8 --concurrency 1,32 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
 fi
 if [ "$M" = 2 ]; then
   PP_S=${PP_S:-100} BURST_S=${BURST_S:-90} bash "$(dirname "$0")/gpu_round54.sh" 2
