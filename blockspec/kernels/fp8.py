@@ -93,7 +93,7 @@ def reference_fp8_fp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 # Qwen3-8B linears, where ours is 1.1-1.6 × slower than bf16; round 59, the engine: DFlash with FP8
 # at 32 sequences 1.01 × bf16 (ours: 0.82 ×), the plain step 6.12 ms (ours 6.69). The default since
 # round 59 (its GPU tests passed at 256-2,048 rows, with a bias and in a graph; 65 rows was refused,
-# hence the padding to SCALED_MM_ROWS, whose own GPU run, not yet made, is scripts/gpu_round60.sh 1 or 3);
+# hence the padding to SCALED_MM_ROWS, whose GPU run passed in round 63 at 65-2,048 rows);
 # BLOCKSPEC_FP8_GEMM=triton keeps our kernel (side-by-side runs).
 FP8_GEMMS = ("triton", "cublas")
 
@@ -231,8 +231,9 @@ def blockwise_scaled_mm_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 # The (device, padded rows, N, K) that cuBLASLt refused at an eager call. Its block-scaled GEMM
-# refuses some shapes with an error (65 rows, round 59) rather than wrong numbers, so the padding
-# above is a guess until a GPU runs it: a shape it refuses is served by our kernel from then on,
+# refuses some shapes with an error (65 rows, round 59) rather than wrong numbers; the padding
+# above served every shape the H100 tried (round 63), and other GPUs, torch builds or shapes may
+# differ: a shape it refuses is served by our kernel from then on,
 # with one warning, instead of failing the step. Every graph is warmed eagerly before its capture
 # (`GraphDispatcher.warm`), so a capture never meets a refusal for the first time.
 _refused_by_cublas: set[tuple[torch.device, int, int, int]] = set()
