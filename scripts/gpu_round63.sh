@@ -11,6 +11,9 @@
 #   bash scripts/gpu_round63.sh 5   # an H200 (needs_h200: the MoE's bf16 and FP8 copies, ~70 + 35 GB, do not fit an
 #        # H100; mode 4 ran out of memory there): the MoE with FP8 weights beside bf16 at one sequence, then on the
 #        # same card issue 31's Qwen3-8B adaptive vs fixed vs plain at 1 ... 256 and FP8 vs bf16 at 1 and 32
+#   bash scripts/gpu_round63.sh 6   # any card (issue 33): the MoE with FP8 weights beside bf16 at one sequence, the
+#        # bf16 copy staged in host memory while it is quantized (quantize_model); on an H100 the bf16 MoE leaves
+#        # a 128-token pool, hence 32 + 64 tokens
 #   bash scripts/gpu_round63.sh 2   # any card (issue 30): a prefill chunk profiled at budgets 2,048 and 512, the 16k
 #        # prompt among 32 decoders at both, then the demo pair's HTTP bursts
 . "$(dirname "$0")/gpu_prelude.sh"
@@ -48,6 +51,11 @@ if [ "$M" = 5 ]; then
     $C --shape qwen3-8b --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
   TAIL=30 stage "FP8 vs bf16, Qwen3-8B, 1 and 32 sequences" timeout ${FP8_S:-100} $B --shape qwen3-8b --accept-len 6.5 \
     --quantization fp8 --concurrency 1,32 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
+fi
+if [ "$M" = 6 ]; then
+  TAIL=40 stage "FP8 vs bf16, Qwen3.5-35B-A3B, 1 sequence" timeout ${MOE_S:-300} $B --shape qwen3.5-35b-a3b \
+    --accept-len 6.5 --quantization fp8 --concurrency 1 --prompt-len 32 --max-tokens 64 --gpu-memory-utilization 0.96 \
+    --out "$OUT/fp8_moe.json"
 fi
 if [ "$M" = 2 ]; then
   PP_S=${PP_S:-100} BURST_S=${BURST_S:-90} bash "$(dirname "$0")/gpu_round54.sh" 2

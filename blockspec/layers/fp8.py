@@ -457,7 +457,8 @@ def rename_scale(piece: ParamSlice, experts: str, raw: str) -> str:
 def quantize_model(model: nn.Module) -> nn.Module:
     """--quantization fp8 over a model already in memory (bench's random weights): its decoder
     linears and experts become FP8 in place, as loading its checkpoint with --quantization fp8
-    would make them; each bf16 weight is freed once quantized."""
+    would make them; each bf16 weight is freed once quantized (on CUDA they are staged in host
+    memory first: the card holds the FP8 model and one bf16 tensor at a time)."""
     from pathlib import Path
 
     from blockspec.loader import load_weights
@@ -465,6 +466,10 @@ def quantize_model(model: nn.Module) -> nn.Module:
     state = model.state_dict()                 # Hugging Face names (fused parts split), views
     if getattr(model.config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)
+    if device.type == "cuda":
+        # The bf16 tensors wait in host memory and come back one at a time to be quantized, so
+        # the card never holds both copies (Qwen3.5-35B-A3B: ~70 + 35 GB, past an H100's 80).
+        state = {name: state.pop(name).to("cpu") for name in list(state)}
     plan = Fp8Plan(set(), on_load=True)
     with torch.device("meta"):
         convert(model, plan)
@@ -475,7 +480,7 @@ def quantize_model(model: nn.Module) -> nn.Module:
     def drained() -> Iterator[tuple[str, Any, torch.Tensor]]:
         while state:
             name, tensor = state.popitem()
-            yield name, Path("<memory>"), tensor
+            yield name, Path("<memory>"), tensor.to(device)
 
     def same(name: str) -> str:
         return name
