@@ -21,6 +21,7 @@ import fixtures
 from helpers import run_interpreted
 import fp8_fixtures
 from blockspec.kernels import fp8 as fp8_kernels
+from blockspec.kernels import fused
 from blockspec.layers import fp8
 from blockspec.layers.moe import SparseMoE
 from blockspec.llm import LLM
@@ -440,6 +441,66 @@ def test_above_256_rows_cublas_takes_a_128_blocked_weights_own_scales(cublas_pat
     assert handed == [(304, False)]
 
 
+def reference_silu_mul_quantize(gate_up: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_mul_quantize's values (the interpreter test holds the kernel to them)."""
+    x = torch.nn.functional.pad(fused.silu_mul_torch(gate_up), (0, 0, 0, padded - gate_up.shape[0]))
+    return reference_quantize_rows(x, column_major=True)
+
+
+def test_an_fp8_down_proj_quantizes_silu_mul_where_it_is_made(cublas_path):
+    """silu_mul_linear above 64 rows on cuBLASLt: silu(gate) · up quantized in one launch
+    (silu_mul_quantize, padded to 16 rows), no bf16 activation made, and the bits of
+    linear(silu_mul(gate_up)); at ≤ 64 rows, with BLOCKSPEC_FP8_GEMM=triton, and for a shape
+    cuBLASLt refused, silu_mul then the unfused linear. MLP.forward takes it for an FP8 down_proj."""
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
+    cublas_path.setattr(fp8_kernels, "_refused_by_cublas", set())
+    made: list[tuple[str, int]] = []
+    cublas_path.setattr(fp8_kernels, "silu_mul", lambda g: made.append(("silu_mul", g.shape[0])) or fused.silu_mul_torch(g))
+
+    def fused_quantize(gate_up, padded):
+        made.append(("fused", padded))
+        return reference_silu_mul_quantize(gate_up, padded)
+    cublas_path.setattr(fp8_kernels, "silu_mul_quantize", fused_quantize)
+    cublas_path.setattr(fp8_kernels, "weight_only_linear", lambda x, w, s, b, bias: fp8_kernels.reference_linear(x, w, s, b, bias))
+    cublas_path.setattr(fp8_kernels, "fp8_fp8_linear", fp8_kernels.reference_fp8_fp8)
+    block = fp8.ScaleBlock()
+    _, q, scale = exact_operands(96, 48, 256, block)
+    gate_up = torch.randn(96, 512, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    for rows, b in ((80, None), (70, bias), (96, None)):
+        out = fp8_kernels.silu_mul_linear(gate_up[:rows], q, scale, block, b)
+        expected = fp8_kernels.reference_fp8_fp8(fused.silu_mul_torch(gate_up[:rows]), q, scale, block, b)
+        assert torch.equal(out, expected), rows
+    assert made == [("fused", 80), ("fused", 80), ("fused", 96)]
+    made.clear()
+    fp8_kernels.silu_mul_linear(gate_up[:64], q, scale, block)                   # the weight-only rows
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "triton")
+    fp8_kernels.silu_mul_linear(gate_up[:80], q, scale, block)
+    assert made == [("silu_mul", 64), ("silu_mul", 80)]
+    made.clear()
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
+
+    def refuses(*_, **__):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+    cublas_path.setattr(torch, "_scaled_mm", refuses, raising=False)
+    for _ in range(2):            # refused once (fused, then silu_mul for our kernel), then never asked
+        out = fp8_kernels.silu_mul_linear(gate_up[:80], q, scale, block, bias)
+        assert torch.equal(out, fp8_kernels.reference_fp8_fp8(fused.silu_mul_torch(gate_up[:80]), q, scale, block, bias))
+    assert made == [("fused", 80), ("silu_mul", 80), ("silu_mul", 80)]
+    from blockspec.layers.common import MLP
+    mlp = MLP(48, 256)
+    down = fp8.Fp8Linear(256, 48)
+    down.weight.data, down.weight_scale_inv.data = fp8.quantize(torch.randn(48, 256))
+    seen: list[torch.Tensor] = []
+    cublas_path.setattr(fp8_kernels, "silu_mul_linear", lambda g, *_: seen.append(g) or torch.zeros(g.shape[0], 48))
+    x = torch.randn(3, 48)
+    mlp(x)
+    assert seen == []                                                          # a bf16 / fp32 down_proj: untouched
+    mlp.down_proj = down
+    mlp(x)
+    assert len(seen) == 1 and torch.equal(seen[0], mlp.gate_up_proj(x))
+
+
 def test_the_cublas_gemms_weight_scales_are_made_before_the_pool_is_sized(cublas_path):
     """keep_column_scales makes every served FP8 linear's cuBLASLt scales up front (the runner calls it
     before measuring memory: made at the profile's forward they were counted three times); a linear it
@@ -745,6 +806,17 @@ for column_major in (False, True):
         one_q, one_scale = K.quantize_rows(x[:, group * 128:(group + 1) * 128].contiguous())
         assert torch.equal(one_scale[:, 0], x_scale[:, group]), group
         assert torch.equal(one_q.view(torch.uint8), x_q[:, group * 128:(group + 1) * 128].view(torch.uint8)), group
+
+# silu(gate) · up quantized where it is made: the codes and scales of silu_mul, padded with zero
+# rows, then quantize_rows (both interpreted, so the same e4m3 conversion): bit for bit, ragged last group
+import torch.nn.functional as F
+from blockspec.kernels import fused
+gate_up = (torch.randn(5, 2 * (21 * 128 - 40), generator=gen) * 3).bfloat16()
+for padded in (5, 16):
+    q, s = K.silu_mul_quantize(gate_up, padded)
+    ref_q, ref_s = K.quantize_rows(F.pad(fused.silu_mul_triton(gate_up), (0, 0, 0, padded - 5)), column_major=True)
+    assert q.shape == ref_q.shape == (padded, 21 * 128 - 40) and s.stride() == ref_s.stride() == (1, padded)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s), padded
 
 # FP8 experts in the fused MoE kernel, gate | up of 24 rows each (a scale per row)
 from blockspec.kernels import moe as M

@@ -38,12 +38,13 @@ import functools
 import logging
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 
-from blockspec.kernels.fused import use_triton
+from blockspec.kernels.fused import silu_mul, use_triton
 from blockspec.layers.fp8 import BLOCK, FP8, FP8_MAX, ScaleBlock, dequantize
 
 try:
@@ -244,30 +245,47 @@ def capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def padded_rows(rows: int) -> int:
+    """rows rounded up to a multiple of SCALED_MM_ROWS (what cuBLASLt is handed)."""
+    return -(-rows // SCALED_MM_ROWS) * SCALED_MM_ROWS
+
+
 def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
                      bias: torch.Tensor | None) -> torch.Tensor:
     """`fp8_fp8_linear`'s product through torch._scaled_mm: x [M, K] quantized per row × 128
-    columns (`quantize_rows`), times the e4m3 weight with its own 128 × 128 scales above
-    WEIGHT_BLOCK_SCALES_ROWS rows, else its `column_scales` (made once per weight); a bias is added in fp32, as `reference_fp8_fp8` adds it. A shape cuBLASLt refuses
-    runs on `fp8_fp8_linear` (the same product)."""
+    columns (`quantize_rows`), then `scaled_mm_quantized`. A shape cuBLASLt refuses runs on
+    `fp8_fp8_linear` (the same product)."""
     rows = x.shape[0]
-    padded = -(-rows // SCALED_MM_ROWS) * SCALED_MM_ROWS
-    shape = (x.device, padded, weight.shape[0], x.shape[1])
-    if shape in _refused_by_cublas:
+    padded = padded_rows(rows)
+    if (x.device, padded, weight.shape[0], x.shape[1]) in _refused_by_cublas:
         return fp8_fp8_linear(x, weight, scale, block, bias)
     unpadded = x
     if padded != rows:            # zero rows: their outputs are computed and dropped, nothing else reads them
         x = F.pad(x, (0, 0, 0, padded - rows))
     # x's scales column-major, strides (1, M): the only layout torch takes for 1 × 128 scales
     q, x_scales = quantize_rows(x.contiguous(), column_major=True)
+    return scaled_mm_quantized(q, x_scales, rows, weight, scale, block, bias, x.dtype,
+                               lambda: fp8_fp8_linear(unpadded, weight, scale, block, bias))
+
+
+def scaled_mm_quantized(q: torch.Tensor, x_scales: torch.Tensor, rows: int, weight: torch.Tensor,
+                        scale: torch.Tensor, block: ScaleBlock, bias: torch.Tensor | None, dtype: torch.dtype,
+                        refused: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The first `rows` rows of q (e4m3 [padded rows, K], its scales column-major) times the e4m3
+    weight through torch._scaled_mm, with the weight's own 128 × 128 scales above
+    WEIGHT_BLOCK_SCALES_ROWS rows, else its `column_scales` (made once per weight); a bias is
+    added in fp32, as `reference_fp8_fp8` adds it. A shape cuBLASLt refuses is recorded and
+    `refused()` (our kernel's same product) answers instead."""
+    padded = q.shape[0]
+    shape = (q.device, padded, weight.shape[0], q.shape[1])
     scale_b = weight_block_scales(scale, block, weight, padded)
     if scale_b is None:
-        scale_b = cached_column_scales(scale, block, weight.shape[0], x.shape[1])
+        scale_b = cached_column_scales(scale, block, weight.shape[0], q.shape[1])
     try:
         out = torch._scaled_mm(q, weight.t(), scale_a=x_scales, scale_b=scale_b,
-                               out_dtype=x.dtype if bias is None else torch.float32)[:rows]
+                               out_dtype=dtype if bias is None else torch.float32)[:rows]
     except RuntimeError as error:
-        if capturing(x) or isinstance(error, torch.OutOfMemoryError):
+        if capturing(q) or isinstance(error, torch.OutOfMemoryError):
             raise                 # a capture cannot fall back (and never meets a refusal first: see above); out of
                                   # memory is no refusal of the shape
         first_at_rows = not any(kept[:2] == shape[:2] for kept in _refused_by_cublas)
@@ -276,8 +294,26 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             logging.WARNING if first_at_rows else logging.DEBUG,
             "cuBLASLt refused the block-scaled FP8 GEMM at %d rows (N %d, K %d): our Triton kernel serves "
             "that shape (%s)", padded, shape[2], shape[3], str(error).splitlines()[0] if str(error) else "no message")
-        return fp8_fp8_linear(unpadded, weight, scale, block, bias)
-    return out if bias is None else (out + bias.float()).to(x.dtype)
+        return refused()
+    return out if bias is None else (out + bias.float()).to(dtype)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear(silu_mul(gate_up), …)` (an MLP's down_proj): where cuBLASLt takes the product,
+    silu(gate) · up is quantized by the kernel that makes it (`silu_mul_quantize`: the same codes
+    and scales, one launch instead of two and no bf16 activation stored and read back)."""
+    flat = gate_up.reshape(-1, gate_up.shape[-1])
+    rows, in_features = flat.shape[0], flat.shape[1] // 2
+    padded = padded_rows(rows)
+    if (not use_triton(flat, bias) or rows <= WEIGHT_ONLY_MAX_ROWS or FP8_GEMM != "cublas"
+            or not blockwise_scaled_mm_serves(flat[:, :in_features], weight)
+            or (flat.device, padded, weight.shape[0], in_features) in _refused_by_cublas):
+        return linear(silu_mul(gate_up), weight, scale, block, bias)
+    q, x_scales = silu_mul_quantize(flat, padded)
+    out = scaled_mm_quantized(q, x_scales, rows, weight, scale, block, bias, flat.dtype,
+                              lambda: fp8_fp8_linear(silu_mul(flat), weight, scale, block, bias))
+    return out.view(*gate_up.shape[:-1], weight.shape[0])
 
 
 @functools.lru_cache(maxsize=None)
@@ -478,6 +514,24 @@ def quantize_rows(x: torch.Tensor, column_major: bool = False) -> tuple[torch.Te
     return q, scales
 
 
+def silu_mul_quantize(gate_up: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [M, 2I] → `quantize_rows(F.pad(silu_mul(gate_up), rows to padded), column_major=True)`
+    in one launch: silu(gate) · up rounded to gate_up's dtype as `silu_mul` stores it, quantized per
+    row and 128 columns; rows M … padded - 1 zero (codes 0, scales 1), as padded zero rows quantize."""
+    num_rows, in_features = gate_up.shape[0], gate_up.shape[1] // 2
+    assert gate_up.stride(-1) == 1 and padded >= num_rows
+    groups = triton.cdiv(in_features, BLOCK)
+    q = torch.empty(padded, in_features, dtype=FP8, device=gate_up.device)
+    scales = torch.empty(groups, padded, dtype=torch.float32, device=gate_up.device).t()
+    if padded:
+        per_program = min(QUANT_GROUPS, triton.next_power_of_2(groups))
+        _silu_mul_quantize_kernel[(padded, triton.cdiv(groups, per_program))](
+            gate_up, q, scales, num_rows, in_features, gate_up.stride(0), q.stride(0), scales.stride(0),
+            scales.stride(1), FP8_MAX=FP8_MAX, BLOCK_K=BLOCK, GROUPS=per_program,
+            num_warps=max(1, per_program // 2))
+    return q, scales
+
+
 def fp8_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
                    bias: torch.Tensor | None, tiles: Fp8Fp8Tiles | None = None) -> torch.Tensor:
     """x [M, K] quantized per row × 128 columns, then e4m3 × e4m3 → [M, N] in x's dtype (tiles:
@@ -501,6 +555,7 @@ def fp8_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
 
 
 if triton is not None:
+    from blockspec.kernels.fused import _round     # rounding where a torch op stores (silu_mul's)
 
     @triton.jit
     def _store_tile(acc, b_ptr, part_ptr, out_ptr, count_ptr, offs, ok, M, N, HAS_BIAS: tl.constexpr,
@@ -664,6 +719,18 @@ if triton is not None:
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
+    def _store_quantized(x, q_row_ptr, s_row_ptr, offs, groups, K, stride_sg, FP8_MAX: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+        """x [GROUPS, BLOCK_K] fp32 (one scale group a tile row, columns offs) quantized: its
+        largest magnitude → FP8_MAX (scale 1 for an all-zero group), the e4m3 codes at
+        q_row_ptr + offs and the scales at s_row_ptr + groups · stride_sg."""
+        amax = tl.max(tl.abs(x), axis=1)
+        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
+        q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+        tl.store(q_row_ptr + offs, q.to(q_row_ptr.dtype.element_ty), mask=offs < K)
+        tl.store(s_row_ptr + groups * stride_sg, scale, mask=groups * BLOCK_K < K)
+
+    @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm, stride_sg,
                               FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr):
         """Row program_id(0), scale groups GROUPS · program_id(1) … + GROUPS - 1 (as a
@@ -671,13 +738,25 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
         offs = groups[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-        ok = offs < K
-        x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=1)
-        scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-        q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups * BLOCK_K < K)
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=offs < K, other=0.0).to(tl.float32)
+        _store_quantized(x, q_ptr + row * stride_qm, s_ptr + row * stride_sm, offs, groups, K, stride_sg,
+                         FP8_MAX, BLOCK_K)
+
+    @triton.jit
+    def _silu_mul_quantize_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_qm, stride_sm, stride_sg,
+                                  FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr, GROUPS: tl.constexpr):
+        """`_quantize_rows_kernel` over silu(gate) · up of x = [gate | up] (K columns each),
+        rounded where `_silu_mul_kernel` stores; rows from M on (cuBLASLt's padding) read nothing."""
+        row = tl.program_id(0).to(tl.int64)
+        groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        offs = groups[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+        ok = offs < tl.where(row < M, K, 0)            # a padding row reads nothing
+        dtype = x_ptr.dtype.element_ty
+        gate = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * stride_xm + K + offs, mask=ok, other=0.0).to(tl.float32)
+        x = _round(_round(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)
+        _store_quantized(x, q_ptr + row * stride_qm, s_ptr + row * stride_sm, offs, groups, K, stride_sg,
+                         FP8_MAX, BLOCK_K)
 
     @triton.jit
     def _fp8_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_am, stride_asm, stride_wn,

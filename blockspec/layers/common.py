@@ -170,4 +170,6 @@ class MLP(nn.Module):
         self.register_load_state_dict_pre_hook(join_fused_parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        of_silu_mul = getattr(self.down_proj, "of_silu_mul", None)      # an FP8 down_proj quantizes silu · up
+        return of_silu_mul(gate_up) if of_silu_mul is not None else self.down_proj(silu_mul(gate_up))

@@ -144,6 +144,12 @@ class Fp8Linear(KeepsFormat):
         from blockspec.kernels.fp8 import linear
         return linear(x, self.weight, self.weight_scale_inv, self.block, self.bias)
 
+    def of_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_mul(gate_up)), the activation quantized where it is made when cuBLASLt takes
+        the product (MLP.forward: the down projection)."""
+        from blockspec.kernels.fp8 import silu_mul_linear
+        return silu_mul_linear(gate_up, self.weight, self.weight_scale_inv, self.block, self.bias)
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.weight, self.weight_scale_inv, self.block).to(dtype)
 

@@ -208,6 +208,33 @@ def test_blockwise_scaled_mm_equals_the_fp8_fp8_product(monkeypatch, case, rows)
     assert_replays_as_eager(x, q, scale, block)
 
 
+@pytest.mark.parametrize("rows", [65, 80, 256, 300, 512, 2048])
+def test_silu_mul_quantized_where_it_is_made_is_the_unfused_product(monkeypatch, rows):
+    """silu_mul_linear (an FP8 down_proj on cuBLASLt): silu_mul_quantize's codes and scales are
+    quantize_rows' of silu_mul's output padded with zero rows, and the product is the unfused one's
+    bits, eagerly and replayed in a CUDA graph."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("torch runs 1 x 128 block-scaled _scaled_mm on Hopper")
+    from blockspec.kernels.fused import silu_mul
+    monkeypatch.setattr(K, "FP8_GEMM", "cublas")
+    out_features, inter = 1536, 1024
+    q, scale = weights(out_features, inter, fp8.ScaleBlock(), seed=9)
+    gate_up = (torch.randn(rows, 2 * inter, device="cuda") * 3).to(torch.bfloat16)
+    padded = K.padded_rows(rows)
+    fused_q, fused_s = K.silu_mul_quantize(gate_up, padded)
+    ref_q, ref_s = K.quantize_rows(torch.nn.functional.pad(silu_mul(gate_up), (0, 0, 0, padded - rows)),
+                                   column_major=True)
+    assert torch.equal(fused_q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(fused_s, ref_s)
+    unfused = K.linear(silu_mul(gate_up), q, scale, fp8.ScaleBlock())
+    assert torch.equal(K.silu_mul_linear(gate_up, q, scale, fp8.ScaleBlock()), unfused)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = K.silu_mul_linear(gate_up, q, scale, fp8.ScaleBlock())
+    gate_up.copy_(torch.randn_like(gate_up))
+    graph.replay()
+    assert torch.equal(out, K.linear(silu_mul(gate_up), q, scale, fp8.ScaleBlock()))
+
+
 @pytest.mark.parametrize("inter", [128, 96], ids=["aligned", "straddling"])
 @pytest.mark.parametrize("num_tokens", [1, 16, 64, 256])
 def test_fp8_experts_equal_the_dequantized_reference(inter, num_tokens):
