@@ -15,8 +15,8 @@
 #        # bf16 copy staged in host memory while it is quantized (quantize_model); on an H100 the bf16 MoE leaves
 #        # a 128-token pool, hence 32 + 64 tokens
 #   bash scripts/gpu_round63.sh 7   # any card (issue 33): silu(gate) · up quantized where it is made (an FP8
-#        # down_proj on cuBLASLt): its GPU tests with the cuBLASLt cases and the FP8 model's, the 512-row FP8 step,
-#        # FP8 vs bf16 at 1 and 32 sequences
+#        # down_proj on cuBLASLt, opt-in: BLOCKSPEC_FP8_FUSED_SILU=1): its GPU tests with the cuBLASLt cases and the
+#        # FP8 model's, the 512-row FP8 step with it, FP8 vs bf16 at 1 and 32 sequences without it and with it
 #   bash scripts/gpu_round63.sh 2   # any card (issue 30): a prefill chunk profiled at budgets 2,048 and 512, the 16k
 #        # prompt among 32 decoders at both, then the demo pair's HTTP bursts
 . "$(dirname "$0")/gpu_prelude.sh"
@@ -61,13 +61,17 @@ if [ "$M" = 6 ]; then
     --out "$OUT/fp8_moe.json"
 fi
 if [ "$M" = 7 ]; then
-  timeout ${TESTS_S:-90} $T tests/gpu/test_fp8.py -k "silu_mul or blockwise_scaled_mm or dispatch or replays or decode_on_the_gpu" \
+  BLOCKSPEC_FP8_FUSED_SILU=1 timeout ${TESTS_S:-90} $T tests/gpu/test_fp8.py \
+    -k "silu_mul or blockwise_scaled_mm or dispatch or replays or decode_on_the_gpu" \
     > "$OUT/t_fp8.log" 2>&1
   summary
-  TAIL=14 stage "step profile, Qwen3-8B, 512 rows, FP8" timeout ${PROF_S:-40} \
+  TAIL=14 stage "step profile, Qwen3-8B, 512 rows, FP8, fused" env BLOCKSPEC_FP8_FUSED_SILU=1 timeout ${PROF_S:-40} \
     python3 scripts/step_profile.py --shape qwen3-8b --widths 512 --formats fp8 --out "$OUT/step_profile.json"
-  TAIL=12 stage "FP8 vs bf16, Qwen3-8B, 1 and 32 sequences" timeout ${FP8_S:-90} $B --shape qwen3-8b --accept-len 6.5 \
-    --quantization fp8 --concurrency 1,32 --prompt-len 128 --max-tokens 64 --out "$OUT/fp8_qwen3_8b.json"
+  for fused in 0 1; do
+    TAIL=12 stage "FP8 vs bf16, Qwen3-8B, 1 and 32 sequences, BLOCKSPEC_FP8_FUSED_SILU=$fused" env BLOCKSPEC_FP8_FUSED_SILU=$fused \
+      timeout ${FP8_S:-90} $B --shape qwen3-8b --accept-len 6.5 --quantization fp8 --concurrency 1,32 --prompt-len 128 \
+      --max-tokens 64 --out "$OUT/fp8_qwen3_8b_fused$fused.json"
+  done
 fi
 if [ "$M" = 2 ]; then
   PP_S=${PP_S:-100} BURST_S=${BURST_S:-90} bash "$(dirname "$0")/gpu_round54.sh" 2

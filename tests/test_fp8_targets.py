@@ -454,6 +454,7 @@ def test_an_fp8_down_proj_quantizes_silu_mul_where_it_is_made(cublas_path):
     cuBLASLt refused, silu_mul then the unfused linear. MLP.forward takes it for an FP8 down_proj."""
     cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
     cublas_path.setattr(fp8_kernels, "_refused_by_cublas", set())
+    cublas_path.setattr(fp8_kernels, "FUSED_SILU_QUANTIZE", False)             # opt-in until its GPU run
     made: list[tuple[str, int]] = []
     cublas_path.setattr(fp8_kernels, "silu_mul", lambda g: made.append(("silu_mul", g.shape[0])) or fused.silu_mul_torch(g))
 
@@ -465,6 +466,10 @@ def test_an_fp8_down_proj_quantizes_silu_mul_where_it_is_made(cublas_path):
     cublas_path.setattr(fp8_kernels, "fp8_fp8_linear", fp8_kernels.reference_fp8_fp8)
     block = fp8.ScaleBlock()
     _, q, scale = exact_operands(96, 48, 256, block)
+    fp8_kernels.silu_mul_linear(torch.randn(80, 512).bfloat16(), q, scale, block)
+    assert made == [("silu_mul", 80)]
+    made.clear()
+    cublas_path.setattr(fp8_kernels, "FUSED_SILU_QUANTIZE", True)
     gate_up = torch.randn(96, 512, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
     bias = torch.randn(48, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
     for rows, b in ((80, None), (70, bias), (96, None)):

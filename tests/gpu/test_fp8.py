@@ -210,13 +210,14 @@ def test_blockwise_scaled_mm_equals_the_fp8_fp8_product(monkeypatch, case, rows)
 
 @pytest.mark.parametrize("rows", [65, 80, 256, 300, 512, 2048])
 def test_silu_mul_quantized_where_it_is_made_is_the_unfused_product(monkeypatch, rows):
-    """silu_mul_linear (an FP8 down_proj on cuBLASLt): silu_mul_quantize's codes and scales are
+    """silu_mul_linear (an FP8 down_proj on cuBLASLt, BLOCKSPEC_FP8_FUSED_SILU=1): silu_mul_quantize's codes and scales are
     quantize_rows' of silu_mul's output padded with zero rows, and the product is the unfused one's
     bits, eagerly and replayed in a CUDA graph."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("torch runs 1 x 128 block-scaled _scaled_mm on Hopper")
     from blockspec.kernels.fused import silu_mul
     monkeypatch.setattr(K, "FP8_GEMM", "cublas")
+    monkeypatch.setattr(K, "FUSED_SILU_QUANTIZE", True)
     out_features, inter = 1536, 1024
     q, scale = weights(out_features, inter, fp8.ScaleBlock(), seed=9)
     gate_up = (torch.randn(rows, 2 * inter, device="cuda") * 3).to(torch.bfloat16)
