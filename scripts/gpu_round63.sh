@@ -8,9 +8,10 @@
 #   bash scripts/gpu_round63.sh 4   # any card (issue 33): the weight-only tl.dot in fp16 against bf16 at 4-64 rows,
 #        # then the MoE (Qwen3.5-35B-A3B shape) with FP8 weights beside bf16 at one sequence (the bf16 MoE needs
 #        # --gpu-memory-utilization 0.96 on the H100's 80 GB)
-#   bash scripts/gpu_round63.sh 5   # an H200 (needs_h200: the MoE's bf16 and FP8 copies, ~70 + 35 GB, do not fit an
-#        # H100; mode 4 ran out of memory there): the MoE with FP8 weights beside bf16 at one sequence, then on the
-#        # same card issue 31's Qwen3-8B adaptive vs fixed vs plain at 1 ... 256 and FP8 vs bf16 at 1 and 32
+#   bash scripts/gpu_round63.sh 5   # an H200 (issues 31 and 33 ask for its figures; refused once in round 63): the MoE
+#        # with FP8 weights beside bf16 at one sequence, then issue 31's Qwen3-8B adaptive vs fixed vs plain at
+#        # 1 ... 256 and FP8 vs bf16 at 1 and 32 (every stage fits an H100 too since quantize_model stages the bf16
+#        # copy in host memory: mode 6 ran the MoE there)
 #   bash scripts/gpu_round63.sh 6   # any card (issue 33): the MoE with FP8 weights beside bf16 at one sequence, the
 #        # bf16 copy staged in host memory while it is quantized (quantize_model); on an H100 the bf16 MoE leaves
 #        # a 128-token pool, hence 32 + 64 tokens

@@ -261,6 +261,8 @@ def test_a_bench_whose_requests_end_at_their_first_token_says_why(qwen3_dir):
     with pytest.raises(EngineFailed, match=r"decoded nothing after their prefill \(length after 1 of 8 tokens\): "
                                            r"a 31-token prompt and 8 new tokens do not fit this engine's 32-token"):
         run_batch(engine, 2, 31, 8)
+    with pytest.raises(EngineFailed, match=r"\(length after 1 of 1 tokens\): a decode window needs --max-tokens of 2"):
+        run_batch(engine, 2, 16, 1)                                  # ended by max_tokens, not by the context
     assert run_batch(engine, 2, 16, 8)["tok_s"] > 0                # the same engine, prompts that fit
 
 

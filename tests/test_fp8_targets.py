@@ -359,8 +359,8 @@ def blockwise_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     assert m % 16 == 0, f"cuBLASLt refuses {m} rows"
     assert a.dtype == b.dtype == fp8.FP8 and b.stride() == (1, k)
     assert scale_a.shape == (m, k // 128) and scale_a.stride() == (1, m)
-    if scale_b.shape == (k // 128, n // 128):
-        assert n % 128 == 0 and scale_b.stride() == (1, k // 128)
+    if scale_b.shape == (k // 128, n // 128):        # cuBLASLt pads their K axis to 4 blocks (see BLOCK_SCALES_K_GROUP)
+        assert n % 128 == 0 and scale_b.stride() == (1, k // 128) and (k // 128) % 4 == 0
         scale_b = scale_b.repeat_interleave(128, dim=1)
     assert scale_b.shape == (k // 128, n) and scale_b.stride() in ((n, 1), (1, k // 128))
     product = (a.float() * scale_a.repeat_interleave(128, dim=1)) @ (b.float() * scale_b.repeat_interleave(128, dim=0))
@@ -410,7 +410,8 @@ def test_the_cublas_gemm_is_the_fp8_fp8_product_bit_for_bit(cublas_path, block):
 def test_above_256_rows_cublas_takes_a_128_blocked_weights_own_scales(cublas_path):
     """Above WEIGHT_BLOCK_SCALES_ROWS (256) padded rows a 128 × 128-blocked weight's own scales go to
     cuBLASLt as they are (their transpose: no copy); at 256 rows and below, other blocks, N not in
-    128s, or a torch without the form, its column scales; every one reference_fp8_fp8's bits."""
+    128s, K not in 512s (cuBLASLt's layout pads K to 4 blocks), or a torch without the form, its
+    column scales; every one reference_fp8_fp8's bits."""
     cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
     handed: list[tuple[int, bool]] = []
 
@@ -418,7 +419,7 @@ def test_above_256_rows_cublas_takes_a_128_blocked_weights_own_scales(cublas_pat
         handed.append((a.shape[0], scale_b.data_ptr() == scale.data_ptr() and scale_b.shape == scale.t().shape))
         return blockwise_scaled_mm(a, b, scale_a, scale_b, out_dtype)
     cublas_path.setattr(torch, "_scaled_mm", recording, raising=False)
-    x, q, scale = exact_operands(300, 256, 384, fp8.ScaleBlock())
+    x, q, scale = exact_operands(300, 256, 512, fp8.ScaleBlock())
     bias = torch.randn(256, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     for rows in (256, 241, 257, 300):
         for b in (None, bias):
@@ -427,18 +428,46 @@ def test_above_256_rows_cublas_takes_a_128_blocked_weights_own_scales(cublas_pat
     assert handed == [(256, False)] * 4 + [(272, True)] * 2 + [(304, True)] * 2
     handed.clear()
     per_row = fp8.quantize(fp8.dequantize(q, scale, fp8.ScaleBlock()), fp8.ScaleBlock(rows=1))
-    ragged = exact_operands(300, 208, 384, fp8.ScaleBlock())
-    for (_, w, s), block in (((None, *per_row), fp8.ScaleBlock(rows=1)), (ragged, fp8.ScaleBlock())):
+    ragged, k_of_3_blocks = exact_operands(300, 208, 512, fp8.ScaleBlock()), exact_operands(300, 256, 384, fp8.ScaleBlock())
+    for (xs, w, s), block in (((x, *per_row), fp8.ScaleBlock(rows=1)), (ragged, fp8.ScaleBlock()),
+                              (k_of_3_blocks, fp8.ScaleBlock())):
         scale = s                       # what `recording` compares the handed scales with
-        out = fp8_kernels.linear(x, w, s, block)
-        assert torch.equal(out, fp8_kernels.reference_fp8_fp8(x, w, s, block, None))
-    assert handed == [(304, False), (304, False)]
+        out = fp8_kernels.linear(xs, w, s, block)
+        assert torch.equal(out, fp8_kernels.reference_fp8_fp8(xs, w, s, block, None))
+    assert handed == [(304, False)] * 3
     cublas_path.setattr(fp8_kernels, "has_block128_scaled_mm", lambda device: False)
     handed.clear()
-    x, q, scale = exact_operands(300, 256, 384, fp8.ScaleBlock())
+    x, q, scale = exact_operands(300, 256, 512, fp8.ScaleBlock())
     assert torch.equal(fp8_kernels.linear(x, q, scale, fp8.ScaleBlock()),
                        fp8_kernels.reference_fp8_fp8(x, q, scale, fp8.ScaleBlock(), None))
     assert handed == [(304, False)]
+
+
+def test_a_refusal_of_the_weights_own_scales_falls_back_to_its_column_scales(cublas_path, caplog):
+    """cuBLASLt refusing a weight's own 128 × 128 scales at a shape: that call and every later one of
+    the shape take its 1 × 128 column scales (still cuBLASLt, one warning), not our kernel."""
+    cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
+    cublas_path.setattr(fp8_kernels, "_refused_by_cublas", set())
+    cublas_path.setattr(fp8_kernels, "_block_scales_refused", set())
+    cublas_path.setattr(fp8_kernels, "fp8_fp8_linear", refused)
+    forms: list[str] = []
+
+    def refuses_own_scales(a, b, scale_a, scale_b, out_dtype):
+        own = scale_b.shape[1] != b.shape[1]
+        forms.append("own" if own else "column")
+        if own:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+        return blockwise_scaled_mm(a, b, scale_a, scale_b, out_dtype)
+    cublas_path.setattr(torch, "_scaled_mm", refuses_own_scales, raising=False)
+    x, q, scale = exact_operands(300, 256, 512, fp8.ScaleBlock())
+    with caplog.at_level(logging.WARNING, logger="blockspec.engine"):
+        for _ in range(2):
+            out = fp8_kernels.linear(x, q, scale, fp8.ScaleBlock())
+            assert torch.equal(out, fp8_kernels.reference_fp8_fp8(x, q, scale, fp8.ScaleBlock(), None))
+    assert forms == ["own", "column", "column"]
+    assert not fp8_kernels._refused_by_cublas
+    assert [r.getMessage() for r in caplog.records if "128 x 128" in r.getMessage()] == [
+        "cuBLASLt refused a weight's own 128 x 128 scales at 304 rows (N 256, K 512): its 1 x 128 scales serve that shape"]
 
 
 def reference_silu_mul_quantize(gate_up: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -666,8 +695,9 @@ def test_the_cublas_probe_runs_two_k_blocks_once_per_device_and_never_in_a_captu
 
 def test_the_128_block_probe_asks_once_after_the_1x128_one(monkeypatch):
     """has_block128_scaled_mm: no where the 1 × 128 form is missing (no call of its own); else one
-    call per device with the weight's scales [K/128, N/128] = [2, 1], strides (1, 2), kept; a torch
-    that refuses it says no; inside a capture it raises."""
+    call per device with the weight's scales [K/128, N/128] = [4, 2], strides (1, 4), its answer
+    checked, kept; a torch that refuses the form, or answers other numbers, says no; inside a
+    capture it raises."""
     probe = fp8_kernels.has_block128_scaled_mm
     cuda = torch.device("cuda")
     calls: list[tuple] = []
@@ -677,7 +707,7 @@ def test_the_128_block_probe_asks_once_after_the_1x128_one(monkeypatch):
             calls.append((tuple(a.shape), tuple(b.shape), tuple(scale_b.shape), scale_b.stride()))
             return serve(a, b, scale_a, scale_b, out_dtype)
         return scaled_mm
-    for name in ("zeros", "ones"):
+    for name in ("zeros", "ones", "arange"):
         real = getattr(torch, name)
         monkeypatch.setattr(torch, name, lambda *args, device=None, real=real, **kwargs: real(*args, **kwargs))
     capturing = [False]
@@ -694,10 +724,16 @@ def test_the_128_block_probe_asks_once_after_the_1x128_one(monkeypatch):
             probe(cuda)
         capturing[0] = False
         assert probe(cuda) and probe(cuda)
-        assert calls == [((16, 256), (256, 128), (2, 1), (1, 2))]
+        assert calls == [((16, 512), (512, 256), (4, 2), (1, 4))]
         probe.cache_clear()
         monkeypatch.setattr(torch, "_scaled_mm", recording(row_wise_only), raising=False)
         assert not probe(cuda) and len(calls) == 2
+        probe.cache_clear()
+
+        def scales_read_row_major(a, b, scale_a, scale_b, out_dtype):     # the layout misread: other sums
+            return blockwise_scaled_mm(a, b, scale_a, scale_b.contiguous().view(scale_b.shape[1], -1).t(), out_dtype)
+        monkeypatch.setattr(torch, "_scaled_mm", recording(scales_read_row_major), raising=False)
+        assert not probe(cuda) and len(calls) == 3
     finally:
         probe.cache_clear()
 

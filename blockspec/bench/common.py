@@ -307,13 +307,14 @@ def run_batch(engine: Engine, concurrency: int, prompt_len: int, max_tokens: int
     synchronize()
     seconds = time.perf_counter() - started
     tokens = sum(len(r.output_ids) for r in sent) - tokens_before
-    if tokens <= 0:              # every request ended with its first token: nothing to time (no 0 tok/s)
+    if not any(len(r.output_ids) > 1 for r in sent):     # none decoded past its first token: nothing timed
         ends = sorted({f"{r.finish_reason} after {len(r.output_ids)} of {max_tokens} tokens" for r in sent
                        if r.is_finished})
-        raise EngineFailed(f"the bench's requests decoded nothing after their prefill ({'; '.join(ends)}): "
-                           f"a {prompt_len}-token prompt and {max_tokens} new tokens do not fit this engine's "
-                           f"{engine.config.max_model_len}-token context (lower --prompt-len or --max-tokens, "
-                           "or give the pool more memory)")
+        cut = any(r.finish_reason == "length" and len(r.output_ids) < max_tokens for r in sent)
+        raise EngineFailed(f"the bench's requests decoded nothing after their prefill ({'; '.join(ends)}): " + (
+            f"a {prompt_len}-token prompt and {max_tokens} new tokens do not fit this engine's "
+            f"{engine.config.max_model_len}-token context (lower --prompt-len or --max-tokens, or give the pool "
+            "more memory)" if cut else "a decode window needs --max-tokens of 2 or more"))
     while not all(r.is_finished for r in sent):
         step()                                          # the rest drains, unmeasured
     per_seq = [r.stats for r in sent]

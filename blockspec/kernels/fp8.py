@@ -182,21 +182,25 @@ def has_blockwise_scaled_mm(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def has_block128_scaled_mm(device: torch.device) -> bool:
-    """Whether torch._scaled_mm also takes a weight's own 128 × 128 block scales (x's still 1 × 128;
-    one tiny call, eager, as `has_blockwise_scaled_mm`)."""
+    """Whether torch._scaled_mm also takes a weight's own 128 × 128 block scales (x's still 1 × 128)
+    and reads them as laid out (one tiny call, eager, as `has_blockwise_scaled_mm`, its answer
+    checked: distinct scales over 2 × 4 blocks, every sum exact in bf16)."""
     if not has_blockwise_scaled_mm(device):
         return False
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("the FP8 GEMM probe runs at the first eager call: run the linear once before "
                            "capturing a CUDA graph")
+    k_blocks, n_blocks = BLOCK_SCALES_K_GROUP, 2
+    own = torch.arange(1, n_blocks * k_blocks + 1, dtype=torch.float32, device=device).view(n_blocks, k_blocks)
     try:
-        a = torch.zeros(16, 2 * BLOCK, dtype=FP8, device=device)
-        b = torch.zeros(BLOCK, 2 * BLOCK, dtype=FP8, device=device)
-        torch._scaled_mm(a, b.t(), scale_a=torch.ones(2, 16, device=device).t(),
-                         scale_b=torch.ones(1, 2, device=device).t(), out_dtype=torch.bfloat16)
+        a = torch.ones(16, k_blocks * BLOCK, device=device).to(FP8)
+        b = torch.ones(n_blocks * BLOCK, k_blocks * BLOCK, device=device).to(FP8)
+        out = torch._scaled_mm(a, b.t(), scale_a=torch.ones(k_blocks, 16, device=device).t(), scale_b=own.t(),
+                               out_dtype=torch.bfloat16)
     except Exception:         # noqa: BLE001 - whatever this torch raises for a layout it lacks
         return False
-    return True
+    # column n: 128 · Σ_kb own[n // 128, kb]; scales read in another layout give other sums
+    return torch.equal(out.float(), (BLOCK * own.sum(dim=1)).repeat_interleave(BLOCK).expand(16, -1))
 
 
 # Above WEIGHT_BLOCK_SCALES_ROWS rows a 128 × 128-blocked weight's own scales go to cuBLASLt as they
@@ -204,14 +208,23 @@ def has_block128_scaled_mm(device: torch.device) -> bool:
 # scripts/scaled_mm_layouts.py over the Qwen3-8B linears: 14 % less time at 512 and at 2,048 rows,
 # even at 256, while at 80 rows the 1 × 128 form is 1.2-1.6 × faster for qkv_proj and down_proj).
 WEIGHT_BLOCK_SCALES_ROWS = 256
+# cuBLASLt reads 128 × 128 scales with their K axis padded to a whole number of 4 blocks (its
+# scaling-factor layouts; pytorch #166752: silent wrong answers where K/128 is not a multiple of 4,
+# which torch._scaled_mm does not check): the weight's own scales serve K in whole 512 columns only.
+BLOCK_SCALES_K_GROUP = 4
+
+# The (device, padded rows, N, K) whose 128 × 128 weight scales cuBLASLt refused: their 1 × 128
+# column scales serve them from then on (`scaled_mm_quantized`).
+_block_scales_refused: set[tuple[torch.device, int, int, int]] = set()
 
 
 def weight_block_scales(scale: torch.Tensor, block: ScaleBlock, weight: torch.Tensor, rows: int) -> torch.Tensor | None:
     """The weight's own scales [N/128, K/128] as torch._scaled_mm takes 128 × 128 ones ([K/128, N/128],
     strides (1, K/128): their transpose, no copy), where that form serves these rows; else None."""
     out_features, in_features = weight.shape
-    if (rows <= WEIGHT_BLOCK_SCALES_ROWS or block != ScaleBlock() or out_features % BLOCK or in_features % BLOCK
-            or scale.dtype != torch.float32 or not scale.is_contiguous()
+    if (rows <= WEIGHT_BLOCK_SCALES_ROWS or block != ScaleBlock() or out_features % BLOCK
+            or in_features % (BLOCK * BLOCK_SCALES_K_GROUP) or scale.dtype != torch.float32
+            or not scale.is_contiguous() or (weight.device, rows, out_features, in_features) in _block_scales_refused
             or not has_block128_scaled_mm(weight.device)):
         return None
     return scale.t()
@@ -275,10 +288,11 @@ def scaled_mm_quantized(q: torch.Tensor, x_scales: torch.Tensor, rows: int, weig
     weight through torch._scaled_mm, with the weight's own 128 × 128 scales above
     WEIGHT_BLOCK_SCALES_ROWS rows, else its `column_scales` (made once per weight); a bias is
     added in fp32, as `reference_fp8_fp8` adds it. A shape cuBLASLt refuses is recorded and
-    `refused()` (our kernel's same product) answers instead."""
+    `refused()` (our kernel's same product) answers instead; a refusal of the weight's own
+    scales is recorded apart, and its column scales are tried at once."""
     padded = q.shape[0]
     shape = (q.device, padded, weight.shape[0], q.shape[1])
-    scale_b = weight_block_scales(scale, block, weight, padded)
+    scale_b = own = weight_block_scales(scale, block, weight, padded)
     if scale_b is None:
         scale_b = cached_column_scales(scale, block, weight.shape[0], q.shape[1])
     try:
@@ -288,6 +302,12 @@ def scaled_mm_quantized(q: torch.Tensor, x_scales: torch.Tensor, rows: int, weig
         if capturing(q) or isinstance(error, torch.OutOfMemoryError):
             raise                 # a capture cannot fall back (and never meets a refusal first: see above); out of
                                   # memory is no refusal of the shape
+        if own is not None:
+            _block_scales_refused.add(shape)
+            logging.getLogger("blockspec.engine").warning(
+                "cuBLASLt refused a weight's own 128 x 128 scales at %d rows (N %d, K %d): its 1 x 128 scales "
+                "serve that shape", padded, shape[2], shape[3])
+            return scaled_mm_quantized(q, x_scales, rows, weight, scale, block, bias, dtype, refused)
         first_at_rows = not any(kept[:2] == shape[:2] for kept in _refused_by_cublas)
         _refused_by_cublas.add(shape)
         logging.getLogger("blockspec.engine").log(

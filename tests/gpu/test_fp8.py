@@ -180,7 +180,8 @@ def assert_replays_as_eager(x, q, scale, block):
 # blocks ("per_row" of CASES, K = 1000, stays on our kernel): 128 × 128 blocks, a scale per row (a fused
 # q/k/v boundary inside a block), per channel.
 SCALED_MM_CASES = {"block": CASES["block"], "per_row": (640, 1024, fp8.ScaleBlock(rows=1)),
-                   "per_channel": CASES["per_channel"]}
+                   "per_channel": CASES["per_channel"],
+                   "block_k_of_9": (1536, 1152, fp8.ScaleBlock())}    # K/128 = 9: the weight's own scales not taken
 
 
 @pytest.mark.parametrize("case", list(SCALED_MM_CASES))
@@ -199,8 +200,8 @@ def test_blockwise_scaled_mm_equals_the_fp8_fp8_product(monkeypatch, case, rows)
     def not_ours(*args, **kwargs):
         raise AssertionError("the FP8 x FP8 kernel ran where cuBLASLt should have")
     monkeypatch.setattr(K, "fp8_fp8_linear", not_ours)                                 # the dispatch takes cuBLASLt
-    if case == "block" and rows > K.WEIGHT_BLOCK_SCALES_ROWS:       # with the weight's own 128 x 128 scales
-        assert K.weight_block_scales(scale, block, q, rows) is not None
+    if rows > K.WEIGHT_BLOCK_SCALES_ROWS:                           # with the weight's own 128 x 128 scales
+        assert (K.weight_block_scales(scale, block, q, K.padded_rows(rows)) is not None) == (case == "block")
     ours = K.linear(x, q, scale, block)
     assert ours.dtype == torch.bfloat16 and relative_error(ours, expected) < TOLERANCE
     with_bias = K.linear(x, q, scale, block, bias)
