@@ -18,6 +18,8 @@
 #   bash scripts/gpu_round63.sh 7   # any card (issue 33): silu(gate) · up quantized where it is made (an FP8
 #        # down_proj on cuBLASLt, opt-in: BLOCKSPEC_FP8_FUSED_SILU=1): its GPU tests with the cuBLASLt cases and the
 #        # FP8 model's, the 512-row FP8 step with it, FP8 vs bf16 at 1 and 32 sequences without it and with it
+#   bash scripts/gpu_round63.sh 8   # any card (issue 30's "all of tests/gpu in one call"): every file of tests/gpu in
+#        # four processes, the FP8 group with the fused silu quantization on (TESTS_S per group, default 300)
 #   bash scripts/gpu_round63.sh 2   # any card (issue 30): a prefill chunk profiled at budgets 2,048 and 512, the 16k
 #        # prompt among 32 decoders at both, then the demo pair's HTTP bursts
 . "$(dirname "$0")/gpu_prelude.sh"
@@ -73,6 +75,20 @@ if [ "$M" = 7 ]; then
       timeout ${FP8_S:-90} $B --shape qwen3-8b --accept-len 6.5 --quantization fp8 --concurrency 1,32 --prompt-len 128 \
       --max-tokens 64 --out "$OUT/fp8_qwen3_8b_fused$fused.json"
   done
+fi
+if [ "$M" = 8 ]; then
+  G=tests/gpu
+  all=$(ls $G/test_*.py)
+  a="$G/test_graph_dispatch.py $G/test_adaptive_graphs.py"
+  b="$G/test_ragged_graphs.py $G/test_overlap_gpu.py $G/test_gpu.py"
+  c="$G/test_fp8.py $G/test_moe_gpu.py"
+  rest=$(for f in $all; do case " $a $b $c " in *" $f "*) ;; *) echo "$f" ;; esac; done)
+  timeout ${TESTS_S:-300} $T $a > "$OUT/t_a.log" 2>&1 &
+  timeout ${TESTS_S:-300} $T $b > "$OUT/t_b.log" 2>&1 &
+  BLOCKSPEC_FP8_FUSED_SILU=1 timeout ${TESTS_S:-300} $T $c > "$OUT/t_c.log" 2>&1 &
+  timeout ${TESTS_S:-300} $T $rest > "$OUT/t_d.log" 2>&1 &
+  wait
+  summary
 fi
 if [ "$M" = 2 ]; then
   PP_S=${PP_S:-100} BURST_S=${BURST_S:-90} bash "$(dirname "$0")/gpu_round54.sh" 2
