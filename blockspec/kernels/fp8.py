@@ -197,7 +197,7 @@ def has_block128_scaled_mm(device: torch.device) -> bool:
         b = torch.ones(n_blocks * BLOCK, k_blocks * BLOCK, device=device).to(FP8)
         out = torch._scaled_mm(a, b.t(), scale_a=torch.ones(k_blocks, 16, device=device).t(), scale_b=own.t(),
                                out_dtype=torch.bfloat16)
-    except Exception:         # noqa: BLE001 - whatever this torch raises for a layout it lacks
+    except Exception:         # noqa: BLE001 - whatever this torch raises for the 128 x 128 form
         return False
     # column n: 128 · Σ_kb own[n // 128, kb]; scales read in another layout give other sums
     return torch.equal(out.float(), (BLOCK * own.sum(dim=1)).repeat_interleave(BLOCK).expand(16, -1))
