@@ -89,11 +89,10 @@ def main() -> None:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     results = []
     copy_bytes_per_s = copy_bandwidth(torch.device(DEVICE))
-    first_rows = int(args.rows.split(",")[0])
-    rowwise = []
     for name, (n, k) in SHAPES.items():
         weights = [(torch.randn(n, k, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16) for _ in range(COPIES)]
         blocks = [fp8.quantize(w) for w in weights]
+        rowwise = [rowwise_weight(q, s) for q, s in blocks]
         dequantized = [fp8.dequantize(q, s, fp8.ScaleBlock()).to(torch.bfloat16) for q, s in blocks]
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
@@ -102,7 +101,6 @@ def main() -> None:
             row = {"linear": name, "N": n, "K": k, "M": m}
             row |= try_form("1x128", lambda: product_1x128(x, q0, s0), ref)
             row |= try_form("128x128", lambda: product_128x128(x, q0, s0), ref)
-            rowwise = [rowwise_weight(q, s) for q, s in blocks] if m == first_rows else rowwise
             row |= try_form("rowwise", lambda: product_rowwise(x, *rowwise[0]), ref)
             row["quantize_us"] = round(per_linear_us(lambda: [K.quantize_rows(x) for _ in range(COPIES)]), 2)
             row["quantize_share_of_copy"] = round(m * k * 3 / (row["quantize_us"] * 1e-6) / copy_bytes_per_s, 3)

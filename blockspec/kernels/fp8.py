@@ -162,14 +162,19 @@ def cached_column_scales(scale: torch.Tensor, block: ScaleBlock, out_features: i
     return made
 
 
+def refuse_a_captured_probe() -> None:
+    """A probe inside a CUDA graph's capture would be captured, not run: raise instead."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the FP8 GEMM probe runs at the first eager call: run the linear once before "
+                           "capturing a CUDA graph")
+
+
 @functools.lru_cache(maxsize=None)
 def has_blockwise_scaled_mm(device: torch.device) -> bool:
     """Whether torch._scaled_mm takes 1 × 128 block scales on this device (one tiny call)."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
-    if torch.cuda.is_current_stream_capturing():      # the probe would be captured, not run
-        raise RuntimeError("the FP8 GEMM probe runs at the first eager call: run the linear once before "
-                           "capturing a CUDA graph")
+    refuse_a_captured_probe()
     try:        # K of two blocks: scales of (16, 1) would pass as row-wise scaling
         q = torch.zeros(16, 2 * BLOCK, dtype=FP8, device=device)
         ones = torch.ones(16, 2, device=device)
@@ -187,9 +192,7 @@ def has_block128_scaled_mm(device: torch.device) -> bool:
     checked: distinct scales over 2 × 4 blocks, every sum exact in bf16)."""
     if not has_blockwise_scaled_mm(device):
         return False
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("the FP8 GEMM probe runs at the first eager call: run the linear once before "
-                           "capturing a CUDA graph")
+    refuse_a_captured_probe()
     k_blocks, n_blocks = BLOCK_SCALES_K_GROUP, 2
     own = torch.arange(1, n_blocks * k_blocks + 1, dtype=torch.float32, device=device).view(n_blocks, k_blocks)
     try:
@@ -224,7 +227,7 @@ def weight_block_scales(scale: torch.Tensor, block: ScaleBlock, weight: torch.Te
     out_features, in_features = weight.shape
     if (rows <= WEIGHT_BLOCK_SCALES_ROWS or block != ScaleBlock() or out_features % BLOCK
             or in_features % (BLOCK * BLOCK_SCALES_K_GROUP) or scale.dtype != torch.float32
-            or not scale.is_contiguous() or (weight.device, rows, out_features, in_features) in _block_scales_refused
+            or not scale.is_contiguous() or gemm_shape(weight.device, rows, weight) in _block_scales_refused
             or not has_block128_scaled_mm(weight.device)):
         return None
     return scale.t()
@@ -258,6 +261,11 @@ def capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+def gemm_shape(device: torch.device, rows: int, weight: torch.Tensor) -> tuple[torch.device, int, int, int]:
+    """(device, padded rows, N, K): how the refusals below are keyed."""
+    return (device, rows, *weight.shape)
+
+
 def padded_rows(rows: int) -> int:
     """rows rounded up to a multiple of SCALED_MM_ROWS (what cuBLASLt is handed)."""
     return -(-rows // SCALED_MM_ROWS) * SCALED_MM_ROWS
@@ -270,7 +278,7 @@ def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     `fp8_fp8_linear` (the same product)."""
     rows = x.shape[0]
     padded = padded_rows(rows)
-    if (x.device, padded, weight.shape[0], x.shape[1]) in _refused_by_cublas:
+    if gemm_shape(x.device, padded, weight) in _refused_by_cublas:
         return fp8_fp8_linear(x, weight, scale, block, bias)
     unpadded = x
     if padded != rows:            # zero rows: their outputs are computed and dropped, nothing else reads them
@@ -291,7 +299,7 @@ def scaled_mm_quantized(q: torch.Tensor, x_scales: torch.Tensor, rows: int, weig
     `refused()` (our kernel's same product) answers instead; a refusal of the weight's own
     scales is recorded apart, and its column scales are tried at once."""
     padded = q.shape[0]
-    shape = (q.device, padded, weight.shape[0], q.shape[1])
+    shape = gemm_shape(q.device, padded, weight)
     scale_b = own = weight_block_scales(scale, block, weight, padded)
     if scale_b is None:
         scale_b = cached_column_scales(scale, block, weight.shape[0], q.shape[1])
@@ -334,7 +342,7 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Te
     padded = padded_rows(rows)
     if (not FUSED_SILU_QUANTIZE or not use_triton(flat, bias) or rows <= WEIGHT_ONLY_MAX_ROWS or FP8_GEMM != "cublas"
             or not blockwise_scaled_mm_serves(flat[:, :in_features], weight)
-            or (flat.device, padded, weight.shape[0], in_features) in _refused_by_cublas):
+            or gemm_shape(flat.device, padded, weight) in _refused_by_cublas):
         return linear(silu_mul(gate_up), weight, scale, block, bias)
     q, x_scales = silu_mul_quantize(flat, padded)
     out = scaled_mm_quantized(q, x_scales, rows, weight, scale, block, bias, flat.dtype,

@@ -475,7 +475,7 @@ def quantize_model(model: nn.Module) -> nn.Module:
     if device.type == "cuda":
         # The bf16 tensors wait in host memory and come back one at a time to be quantized, so
         # the card never holds both copies (Qwen3.5-35B-A3B: ~70 + 35 GB, past an H100's 80).
-        state = {name: state.pop(name).to("cpu") for name in list(state)}
+        state = {name: tensor.to("cpu") for name, tensor in state.items()}
     plan = Fp8Plan(set(), on_load=True)
     with torch.device("meta"):
         convert(model, plan)
