@@ -312,6 +312,17 @@ def test_the_fp8_gemm_defaults_to_cublas_without_a_warning(monkeypatch, caplog):
     assert not caplog.records
 
 
+def test_the_fused_silu_quantization_is_on_unless_turned_off(monkeypatch):
+    """silu_mul_linear's one-launch quantization is the default since its GPU run (round 64);
+    BLOCKSPEC_FP8_FUSED_SILU=0, and only "0", turns it off."""
+    monkeypatch.delenv("BLOCKSPEC_FP8_FUSED_SILU", raising=False)
+    assert fp8_kernels.fused_silu_from_env() is True
+    monkeypatch.setenv("BLOCKSPEC_FP8_FUSED_SILU", "1")
+    assert fp8_kernels.fused_silu_from_env() is True
+    monkeypatch.setenv("BLOCKSPEC_FP8_FUSED_SILU", "0")
+    assert fp8_kernels.fused_silu_from_env() is False
+
+
 class OnCuda(torch.Tensor):
     """A CPU tensor that says it is on CUDA, so the capture guard of cached_column_scales is reached."""
 
@@ -483,7 +494,7 @@ def test_an_fp8_down_proj_quantizes_silu_mul_where_it_is_made(cublas_path):
     cuBLASLt refused, silu_mul then the unfused linear. MLP.forward takes it for an FP8 down_proj."""
     cublas_path.setattr(fp8_kernels, "FP8_GEMM", "cublas")
     cublas_path.setattr(fp8_kernels, "_refused_by_cublas", set())
-    cublas_path.setattr(fp8_kernels, "FUSED_SILU_QUANTIZE", False)             # opt-in until its GPU run
+    cublas_path.setattr(fp8_kernels, "FUSED_SILU_QUANTIZE", False)             # BLOCKSPEC_FP8_FUSED_SILU=0
     made: list[tuple[str, int]] = []
     cublas_path.setattr(fp8_kernels, "silu_mul", lambda g: made.append(("silu_mul", g.shape[0])) or fused.silu_mul_torch(g))
 

@@ -70,6 +70,7 @@ def test_the_pool_fills_the_memory_it_is_given(pair):
     target, draft = pair
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
     utilization = (total - free + (6 << 30)) / total
     config = EngineConfig(max_model_len=4096, block_size=4, max_num_seqs=100_000, cuda_graphs=False,
                           gpu_memory_utilization=utilization)
@@ -79,4 +80,6 @@ def test_the_pool_fills_the_memory_it_is_given(pair):
     pool_bytes = size.num_pages * size.page_bytes
     assert (1 << 30) < pool_bytes < (6 << 30) + (256 << 20), pool_bytes
     assert engine.kv_cache_tokens == (size.num_pages - 1) * config.page_size
-    assert torch.cuda.mem_get_info()[0] > free - (6 << 30) - (256 << 20)         # within the 6 GiB (+ slack)
+    # Within the 6 GiB (+ slack), counted as this process's own growth: the device's free memory
+    # also moves with other processes (tests/gpu runs in several at once: round 64's one-call run).
+    assert torch.cuda.memory_reserved() - reserved < (6 << 30) + (256 << 20)
