@@ -920,6 +920,14 @@ MUTANTS = [
            "    if not any(len(r.output_ids) > 1 for r in sent):",
            "    if not any(len(r.output_ids) > 0 for r in sent):",
            ("tests/test_cli.py::test_a_bench_whose_requests_end_at_their_first_token_says_why",), "round63"),
+    Mutant("fused-silu-still-opt-in", FP8,
+           'return os.environ.get("BLOCKSPEC_FP8_FUSED_SILU", "1") != "0"',
+           'return os.environ.get("BLOCKSPEC_FP8_FUSED_SILU", "0") == "1"',
+           (FP8_TESTS + "::test_the_fused_silu_quantization_is_on_unless_turned_off",), "round64"),
+    Mutant("fused-silu-off-by-any-value", FP8,
+           'return os.environ.get("BLOCKSPEC_FP8_FUSED_SILU", "1") != "0"',
+           'return "BLOCKSPEC_FP8_FUSED_SILU" not in os.environ',
+           (FP8_TESTS + "::test_the_fused_silu_quantization_is_on_unless_turned_off",), "round64"),
 ]
 
 
