@@ -326,14 +326,14 @@ def scaled_mm_quantized(q: torch.Tensor, x_scales: torch.Tensor, rows: int, weig
     return out if bias is None else (out + bias.float()).to(dtype)
 
 
-# silu_mul_linear's fused quantization: on by default since its GPU run (round 64, H100: tests/gpu/test_fp8.py
-# passed with it, the 512-row FP8 verify 10.97 -> 10.68 ms); BLOCKSPEC_FP8_FUSED_SILU=0 keeps silu_mul and
-# quantize_rows as two launches (what to compare against, or a way around a kernel bug on new hardware).
 def fused_silu_from_env() -> bool:
     """BLOCKSPEC_FP8_FUSED_SILU: on unless "0"."""
     return os.environ.get("BLOCKSPEC_FP8_FUSED_SILU", "1") != "0"
 
 
+# silu_mul_linear's fused quantization: on by default since its GPU run (round 64, H100: tests/gpu/test_fp8.py
+# passed with it, the 512-row FP8 verify 10.97 -> 10.68 ms); BLOCKSPEC_FP8_FUSED_SILU=0 keeps silu_mul and
+# quantize_rows as two launches (what to compare against, or a way around a kernel bug on new hardware).
 FUSED_SILU_QUANTIZE = fused_silu_from_env()
 
 
