@@ -5,7 +5,7 @@
 #        # of tests/gpu in XDIST (default 8) pytest-xdist workers, then the one test that measures the device's free
 #        # memory alone (other processes move it), each under TESTS_S (default 420) / POOL_S (default 90)
 #   bash scripts/gpu_round64.sh 2   # mode 1 with TESTS_S 330, then on an H200 only (issue 31 asks for its figures)
-#        # Qwen3-8B adaptive vs fixed vs plain at 1 … 256 in what is left of 570 s
+#        # Qwen3-8B adaptive vs fixed vs plain at 1 … 256 in what is left of TOTAL_S (default 570)
 . "$(dirname "$0")/gpu_prelude.sh"
 M=${1:-1}
 START=$SECONDS
@@ -17,7 +17,7 @@ if [ "$M" = 1 ] || [ "$M" = 2 ]; then
   summary
 fi
 if [ "$M" = 2 ]; then
-  left=$((570 - (SECONDS - START)))
+  left=$((${TOTAL_S:-570} - (SECONDS - START)))
   if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     echo "not an H200: issue 31's run left for one" | tee -a "$LOG"
   elif [ "$left" -lt 120 ]; then
