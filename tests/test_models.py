@@ -142,6 +142,17 @@ def test_bad_weights_are_named(qwen3_dir, tmp_path, edit, message):
         load_model(str(path))
 
 
+def test_an_untied_checkpoint_without_its_head_is_refused_not_tied(qwen3_dir, tmp_path):
+    """Qwen3's config does not tie the head to the embedding: a checkpoint that lacks
+    lm_head.weight is broken, and reading out through the embedding would serve garbage."""
+    path = copy_checkpoint(qwen3_dir, tmp_path / "m")
+    assert not json.loads((path / "config.json").read_text()).get("tie_word_embeddings", False)
+    weights = load_file(str(path / "model.safetensors"))
+    del weights["lm_head.weight"]
+    save_file(weights, str(path / "model.safetensors"))
+    with pytest.raises(LoadError, match="lacks.*lm_head.weight"):
+        load_model(str(path))
+
 def test_sharded_checkpoint_loads(qwen3_dir, tmp_path):
     path = copy_checkpoint(qwen3_dir, tmp_path / "m")
     weights = load_file(str(path / "model.safetensors"))

@@ -227,6 +227,17 @@ def test_streaming_after_prompt_cut_inside_a_character(tokenizer: Tokenizer) -> 
     assert text == tokenizer.decode(ids)[len(tokenizer.decode(ids[:cut]).rstrip("\ufffd")):]
 
 
+def test_streaming_after_a_prompt_cut_anywhere_inside_a_character(qwen3: Tokenizer) -> None:
+    """A prompt may end several tokens into one character (a 4-byte character can take 3 byte-level
+    tokens): whatever the cut, the stream continues the prompt's text from that character on."""
+    ids = qwen3.encode(HARD_STREAMING_TEXTS[1])
+    partial = [k for k in range(1, len(ids)) if qwen3.decode(ids[:k]).endswith("\ufffd")]
+    assert any(k - 1 in partial for k in partial)         # some cut leaves ≥ 2 tokens of one character
+    for cut in partial:
+        detokenizer = IncrementalDetokenizer(qwen3, prompt_ids=ids[:cut])
+        text = "".join(detokenizer.add([token_id]) for token_id in ids[cut:]) + detokenizer.flush()
+        assert text == qwen3.decode(ids)[len(qwen3.decode(ids[:cut]).rstrip("\ufffd")):], cut
+
 def test_streaming_decodes_a_bounded_window_per_token(qwen3: Tokenizer) -> None:
     class CountingTokenizer:
         num_decoded_ids = 0
