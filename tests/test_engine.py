@@ -23,6 +23,7 @@ def llm(qwen3_dir, qwen3_draft_dir):
 def test_two_live_streams_share_the_batch_and_each_equals_its_run_alone(llm):
     alone_a = llm.generate_ids([9707, 11], SamplingParams(max_tokens=20)).token_ids
     alone_b = llm.generate_ids([9707, 11, 1879, 0], SamplingParams(max_tokens=13)).token_ids
+    assert (len(alone_a), len(alone_b)) == (20, 13)                  # real runs, not two equal failures
     first = llm.stream(llm.make_request("a", [9707, 11], SamplingParams(max_tokens=20)))
     second = llm.stream(llm.make_request("b", [9707, 11, 1879, 0], SamplingParams(max_tokens=13)))
     tokens_a = next(first).token_ids
