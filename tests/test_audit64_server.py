@@ -190,3 +190,19 @@ def test_a_named_tool_choice_allows_only_that_function():
     assert schema["properties"]["name"] == {"const": "get_time"} and "anyOf" not in schema
     either = tool_call_schema([weather, clock], None)
     assert [one["properties"]["name"]["const"] for one in either["anyOf"]] == ["get_weather", "get_time"]
+
+
+def test_responses_report_the_prefix_caches_hits_as_chat_does(plain):
+    """A repeated Responses request hits the prefix cache (on by default): its
+    input_tokens_details.cached_tokens is the hit, the number chat reports for the same prompt
+    (it was a constant 0), whole and in the streamed response.completed."""
+    text = "Tell me a long story about the sea, the wind and the ships that sail between them. " * 3
+    body = {"input": text, "max_output_tokens": 2, "temperature": 0}
+    plain.post("/v1/responses", body)
+    again = plain.post("/v1/responses", body).json()["usage"]
+    chat = plain.chat([{"role": "user", "content": text}], max_tokens=2)["usage"]
+    assert again["input_tokens"] == chat["prompt_tokens"]
+    assert again["input_tokens_details"]["cached_tokens"] == chat["prompt_tokens_details"]["cached_tokens"] > 0
+    events = plain.stream("/v1/responses", body)
+    completed = [e["response"] for e in events if isinstance(e, dict) and e["type"] == "response.completed"]
+    assert completed[0]["usage"]["input_tokens_details"] == again["input_tokens_details"]

@@ -31,6 +31,7 @@ from blockspec.server.ids import new_id
 from blockspec.server.images import check_images
 from blockspec.server.output import OutputAccumulator, OutputDelta
 from blockspec.server.protocol import ChatCompletionRequest, _Request
+from blockspec.server.replies import UsageInfo
 from blockspec.server.request_building import check_bounds, check_queue_room, read_body, validate
 from blockspec.server.state import ServerState
 from blockspec.server.streaming import SSEResponse, collected
@@ -325,13 +326,13 @@ class OutputItems:
 
 
 def response_object(response_id: str, created_at: int, model: str, body: ResponsesRequest,
-                    items: list[dict[str, Any]], status: str, usage: tuple[int, int] | None = None,
+                    items: list[dict[str, Any]], status: str, usage: tuple[int, int, int] | None = None,
                     finish_reason: str | None = None) -> dict[str, Any]:
     """The Response object (status in_progress while streaming, then completed or incomplete)."""
     incomplete = {"reason": "max_output_tokens"} if finish_reason == "length" else None
     usage_object = None
     if usage is not None:
-        usage_object = {"input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0},
+        usage_object = {"input_tokens": usage[0], "input_tokens_details": {"cached_tokens": usage[2]},
                         "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
                         "total_tokens": usage[0] + usage[1]}
     return {
@@ -348,6 +349,12 @@ def response_object(response_id: str, created_at: int, model: str, body: Respons
         else None,
         "background": False, "user": body.user,
     }
+
+
+def usage_counts(usage: UsageInfo) -> tuple[int, int, int]:
+    """(input, output, cached input) tokens: the prefix cache's hits count as chat counts them."""
+    details = usage.prompt_tokens_details
+    return usage.prompt_tokens, usage.completion_tokens, details.cached_tokens if details else 0
 
 
 def final_status(finish_reason: str | None) -> str:
@@ -401,7 +408,7 @@ def whole_response(choices: list[Choice], outputs: list[OutputAccumulator], resp
     usage = total_usage(choices)
     finish = outputs[0].finish_reason
     return response_object(response_id, created, model, body, items.items, final_status(finish),
-                           (usage.prompt_tokens, usage.completion_tokens), finish)
+                           usage_counts(usage), finish)
 
 
 def as_responses_error(exc: ApiError) -> ApiError:
@@ -423,7 +430,7 @@ async def response_events(choices: list[Choice], response_id: str, created: int,
 
     def snapshot(status: str, items: list, finish: str | None = None) -> dict[str, Any]:
         usage = total_usage(choices) if status != "in_progress" else None
-        counts = (usage.prompt_tokens, usage.completion_tokens) if usage else None
+        counts = usage_counts(usage) if usage else None
         return response_object(response_id, created, model, body, items, status, counts, finish)
 
     yield send({"type": "response.created", "response": snapshot("in_progress", [])})
