@@ -1107,6 +1107,9 @@ MUTANTS = [
            "        watcher = asyncio.ensure_future(wait_for_disconnect(receive))\n",
            "        watcher = asyncio.ensure_future(asyncio.Event().wait())\n",
            ("tests/test_server.py::test_disconnect_mid_stream_aborts",), "audit64a"),
+    Mutant("responses-cached-tokens-zero", "blockspec/server/responses.py",
+           '"input_tokens_details": {"cached_tokens": usage[2]},', '"input_tokens_details": {"cached_tokens": 0},',
+           (AUDIT64A + "test_responses_report_the_prefix_caches_hits_as_chat_does",), "audit64a"),
 ]
 
 
