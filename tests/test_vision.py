@@ -469,3 +469,68 @@ def test_http_images_fetched_with_limits(tmp_path):
                 load_image(url, policy)
     finally:
         server.shutdown()
+
+
+# -- audit 64d: images of one size, and two image sequences in one step -------------------------
+
+TWINS = (random_image(37, 53, seed=11), random_image(37, 53, seed=12))      # one size, other pixels
+
+
+def twin_request(llm: LLM, image, request_id: str):
+    """PROMPTS["one"]'s text around `image`: twins make the same prompt ids, placeholders included."""
+    ids = llm.tokenizer.encode_chat(PROMPTS["one"][0])
+    ids, prompt = llm.image_prompt(ids, [process_image(image, llm.image_processor)])
+    return llm.make_request(request_id, ids, GREEDY, multimodal=prompt)
+
+
+@pytest.fixture(scope="module")
+def twin_answers(plain, references) -> list[list[int]]:
+    """transformers' greedy answer of qwen3_vl to PROMPTS["one"] about each twin."""
+    model, processor = references["qwen3_vl"]
+    text = plain["qwen3_vl"].tokenizer.apply_chat_template(PROMPTS["one"][0], None, add_generation_prompt=True)
+    answers = []
+    for image in TWINS:
+        inputs = processor(text=[text], images=[image], return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
+        answers.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+    assert answers[0] != answers[1]            # the pixels decide the answer, not the prompt's ids
+    return answers
+
+
+def test_images_of_one_size_never_share_cached_pages(plain, twin_answers):
+    """Two images of the same size (so the same placeholder rows in the same text) but other
+    pixels: the second request reuses only pages before its image, and answers about its own."""
+    llm = plain["qwen3_vl"]
+    first, second = twin_request(llm, TWINS[0], "twin-0"), twin_request(llm, TWINS[1], "twin-1")
+    assert first.prompt_ids == second.prompt_ids
+    llm.generate_requests([first])
+    llm.generate_requests([second])
+    assert second.stats.cached_tokens <= second.multimodal.starts[0]
+    assert [first.output_ids, second.output_ids] == twin_answers
+
+
+def test_two_image_requests_in_one_step_then_preempted_answer_as_transformers(checkpoints, twin_answers):
+    """Both prompts prefill in one step (each image's tokens go to its own rows of the step); an
+    out-of-memory at their third decode step preempts both, and each recomputes its prompt and
+    its output so far in one chunk (the output rows at the prompt's M-RoPE shift). No prefix
+    cache: the recompute runs through the image again. Each answers as transformers does."""
+    llm = LLM(str(checkpoints["qwen3_vl"]), show_progress=False, prefix_cache=False, **SMALL_POOL)
+    scheduler, decode_steps, preempted = llm.engine.scheduler, [], []
+    preempt = scheduler.preempt
+    scheduler.preempt = lambda seq: (preempted.append(seq.request_id), preempt(seq))[1]
+    launch, prefills = llm.engine.runner.launch, []
+    llm.engine.runner.launch = lambda step: (prefills.append(len(step.prefill)), launch(step))[1]
+
+    def out_of_memory_at_the_third_decode(stage: str, seqs) -> None:
+        if stage == "decode":
+            decode_steps.append(len(seqs))
+            if len(decode_steps) == 3:
+                raise torch.OutOfMemoryError("injected")
+
+    llm.engine.fault_hook = out_of_memory_at_the_third_decode
+    batch = [twin_request(llm, image, f"both-{i}") for i, image in enumerate(TWINS)]
+    llm.generate_requests(batch)
+    assert prefills[0] == 2 and decode_steps[:3] == [2, 2, 2]
+    assert sorted(preempted) == ["both-0", "both-1"]
+    assert [request.output_ids for request in batch] == twin_answers
