@@ -69,6 +69,8 @@ QWEN3 = "blockspec/models/qwen3.py"
 LOADER = "blockspec/loader.py"
 AUDIT64 = "tests/test_audit64_core.py::"
 AUDIT64A = "tests/test_audit64_server.py::"
+AUDIT64D = "tests/test_audit64_media.py::"
+AUDIT64D_VISION = "tests/test_vision.py::"
 
 
 MUTANTS = [
@@ -1110,6 +1112,112 @@ MUTANTS = [
     Mutant("responses-cached-tokens-zero", "blockspec/server/responses.py",
            '"input_tokens_details": {"cached_tokens": usage[2]},', '"input_tokens_details": {"cached_tokens": 0},',
            (AUDIT64A + "test_responses_report_the_prefix_caches_hits_as_chat_does",), "audit64a"),
+    # audit 64d: images, tensor parallelism and the token-level scheduler
+    # two images of one size share a digest: the prefix cache reuses one's pages for the other
+    Mutant('image-digest-ignores-pixels', 'blockspec/multimodal/processor.py',
+           'digest = hashlib.sha256(resized.tobytes() + repr((grid, config)).encode()).digest()',
+           'digest = hashlib.sha256(repr((grid, config)).encode()).digest()',
+           (AUDIT64D_VISION + "test_images_of_one_size_never_share_cached_pages",), "audit64d"),
+    # image rows of the second sequence in a step land in the first's rows
+    Mutant('batch-image-rows-miss-the-offset', 'blockspec/engine/multimodal.py',
+           'rows.append(torch.arange(first, last) - start + offset)',
+           'rows.append(torch.arange(first, last) - start)',
+           (AUDIT64D_VISION + "test_two_image_requests_in_one_step_then_preempted_answer_as_transformers",), "audit64d"),
+    # a chunk that starts inside an image takes the image's first tokens again
+    Mutant('chunk-takes-the-images-first-rows', 'blockspec/engine/multimodal.py',
+           'embeds.append(outputs[k].embeds[first - lo:last - lo])',
+           'embeds.append(outputs[k].embeds[:last - first])',
+           (AUDIT64D_VISION + "test_dflash_chunks_and_batch_equal_plain_alone",), "audit64d"),
+    # a recomputed sequence's output rows rotate without the prompt's M-RoPE shift
+    Mutant('recompute-tail-unshifted', 'blockspec/engine/multimodal.py',
+           'tail = (torch.arange(max(start, prompt_end), end) + mm.rope_delta).expand(3, -1)',
+           'tail = torch.arange(max(start, prompt_end), end).expand(3, -1)',
+           (AUDIT64D_VISION + "test_two_image_requests_in_one_step_then_preempted_answer_as_transformers",), "audit64d"),
+    # the text after an image resumes one position late
+    Mutant('text-after-image-one-late', 'blockspec/multimodal/prompt.py',
+           'next_position += max(h, w)',
+           'next_position += max(h, w) + 1',
+           (AUDIT64D_VISION + "test_greedy_equals_transformers",), "audit64d"),
+    # an image's M-RoPE rows and columns swapped
+    Mutant('image-grid-rows-and-columns-swapped', 'blockspec/multimodal/prompt.py',
+           'torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")',
+           'torch.meshgrid(torch.arange(t), torch.arange(w), torch.arange(h), indexing="ij")',
+           (AUDIT64D_VISION + "test_greedy_equals_transformers",), "audit64d"),
+    # a text chunk after an image rotates at its cache position
+    Mutant('text-between-images-unshifted', 'blockspec/engine/multimodal.py',
+           'return int(mm.rope_positions[0, entry.start]) - entry.start',
+           'return 0',
+           (AUDIT64D_VISION + "test_a_second_turn_after_an_image_on_the_graphs_path_equals_transformers",), "audit64d"),
+    # an allowed domain lets in any host ending in its letters
+    Mutant('fetch-domain-suffix-unanchored', 'blockspec/multimodal/fetch.py',
+           'host.endswith("." + d)',
+           'host.endswith(d)',
+           (AUDIT64D + "test_allowed_domains_match_a_host_or_its_subdomains_only",), "audit64d"),
+    # a file:// image is read whatever its size
+    Mutant('local-file-size-unchecked', 'blockspec/multimodal/fetch.py',
+           '    if path.stat().st_size > policy.max_bytes:\n        raise',
+           '    if False:\n        raise',
+           (AUDIT64D + "test_a_local_image_over_the_byte_limit_is_refused",), "audit64d"),
+    # an image beyond transformers' 200:1 aspect ratio is processed
+    Mutant('aspect-ratio-unchecked', 'blockspec/multimodal/processor.py',
+           '    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:',
+           '    if False:',
+           (AUDIT64D + "test_an_image_beyond_the_aspect_ratio_limit_is_refused",), "audit64d"),
+    # the tower's 2-D rotary in raster order, its patches in merge-block order
+    Mutant('vision-rope-in-raster-order', 'blockspec/models/qwen3_vl.py',
+           'coords.append(self.block_order(torch.stack((rows, cols), dim=-1), h, w).repeat(t, 1))',
+           'coords.append(torch.stack((rows, cols), dim=-1).reshape(h * w, 2).repeat(t, 1))',
+           (AUDIT64D_VISION + "test_vision_features_equal_transformers",), "audit64d"),
+    # a row-parallel layer's bias added on every rank before the all-reduce
+    Mutant('row-parallel-bias-per-rank', 'blockspec/distributed/layers.py',
+           '        out = self.tp.all_reduce(F.linear(x, self.weight))\n        return out if self.bias is None else out + self.bias',
+           '        return self.tp.all_reduce(F.linear(x, self.weight, self.bias))',
+           (AUDIT64D + "test_row_parallel_embedding_and_lm_head_on_two_ranks_equal_the_whole_layers",), "audit64d"),
+    # K/V heads split into pieces when tp exceeds them
+    Mutant('kv-split-ignores-replication', 'blockspec/distributed/shard.py',
+           'return Slice(0, (chunk(shape[0], tp, rank, min(tp, kv)),))',
+           'return Slice(0, (chunk(shape[0], tp, rank),))',
+           (AUDIT64D + "test_each_rank_reads_the_kv_heads_its_query_heads_use",), "audit64d"),
+    # replicated K/V heads dealt round-robin, not to the ranks of their query heads
+    Mutant('shared-kv-head-interleaved', 'blockspec/distributed/shard.py',
+           '    index = rank * num_chunks // tp\n',
+           '    index = rank % num_chunks\n',
+           (AUDIT64D + "test_each_rank_reads_the_kv_heads_its_query_heads_use",), "audit64d"),
+    # each rank's last vocabulary row looks up zeros
+    Mutant('embedding-drops-the-shards-last-row', 'blockspec/distributed/layers.py',
+           'mine = (local >= 0) & (local < self.num_embeddings)',
+           'mine = (local >= 0) & (local < self.num_embeddings - 1)',
+           (AUDIT64D + "test_row_parallel_embedding_and_lm_head_on_two_ranks_equal_the_whole_layers",), "audit64d"),
+    # the lm_head's gathered logits of several rows interleaved
+    Mutant('logits-gathered-rank-major', 'blockspec/distributed/group.py',
+           'return pieces.view(self.size, *x.shape).movedim(0, -2).reshape(',
+           'return pieces.view(self.size, *x.shape).reshape(',
+           (AUDIT64D + "test_row_parallel_embedding_and_lm_head_on_two_ranks_equal_the_whole_layers",), "audit64d"),
+    # one sequence more than max_num_seqs runs
+    Mutant('seats-one-over', 'blockspec/engine/scheduler.py',
+           'while self.waiting and len(self.running) < self.seat_limit:',
+           'while self.waiting and len(self.running) <= self.seat_limit:',
+           (AUDIT64D + "test_no_more_than_max_num_seqs_run_and_the_waiting_are_admitted_oldest_first",), "audit64d"),
+    # prompts take the whole budget left, past max_prefill_tokens
+    Mutant('max-prefill-tokens-ignored', 'blockspec/engine/scheduler.py',
+           'chunks = self._chunks(prefilling, min(budget, self.config.max_prefill_tokens))',
+           'chunks = self._chunks(prefilling, budget)',
+           (AUDIT64D + "test_prompts_prefill_at_most_max_prefill_tokens_a_step_whatever_the_budget_leaves",), "audit64d"),
+    # the newest prompt's chunk goes first
+    Mutant('newest-prompt-prefills-first', 'blockspec/engine/scheduler.py',
+           '        for seq in prefilling:\n            if budget == 0',
+           '        for seq in reversed(prefilling):\n            if budget == 0',
+           ("tests/test_scheduler.py::test_several_prompts_prefill_in_one_step",), "audit64d"),
+    # a prompt of exactly max_model_len tokens accepted (no room for output)
+    Mutant('prompt-filling-the-context-accepted', 'blockspec/engine/request.py',
+           'if len(prompt_ids) >= max_model_len:',
+           'if len(prompt_ids) > max_model_len:',
+           (AUDIT64D + "test_a_prompt_that_fills_the_context_is_refused_and_one_shorter_gets_one_token", AUDIT64D + "test_a_prompt_that_fills_the_context_is_a_400_naming_the_prompt",), "audit64d"),
+    # admission reserves the prompt's pages but not its first block's
+    Mutant('admission-without-the-first-block', 'blockspec/engine/scheduler.py',
+           'need = self.cache.pages_needed(seq, seq.prefill_len + self.width)',
+           'need = self.cache.pages_needed(seq, seq.prefill_len)',
+           ("tests/test_scheduler.py::test_admission_waits_for_free_pages_and_takes_the_oldest_first",), "audit64d"),
 ]
 
 
