@@ -51,9 +51,12 @@ def dequantize_block_by_block(q: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     return out
 
 
-def write_fp8_checkpoint(directory: Path, model: torch.nn.Module, scale_dtype: torch.dtype = torch.float32) -> Path:
+def write_fp8_checkpoint(directory: Path, model: torch.nn.Module, scale_dtype: torch.dtype = torch.float32,
+                         fused_experts: bool = False) -> Path:
     """`model` (a transformers model) as an FP8 checkpoint in `directory`; afterwards `model`
-    holds the dequantized weights. Returns the directory."""
+    holds the dequantized weights. Returns the directory. fused_experts: the experts as
+    transformers names them (`experts.gate_up_proj` [E, 2I, H] with `gate_up_proj_scale_inv`, each
+    expert's [2I, H] blocked as one matrix, so a block may span gate and up)."""
     state = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
@@ -68,6 +71,11 @@ def write_fp8_checkpoint(directory: Path, model: torch.nn.Module, scale_dtype: t
         fused = FUSED_EXPERTS.fullmatch(name)
         if QUANTIZED.fullmatch(name):
             dequantized[name] = put(name, value)
+        elif fused and fused_experts:
+            pairs = [quantize_block_by_block(matrix, scale_dtype) for matrix in value]
+            tensors[name] = torch.stack([q for q, _ in pairs])
+            tensors[name + "_scale_inv"] = torch.stack([scale for _, scale in pairs])
+            dequantized[name] = torch.stack([dequantize_block_by_block(q, scale) for q, scale in pairs])
         elif fused:                      # [E, 2I, H] / [E, H, I] → per expert, as Qwen's FP8 files hold them
             prefix, kind = fused.groups()
             experts = []

@@ -980,3 +980,88 @@ def test_a_gguf_file_with_quantization_is_refused_in_one_line(qwen3_dir, tmp_pat
     path = write_gguf(qwen3_dir, tmp_path / "tiny.gguf", with_tokenizer=False)
     with pytest.raises(LoadError, match="--quantization fp8 takes a safetensors checkpoint, not a GGUF file"):
         load_model(str(path), quantization="fp8")
+
+
+# ── audit 64c: checkpoint layouts and weights the fixtures above do not hold ────────────────────
+
+def test_a_fused_expert_checkpoint_scales_gate_and_up_as_one_matrix(fp8_models, one_tokenizer, tmp_path):
+    """Experts in transformers' fused names (`experts.gate_up_proj` + `gate_up_proj_scale_inv`,
+    each expert's [2I, H] blocked whole): I = 96, so a 128-row block spans gate and up. Every
+    expert dequantizes to exactly what was written, and greedy decoding equals transformers."""
+    import copy
+    reference = copy.deepcopy(fp8_models["qwen3_5_moe"][0])
+    path = fp8_fixtures.write_fp8_checkpoint(tmp_path / "fused", reference, fused_experts=True)
+    state = reference.state_dict()
+    model = load_model(str(path)).model
+    experts = [(n, m) for n, m in model.named_modules() if isinstance(m, fp8.Fp8Experts)]
+    assert len(experts) == 4
+    for name, module in experts:
+        gate_up, down = module.stacked(torch.float32)
+        assert torch.equal(gate_up, state[name + ".gate_up_proj"]) and torch.equal(down, state[name + ".down_proj"])
+    ids = torch.tensor([PROMPT[:6]])
+    with torch.no_grad():
+        want = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                  min_new_tokens=12, pad_token_id=0)[0, 6:].tolist()
+    llm = LLM(str(path), max_model_len=64, show_progress=False)
+    assert llm.generate_ids(PROMPT[:6], SamplingParams(max_tokens=12)).token_ids == want
+    assert len(set(want)) > 3
+
+
+def test_a_dense_fp8_target_reports_its_format(fp8_models):
+    """weight_format says fp8_e4m3 for a target whose FP8 modules are linears only (no experts)."""
+    _, path, bf16 = fp8_models["qwen3"]
+    assert fp8.weight_format(load_model(str(path)).model) == "fp8_e4m3"
+    assert fp8.weight_format(load_model(str(bf16)).model) == "float32"
+
+
+def test_fp8_projections_keep_their_bf16_biases(one_tokenizer, tmp_path):
+    """Qwen2's q/k/v biases stay bf16 beside the FP8 weights: the fused qkv's bias rows are each
+    part's, added after the product; greedy equals transformers on the dequantized weights."""
+    import transformers as tf
+    torch.manual_seed(0)
+    reference = tf.Qwen2ForCausalLM(tf.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.2))
+    randomise(reference)
+    with torch.no_grad():                    # biases large enough to decide tokens
+        gen = torch.Generator().manual_seed(1)
+        for name, param in reference.named_parameters():
+            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
+                param.copy_(torch.randn(param.shape, generator=gen))
+    path = fp8_fixtures.write_fp8_checkpoint(tmp_path / "qwen2", reference)
+    model = load_model(str(path)).model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, fp8.Fp8Linear) and qkv.bias is not None
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    state = reference.state_dict()
+    parts = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    want = x @ torch.cat([state[p + ".weight"] for p in parts]).T + torch.cat([state[p + ".bias"] for p in parts])
+    assert torch.allclose(qkv(x), want, rtol=1e-5, atol=1e-5)
+    ids = torch.tensor([PROMPT[:6]])
+    with torch.no_grad():
+        tokens = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                    min_new_tokens=12, pad_token_id=0)[0, 6:].tolist()
+    llm = LLM(str(path), max_model_len=64, show_progress=False)
+    assert llm.generate_ids(PROMPT[:6], SamplingParams(max_tokens=12)).token_ids == tokens
+    assert len(set(tokens)) > 3
+
+
+def test_the_fp8_fp8_reference_quantizes_the_activations_per_row_and_128_columns():
+    """reference_fp8_fp8 (the spec the FP8 × FP8 kernels are held to) rounds x to e4m3 with a
+    scale per row and 128 columns (K = 200: a ragged last group) before the fp32 product; the
+    bias is added before the one rounding. Operands that e4m3 does not hold exactly, so skipping
+    the activations' rounding shows."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 200, generator=gen).to(torch.bfloat16)
+    q, scale = fp8_fixtures.quantize_block_by_block(torch.randn(48, 200, generator=gen), torch.float32)
+    bias = torch.randn(48, generator=gen).to(torch.bfloat16)
+    x_deq = torch.empty(5, 200)
+    for row in range(5):
+        for start in (0, 128):
+            tile = x[row, start:start + 128].float()
+            s = tile.abs().max() / 448.0
+            x_deq[row, start:start + 128] = (tile / s).to(fp8.FP8).float() * s
+    w_deq = fp8_fixtures.dequantize_block_by_block(q, scale)
+    ours = fp8_kernels.reference_fp8_fp8(x, q, scale, fp8.ScaleBlock(), bias)
+    assert torch.equal(ours, (x_deq @ w_deq.T + bias.float()).to(torch.bfloat16))
+    assert not torch.equal(ours, (x.float() @ w_deq.T + bias.float()).to(torch.bfloat16))
