@@ -178,10 +178,13 @@ def check_device(device: str) -> None:
     if device == "auto":
         return
     import torch
+    from blockspec.loader import DEVICE_TYPES
     try:
-        torch.device(device)
+        kind = torch.device(device).type
     except RuntimeError:
-        raise UsageError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
+        kind = None
+    if kind not in DEVICE_TYPES:          # meta, mps, …: torch's devices, not ours (the load would pass, the step fail)
+        raise UsageError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N")
 
 
 def use_demo_without_model(args: argparse.Namespace) -> None:

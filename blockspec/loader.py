@@ -86,12 +86,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
+DEVICE_TYPES = ("cpu", "cuda")        # what the engine runs on: a meta or mps model would load, then fail mid-step
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        resolved = None
+    if resolved is None or resolved.type not in DEVICE_TYPES:
+        raise LoadError(f"--device {device!r} is not supported: use auto, cpu, cuda or cuda:N")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
         raise LoadError("--device cuda was asked for but no CUDA device is available")
-    return torch.device(device)
+    return resolved
 
 
 def load_weights(model: nn.Module, files: list[Path], rename: Rename, show_progress: bool = False,
