@@ -170,6 +170,10 @@ def test_serve_startup_failure_is_one_line_and_nothing_about_serving(qwen3_dir, 
     (["--layers", "0"], "--layers must be at least 1"),
     (["--shape", "nope"], "unknown --shape 'nope'"),
     (["--multi-turn", "4by3"], "--multi-turn takes CONVERSATIONSxTURNS"),
+    (["--accept-len", "0"], "--accept-len must be in [1, 16]"),
+    (["--accept-len", "17"], "--accept-len must be in [1, 16]"),
+    (["--accept-len", "9", "--block-size", "8,4"], "--accept-len must be in [1, 8]"),
+    (["--accept-len", "99", "--multi-turn", "1x2"], "--accept-len must be in [1, 16]"),
 ])
 def test_bench_bad_input_is_one_line_and_nonzero(args, message, capsys):
     from blockspec.cli import main
@@ -178,6 +182,14 @@ def test_bench_bad_input_is_one_line_and_nonzero(args, message, capsys):
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in err
+
+
+def test_bench_takes_an_acceptance_length_from_one_to_the_whole_block():
+    """--accept-len's bounds are themselves allowed: 1 (every draft rejected) and the largest
+    --block-size (every draft accepted)."""
+    from blockspec.bench import check_accept_len
+    for accept_len, blocks in ((1.0, "16"), (16.0, "16"), (8.0, "4,8"), (None, "x")):
+        check_accept_len(accept_len, blocks)
 
 
 def test_bench_moe_figures_on_cpu(tmp_path):

@@ -37,7 +37,22 @@ __all__ = ["SHAPES", "EngineFailed", "LatentProfile", "build_empty", "build_mode
            "solve_mean_probability", "step_weight_bytes", "throughput", "timed"]
 
 
+def check_accept_len(accept_len: float | None, block_size: str) -> None:
+    """--accept-len is what a cycle commits on average: at least its own target token, at most a
+    whole block (forced_accept would clamp anything else into a figure nobody asked for)."""
+    if accept_len is None:
+        return
+    try:
+        largest = max(int(b) for b in str(block_size).split(",") if b.strip())
+    except ValueError:
+        return                                             # --block-size's own check names it
+    if not 1.0 <= accept_len <= largest:
+        raise ValueError(f"--accept-len must be in [1, {largest}] (a cycle commits its target's token and at "
+                         f"most the block), not {accept_len:g}")
+
+
 def main(args) -> int:
+    check_accept_len(getattr(args, "accept_len", None), getattr(args, "block_size", "16"))
     if getattr(args, "multi_turn", None):
         log_startup(args.device != "cpu")
         return report(multi_turn_main, args)
