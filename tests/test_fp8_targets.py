@@ -87,18 +87,28 @@ def one_tokenizer(qwen3_dir):
         yield
 
 
+def transformers_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """transformers' greedy continuation of exactly num_tokens tokens (no early end)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_tokens,
+                                min_new_tokens=num_tokens, pad_token_id=0)
+    return tokens[0, len(prompt):].tolist()
+
+
+def assert_greedy_equals_transformers(reference, path, prompt: list[int], num_tokens: int = 12) -> None:
+    """Our greedy decoding of the checkpoint at `path` equals transformers' on `reference`, and the
+    answer is not one token repeated (where a wrong weight would still agree)."""
+    want = transformers_greedy(reference, prompt, num_tokens)
+    llm = LLM(str(path), max_model_len=64, show_progress=False)
+    assert llm.generate_ids(prompt, SamplingParams(max_tokens=num_tokens)).token_ids == want
+    assert len(set(want)) > 3
+
+
 @pytest.fixture(scope="module")
 def expected(fp8_models) -> dict[str, list[list[int]]]:
-    out = {}
-    for kind, (model, _, _) in fp8_models.items():
-        out[kind] = []
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            with torch.no_grad():
-                tokens = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
-                                        min_new_tokens=16, pad_token_id=0)
-            out[kind].append(tokens[0, len(prompt):].tolist())
-    return out
+    return {kind: [transformers_greedy(model, prompt, 16) for prompt in PROMPTS]
+            for kind, (model, _, _) in fp8_models.items()}
 
 
 # ── the format ─────────────────────────────────────────────────────────────────────────────────
@@ -998,13 +1008,7 @@ def test_a_fused_expert_checkpoint_scales_gate_and_up_as_one_matrix(fp8_models, 
     for name, module in experts:
         gate_up, down = module.stacked(torch.float32)
         assert torch.equal(gate_up, state[name + ".gate_up_proj"]) and torch.equal(down, state[name + ".down_proj"])
-    ids = torch.tensor([PROMPT[:6]])
-    with torch.no_grad():
-        want = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
-                                  min_new_tokens=12, pad_token_id=0)[0, 6:].tolist()
-    llm = LLM(str(path), max_model_len=64, show_progress=False)
-    assert llm.generate_ids(PROMPT[:6], SamplingParams(max_tokens=12)).token_ids == want
-    assert len(set(want)) > 3
+    assert_greedy_equals_transformers(reference, path, PROMPT[:6])
 
 
 def test_a_dense_fp8_target_reports_its_format(fp8_models):
@@ -1037,13 +1041,7 @@ def test_fp8_projections_keep_their_bf16_biases(one_tokenizer, tmp_path):
     parts = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
     want = x @ torch.cat([state[p + ".weight"] for p in parts]).T + torch.cat([state[p + ".bias"] for p in parts])
     assert torch.allclose(qkv(x), want, rtol=1e-5, atol=1e-5)
-    ids = torch.tensor([PROMPT[:6]])
-    with torch.no_grad():
-        tokens = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
-                                    min_new_tokens=12, pad_token_id=0)[0, 6:].tolist()
-    llm = LLM(str(path), max_model_len=64, show_progress=False)
-    assert llm.generate_ids(PROMPT[:6], SamplingParams(max_tokens=12)).token_ids == tokens
-    assert len(set(tokens)) > 3
+    assert_greedy_equals_transformers(reference, path, PROMPT[:6])
 
 
 def test_the_fp8_fp8_reference_quantizes_the_activations_per_row_and_128_columns():
