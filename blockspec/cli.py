@@ -177,13 +177,8 @@ def check_message(index: int, message: dict[str, Any]) -> None:
 def check_device(device: str) -> None:
     if device == "auto":
         return
-    import torch
-    from blockspec.loader import DEVICE_TYPES
-    try:
-        kind = torch.device(device).type
-    except RuntimeError:
-        kind = None
-    if kind not in DEVICE_TYPES:          # meta, mps, …: torch's devices, not ours (the load would pass, the step fail)
+    from blockspec.loader import supported_device
+    if supported_device(device) is None:    # meta, mps, …: torch's devices, not ours (the load would pass, the step fail)
         raise UsageError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N")
 
 

@@ -89,14 +89,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 DEVICE_TYPES = ("cpu", "cuda")        # what the engine runs on: a meta or mps model would load, then fail mid-step
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def supported_device(device: str) -> torch.device | None:
+    """A --device other than auto as torch names it, or None where torch cannot parse it or the
+    engine does not run on its type (cli.check_device asks before anything loads)."""
     try:
         resolved = torch.device(device)
     except RuntimeError:
-        resolved = None
-    if resolved is None or resolved.type not in DEVICE_TYPES:
+        return None
+    return resolved if resolved.type in DEVICE_TYPES else None
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = supported_device(device)
+    if resolved is None:
         raise LoadError(f"--device {device!r} is not supported: use auto, cpu, cuda or cuda:N")
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise LoadError("--device cuda was asked for but no CUDA device is available")
