@@ -64,6 +64,7 @@ def test_graphs_captured_at_startup_equal_the_eager_ragged_step(pair, block_size
         assert run.stats.acceptance_lengths == by_id[run.request.request_id].stats.acceptance_lengths
 
 
+@pytest.mark.measures_memory
 def test_the_pool_fills_the_memory_it_is_given(pair):
     """gpu_memory_utilization set to leave 6 GiB above what this process and others use now: the
     pages take what one full-budget forward's activations (~2 GiB here) leave of it, never more."""
