@@ -272,3 +272,34 @@ def test_a_grammar_constrained_answer_after_an_opened_think_tag_is_content(token
     # without the grammar the same answer is reasoning (the test's premise)
     whole, _ = answer(tokenizer_server, '{"a": 1}', {k: v for k, v in body.items() if k != "response_format"})
     assert whole["choices"][0]["message"]["reasoning_content"] == '{"a": 1}'
+
+
+# -- the request lifecycle --------------------------------------------------------------------------
+
+def test_a_block_cut_at_a_stop_id_or_max_tokens_keeps_the_logprobs_of_its_committed_tokens_only():
+    """A verify block commits up to its first stop id (kept) and up to max_tokens: the logprobs
+    kept are exactly those of the committed tokens, so the engine's event (the request's last
+    len(tokens) logprobs) carries each committed token's own, none of a draft past the cut."""
+    from blockspec.engine.request import Request
+    from blockspec.sampling import SamplingParams
+    stop = Request("s", [1, 2], SamplingParams(max_tokens=10), frozenset({11}), 100)
+    assert stop.commit([5, 6], ["a", "b"]) == [5, 6]
+    assert stop.commit([7, 11, 8, 9], ["c", "d", "e", "f"]) == [7, 11] and stop.finish_reason == "stop"
+    assert stop.output_logprobs == ["a", "b", "c", "d"]
+    length = Request("l", [1, 2], SamplingParams(max_tokens=3), frozenset({11}), 100)
+    assert length.commit([5, 6, 7, 8], ["a", "b", "c", "d"]) == [5, 6, 7] and length.finish_reason == "length"
+    assert length.output_logprobs == ["a", "b", "c"]
+
+
+def test_the_output_fills_the_context_exactly():
+    """Prompt and output together fill max_model_len, no more and no less: a 6-token prompt in a
+    context of 10 may have exactly 4 output tokens, the last cut from a longer block ends it
+    with length; a max_tokens below that room is the limit instead."""
+    from blockspec.engine.request import Request
+    from blockspec.sampling import SamplingParams
+    request = Request("c", list(range(6)), SamplingParams(max_tokens=100), frozenset(), 10)
+    assert request.num_allowed == 4
+    assert request.commit([20, 21, 22]) == [20, 21, 22] and request.finish_reason is None
+    assert request.commit([23, 24, 25]) == [23] and request.finish_reason == "length"
+    assert len(request.prompt_ids) + len(request.output_ids) == 10
+    assert Request("m", list(range(6)), SamplingParams(max_tokens=3), frozenset(), 10).num_allowed == 3
