@@ -308,9 +308,13 @@ class ForwardCounter:
         self.count += 1
 
 
-def run_interpreted(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_interpreted(code: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """code in a fresh process under Triton's CPU interpreter (chosen when the kernels are defined,
-    so never in this process), with the repository importable."""
+    so never in this process), with the repository and tests/ importable, the interpreter less its
+    redundant re-patching (tests/fast_interpreter.py: the same operations, about a third faster)."""
+    tests = Path(__file__).parent
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+               PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    code = "import fast_interpreter; fast_interpreter.install()\n" + code
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd)

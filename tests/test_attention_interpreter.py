@@ -8,16 +8,12 @@ process (~5 s); its bf16 tl.dot is wrong (triton 3.9), so only fp32 / fp16 here.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+from helpers import run_interpreted
 
-HERE = Path(__file__).parent
+pytest.importorskip("triton")
 
 CHILD = """
 import json, torch
@@ -52,9 +48,7 @@ print(json.dumps(errors))
 def test_interpreted_kernels_match_reference():
     """fp32 within 1e-5 of the fp64 reference (fp16 within 2e-3), eagerly and with a graph's key
     bound; outputs finite on padding rows too; the output keeps q's dtype."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+    done = run_interpreted(CHILD, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(errors) == 17
@@ -113,9 +107,7 @@ def test_batch_invariant_attention_gives_a_row_the_same_bits_in_any_call():
     without it the split count follows the call, and some of these differ (what made bf16 DFlash
     differ from plain decoding on the H200). The ranges' merge and the draft's block in its last
     range still give the reference's attention."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", INVARIANCE_CHILD], env=env, capture_output=True, text=True, timeout=300)
+    done = run_interpreted(INVARIANCE_CHILD, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert all(n == 0 for n in result["True"].values()), result["True"]

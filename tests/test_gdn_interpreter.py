@@ -8,9 +8,6 @@ real head sizes are tests/gpu/test_gdn_kernel.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -39,9 +36,7 @@ def test_interpreted_step_matches_reference():
     norm fused or not): the output rows,
     the state after every row and the stashed conv inputs (verify, pools untouched), and the
     advanced conv window and state in each sequence's own slot (plain step), within fp32 rounding."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+    done = run_interpreted(CHILD, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(errors) == 5
@@ -82,10 +77,7 @@ def test_hybrid_model_through_interpreted_step_kernel():
     ≤ 16 rows on the kernel, and a hybrid's turns with prefix-cache hits (their short chunks on
     the kernel, as on CUDA) equal the same turns with the cache off (longer chunks on the torch
     chunked form)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", MODEL_CHILD], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=HERE.parent)
+    done = run_interpreted(MODEL_CHILD, timeout=300, cwd=HERE.parent)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
     assert "4 passed" in done.stdout, done.stdout[-2000:]
 
