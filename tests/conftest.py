@@ -66,16 +66,50 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "pace: keeps the adaptive policy's real pace (else pinned at stride 1)")
     config.addinivalue_line("markers", "smollm2: the real SmolLM2 GGUF (fetched once); in the default run, "
                                        "-m 'not smollm2' leaves it out")
+    # xdist's scheduler (in the controller, which collects nothing) keeps the workers' collection
+    # order, heaviest files first (heaviest_files_first), unless asked for its own reorder.
+    if hasattr(config.option, "loadscopereorder") and "--loadscope-reorder" not in config.invocation_params.args:
+        config.option.loadscopereorder = False
+
+
+# Seconds each of the heaviest files takes on one worker of the 2-core CI run (`--durations`, the
+# default run, round 64's tree after the interpreter speed-up); any other file counts
+# DEFAULT_TEST_SECONDS a test. Only their order matters: see heaviest_files_first.
+FILE_SECONDS = {
+    "test_gguf.py": 215, "test_gdn_interpreter.py": 100, "test_dflash2.py": 100, "test_cli.py": 97,
+    "test_adaptive.py": 95, "test_dflash.py": 90, "test_server.py": 85, "test_train.py": 85,
+    "test_attention_interpreter.py": 80, "test_demo.py": 70, "test_fp8_targets.py": 70,
+    "test_tensor_parallel.py": 50, "test_moe.py": 48, "test_prefix_engine.py": 45, "test_api.py": 44,
+    "test_soak.py": 40, "test_reliability.py": 38, "test_warm.py": 27, "test_clients.py": 20,
+    "test_cpu_kernels.py": 22, "test_playground.py": 20, "test_early_draft.py": 20,
+    "test_prefill_kernel.py": 17, "test_prefix_server.py": 15, "test_ragged.py": 17,
+}
+DEFAULT_TEST_SECONDS = 0.5
+
+
+def heaviest_files_first(config, items) -> None:
+    """Orders the files by their weight, heaviest first, each file's tests in their own order.
+    With --dist loadfile a worker takes the next file whenever it is nearly done with its last,
+    so the long files start at once and the short ones fill in at the end, and the two workers
+    finish together instead of one running a long file alone. xdist would otherwise put the
+    files with the most tests first (--loadscope-reorder, its default); this order is the one
+    it then keeps (pytest_configure turns the reorder off)."""
+    counts: dict[Path, int] = {}
+    for item in items:
+        counts[item.path] = counts.get(item.path, 0) + 1
+    weight = {path: FILE_SECONDS.get(path.name, DEFAULT_TEST_SECONDS * n) for path, n in counts.items()}
+    items.sort(key=lambda item: -weight[item.path])             # stable: a file's tests keep their order
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Soak runs only when asked for by -m (not skipped: left out of the default run)."""
-    if "soak" in (config.option.markexpr or ""):
-        return
-    kept = [item for item in items if item.get_closest_marker("soak") is None]
-    if len(kept) != len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
-        items[:] = kept
+    """Soak runs only when asked for by -m (not skipped: left out of the default run). Then the
+    heaviest files first (heaviest_files_first)."""
+    if "soak" not in (config.option.markexpr or ""):
+        kept = [item for item in items if item.get_closest_marker("soak") is None]
+        if len(kept) != len(items):
+            config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+            items[:] = kept
+    heaviest_files_first(config, items)
 
 
 @pytest.fixture(scope="session")
