@@ -191,10 +191,18 @@ class DFlashDraftModel(nn.Module):
 
     def read_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         logits = lm_head(hidden)                                              # [..., V]
+        own = False                                   # logits is a tensor made here (not the head's)
         if self.config.output_multiplier != 1.0:      # x · 1 == x: skip a pass over every logit
-            logits = logits * self.config.output_multiplier
+            logits, own = logits * self.config.output_multiplier, True
         cap = self.config.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
+        if not cap:
+            return logits
+        if logits.requires_grad:                      # autograd keeps tanh's output: no in-place ops
+            return torch.tanh(logits / cap) * cap
+        # The same ops in place on a tensor of our own: the same bits, without a fresh [.., V]
+        # tensor per op (on the CPU, allocating and faulting those in cost more than the ops).
+        capped = logits.div_(cap) if own else logits / cap
+        return capped.tanh_().mul_(cap)
 
     def propose(self, hidden: torch.Tensor, anchors: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Hidden states of B blocks [B, T, H] → logits [B, T − 1, V] of the draft slots (slot i
