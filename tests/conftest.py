@@ -72,9 +72,11 @@ def pytest_configure(config) -> None:
         config.option.loadscopereorder = False
 
 
-# Seconds each of the heaviest files takes on one worker of the 2-core CI run (`--durations`, the
-# default run, round 64's tree after the interpreter speed-up); any other file counts
-# DEFAULT_TEST_SECONDS a test. Only their order matters: see heaviest_files_first.
+# Seconds each of the heaviest files takes on one worker of the 2-core run, estimated from round
+# 64's `--durations` (its 80 slowest tests, the interpreted ones as tests/fast_interpreter.py left
+# them) plus DEFAULT_TEST_SECONDS for each other test; any file not listed counts
+# DEFAULT_TEST_SECONDS a test. Only the order matters (heaviest_files_first): refresh the table
+# when a file's weight moves by much.
 FILE_SECONDS = {
     "test_gguf.py": 215, "test_gdn_interpreter.py": 100, "test_dflash2.py": 100, "test_cli.py": 97,
     "test_adaptive.py": 95, "test_dflash.py": 90, "test_server.py": 85, "test_train.py": 85,
