@@ -21,11 +21,15 @@ case ${1:-} in
     grep -qx '/.gguf/' .git/info/exclude 2>/dev/null || echo /.gguf/ >> .git/info/exclude
     xz -T2 -6 -c "$gguf" > .gguf/all.xz
     # Four pieces (p0 beside the wheels, then three beside the tree): each call carries at most
-    # 64 MiB (67.1 MB) and the tree reached 34.3 MB on disk in round 51, so p1 and p2 are 32.5 MB.
-    dd if=.gguf/all.xz of=.gguf/p0 iflag=count_bytes count=23000000 status=none
-    dd if=.gguf/all.xz of=.gguf/p1 iflag=skip_bytes,count_bytes skip=23000000 count=32500000 status=none
-    dd if=.gguf/all.xz of=.gguf/p2 iflag=skip_bytes,count_bytes skip=55500000 count=32500000 status=none
-    tail -c +88000001 .gguf/all.xz > .gguf/p3
+    # 64 MiB (67.1 MB), so the pieces are sized from today's tree and wheels (36.4 + 14.5 MB in round 66; round 66 was refused at 66.7 MB).
+    tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+    wheels=$(du -sb .whl 2>/dev/null | cut -f1); wheels=${wheels:-0}
+    room=$(( 67100000 - tree - 2000000 ))   # a margin: the device counts more than these bytes
+    first=$(( room - wheels ))
+    dd if=.gguf/all.xz of=.gguf/p0 iflag=count_bytes count=$first status=none
+    dd if=.gguf/all.xz of=.gguf/p1 iflag=skip_bytes,count_bytes skip=$first count=$room status=none
+    dd if=.gguf/all.xz of=.gguf/p2 iflag=skip_bytes,count_bytes skip=$(( first + room )) count=$room status=none
+    tail -c +$(( first + 2 * room + 1 )) .gguf/all.xz > .gguf/p3
     rm .gguf/all.xz
     ls -l .gguf ;;
   split2)
