@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--user-tokens", type=int, default=64, metavar="N", help="--multi-turn: tokens per user message")
     bench.add_argument("--burst", type=int, default=None, metavar="N",
                        help="burst mode: N requests of --prompt-len tokens arriving at once; reports their time "
-                            "to first token (p50, p99), plain and DFlash")
+                            "to first token (p50, p99), plain and DFlash (fixed whole blocks with --accept-len; adaptive, "
+                            "the default, with --accept-profile; both where both are given)")
     bench.add_argument("--burst-decoding", type=int, default=0, metavar="M",
                        help="with --burst: M requests already decoding when the burst arrives; reports the p99 "
                             "gap between their streamed tokens during it")

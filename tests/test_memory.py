@@ -107,6 +107,28 @@ def test_bench_burst_reports_first_token_and_gap_percentiles(pair):
     assert 0 < result["gap_p50_ms"] <= result["gap_p99_ms"]
 
 
+def test_bench_burst_with_a_latent_profile_runs_adaptive_on_its_confidences(pair, monkeypatch):
+    """--accept-profile: the burst's DFlash engine is adaptive (the default), its drafts' confidences
+    and verdicts the profile's (what lets it narrow and leave the budget to the prompt's chunks)."""
+    from blockspec.bench import bursts
+    from blockspec.bench.speculation import LatentProfile
+    target, draft = pair
+    seen, judged = [], []
+    real_engine = bursts.Engine
+    monkeypatch.setattr(bursts, "Engine", lambda t, d, config: seen.append(config.speculation) or real_engine(t, d, config))
+    profile = LatentProfile(3.0, 4)
+    real_judge = profile.judge
+    profile.judge = lambda real: (lambda *a, **kw: judged.append(1) or real_judge(real)(*a, **kw))
+    result = bursts.burst(target, draft, 4, arrivals=3, decoding=2, prompt_len=40, max_tokens=4, accept_len=None,
+                          max_num_batched_tokens=48, profile=profile)
+    assert seen == ["adaptive"] and judged
+    assert 0 < result["ttft_p50_ms"] <= result["ttft_p99_ms"]
+    assert 0 < result["gap_p50_ms"] <= result["gap_p99_ms"]
+    bursts.burst(target, draft, 4, arrivals=1, decoding=1, prompt_len=40, max_tokens=2, accept_len=None,
+                 max_num_batched_tokens=48)
+    assert seen == ["adaptive", "fixed"]
+
+
 def test_memory_this_process_holds_beyond_its_tensors_is_not_the_pools(monkeypatch):
     """measured_pages (CUDA) on a simulated device of 100 GiB: 10 GiB of weights allocated, 8 GiB
     more reserved by this process that empty_cache cannot return (another engine's graph pools),
