@@ -311,9 +311,10 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     from blockspec.llm import apply_threads
     apply_threads(from_namespace(EngineOptions, args, BENCH).threads)
-    other_modes = [flag for flag in ("demo", "burst", "compare_speculation", "multi_turn") if getattr(args, flag, None)]
+    other_modes = [flag for flag in ("demo", "burst", "multi_turn") if getattr(args, flag, None)]
     if args.quantization and other_modes:
-        raise ValueError(f"--quantization measures the default mode only, not --{other_modes[0].replace('_', '-')}")
+        raise ValueError(f"--quantization measures the default mode and --compare-speculation only, not "
+                         f"--{other_modes[0].replace('_', '-')}")
     if args.demo:
         from blockspec.demo.measure import main as measure_demo, main_compare
         concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]

@@ -13,6 +13,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -951,11 +952,37 @@ def test_startup_line_and_metrics_say_the_weight_format_and_bytes(fp8_models, on
     assert figures["fp8"][1] < 0.5 * figures["bf16"][1]
 
 
-def test_bench_takes_quantization_in_its_default_mode_only(capsys):
+def test_bench_takes_quantization_in_its_default_mode_and_compare_speculation_only(capsys):
     from blockspec.cli import main
     assert main(["bench", "--device", "cpu", "--burst", "4", "--quantization", "fp8"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["blockspec bench: error: --quantization measures the default mode only, not --burst"]
+    assert err == ["blockspec bench: error: --quantization measures the default mode and --compare-speculation "
+                   "only, not --burst"]
+
+
+def test_compare_speculation_measures_every_mode_again_in_fp8(tmp_path, capsys):
+    """`bench --compare-speculation --quantization fp8`: plain, fixed and adaptive on the bf16
+    target, then on the same target quantized in place, each FP8 figure over its bf16 one (on CPU
+    the reference path: a plumbing check); the target's linears really are FP8 the second time."""
+    from blockspec.bench import speculation
+    from blockspec.cli import main
+    formats = []
+    real = speculation.speculation_sweep
+
+    def sweep(target, draft, *args, **kwargs):
+        formats.append(fp8.weight_format(target))
+        return real(target, draft, *args, **kwargs)
+    out = tmp_path / "r.json"
+    with mock.patch.object(speculation, "speculation_sweep", sweep):
+        assert main(["bench", "--shape", "tiny", "--device", "cpu", "--block-size", "4", "--compare-speculation",
+                     "--accept-profile", "latent:2.5", "--prompt-len", "8", "--max-tokens", "4",
+                     "--quantization", "fp8", "--out", str(out)]) == 0
+    assert formats == ["float32"] * 3 + ["fp8_e4m3"] * 3
+    result = json.loads(out.read_text())
+    row, bf16 = result["fp8"]["c1"], result["c1"]
+    for mode in ("plain", "fixed", "adaptive"):
+        assert row[f"{mode}_fp8_over_bf16"] == round(row[f"{mode}_tok_s"] / bf16[f"{mode}_tok_s"], 3)
+    assert "fp8 target (fp8_e4m3) beside bf16" in capsys.readouterr().out
 
 
 def test_bench_prints_fp8_beside_bf16(tmp_path, capsys):

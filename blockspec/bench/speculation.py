@@ -212,9 +212,11 @@ def policy_state(engine) -> dict[str, Any]:
 
 def compare_speculation(shape_name: str, device: torch.device, concurrency: list[int], block_size: int,
                         prompt_len: int, max_tokens: int, accept_len: float | None,
-                        profile: LatentProfile | None) -> dict[str, Any]:
+                        profile: LatentProfile | None, quantization: str | None = None) -> dict[str, Any]:
     """`bench --compare-speculation`: plain, fixed block and adaptive tok/s at each concurrency,
-    one process, one set of random weights (DFlash 1 draft), one engine per mode."""
+    one process, one set of random weights (DFlash 1 draft), one engine per mode. quantization
+    "fp8": then the target quantized in place (the draft stays bf16) and the three modes again,
+    each FP8 figure beside its bf16 one (`fp8`): issue 33's ratio for the mode users run."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     _, _, target, draft = build_models(SHAPES[shape_name], device, dtype, block_size)
@@ -223,14 +225,37 @@ def compare_speculation(shape_name: str, device: torch.device, concurrency: list
                          "block_size": block_size, "prompt_len": prompt_len, "max_tokens": max_tokens,
                          "acceptance": f"latent m={profile.m:.4f} mean={profile.mean_length} "
                                        f"kappa={profile.concentration}" if profile else f"forced {accept_len}"}
-    modes = {"plain": speculation_sweep(target, None, 1, concurrency, prompt_len, max_tokens, "fixed"),
-             "fixed": speculation_sweep(target, draft, block_size, concurrency, prompt_len, max_tokens, "fixed",
-                                        accept_len, profile),
-             "adaptive": speculation_sweep(target, draft, block_size, concurrency, prompt_len, max_tokens, "adaptive",
-                                           accept_len, profile)}
+    def all_modes() -> dict[str, dict[int, dict[str, Any]]]:
+        return {"plain": speculation_sweep(target, None, 1, concurrency, prompt_len, max_tokens, "fixed"),
+                "fixed": speculation_sweep(target, draft, block_size, concurrency, prompt_len, max_tokens, "fixed",
+                                           accept_len, profile),
+                "adaptive": speculation_sweep(target, draft, block_size, concurrency, prompt_len, max_tokens,
+                                              "adaptive", accept_len, profile)}
+    modes = all_modes()
     for c in concurrency:
         r[f"c{c}"] = speculation_row({mode: results[c] for mode, results in modes.items()})
+    if quantization == "fp8":
+        r["fp8"] = fp8_modes(r, target, concurrency, all_modes)
     return r
+
+
+def fp8_modes(r: dict[str, Any], target, concurrency: list[int], all_modes: Callable) -> dict[str, Any]:
+    """The target quantized in place (layers/fp8.py, as --quantization fp8 loads it), the three
+    modes measured again, and each beside its bf16 figure in `r`."""
+    from blockspec.kernels.fp8 import has_fp8
+    from blockspec.layers import fp8
+    device = target.lm_head.weight.device
+    if not has_fp8(device):
+        return {"error": f"{device} has no FP8 (compute capability 8.9 or later)"}
+    fp8.quantize_model(target)
+    modes = all_modes()
+    out: dict[str, Any] = {"weight_format": fp8.weight_format(target)}
+    for c in concurrency:
+        row = speculation_row({mode: results[c] for mode, results in modes.items()})
+        bf16 = r[f"c{c}"]
+        out[f"c{c}"] = {**row, **{f"{mode}_fp8_over_bf16": round(row[f"{mode}_tok_s"] / bf16[f"{mode}_tok_s"], 3)
+                                  for mode in ("plain", "fixed", "adaptive")}}
+    return out
 
 
 def speculation_row(row: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -276,13 +301,28 @@ def print_speculation_table(r: dict[str, Any]) -> None:
                       f"plain step {row['plain_ms_per_step']} ms (forward {row.get('plain_forward_ms')})")
 
 
+def print_fp8_table(figures: dict[str, Any]) -> None:
+    if "error" in figures:
+        print(f"fp8: {figures['error']}")
+        return
+    print(f"fp8 target ({figures['weight_format']}) beside bf16, tok/s and fp8 ÷ bf16:")
+    print(f"{'conc':>5} {'plain':>9} {'fixed':>9} {'adaptive':>9} {'plain×':>7} {'fixed×':>7} {'adapt×':>7} {'width':>6}")
+    for key, row in figures.items():
+        if key.startswith("c") and isinstance(row, dict):
+            print(f"{key[1:]:>5} {row['plain_tok_s']:>9} {row['fixed_tok_s']:>9} {row['adaptive_tok_s']:>9} "
+                  f"{row['plain_fp8_over_bf16']:>7} {row['fixed_fp8_over_bf16']:>7} {row['adaptive_fp8_over_bf16']:>7} "
+                  f"{row['adaptive_mean_width']:>6}")
+
+
 def main_compare_speculation(args, device: torch.device, concurrency: list[int], block_size: int) -> int:
     profile = parse_accept_profile(getattr(args, "accept_profile", None), block_size)
     if profile is None and args.accept_len is None:
         raise ValueError("--compare-speculation on random weights needs --accept-profile or --accept-len")
     result = compare_speculation(args.shape, device, concurrency, block_size, args.prompt_len, args.max_tokens,
-                                 args.accept_len, profile)
+                                 args.accept_len, profile, getattr(args, "quantization", None))
     print_speculation_table(result)
+    if "fp8" in result:
+        print_fp8_table(result["fp8"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
