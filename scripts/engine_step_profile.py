@@ -1,0 +1,104 @@
+"""Where an engine's plain decode step goes, kernel by kernel, for any target (dense, hybrid, MoE):
+one request decoding through a real engine (its graphs, its state pool), a run of steps under
+torch.profiler, the device's kernels by name and by class a step, the step's wall time and the
+gap between the two (issue 33: Qwen3.5-35B-A3B's plain step is 4.94 ms in bf16 and in FP8 alike
+on the H100, 3.3 × its FP8 floor: something other than the weights' reads bounds it).
+scripts/step_profile.py does the same for a dense forward alone; this one needs no pool of its own.
+
+    python scripts/engine_step_profile.py --shape qwen3.5-35b-a3b --formats fp8 [--steps 20] [--out F.json]
+
+--formats bf16,fp8: the bf16 target, then the same weights quantized in place (layers/fp8.py).
+On CPU: a smoke test (the profiler's CPU ops, no kernels).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import torch
+
+from blockspec.bench.common import SHAPES, bench_engine, build_models, release, synchronize
+from blockspec.bench.forward import kernel_class
+from blockspec.engine.request import Request
+from blockspec.sampling import SamplingParams
+
+
+def profile_steps(target, device: torch.device, steps: int, prompt_len: int) -> dict:
+    """One request of prompt_len random tokens, prefilled, then `steps` plain decode steps timed
+    and `steps` more under the profiler."""
+    engine = bench_engine(target, None, 1, 1, prompt_len, 3 * steps + 8)
+    request = Request("profile", torch.randint(1000, 50000, (prompt_len,)).tolist(),
+                      SamplingParams(max_tokens=3 * steps + 8, ignore_eos=True), frozenset(), engine.config.max_model_len)
+    engine.submit(request, lambda event: None)
+    while not request.output_ids:
+        engine.step()
+    for _ in range(steps // 2):                                     # warm
+        engine.step()
+    synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    synchronize()
+    step_ms = (time.perf_counter() - started) * 1e3 / steps
+    cuda = device.type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            engine.step()
+        synchronize()
+    request.abort()
+    while engine.has_work:
+        engine.step()
+    del engine
+    release()
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        on_device = e.device_type == torch.autograd.DeviceType.CUDA if cuda else e.cpu_parent is None
+        if on_device and not e.name.startswith(("Memcpy", "Memset")):
+            per_name[e.name][0] += 1
+            per_name[e.name][1] += e.device_time if cuda else e.cpu_time_total
+    rows = sorted(((name, n / steps, us / steps) for name, (n, us) in per_name.items()), key=lambda r: -r[2])
+    kernel_us = sum(r[2] for r in rows)
+    by_class: dict[str, float] = defaultdict(float)
+    for name, _, us in rows:
+        by_class[kernel_class(name)] += us
+    return {"step_ms": step_ms, "kernels_ms": kernel_us / 1e3, "kernels_per_step": sum(r[1] for r in rows),
+            "gap_ms": step_ms - kernel_us / 1e3,
+            "by_class_ms": {k: round(v / 1e3, 4) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+            "kernels": [{"name": name[:120], "calls": calls, "us": round(us, 2)} for name, calls, us in rows[:40]]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3.5-35b-a3b", choices=sorted(SHAPES))
+    ap.add_argument("--formats", default="bf16,fp8")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=None, help="the shape's first N layers only")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = dict(SHAPES[args.shape], **({"num_hidden_layers": args.layers} if args.layers else {}))
+    torch.manual_seed(0)
+    _, _, target, _ = build_models(shape, device, dtype, 16)
+    result: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    for fmt in args.formats.split(","):
+        if fmt == "fp8":
+            from blockspec.layers import fp8
+            fp8.quantize_model(target)
+        r = result[fmt] = profile_steps(target, device, args.steps, args.prompt_len)
+        print(f"== {fmt}: step {r['step_ms']:.3f} ms, kernels {r['kernels_ms']:.3f} ms ({r['kernels_per_step']:.0f} a "
+              f"step), gaps {r['gap_ms']:.3f} ms; {r['by_class_ms']}", flush=True)
+        for k in r["kernels"][:24]:
+            print(f"   {k['us']:9.1f} us {k['calls']:6.1f}x  {k['name']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
