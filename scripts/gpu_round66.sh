@@ -37,7 +37,8 @@ if [ "$M" = 2 ]; then
     --serve-args "--device cuda --max-num-seqs 64" --requests 64 --max-tokens 256 --bursts 3
 fi
 if [ "$M" = 3 ]; then
-  timeout ${TESTS_S:-420} $T -n ${XDIST:-8} --dist load tests/gpu -m "not measures_memory" > "$OUT/t_all.log" 2>&1
+  timeout ${TESTS_S:-420} $T -n ${XDIST:-8} --dist load tests/gpu \
+    -m "not measures_memory" > "$OUT/t_all.log" 2>&1
   timeout ${POOL_S:-90} $T tests/gpu -m measures_memory > "$OUT/t_pool.log" 2>&1
   summary
 fi
