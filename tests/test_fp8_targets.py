@@ -801,6 +801,31 @@ def test_the_runner_keeps_the_cublas_scales_before_it_sizes_the_pool(fp8_models,
             assert torch.equal(kept, fp8_kernels.column_scales(linear.weight_scale_inv, linear.block,
                                                                linear.out_features, linear.in_features))
 
+def test_an_fp8_shared_expert_rides_in_the_experts_last_slot_where_asked(fp8_models, monkeypatch):
+    """SparseMoE.shared_slot beside FP8 experts (Qwen3.5-MoE: experts and shared expert of 96):
+    off by default; with BLOCKSPEC_FP8_SHARED_SLOT=1 the shared expert's own e4m3 rows and scales,
+    whose dequantized gate | up and down are its MLP's, and the gate's bf16 row."""
+    from blockspec.layers.moe import SparseMoE
+    model = load_model(str(fp8_models["qwen3_5_moe"][1])).model
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert layers and all(isinstance(m.experts, fp8.Fp8Experts) for m in layers)
+    monkeypatch.delenv("BLOCKSPEC_FP8_SHARED_SLOT", raising=False)
+    assert all(m.shared_slot() is None for m in layers)
+    monkeypatch.setenv("BLOCKSPEC_FP8_SHARED_SLOT", "1")
+    for m in layers:
+        slot, mlp = m.shared_slot(), m.shared_expert
+        assert slot is not None and slot.gate.dtype == slot.down.dtype == fp8.FP8
+        gate_up = fp8.dequantize(torch.cat([slot.gate, slot.up]), slot.gate_up_scale, m.experts.gate_up_block)
+        assert torch.equal(gate_up, mlp.gate_up_proj.dequantized(torch.float32))
+        assert torch.equal(fp8.dequantize(slot.down, slot.down_scale, m.experts.down_block),
+                           mlp.down_proj.dequantized(torch.float32))
+        assert slot.gate_logit is m.shared_expert_gate.weight
+        assert slot.gate_up_scale.shape == m.experts.scales.gate_up.shape[1:]
+    layer = layers[0]                       # scales laid out otherwise: it runs on its own again
+    monkeypatch.setattr(layer.shared_expert.down_proj, "block", fp8.ScaleBlock(rows=1))
+    assert layer.shared_slot() is None
+
+
 # ── the Triton kernels in the interpreter (the GPU runs them for real: tests/gpu/test_fp8.py) ──
 
 INTERPRETED_KERNEL_CHECK = """
@@ -897,6 +922,21 @@ ref = reference_experts(x, weights, experts, fp8.dequantize(gate_up_q, gate_up_s
 ours = M.fused_experts(x, weights, experts, gate_up_q, down_q, None,
                        M.ExpertScales(gate_up_s, down_s, block, fp8.ScaleBlock()))
 assert (ours - ref).abs().max() < 1e-4 * ref.abs().max()
+
+# ... and an e4m3 shared expert riding along as the last slot (id 4), its scales laid out as one
+# expert's: the routed experts' sum plus sigmoid(x · g) · shared(x), both dequantized
+sh_halves = [fp8.quantize(half) for half in torch.randn(48, 64, generator=gen).chunk(2, dim=0)]
+sh_gate_up_q = torch.cat([q for q, _ in sh_halves], dim=0)
+sh_gate_up_s = torch.cat([fp8.part_scale_rows(s, 24, block) for _, s in sh_halves], dim=0)
+sh_down_q, sh_down_s = fp8.quantize(torch.randn(64, 24, generator=gen))
+g = torch.randn(1, 64, generator=gen)
+slot = torch.sigmoid(x @ g.T)
+shared = M.SharedExpert(*sh_gate_up_q.chunk(2, dim=0), sh_down_q, g, sh_gate_up_s, sh_down_s)
+ours = M.fused_experts(x, torch.cat([weights, slot], 1), torch.cat([experts, torch.full((5, 1), 4)], 1),
+                       gate_up_q, down_q, shared, M.ExpertScales(gate_up_s, down_s, block, fp8.ScaleBlock()))
+sh = fp8.dequantize(sh_gate_up_q, sh_gate_up_s, block)
+sh_ref = slot * (F.silu(x @ sh[:24].T) * (x @ sh[24:].T)) @ fp8.dequantize(sh_down_q, sh_down_s, fp8.ScaleBlock()).T
+assert (ours - (ref + sh_ref)).abs().max() < 1e-4 * (ref + sh_ref).abs().max()
 print("ok")
 """
 

@@ -22,6 +22,7 @@ on the GPU).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -32,6 +33,7 @@ from blockspec.config import MoeConfig
 from blockspec.kernels import moe as moe_kernels
 from blockspec.layers.common import MLP
 
+FP8 = torch.float8_e4m3fn
 ExpertsKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -149,18 +151,40 @@ class SparseMoE(nn.Module):
     def fused_forward(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Triton: routing in one launch, the experts in two gather-GEMMs; a shared expert of the
         experts' intermediate size (Qwen3.5-MoE, Qwen3-Next) rides along as one more slot per token."""
-        shared, scales = None, self.experts.scales
-        if (self.has_shared_expert and scales is None and isinstance(self.shared_expert.gate_up_proj, nn.Linear)
-                and isinstance(self.shared_expert.down_proj, nn.Linear)
-                and self.shared_expert.down_proj.weight.shape[1] == self.experts.down_proj.shape[2]):
-            mlp = self.shared_expert
-            gate, up = mlp.gate_up_proj.weight.chunk(2, dim=0)          # fused rows: gate, then up
-            shared = moe_kernels.SharedExpert(gate, up, mlp.down_proj.weight, self.shared_expert_gate.weight)
+        scales = self.experts.scales
+        shared = self.shared_slot() if self.has_shared_expert else None
         out = moe_kernels.fused_moe(x, logits, self.top_k, self.normalize, self.experts.gate_up_proj,
                                     self.experts.down_proj, shared, scales)
         if self.has_shared_expert and shared is None:
             out = out + self.gated_shared_expert(x)
         return out
+
+    def shared_slot(self) -> moe_kernels.SharedExpert | None:
+        """The shared expert as the fused kernel's last slot, where it can ride along: the
+        experts' intermediate size, a plain gate, and the experts' format (bf16 beside bf16
+        experts; e4m3 beside FP8 ones with scales laid out as one expert's, opt-in with
+        BLOCKSPEC_FP8_SHARED_SLOT=1 until measured on a GPU). Else None: it runs on its own."""
+        mlp, scales = self.shared_expert, self.experts.scales
+        if (not isinstance(self.shared_expert_gate, nn.Linear) or self.shared_expert_gate.weight.dtype == FP8
+                or mlp.down_proj.weight.shape[1] != self.experts.down_proj.shape[2]):
+            return None
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        if scales is None:
+            if not (isinstance(gate_up, nn.Linear) and isinstance(down, nn.Linear)):
+                return None
+            gate, up = gate_up.weight.chunk(2, dim=0)                     # fused rows: gate, then up
+            return moe_kernels.SharedExpert(gate, up, down.weight, self.shared_expert_gate.weight)
+        if os.environ.get("BLOCKSPEC_FP8_SHARED_SLOT") != "1" or not all(
+                getattr(m, "weight_scale_inv", None) is not None and getattr(m, "bias", None) is None
+                for m in (gate_up, down)):
+            return None
+        if (gate_up.block != scales.gate_up_block or down.block != scales.down_block
+                or gate_up.weight_scale_inv.shape != scales.gate_up.shape[1:]
+                or down.weight_scale_inv.shape != scales.down.shape[1:]):
+            return None
+        gate, up = gate_up.weight.chunk(2, dim=0)
+        return moe_kernels.SharedExpert(gate, up, down.weight, self.shared_expert_gate.weight,
+                                        gate_up.weight_scale_inv, down.weight_scale_inv)
 
 
 def make_mlp(hidden_size: int, intermediate_size: int, moe: MoeConfig | None, layer: int,

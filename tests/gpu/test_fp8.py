@@ -256,6 +256,29 @@ def test_fp8_experts_equal_the_dequantized_reference(inter, num_tokens):
                                  fp8.dequantize(down_q, down_s, fp8.ScaleBlock()))
     ours = moe_kernels.fused_experts(x, weights_.to(torch.bfloat16), experts, gate_up_q, down_q, None, scales)
     assert relative_error(ours, expected) < TOLERANCE
+    # an e4m3 shared expert as the last slot (id num_experts), its scales laid out as one expert's
+    # (layers/moe.py SparseMoE.shared_slot, BLOCKSPEC_FP8_SHARED_SLOT): routed + sigmoid(x · g) · shared(x)
+    sh_halves = [fp8.quantize(half) for half in (torch.randn(2 * inter, hidden, device="cuda", generator=gen)
+                                                 / hidden ** 0.5).chunk(2, dim=0)]
+    sh_gate_up_q = torch.cat([q for q, _ in sh_halves], dim=0)
+    sh_gate_up_s = torch.cat([fp8.part_scale_rows(s, inter, block) for _, s in sh_halves], dim=0)
+    sh_down_q, sh_down_s = fp8.quantize(torch.randn(hidden, inter, device="cuda", generator=gen) / inter ** 0.5)
+    g = (torch.randn(1, hidden, device="cuda", generator=gen) / hidden ** 0.5).to(torch.bfloat16)
+    slot = torch.sigmoid(x.float() @ g.float().T)
+    shared = moe_kernels.SharedExpert(*sh_gate_up_q.chunk(2, dim=0), sh_down_q, g, sh_gate_up_s, sh_down_s)
+    sh = fp8.dequantize(sh_gate_up_q, sh_gate_up_s, block)
+    expected = expected + slot * ((torch.nn.functional.silu(x.float() @ sh[:inter].T) * (x.float() @ sh[inter:].T))
+                                  @ fp8.dequantize(sh_down_q, sh_down_s, fp8.ScaleBlock()).T)
+    ids = torch.cat([experts, torch.full((num_tokens, 1), num_experts, device="cuda", dtype=experts.dtype)], 1)
+    ours = moe_kernels.fused_experts(x, torch.cat([weights_, slot], 1).to(torch.bfloat16), ids, gate_up_q, down_q,
+                                     shared, scales)
+    assert relative_error(ours, expected) < TOLERANCE
+    graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+    with torch.cuda.graph(graph):
+        replayed = moe_kernels.fused_experts(static_x, torch.cat([weights_, slot], 1).to(torch.bfloat16), ids,
+                                             gate_up_q, down_q, shared, scales)
+    graph.replay()
+    assert torch.equal(replayed, ours)
 
 
 @pytest.fixture(scope="module")
