@@ -8,12 +8,15 @@ scripts/step_profile.py does the same for a dense forward alone; this one needs 
     python scripts/engine_step_profile.py --shape qwen3.5-35b-a3b --formats fp8 [--steps 20] [--out F.json]
 
 --formats bf16,fp8: the bf16 target, then the same weights quantized in place (layers/fp8.py).
+--shared-slot 0,1: the FP8 MoE's step with its shared expert on its own, then riding in the fused
+experts' last slot (BLOCKSPEC_FP8_SHARED_SLOT), each on an engine of its own (its graphs).
 On CPU: a smoke test (the profiler's CPU ops, no kernels).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import defaultdict
 
@@ -77,6 +80,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--layers", type=int, default=None, help="the shape's first N layers only")
+    ap.add_argument("--shared-slot", default="", help="FP8: values of BLOCKSPEC_FP8_SHARED_SLOT to compare, e.g. 0,1")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -89,11 +93,15 @@ def main() -> int:
         if fmt == "fp8":
             from blockspec.layers import fp8
             fp8.quantize_model(target)
-        r = result[fmt] = profile_steps(target, device, args.steps, args.prompt_len)
-        print(f"== {fmt}: step {r['step_ms']:.3f} ms, kernels {r['kernels_ms']:.3f} ms ({r['kernels_per_step']:.0f} a "
-              f"step), gaps {r['gap_ms']:.3f} ms; {r['by_class_ms']}", flush=True)
-        for k in r["kernels"][:24]:
-            print(f"   {k['us']:9.1f} us {k['calls']:6.1f}x  {k['name']}")
+        for slot in (args.shared_slot.split(",") if fmt == "fp8" and args.shared_slot else [None]):
+            if slot is not None:
+                os.environ["BLOCKSPEC_FP8_SHARED_SLOT"] = slot
+            key = fmt if slot is None else f"{fmt}_shared_slot{slot}"
+            r = result[key] = profile_steps(target, device, args.steps, args.prompt_len)
+            print(f"== {key}: step {r['step_ms']:.3f} ms, kernels {r['kernels_ms']:.3f} ms ({r['kernels_per_step']:.0f} "
+                  f"a step), gaps {r['gap_ms']:.3f} ms; {r['by_class_ms']}", flush=True)
+            for k in r["kernels"][:24]:
+                print(f"   {k['us']:9.1f} us {k['calls']:6.1f}x  {k['name']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

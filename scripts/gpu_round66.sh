@@ -52,3 +52,13 @@ if [ "$M" = 5 ]; then
   TAIL=40 stage "the MoE's plain step in FP8, kernel by kernel" timeout ${PROF_S:-200} \
     python3 scripts/engine_step_profile.py --shape qwen3.5-35b-a3b --formats fp8 --out "$OUT/moe_step_profile.json"
 fi
+#   bash scripts/gpu_round66.sh 6   # any card (issue 33): the FP8 shared expert in the experts' last slot
+#        # (BLOCKSPEC_FP8_SHARED_SLOT=1): its GPU test, then the MoE's FP8 plain step with it off and on
+if [ "$M" = 6 ]; then
+  BLOCKSPEC_FP8_SHARED_SLOT=1 timeout ${TESTS_S:-120} $T tests/gpu/test_fp8.py -k "fp8_experts_equal or decode_on_the_gpu" \
+    > "$OUT/t_fp8_shared.log" 2>&1
+  summary
+  TAIL=60 stage "the MoE's FP8 plain step, shared expert on its own and in the last slot" timeout ${PROF_S:-240} \
+    python3 scripts/engine_step_profile.py --shape qwen3.5-35b-a3b --formats fp8 --shared-slot 0,1 \
+    --out "$OUT/moe_step_profile_shared_slot.json"
+fi
