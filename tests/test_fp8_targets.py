@@ -803,15 +803,15 @@ def test_the_runner_keeps_the_cublas_scales_before_it_sizes_the_pool(fp8_models,
 
 def test_an_fp8_shared_expert_rides_in_the_experts_last_slot_where_asked(fp8_models, monkeypatch):
     """SparseMoE.shared_slot beside FP8 experts (Qwen3.5-MoE: experts and shared expert of 96):
-    off by default; with BLOCKSPEC_FP8_SHARED_SLOT=1 the shared expert's own e4m3 rows and scales,
-    whose dequantized gate | up and down are its MLP's, and the gate's bf16 row."""
+    the shared expert's own e4m3 rows and scales, whose dequantized gate | up and down are its
+    MLP's, and the gate's bf16 row; none with BLOCKSPEC_FP8_SHARED_SLOT=0."""
     from blockspec.layers.moe import SparseMoE
     model = load_model(str(fp8_models["qwen3_5_moe"][1])).model
     layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
     assert layers and all(isinstance(m.experts, fp8.Fp8Experts) for m in layers)
-    monkeypatch.delenv("BLOCKSPEC_FP8_SHARED_SLOT", raising=False)
+    monkeypatch.setenv("BLOCKSPEC_FP8_SHARED_SLOT", "0")
     assert all(m.shared_slot() is None for m in layers)
-    monkeypatch.setenv("BLOCKSPEC_FP8_SHARED_SLOT", "1")
+    monkeypatch.delenv("BLOCKSPEC_FP8_SHARED_SLOT")
     for m in layers:
         slot, mlp = m.shared_slot(), m.shared_expert
         assert slot is not None and slot.gate.dtype == slot.down.dtype == fp8.FP8
