@@ -337,8 +337,9 @@ def padding_zeroed(x: torch.Tensor, meta: AttentionMetadata, num_rows: int) -> t
     tokens, which no kernel program writes) zero: whatever memory they held never reaches the
     pages they store K/V in (page 0, which the reference gathers masked: 0 · NaN is NaN)."""
     if meta.bounded:
-        valid = shared(meta, "real_tokens", lambda: torch.arange(num_rows, device=x.device) < meta.starts[-1])
-        return x.masked_fill(~valid.view(-1, *[1] * (x.dim() - 1)), 0)
+        # the padding rows' mask made once a forward, not a `~` a layer (40 launches of Qwen3.5-35B-A3B's step)
+        padding = shared(meta, "padding_tokens", lambda: torch.arange(num_rows, device=x.device) >= meta.starts[-1])
+        return x.masked_fill(padding.view(-1, *[1] * (x.dim() - 1)), 0)
     real = meta.num_tokens
     if x.shape[0] < num_rows:
         return torch.cat((x[:real], x.new_zeros(num_rows - real, *x.shape[1:])))
