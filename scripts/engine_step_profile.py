@@ -17,15 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
-from collections import defaultdict
+from pathlib import Path
 
 import torch
 
 from blockspec.bench.common import SHAPES, bench_engine, build_models, release, synchronize
-from blockspec.bench.forward import kernel_class
 from blockspec.engine.request import Request
 from blockspec.sampling import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_profile import kernel_table  # noqa: E402  (the same per-kernel table as a dense forward's)
 
 
 def profile_steps(target, device: torch.device, steps: int, prompt_len: int) -> dict:
@@ -56,21 +58,9 @@ def profile_steps(target, device: torch.device, steps: int, prompt_len: int) -> 
         engine.step()
     del engine
     release()
-    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        on_device = e.device_type == torch.autograd.DeviceType.CUDA if cuda else e.cpu_parent is None
-        if on_device and not e.name.startswith(("Memcpy", "Memset")):
-            per_name[e.name][0] += 1
-            per_name[e.name][1] += e.device_time if cuda else e.cpu_time_total
-    rows = sorted(((name, n / steps, us / steps) for name, (n, us) in per_name.items()), key=lambda r: -r[2])
-    kernel_us = sum(r[2] for r in rows)
-    by_class: dict[str, float] = defaultdict(float)
-    for name, _, us in rows:
-        by_class[kernel_class(name)] += us
-    return {"step_ms": step_ms, "kernels_ms": kernel_us / 1e3, "kernels_per_step": sum(r[1] for r in rows),
-            "gap_ms": step_ms - kernel_us / 1e3,
-            "by_class_ms": {k: round(v / 1e3, 4) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
-            "kernels": [{"name": name[:120], "calls": calls, "us": round(us, 2)} for name, calls, us in rows[:40]]}
+    table = kernel_table(prof, steps, step_ms, cuda=cuda)
+    return {"step_ms": step_ms, "kernels_ms": table["kernels_ms"], "kernels_per_step": table["kernels_per_call"],
+            "gap_ms": table["gap_ms"], "by_class_ms": table["by_class_ms"], "kernels": table["kernels"]}
 
 
 def main() -> int:

@@ -34,21 +34,29 @@ def profile_width(target: torch.nn.Module, device: torch.device, width: int, con
             for _ in range(reps):
                 replay()
             synchronize()
+    table = kernel_table(prof, reps, wall_ms, cuda=device.type == "cuda")
+    return {"width": width, "replay_ms": wall_ms, "kernels_ms": table["kernels_ms"],
+            "kernels_per_replay": table["kernels_per_call"], "gap_ms": table["gap_ms"],
+            "by_class_ms": table["by_class_ms"], "kernels": table["kernels"]}
+
+
+def kernel_table(prof, calls: int, wall_ms: float, cuda: bool = True) -> dict:
+    """A profile of `calls` equal calls (graph replays, engine steps) per call: the device's
+    kernels by name and by class (on CPU the top-level ops), their sum and the gap to wall_ms."""
     per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")):
+        on_device = e.device_type == torch.autograd.DeviceType.CUDA if cuda else e.cpu_parent is None
+        if on_device and not e.name.startswith(("Memcpy", "Memset")):
             per_name[e.name][0] += 1
-            per_name[e.name][1] += e.device_time
-    rows = sorted(((name, n / reps, us / reps) for name, (n, us) in per_name.items()), key=lambda r: -r[2])
+            per_name[e.name][1] += e.device_time if cuda else e.cpu_time_total
+    rows = sorted(((name, n / calls, us / calls) for name, (n, us) in per_name.items()), key=lambda r: -r[2])
     kernel_us = sum(r[2] for r in rows)
     by_class: dict[str, float] = defaultdict(float)
     for name, _, us in rows:
         by_class[kernel_class(name)] += us
-    return {"width": width, "replay_ms": wall_ms, "kernels_ms": kernel_us / 1e3,
-            "kernels_per_replay": sum(r[1] for r in rows),
-            "gap_ms": wall_ms - kernel_us / 1e3,
+    return {"kernels_ms": kernel_us / 1e3, "kernels_per_call": sum(r[1] for r in rows), "gap_ms": wall_ms - kernel_us / 1e3,
             "by_class_ms": {k: round(v / 1e3, 4) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
-            "kernels": [{"name": name[:120], "calls": calls, "us": round(us, 2)} for name, calls, us in rows[:40]]}
+            "kernels": [{"name": name[:120], "calls": n, "us": round(us, 2)} for name, n, us in rows[:40]]}
 
 
 def main() -> int:
