@@ -8,7 +8,6 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -20,10 +19,6 @@ from torch import nn
 
 from blockspec.cache import KVPool
 from blockspec.engine.engine import Engine
-from blockspec.engine.graphs import sparse
-from blockspec.engine.model_runner import ModelRunner
-from blockspec.engine.spec.costs import cost_table
-from blockspec.engine.spec.policy import CostTable
 from blockspec.engine.spec.dflash import sample_walk
 from blockspec.layers import AttentionMetadata
 from blockspec.llm import LLM
@@ -32,6 +27,7 @@ from blockspec.models.dflash2 import CandidateWalk, DFlash2DraftModel, greedy_wa
 from blockspec.sampling import SamplingParams, rejection_sample
 
 import fixtures
+from helpers import modelled_cost_tables
 
 PROMPTS = [[151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198],
            [int(t) for t in torch.randint(0, 151643, (37,), generator=torch.Generator().manual_seed(3))],
@@ -313,19 +309,6 @@ def install_oracle(draft: DFlash2DraftModel, continuations: list[list[int]], bon
     draft.propose = propose
 
 
-def modelled_costs(runner: ModelRunner) -> CostTable:
-    """Adaptive's cost table in the shape the runner measures it (its token buckets, sequence
-    buckets and draft widths), the times a line through what the tiny Qwen3 pair measures on the
-    2-core CPU (verify 13 ms at 1 token to 105 at 64; a draft block of width w for n sequences
-    about 8 + 2.6·n·w ms): the policy allocates as it would on measured times, without the ~2.5 s
-    of probes an engine's measurement takes here."""
-    graphs = runner.graphs
-    tokens, seqs = sparse(graphs.full_tokens), sparse(graphs.draft_sizes)
-    draft = {w: {n: 8.0 + 2.6 * n * w for n in seqs} for w in graphs.draft_widths}
-    return cost_table({"verify": {n: 12.0 + 1.4 * n for n in tokens}, "draft": draft[graphs.width],
-                       "narrow": {w: ms for w, ms in draft.items() if w != graphs.width}}, padded=False)
-
-
 def block_size_engines(llm: LLM, block_sizes, padded: bool = False):
     """The loaded target and draft, one engine per block size (loading once keeps CI fast). The
     largest block's unpadded engine measures its cost table (the probes run, then decoding must
@@ -334,7 +317,7 @@ def block_size_engines(llm: LLM, block_sizes, padded: bool = False):
     for block_size in block_sizes:
         llm.config = dataclasses.replace(llm.config, block_size=block_size)
         measured = not padded and block_size == max(block_sizes)
-        with mock.patch.object(ModelRunner, "measure_costs", ModelRunner.measure_costs if measured else modelled_costs):
+        with modelled_cost_tables(not measured):
             llm.engine = Engine(llm.target, llm.draft, llm.config)
         assert llm.engine.runner.speculation.costs is not None           # adaptive, with its table
         if padded:       # the CUDA-graph path (fixed shapes, padding rows), run eagerly
