@@ -1491,6 +1491,35 @@ MUTANTS = [
            'return struct.unpack_from("<" + code, buf, offs)[0], offs + struct.calcsize(code)',
            'return struct.unpack_from("<" + code, buf, offs)[0], offs + 8',
            ("tests/test_gguf_metadata.py",), "round65"),
+    # round66: the FP8 shared expert in the fused experts' last slot, bench --burst's adaptive run and
+    # --compare-speculation's FP8 modes
+    Mutant("moe-fp8-shared-slot-reads-an-experts-scales", "blockspec/kernels/moe.py",
+           """                if SCALED:
+                    s_base = shared_s_ptr
+""", "", ("tests/test_fp8_targets.py::test_fp8_kernels_equal_the_reference_in_the_interpreter",), "round66"),
+    Mutant("moe-fp8-shared-slot-gate-and-up-swapped", "blockspec/layers/moe.py",
+           """        gate, up = gate_up.weight.chunk(2, dim=0)
+        return moe_kernels.SharedExpert(gate, up, down.weight, self.shared_expert_gate.weight,""",
+           """        up, gate = gate_up.weight.chunk(2, dim=0)
+        return moe_kernels.SharedExpert(gate, up, down.weight, self.shared_expert_gate.weight,""",
+           ("tests/test_fp8_targets.py::test_an_fp8_shared_expert_rides_in_the_experts_last_slot_where_asked",),
+           "round66"),
+    Mutant("moe-fp8-shared-slot-ignores-the-scale-blocks", "blockspec/layers/moe.py",
+           "        if (gate_up.block != scales.gate_up_block or down.block != scales.down_block\n                or gate_up",
+           "        if (gate_up",
+           ("tests/test_fp8_targets.py::test_an_fp8_shared_expert_rides_in_the_experts_last_slot_where_asked",),
+           "round66"),
+    Mutant("moe-fp8-shared-slot-switch-inverted", "blockspec/layers/moe.py",
+           'os.environ.get("BLOCKSPEC_FP8_SHARED_SLOT") == "0"', 'os.environ.get("BLOCKSPEC_FP8_SHARED_SLOT") == "1"',
+           ("tests/test_fp8_targets.py::test_an_fp8_shared_expert_rides_in_the_experts_last_slot_where_asked",),
+           "round66"),
+    Mutant("burst-profile-still-runs-fixed", "blockspec/bench/bursts.py",
+           'speculation="adaptive" if profile is not None else "fixed")', 'speculation="fixed")',
+           ("tests/test_memory.py::test_bench_burst_with_a_latent_profile_runs_adaptive_on_its_confidences",),
+           "round66"),
+    Mutant("compare-speculation-fp8-never-quantizes", "blockspec/bench/speculation.py",
+           "    fp8.quantize_model(target)\n    modes = all_modes()", "    modes = all_modes()",
+           ("tests/test_fp8_targets.py::test_compare_speculation_measures_every_mode_again_in_fp8",), "round66"),
 ]
 
 
