@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from blockspec.kernels.readout import first_argmax
+
 
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
@@ -141,7 +143,7 @@ def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None) ->
     host sync per call, per sequence per step when many sequences sample."""
     flat = probs.reshape(-1, probs.shape[-1])
     race = torch.empty_like(flat).exponential_(1.0, generator=generator)
-    return (flat / race).argmax(-1).view(probs.shape[:-1])
+    return first_argmax(flat / race).view(probs.shape[:-1])
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
@@ -163,13 +165,13 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     race = torch.empty_like(probs)
     for i, generator in enumerate(generators):
         race[i].exponential_(1.0, generator=generator)
-    return (probs / race).argmax(-1)
+    return first_argmax(probs / race)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """logits [..., V] → token ids [...]: argmax at temperature 0, else a seeded draw."""
     if params.is_greedy:
-        return logits.argmax(dim=-1)
+        return first_argmax(logits)
     return sample_from_probs(probs_from_logits(logits, params), generator)
 
 

@@ -1517,6 +1517,16 @@ MUTANTS = [
            'speculation="adaptive" if profile is not None else "fixed")', 'speculation="fixed")',
            ("tests/test_memory.py::test_bench_burst_with_a_latent_profile_runs_adaptive_on_its_confidences",),
            "round66"),
+    Mutant("first-argmax-ignores-the-tail", "blockspec/kernels/readout.py",
+           """    if full < vocab:
+        chunk_max = torch.cat(""", """    if False:
+        chunk_max = torch.cat(""", ("tests/test_readout.py",), "round66"),
+    Mutant("first-argmax-takes-the-last-chunk-of-a-tie", "blockspec/kernels/readout.py",
+           "chunk = (chunk_max == top).to(torch.uint8).argmax(-1)",
+           "chunk = chunk_max.size(1) - 1 - (chunk_max == top).to(torch.uint8).flip(-1).argmax(-1)",
+           ("tests/test_readout.py",), "round66"),
+    Mutant("first-argmax-without-the-nan-fallback", "blockspec/kernels/readout.py",
+           "    if torch.isnan(top).any():\n        return x.argmax(-1)", "", ("tests/test_readout.py",), "round66"),
     Mutant("compare-speculation-fp8-never-quantizes", "blockspec/bench/speculation.py",
            "    fp8.quantize_model(target)\n    modes = all_modes()", "    modes = all_modes()",
            ("tests/test_fp8_targets.py::test_compare_speculation_measures_every_mode_again_in_fp8",), "round66"),

@@ -45,3 +45,32 @@ def test_the_readout_on_cpu_is_torchs_argmax_and_softmax():
     torch.testing.assert_close(out.confidence, torch.softmax(logits, -1).gather(-1, out.drafts[..., None])[..., 0])
     torch.testing.assert_close(out.confidence, draft_confidence(logits, out.drafts))
     assert DraftReadout.of(logits, False).confidence is None
+
+
+def test_first_argmax_is_torchs_argmax():
+    """kernels/readout.first_argmax (the CPU's argmax over a vocabulary: chunk maxima, then one
+    chunk): the indices torch.argmax gives, for vocabularies divisible by the chunk or with a
+    ragged tail, ties inside a chunk, across chunks and in the tail (the first column wins), rows
+    all -inf, +inf and NaN (NaN counts as the maximum), bf16 / fp16 / fp32, [B, T, V] and a
+    strided view."""
+    from blockspec.kernels.readout import ARGMAX_CHUNK, first_argmax
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (4 * ARGMAX_CHUNK, 6001, 151936):
+        tail = vocab - 3                                        # in the ragged tail where there is one
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = (torch.randn(9, vocab, generator=gen) * 3).to(dtype)
+            x[1, 7] = x[1, ARGMAX_CHUNK + 5] = 50                # across chunks
+            x[2, ARGMAX_CHUNK + 1] = x[2, ARGMAX_CHUNK + 2] = 50  # inside one
+            x[3, tail] = 50
+            x[4, 3 * ARGMAX_CHUNK - 1] = x[4, tail] = 50
+            x[5] = float("-inf")
+            x[6, 11] = x[6, tail] = float("inf")
+            x[7, vocab - 1] = 60
+            x[8, 2 * ARGMAX_CHUNK] = float("nan")
+            assert torch.equal(first_argmax(x), x.argmax(-1)), (vocab, dtype)  # a NaN row: torch's walk
+            assert torch.equal(first_argmax(x[:8]), x[:8].argmax(-1)), (vocab, dtype)   # the chunked form
+            batched = x[:8].view(2, 4, vocab)
+            assert torch.equal(first_argmax(batched), batched.argmax(-1))
+            strided = x[:8].view(8, 1, vocab).expand(8, 3, vocab)[:, 1:]
+            assert torch.equal(first_argmax(strided), strided.argmax(-1))
+    assert first_argmax(torch.randn(151936)).shape == torch.Size([])

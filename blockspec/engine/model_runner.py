@@ -44,6 +44,7 @@ from blockspec.models.base import MultimodalRows
 from blockspec.models.dflash2 import CandidateWalk
 from blockspec.layers.attention import token_rows, unpack, uses_kernels
 from blockspec.layers.fp8 import keep_column_scales
+from blockspec.kernels.readout import first_argmax
 from blockspec.sampling import Staged, device_longs, sample
 
 
@@ -796,7 +797,7 @@ class ModelRunner:
             return FirstDraws(ending, [], None)
         seqs = [batch.prefill[i][0] for i in ending]
         raw = self.raw_logprobs(seqs, logits.unsqueeze(1))          # before any processing
-        tokens = logits.argmax(dim=-1)                                             # [P]
+        tokens = first_argmax(logits)                                              # [P]
         for j, seq in enumerate(seqs):
             if self.processor_of(seq) is not None or not seq.request.params.is_greedy:
                 tokens[j] = self.draw_own(seq, logits[j: j + 1])

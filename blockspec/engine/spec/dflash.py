@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.engine.sequence import Sequence
-from blockspec.kernels.readout import argmax_confidence, draft_confidence
+from blockspec.kernels.readout import argmax_confidence, draft_confidence, first_argmax
 from blockspec.models.dflash2 import CandidateWalk
 from blockspec.sampling import (Staged, device_longs, probs_from_logits, rejection_sample, sample_from_probs,
                                sample_rows)
@@ -102,7 +102,7 @@ def sample_drafts(logits: torch.Tensor, seqs: list[Sequence], greedy: torch.Tens
     """Draft logits [B, T − 1, V] → drafts: argmax for greedy sequences (`greedy`, when the
     forward already took it: a tensor this may overwrite), a seeded draw from q (the same
     filters as the target's p) for sampling ones."""
-    drafts = logits.argmax(-1) if greedy is None else greedy
+    drafts = first_argmax(logits) if greedy is None else greedy
     probs: list[torch.Tensor | None] = [None] * len(seqs)
     for b, seq in enumerate(seqs):
         params = seq.request.params
@@ -241,9 +241,9 @@ def judge(seqs: list[Sequence], proposal: Proposal | None, logits: torch.Tensor,
     processed = processed or {}
     num_seqs, width = logits.shape[:2]
     num_drafts = [width - 1] * num_seqs if num_drafts is None else num_drafts
-    target_ids = logits.argmax(-1)                                              # [B, T]
+    target_ids = first_argmax(logits)                                           # [B, T]
     for b, scores in processed.items():
-        target_ids[b, : scores.shape[0]] = scores.argmax(-1)
+        target_ids[b, : scores.shape[0]] = first_argmax(scores)
     if proposal is None or width == 1:
         accepted = torch.zeros(num_seqs, 1, dtype=torch.long, device=logits.device)
     else:
