@@ -60,8 +60,10 @@ def burst(target, draft, block_size: int, arrivals: int, decoding: int, prompt_l
     elif profile is not None:
         patches = [mock.patch.object(model_runner, "propose", profile.propose(model_runner.propose)),
                    mock.patch.object(model_runner, "judge", profile.judge(model_runner.judge))]
+    elif accept_len is not None:
+        patches = [mock.patch.object(model_runner, "judge", forced_accept(accept_len))]
     else:
-        patches = [mock.patch.object(model_runner, "judge", forced_accept(accept_len))] if accept_len is not None else []
+        patches = []
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)

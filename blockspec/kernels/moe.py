@@ -132,9 +132,8 @@ if triton is not None:
 
     @triton.jit
     def _expert_gemm_kernel(a_ptr, w_ptr, shared_ptr, shared_up_ptr, out_ptr, sorted_ids_ptr, ends_ptr,
-                            num_padded_ptr, route_ptr, s_ptr, shared_s_ptr, num_pairs, N, K, stride_am, stride_we,
-                            stride_wn,
-                            stride_om, stride_se, stride_sn,
+                            num_padded_ptr, route_ptr, s_ptr, shared_s_ptr, num_pairs, N, K, stride_am,
+                            stride_we, stride_wn, stride_om, stride_se, stride_sn,
                             ROWS_PER_A: tl.constexpr, NUM_IDS: tl.constexpr, E_POW2: tl.constexpr,
                             HAS_SHARED: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
                             SCALED: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
@@ -327,15 +326,16 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, shared: tuple[torch.Tensor, to
     sorted_ids, ends, num_padded = routing
     s, block = scale if scale is not None else (out, None)
     if scale is not None and shared is not None:
-        assert shared_scale is not None and shared_scale.shape == s.shape[1:] and shared_scale.stride() == s.stride()[1:], \
-            "an e4m3 shared expert's scales are laid out as one expert's"
+        assert (shared_scale is not None and shared_scale.shape == s.shape[1:]
+                and shared_scale.stride() == s.stride()[1:]), "an e4m3 shared expert's scales are laid out as one expert's"
     scale_cols = 1 if block is None else (block.cols if block.cols < w.shape[2] else 1 << 30)
     num_ids, n_out, k_in = w.shape[0] + (shared is not None), (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
     grid = (sorted_ids.numel() // tiles.block_m, triton.cdiv(n_out, tiles.block_n))
     _expert_gemm_kernel[grid](
         a, w, shared[0] if shared is not None else w, shared[1] if shared is not None else w, out, sorted_ids,
         ends, num_padded, route_weights if route_weights is not None else out, s,
-        shared_scale if shared_scale is not None else s, out.shape[0], n_out, k_in, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        shared_scale if shared_scale is not None else s, out.shape[0], n_out, k_in, a.stride(0), w.stride(0),
+        w.stride(1), out.stride(0),
         s.stride(0) if scale is not None else 0, s.stride(1) if scale is not None else 0,
         ROWS_PER_A=rows_per_a, NUM_IDS=num_ids, E_POW2=triton.next_power_of_2(num_ids),
         HAS_SHARED=shared is not None, GATED=gated, WEIGHTED=route_weights is not None,
