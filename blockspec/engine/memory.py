@@ -64,8 +64,8 @@ def size_pool(config: EngineConfig, target, draft, device: torch.device, dtype: 
     if device.type == "cuda" and profile is not None:
         size = measured_pages(config, device, per_page, profile, graph_bytes)
     else:
-        budget = config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY
-        size = PoolSize(1 + budget // per_page, per_page, "kv-cache-memory")
+        size = PoolSize(pages_in(config.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, per_page), per_page,
+                        "kv-cache-memory")
     if size.num_pages > config.worst_case_pages:      # more than the seats can ever use
         size = PoolSize(config.worst_case_pages, per_page, "worst-case", size.activation_bytes,
                         size.graph_reserve_bytes)
@@ -99,7 +99,12 @@ def measured_pages(config: EngineConfig, device: torch.device, per_page: int,
         raise ConfigError(f"no memory left for the KV cache: {total / GiB:.1f} GiB × {config.gpu_memory_utilization} "
                           f"holds the weights ({before / GiB:.1f} GiB) and activations ({activation / GiB:.1f} GiB) "
                           f"only; raise --gpu-memory-utilization or lower --max-num-batched-tokens")
-    return PoolSize(1 + budget // per_page, per_page, "measured", activation, graph_reserve)
+    return PoolSize(pages_in(budget, per_page), per_page, "measured", activation, graph_reserve)
+
+
+def pages_in(budget: int, per_page: int) -> int:
+    """The pages `budget` bytes of K/V hold, and page 0 (padding rows write there) on top."""
+    return 1 + budget // per_page
 
 
 def check_one_sequence_fits(config: EngineConfig, size: PoolSize) -> None:

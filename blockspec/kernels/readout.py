@@ -50,9 +50,7 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
         return x.argmax(-1)                                  # NaN ≠ NaN: torch's walk decides
     chunk = (chunk_max == top).to(torch.uint8).argmax(-1)                                     # the first
     cols = chunk[:, None] * ARGMAX_CHUNK + torch.arange(ARGMAX_CHUNK)[None]
-    inside = cols < vocab
-    values = rows.gather(1, cols.clamp_max(vocab - 1))
-    values = values.masked_fill(~inside, float("-inf")) if not inside.all() else values
+    values = rows.gather(1, cols.clamp_max(vocab - 1)).masked_fill(cols >= vocab, float("-inf"))   # the tail's
     # a row whose maximum is -inf: its chunk is the first, and the first column there is torch's answer
     return (chunk * ARGMAX_CHUNK + values.argmax(-1)).view(x.shape[:-1])
 

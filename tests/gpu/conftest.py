@@ -34,7 +34,7 @@ def workers() -> int:
 
 def shared_pages(config, device, per_page, profile, graph_bytes=0) -> memory.PoolSize:
     """measured_pages' stand-in under workers: the pages SHARED_KV_BYTES holds, as --kv-cache-memory sizes them."""
-    return memory.PoolSize(1 + SHARED_KV_BYTES // per_page, per_page, "kv-cache-memory")
+    return memory.PoolSize(memory.pages_in(SHARED_KV_BYTES, per_page), per_page, "kv-cache-memory")
 
 
 @pytest.fixture(autouse=True)
