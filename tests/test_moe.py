@@ -309,6 +309,13 @@ import torch
 from blockspec.kernels import moe as K
 from blockspec.layers.moe import reference_experts, route
 gen = torch.Generator().manual_seed(0)
+# Every buffer the kernels allocate starts poisoned (NaN, or -7 for ids), never with an earlier
+# call's values: a row read before it is written shows.
+real_empty = torch.empty
+def poisoned(*args, **kwargs):
+    t = real_empty(*args, **kwargs)
+    return t.fill_(float("nan") if t.is_floating_point() else -7)
+torch.empty = poisoned
 # (experts, tokens, top-k, skewed): both tile sets, both aligners (one program / torch past 256 pairs)
 for num_experts, num_tokens, top_k, skewed in [(8, 1, 2, False), (16, 5, 4, False), (16, 40, 8, False),
                                                (128, 3, 8, False), (16, 33, 8, True)]:
@@ -325,11 +332,24 @@ for num_experts, num_tokens, top_k, skewed in [(8, 1, 2, False), (16, 5, 4, Fals
     if flat.numel() <= K.MAX_PAIRS_ONE_PROGRAM:
         for ours, ref in zip(K.align(flat, num_experts, 16, length), K.align_torch(flat, num_experts, 16, length)):
             assert torch.equal(ours, ref), (ours, ref)
-    error = (K.fused_experts(x, weights, experts, gate_up, down)
-             - reference_experts(x, weights, experts, gate_up, down)).abs().max().item()
+    ours = K.fused_experts(x, weights, experts, gate_up, down)
+    error = (ours - reference_experts(x, weights, experts, gate_up, down)).abs().max().item()
     assert error < 1e-5, (num_experts, num_tokens, top_k, skewed, error)
-    fused_weights, fused_experts = K.route_fused(logits, x, top_k, True, None)
+    fused_weights, fused_experts, none = K.route_fused(logits, x, top_k, True, None)
     assert torch.equal(fused_experts.long(), experts) and (fused_weights - weights).abs().max() < 1e-6
+    assert none is None
+    # the arrivals: the slot sum taken by the down launch is torch's sum over the slots, bit for bit
+    assert torch.equal(K.fused_experts(x, weights, experts, gate_up, down, slot_sum=True), ours)
+    if flat.numel() <= K.MAX_PAIRS_ONE_PROGRAM:
+        # routing and alignment in one launch: the same ids, weights and alignment as two launches
+        plan = K.align_plan(flat.numel(), num_experts, False)
+        w2, e2, routing = K.route_fused(logits, x, top_k, True, None, plan)
+        assert torch.equal(w2, fused_weights) and torch.equal(e2, fused_experts)
+        for got, want in zip(routing, K.align(e2.flatten(), num_experts, plan.block_m, plan.sorted_len)):
+            assert torch.equal(got, want), (got, want)
+        assert torch.equal(K.fused_experts(x, w2, e2, gate_up, down, routing=routing, slot_sum=True),
+                           K.fused_experts(x, w2, e2, gate_up, down))
+        assert int(K.arrival_counters(x.device).abs().sum()) == 0       # every count put back to 0
 
 # the whole sparse block (SparseMoE.fused_forward): router in one launch, shared expert as a slot
 # (its intermediate size = the experts'), or added densely (another size)
@@ -346,8 +366,12 @@ for shared_size, normalize in [(16, True), (24, False), (0, True)]:
     layer.kernel = reference_experts
     expected = layer(x)
     layer.kernel = K.fused_experts
-    error = (layer(x) - expected).abs().max().item()
+    fused = layer(x)
+    error = (fused - expected).abs().max().item()
     assert error < 1e-5, (shared_size, error)
+    K.ARRIVALS = True                            # BLOCKSPEC_MOE_ARRIVALS=1: the same bits in fewer launches
+    assert torch.equal(layer(x), fused), shared_size
+    K.ARRIVALS = False
 print("ok")
 """
 

@@ -337,6 +337,8 @@ def padding_zeroed(x: torch.Tensor, meta: AttentionMetadata, num_rows: int) -> t
     tokens, which no kernel program writes) zero: whatever memory they held never reaches the
     pages they store K/V in (page 0, which the reference gathers masked: 0 · NaN is NaN)."""
     if meta.bounded:
+        if num_rows == 1:
+            return x            # a bucket of one row holds a token: a one-sequence decode pads nothing (40 launches a step)
         # the padding rows' mask made once a forward, not a `~` a layer (40 launches of Qwen3.5-35B-A3B's step)
         padding = shared(meta, "padding_tokens", lambda: torch.arange(num_rows, device=x.device) >= meta.starts[-1])
         return x.masked_fill(padding.view(-1, *[1] * (x.dim() - 1)), 0)

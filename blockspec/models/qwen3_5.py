@@ -28,7 +28,7 @@ from blockspec.cache.state_pool import RecurrentShape
 from blockspec.config import ConfigError, ModelConfig, eos_ids
 from blockspec.kernels import fused
 from blockspec.layers import Attention, AttentionMetadata, RMSNorm, RotaryEmbedding
-from blockspec.layers.attention import from_padded, mixer, padded_rows, to_padded
+from blockspec.layers.attention import from_padded, mixer, padded_rows, shared, to_padded
 from blockspec.layers.common import FusedLinear, join_fused_parts
 from blockspec.layers.moe import make_mlp
 from blockspec.models.base import CausalLM, PreNormLayer
@@ -196,10 +196,12 @@ class GatedDeltaNet(nn.Module):
                 continue
             # CUDA decode / verify rows and short prefill chunks: kernels/gdn.py, conv + delta
             # rule + gated norm in place
-            starts = meta.starts[first:last + 1]
+            # each group's row offsets made once a forward, not two launches a layer (60 of
+            # Qwen3.5-35B-A3B's plain step)
+            offsets = shared(meta, ("gdn_row_offsets", first, last),
+                             lambda: (meta.starts[first:last + 1] - meta.starts[first]).to(torch.int32))
             parts.append(gdn_rows_step(self, mixed[rows], b[rows], a[rows], z[rows], meta.states,
-                                       meta.state_slots[first:last], (starts - starts[0]).to(torch.int32),
-                                       max_rows, stash))
+                                       meta.state_slots[first:last], offsets, max_rows, stash))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def run_group(self, meta: AttentionMetadata, first: int, last: int, stash: bool, mixed: torch.Tensor,

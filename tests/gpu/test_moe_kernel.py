@@ -103,7 +103,7 @@ def test_fused_sparse_block_equals_the_reference(dtype, num_experts, num_tokens)
     layer = layer.to(dtype)
     x = torch.randn(num_tokens, hidden, device="cuda", dtype=dtype)
     logits = layer.gate(x)
-    weights, ids = K.route_fused(logits, x, 8, True, None)
+    weights, ids, _ = K.route_fused(logits, x, 8, True, None)
     ref_weights, ref_ids = route(logits, 8, True)
     assert torch.equal(logits.gather(1, ids.long()).sort(1).values, logits.gather(1, ref_ids).sort(1).values)
     assert (weights.float().sort(1).values - ref_weights.float().sort(1).values).abs().max() < 1e-2
@@ -116,3 +116,47 @@ def test_fused_sparse_block_equals_the_reference(dtype, num_experts, num_tokens)
         expected += layer.float().gated_shared_expert(x.float())
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     assert ((ours - expected).abs().max() / expected.abs().max()).item() < tolerance
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 32, 512])
+@pytest.mark.parametrize("shared", [False, True], ids=["experts", "shared_slot"])
+def test_arrivals_give_the_same_bits_in_fewer_launches(num_tokens, shared):
+    """BLOCKSPEC_MOE_ARRIVALS: routing + alignment in one launch and the slot sum in the down
+    GEMM's, eager and replayed from a CUDA graph, equal the separate launches bit for bit (each
+    pair's row is the same kernel's; the slots are added in order in fp32, as torch's sum), and
+    every arrival count is back at 0 after each launch."""
+    from blockspec.config import MoeConfig
+    from blockspec.layers.moe import SparseMoE
+    hidden, inter = SHAPES[256]
+    config = MoeConfig(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=inter, normalize=True,
+                       shared_expert_intermediate_size=inter if shared else 0)
+    torch.manual_seed(num_tokens)
+    layer = SparseMoE(hidden, config).cuda()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0, param.shape[-1] ** -0.5)
+    layer = layer.to(torch.bfloat16)
+    layer.kernel = K.fused_experts
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    before = K.ARRIVALS
+    try:
+        K.ARRIVALS = False
+        separate = layer(x)
+        K.ARRIVALS = True
+        assert torch.equal(layer(x), separate)
+        assert int(K.arrival_counters(x.device).abs().sum()) == 0
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(static)
+        for seed in range(3):
+            torch.manual_seed(100 + seed)
+            static.copy_(torch.randn_like(static))
+            graph.replay()
+            K.ARRIVALS = False
+            expected = layer(static)
+            K.ARRIVALS = True
+            assert torch.equal(out, expected), seed
+            assert int(K.arrival_counters(x.device).abs().sum()) == 0
+    finally:
+        K.ARRIVALS = before
