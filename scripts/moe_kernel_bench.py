@@ -3,7 +3,12 @@ launch, experts in two gather-GEMMs, shared expert as a slot) against the torch.
 path, and a small sweep of decode tile sizes. 10 layers of distinct weights per graph, so no
 layer's experts are still in L2 from the one before (as in a real step).
 
-Usage: python scripts/moe_kernel_bench.py [--sweep] [--out FILE]
+Usage: python scripts/moe_kernel_bench.py [--sweep] [--fp8] [--shapes qwen3.5-35b-a3b] [--out FILE]
+
+--fp8: the experts (and the shared expert, riding in their last slot) in FP8, quantized as
+`--quantization fp8` would (layers/fp8.py); the sweep then keeps BLOCK_K within the 128-column
+scale blocks. Each row also times the arrivals (kernels/moe.py ARRIVALS: routing + alignment in
+one launch, the slot sum in the down GEMM's).
 """
 from __future__ import annotations
 
@@ -36,14 +41,34 @@ def make_layers(shape: str) -> list[SparseMoE]:
     return layers
 
 
+def quantized(layers: list[SparseMoE]) -> list[SparseMoE]:
+    """The layers' experts and shared experts in FP8 (routers stay bf16), as --quantization fp8
+    makes a model's: quantize_model over a holder named as a model is."""
+    from types import SimpleNamespace
+
+    from blockspec.layers import fp8
+    holder = torch.nn.Module()
+    holder.model = torch.nn.Module()
+    holder.model.layers = torch.nn.ModuleList()
+    for layer in layers:
+        block = torch.nn.Module()
+        block.mlp = layer
+        holder.model.layers.append(block)
+    first = next(layers[0].parameters())
+    holder.lm_head = torch.nn.Linear(1, 1, bias=False).to(first.device, first.dtype)
+    holder.config = SimpleNamespace(tie_word_embeddings=False)
+    fp8.quantize_model(holder)
+    return [block.mlp for block in holder.model.layers]
+
+
 def bytes_read(layers: list[SparseMoE], x: torch.Tensor) -> int:
     """Weight bytes a perfect kernel reads: router, shared expert, each chosen expert once."""
     total = 0
     for layer in layers:
         ids = torch.topk(layer.gate(x), layer.top_k, dim=-1).indices.unique().numel()
-        per_expert = layer.experts.gate_up_proj[0].numel() + layer.experts.down_proj[0].numel()
-        other = sum(p.numel() for n, p in layer.named_parameters() if not n.startswith("experts."))
-        total += 2 * (ids * per_expert + other)
+        per_expert = sum(t[0].numel() * t.element_size() for t in (layer.experts.gate_up_proj, layer.experts.down_proj))
+        other = sum(p.numel() * p.element_size() for n, p in layer.named_parameters() if not n.startswith("experts."))
+        total += ids * per_expert + other
     return total
 
 
@@ -65,21 +90,34 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--tokens", default="1,4,16,64,256")
+    parser.add_argument("--fp8", action="store_true")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
-    results: dict = {"copy_bandwidth_TBps": bandwidth / 1e12}
-    for shape in SHAPES:
+    results: dict = {"copy_bandwidth_TBps": bandwidth / 1e12, "fp8": args.fp8}
+    sweep = ([((16, 32, 128, 4, 4), (16, 64, 128, 4, 4)), ((16, 64, 128, 4, 3), (16, 128, 128, 4, 3)),
+              ((16, 16, 128, 2, 4), (16, 32, 128, 2, 4)), ((16, 64, 64, 4, 4), (16, 64, 64, 4, 4)),
+              ((16, 32, 128, 8, 4), (16, 128, 64, 4, 4)), ((16, 128, 128, 4, 3), (16, 128, 128, 4, 3)),
+              ((16, 64, 128, 8, 4), (16, 64, 128, 8, 4)), ((16, 32, 64, 2, 5), (16, 32, 64, 2, 5))]
+             if args.fp8 else
+             [((16, 32, 128, 4, 4), (16, 64, 128, 4, 4)), ((16, 64, 128, 4, 3), (16, 128, 128, 4, 3)),
+              ((16, 32, 256, 4, 3), (16, 64, 256, 4, 3)), ((16, 16, 256, 2, 4), (16, 32, 256, 2, 4)),
+              ((16, 64, 64, 4, 4), (16, 64, 64, 4, 4)), ((16, 32, 128, 8, 4), (16, 128, 64, 4, 4))])
+    for shape in args.shapes.split(","):
         layers = make_layers(shape)
+        if args.fp8:
+            layers = quantized(layers)
         for num_tokens in [int(t) for t in args.tokens.split(",")]:
             x = torch.randn(num_tokens, layers[0].gate.in_features, device="cuda", dtype=torch.bfloat16)
             floor_us = bytes_read(layers, x) / LAYERS / bandwidth * 1e6
-            row = {"floor_us": floor_us, "triton_us": layer_us(layers, x, K.fused_experts),
-                   "grouped_us": layer_us(layers, x, grouped_experts)}
+            row = {"floor_us": floor_us, "triton_us": layer_us(layers, x, K.fused_experts)}
+            with mock.patch.object(K, "ARRIVALS", True):
+                row["triton_arrivals_us"] = layer_us(layers, x, K.fused_experts)
+            if not args.fp8:
+                row["grouped_us"] = layer_us(layers, x, grouped_experts)
             row["triton_over_floor"] = row["triton_us"] / floor_us
             if args.sweep and num_tokens in (1, 16):
-                for up, down in [((16, 32, 128, 4, 4), (16, 64, 128, 4, 4)), ((16, 64, 128, 4, 3), (16, 128, 128, 4, 3)),
-                                 ((16, 32, 256, 4, 3), (16, 64, 256, 4, 3)), ((16, 16, 256, 2, 4), (16, 32, 256, 2, 4)),
-                                 ((16, 64, 64, 4, 4), (16, 64, 64, 4, 4)), ((16, 32, 128, 8, 4), (16, 128, 64, 4, 4))]:
+                for up, down in sweep:
                     with mock.patch.object(K, "gate_up_tiles", lambda *a, t=up: K.Tiles(*t)), \
                          mock.patch.object(K, "down_tiles", lambda *a, t=down: K.Tiles(*t)):
                         row[f"tiles {up} {down}"] = layer_us(layers, x, K.fused_experts)
