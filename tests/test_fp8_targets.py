@@ -181,6 +181,35 @@ def test_fused_modules_hold_each_parts_dequantized_weights(fp8_models, kind):
         assert in_proj.in_features == model.config.hidden_size      # read as a linear's (the GDN warm-up)
 
 
+def test_a_segmented_in_proj_hands_its_parts_over_without_concatenating(fp8_models, monkeypatch):
+    """SegmentedLinear.parts: split(forward(x)) bit for bit, each part a view of its own
+    segment's output (no concatenation); GatedDeltaNet.project takes them, its (mixed, z, b, a)
+    bit for bit what the concatenated output split gave, in fp32 and bf16."""
+    from blockspec.models.qwen3_5 import GatedDeltaNet
+    model = load_model(str(fp8_models["qwen3_5_moe"][1])).model
+    layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    assert layers and all(isinstance(m.in_proj, fp8.SegmentedLinear) for m in layers)
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        model.to(dtype)
+        for layer in layers:
+            in_proj = layer.in_proj
+            for shape in ((1, 1), (1, 7), (5,)):
+                x = torch.randn(*shape, in_proj.in_features, generator=gen).to(dtype)
+                parts, whole = in_proj.parts(x), in_proj.split(in_proj(x))
+                assert len(parts) == len(whole) == len(in_proj.part_sizes)
+                assert all(torch.equal(p, w) and p.dtype == w.dtype for p, w in zip(parts, whole))
+                storages = [p.untyped_storage().data_ptr() for p in parts]     # qkv, z | b, a
+                assert storages[0] == storages[1] != storages[2] == storages[3]
+            x = torch.randn(1, 7, in_proj.in_features, generator=gen).to(dtype)
+            ours = layer.project(x)
+            with monkeypatch.context() as patch:       # the path before parts: cat, then split
+                patch.delattr(fp8.SegmentedLinear, "parts")
+                before = layer.project(x)
+            assert len(ours) == len(before) == 4
+            assert all(torch.equal(o, b) and o.shape == b.shape for o, b in zip(ours, before))
+
+
 # ── agreement with transformers, DFlash over FP8 ───────────────────────────────────────────────
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -14,7 +14,8 @@ FP8 rows are concatenated and so are their scale rows. A part boundary inside a 
 row per weight row (`ScaleBlock.rows` = 1, the part's block scales repeated over its rows): the
 kernels read scale[n // rows, k // cols] either way. A fused module whose parts are of mixed
 formats (GDN in_proj: qkv and z in FP8, b and a in bf16) becomes a `SegmentedLinear`, one GEMM
-per run of parts of one format.
+per run of parts of one format; its `parts` hands each part over as a view of its own run's
+output (no concatenation to split again).
 
 `--quantization fp8` quantizes a bf16 checkpoint on load into the same format (128 × 128 blocks,
 the parts quantized one by one as an FP8 checkpoint holds them): `fp8_stream` turns the
@@ -164,7 +165,8 @@ class Fp8Linear(KeepsFormat):
 
 class SegmentedLinear(nn.Module):
     """A fused projection whose parts come in two formats: one GEMM per run of consecutive parts
-    of one format (`segments`, each an Fp8Linear or a FusedLinear), outputs side by side."""
+    of one format (`segments`, each an Fp8Linear or a PartsLinear), outputs side by side; `parts`
+    gives them without putting them side by side."""
 
     def __init__(self, segments: list[nn.Module]) -> None:
         super().__init__()
@@ -175,6 +177,13 @@ class SegmentedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([segment(x) for segment in self.segments], dim=-1)
+
+    def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One output per part, in order, each a view of its own segment's output: the values of
+        split(self(x)) without the concatenation, which a caller that splits at once would only
+        undo (GDN's in_proj: a launch and a copy of the outputs a layer fewer)."""
+        return tuple(part for segment in self.segments
+                     for part in segment(x).split(list(segment.part_sizes.values()), dim=-1))
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(list(self.part_sizes.values()), dim=-1)

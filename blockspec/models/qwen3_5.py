@@ -143,7 +143,10 @@ class GatedDeltaNet(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, hidden] → mixed [B, T, conv_dim] (q | k | v), z [B, T, Hv, Dv], b, a [B, T, Hv]."""
         batch, num_tokens, _ = x.shape
-        projected = self.in_proj.split(self.in_proj(x))
+        # An FP8 in_proj of mixed formats (layers/fp8.SegmentedLinear) hands its parts over
+        # without concatenating its GEMMs' outputs first; one GEMM's output is split in views.
+        parts = getattr(self.in_proj, "parts", None)
+        projected = parts(x) if parts is not None else self.in_proj.split(self.in_proj(x))
         if not self.is_fused:
             mixed, z, b, a = projected
             return mixed, z.reshape(batch, num_tokens, self.num_v_heads, self.v_dim), b, a
