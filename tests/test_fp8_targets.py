@@ -976,6 +976,103 @@ def test_fp8_kernels_equal_the_reference_in_the_interpreter():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+INTERPRETED_TAIL_CHECK = """
+from dataclasses import replace
+import torch
+from blockspec.kernels import fp8 as K
+from blockspec.layers import fp8
+gen = torch.Generator().manual_seed(0)
+# A tail of x's dtype in the e4m3 rows' weight-only launch: the e4m3 columns bit for bit the
+# launch's without it, the tail's the product x · tailᵀ within one rounding of x's dtype. GEMV at
+# 1-2 rows, tl.dot above (fp16 or fp32 there: the interpreter's bf16 tl.dot is not the GPU's, its
+# sums are wrong; tests/gpu/test_fp8.py runs bf16); tails of part of a column tile and of
+# several; ragged K; K split with its parts summed in the kernel or after it.
+for rows, n, n_tail, k, block, dtype in [(1, 384, 8, 128, fp8.ScaleBlock(rows=1), torch.float32),
+                                         (2, 64, 70, 200, fp8.ScaleBlock(), torch.float32),
+                                         (5, 128, 8, 256, fp8.ScaleBlock(), torch.float16),
+                                         (17, 64, 40, 512, fp8.ScaleBlock(rows=1), torch.float32),
+                                         (1, 64, 64, 512, fp8.ScaleBlock(), torch.bfloat16)]:
+    q, scale = fp8.quantize(torch.randn(n, k, generator=gen), block)
+    tail = torch.randn(n_tail, k, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    exact = x.double() @ tail.double().T
+    tolerance = (1e-5 if dtype == torch.float32 else 2 ** -7) * exact.abs().max()
+    chosen = K.weight_only_tiles(rows, n, k, 1)
+    tiles = [chosen, replace(chosen, split_k=2, reduce_in_kernel=False), replace(chosen, split_k=3)]
+    if rows > 2:
+        tiles.append(K.WeightOnlyTiles(16, 32, 4, 2, 2, k_blocks=2, reduce_in_kernel=True))
+    else:
+        tiles.append(K.WeightOnlyTiles(rows, 32, 4, 2, 2, gemv=True, k_blocks=1, reduce_in_kernel=True,
+                                       broadcast_x=rows == 1, prefetch=True))
+    for t in tiles:
+        alone = K.weight_only_linear(x, q, scale, block, None, tiles=t)
+        both = K.weight_only_linear(x, q, scale, block, None, tiles=t, tail=tail)
+        assert both.shape == (rows, n + n_tail) and both.dtype == dtype, (rows, n, t)
+        assert torch.equal(both[:, :n], alone), (rows, n, n_tail, k, t)
+        assert (both[:, n:].double() - exact).abs().max() <= tolerance, (rows, n, n_tail, k, t)
+        assert not K.split_counters(x.device).any()
+    try:                                      # a column tile of both formats is refused
+        K.weight_only_linear(x, q[:n - 8], scale, block, None, tiles=chosen, tail=tail)
+        raise AssertionError("a tile across the formats ran")
+    except ValueError:
+        pass
+
+# SegmentedLinear (GDN in_proj: qkv | z e4m3, b | a bf16) with the interpreter standing in for
+# CUDA: BLOCKSPEC_FP8_BF16_TAIL's one launch gives its parts (views of one output) and forward;
+# without it, two launches as before
+K.use_triton = lambda *args: True
+k = 256
+for dtype, row_counts in ((torch.bfloat16, (1, 2)), (torch.float16, (5, 64, 65))):       # GEMV; tl.dot, two GEMMs
+    segmented = fp8.SegmentedLinear([
+        fp8.Fp8Linear(k, 384, block=fp8.fused_scale_block((256, 128)), parts={"in_proj_qkv": 256, "in_proj_z": 128}),
+        fp8.PartsLinear(k, {"in_proj_b": 4, "in_proj_a": 4}, bias=False)]).to(dtype)
+    fp8_run, bf16_run = segmented.segments
+    fp8_run.weight.data, fp8_run.weight_scale_inv.data = fp8.quantize(torch.randn(384, k, generator=gen),
+                                                                      fp8_run.block)
+    bf16_run.weight.data = torch.randn(8, k, generator=gen).to(dtype)
+    assert segmented.has_bf16_tail
+    with torch.no_grad():
+        for rows in row_counts:
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            K.FP8_BF16_TAIL = False
+            two = segmented.parts(x)
+            assert segmented.joined(x) is None
+            K.FP8_BF16_TAIL = True
+            one, whole = segmented.parts(x), segmented(x)
+            assert torch.equal(whole, torch.cat(one, dim=-1))
+            assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1]), rows
+            exact = x.double() @ bf16_run.weight.double().T
+            assert (torch.cat(one[2:], -1).double() - exact).abs().max() <= 2 ** -7 * exact.abs().max(), rows
+            storages = {p.untyped_storage().data_ptr() for p in one}
+            assert len(storages) == (1 if rows <= K.WEIGHT_ONLY_MAX_ROWS else 2), rows    # 65 rows: two GEMMs
+print("ok")
+"""
+
+
+def test_a_bf16_tail_rides_in_the_weight_only_launch_in_the_interpreter():
+    """kernels/fp8.linear_with_tail and SegmentedLinear.joined (BLOCKSPEC_FP8_BF16_TAIL=1)."""
+    pytest.importorskip("triton")
+    done = run_interpreted(INTERPRETED_TAIL_CHECK)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_the_bf16_tail_is_off_unless_asked_for_and_the_cpu_keeps_two_gemms(fp8_models, monkeypatch):
+    """BLOCKSPEC_FP8_BF16_TAIL: on only at "1" (unchecked on a GPU so far); asked for, a CPU
+    target still runs the reference's two GEMMs (joined: None)."""
+    for value, on in ((None, False), ("0", False), ("yes", False), ("1", True)):
+        if value is None:
+            monkeypatch.delenv("BLOCKSPEC_FP8_BF16_TAIL", raising=False)
+        else:
+            monkeypatch.setenv("BLOCKSPEC_FP8_BF16_TAIL", value)
+        assert fp8_kernels.bf16_tail_from_env() is on, value
+    monkeypatch.setattr(fp8_kernels, "FP8_BF16_TAIL", True)
+    model = load_model(str(fp8_models["qwen3_5_moe"][1])).model
+    in_proj = model.model.layers[0].linear_attn.in_proj
+    x = torch.randn(3, in_proj.in_features)
+    assert in_proj.has_bf16_tail and in_proj.joined(x) is None
+    assert torch.equal(in_proj(x), torch.cat([segment(x) for segment in in_proj.segments], dim=-1))
+
+
 def test_quantize_model_in_memory_equals_quantization_on_load(fp8_models):
     """bench's path (random weights quantized where they are) makes what --quantization fp8 loads."""
     _, _, bf16 = fp8_models["qwen3_5_moe"]

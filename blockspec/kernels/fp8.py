@@ -31,6 +31,8 @@ weighs its tiles).
 Above 64 rows the product runs on torch._scaled_mm's 1 × 128 block scaling (cuBLASLt) where this
 torch and GPU run it (bf16 activations, K in whole blocks, N % 16), else on ours, which runs the
 same on every torch version; BLOCKSPEC_FP8_GEMM=triton keeps ours (side-by-side runs).
+Opt-in, BLOCKSPEC_FP8_BF16_TAIL=1: `linear_with_tail`, a mixed-format projection's bf16 rows
+made by its e4m3 rows' weight-only launch (the column tiles past the e4m3 rows, unscaled).
 """
 from __future__ import annotations
 
@@ -126,6 +128,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: Sc
     else:
         out = fp8_fp8_linear(flat, weight, scale, block, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def bf16_tail_from_env() -> bool:
+    """BLOCKSPEC_FP8_BF16_TAIL: off unless "1"."""
+    return os.environ.get("BLOCKSPEC_FP8_BF16_TAIL", "0") == "1"
+
+
+# linear_with_tail: the bf16 rows of a mixed-format fused projection (Qwen3.5's GDN in_proj: b | a
+# after the e4m3 qkv | z) made by the e4m3 rows' weight-only launch, which writes both into one
+# output: at decode, a launch (a bf16 GEMM of 64 rows: 30 a step, 152 µs of Qwen3.5-35B-A3B's FP8
+# plain step on the H200, issue 33) and the concatenation fewer. Off until a GPU run has checked and
+# measured it: its tests so far ran in Triton's interpreter.
+FP8_BF16_TAIL = bf16_tail_from_env()
+
+
+def linear_with_tail(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
+                     tail: torch.Tensor) -> torch.Tensor | None:
+    """x [..., K] → [..., N + Nt]: `linear(x, weight, scale, block)` and x · tailᵀ (tail [Nt, K]
+    in x's dtype) side by side from one weight-only launch, where one serves: FP8_BF16_TAIL, the
+    Triton path, at most WEIGHT_ONLY_MAX_ROWS rows, and N in whole column tiles of the launch the
+    e4m3 rows get alone (its e4m3 columns are then that launch's, bit for bit). Else None."""
+    if not (FP8_BF16_TAIL and use_triton(x, tail)) or tail.dtype != x.dtype:
+        return None
+    flat = x.reshape(-1, x.shape[-1])
+    num_rows, in_features = flat.shape
+    if not 0 < num_rows <= WEIGHT_ONLY_MAX_ROWS:
+        return None
+    tiles = weight_only_tiles(num_rows, weight.shape[0], in_features, num_sms(x.device))
+    if weight.shape[0] % tiles.block_n:
+        return None
+    out = weight_only_linear(flat, weight, scale, block, None, tiles, tail=tail)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def column_scales(scale: torch.Tensor, block: ScaleBlock, out_features: int, in_features: int) -> torch.Tensor:
@@ -475,15 +509,27 @@ def split_counters(device: torch.device) -> torch.Tensor:
 
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: ScaleBlock,
-                       bias: torch.Tensor | None, tiles: WeightOnlyTiles | None = None) -> torch.Tensor:
-    """x [M, K] (bf16 / fp16 / fp32) · e4m3 weight [N, K] → [M, N] in x's dtype."""
+                       bias: torch.Tensor | None, tiles: WeightOnlyTiles | None = None,
+                       tail: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16 / fp32) · e4m3 weight [N, K] → [M, N] in x's dtype. With `tail`
+    [Nt, K] (unscaled, x's dtype, no bias; N a multiple of the tiles' block_n): [M, N + Nt], the
+    tail's products in the columns after N, made by the launch's last column tiles (`linear_with_tail`)."""
     num_rows, in_features = x.shape
-    out_features = weight.shape[0]
+    fp8_rows = weight.shape[0]
+    out_features = fp8_rows + (0 if tail is None else tail.shape[0])
     x = x.contiguous()
     out = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    tiles = tiles or weight_only_tiles(num_rows, out_features, in_features, num_sms(x.device))
+    # The e4m3 rows' tiles (and so K split) whatever the tail: their sums are those of the launch without it.
+    tiles = tiles or weight_only_tiles(num_rows, fp8_rows, in_features, num_sms(x.device))
+    tail_args = {}
+    if tail is not None:
+        if fp8_rows % tiles.block_n or bias is not None or tail.dtype != x.dtype or tail.shape[1] != in_features:
+            raise ValueError(f"a tail [{tail.shape[0]}, {tail.shape[1]}] {tail.dtype} takes x's dtype and K, no "
+                             f"bias, and e4m3 rows ({fp8_rows}) in whole column tiles of {tiles.block_n}")
+        tail = tail.contiguous()
+        tail_args = dict(t_ptr=tail, stride_tn=tail.stride(0), N_FP8=fp8_rows, HAS_TAIL=True)
     split, k_per_split = k_split(in_features, BLOCK * tiles.k_blocks, tiles.split_k)
     grid = (triton.cdiv(num_rows, tiles.block_m), triton.cdiv(out_features, tiles.block_n), split)
     in_kernel = split > 1 and tiles.reduce_in_kernel and grid[0] * grid[1] <= MAX_COUNTED_TILES
@@ -493,17 +539,17 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     # runtime bounds keep Triton from issuing the widest vector loads.
     common = dict(SCALE_ROWS=block.rows, SCALE_COLS=scale_cols(block, in_features),
                   HAS_BIAS=bias is not None and (split == 1 or in_kernel), EVEN_K=in_features % k_per_split == 0,
-                  EVEN_N=out_features % tiles.block_n == 0, EVEN_M=num_rows % tiles.block_m == 0,
+                  EVEN_N=fp8_rows % tiles.block_n == 0, EVEN_M=num_rows % tiles.block_m == 0,
                   SPLIT_SUM=in_kernel, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, KB=tiles.k_blocks,
                   BLOCK_K=BLOCK, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     args = (x, weight, scale, bias if bias is not None else x, partial, out,
             split_counters(x.device) if in_kernel else partial, num_rows, out_features, in_features, k_per_split,
             x.stride(0), weight.stride(0), scale.stride(0))
     if tiles.gemv:
-        _gemv_kernel[grid](*args, BROADCAST_X=tiles.broadcast_x, PREFETCH=tiles.prefetch, **common)
+        _gemv_kernel[grid](*args, BROADCAST_X=tiles.broadcast_x, PREFETCH=tiles.prefetch, **common, **tail_args)
     else:
         _weight_only_kernel[grid](*args, PRECISION="ieee" if x.dtype == torch.float32 else None,
-                                  DOT_F16=tiles.dot_f16 and x.dtype == torch.bfloat16, **common)
+                                  DOT_F16=tiles.dot_f16 and x.dtype == torch.bfloat16, **common, **tail_args)
     if split > 1 and not in_kernel:
         size = num_rows * out_features
         _split_sum_kernel[(triton.cdiv(size, 1024),)](partial, bias if bias is not None else x, out, size,
@@ -633,11 +679,19 @@ if triton is not None:
                             HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                             EVEN_M: tl.constexpr, SPLIT_SUM: tl.constexpr, PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, BLOCK_K: tl.constexpr,
-                            DOT_F16: tl.constexpr = False):
+                            DOT_F16: tl.constexpr = False, t_ptr=None, stride_tn=0, N_FP8=0,
+                            HAS_TAIL: tl.constexpr = False):
         """Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[m, k] · w[n, k] over the split's columns
         K_PER_SPLIT · split …, KB blocks of BLOCK_K (one scale and one tl.dot each) an iteration;
         stored by `_store_tile`. EVEN_K: K is a multiple of K_PER_SPLIT; EVEN_N: N of BLOCK_N;
-        EVEN_M: M of BLOCK_M (loads without masks)."""
+        EVEN_M: M of BLOCK_M (loads without masks). HAS_TAIL: the weight holds rows [0, N_FP8) (EVEN_N
+        then says N_FP8 is a multiple of BLOCK_N) and the column tiles from N_FP8 on are the bf16
+        tail's (`_tail_dot_tile`)."""
+        if HAS_TAIL:
+            if tl.program_id(1) * BLOCK_N >= N_FP8:
+                _tail_dot_tile(x_ptr, t_ptr, b_ptr, part_ptr, out_ptr, count_ptr, M, N, K, K_PER_SPLIT, N_FP8,
+                               stride_xm, stride_tn, HAS_BIAS, SPLIT_SUM, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                return
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k_start = tl.program_id(2) * K_PER_SPLIT
@@ -674,6 +728,61 @@ if triton is not None:
                     HAS_BIAS, SPLIT_SUM)
 
     @triton.jit
+    def _tail_dot_tile(x_ptr, t_ptr, b_ptr, part_ptr, out_ptr, count_ptr, M, N, K, K_PER_SPLIT, N_FP8, stride_xm,
+                       stride_tn, HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, PRECISION: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """`_weight_only_kernel`'s program for a column tile from N_FP8 on: Σ_k x[m, k] · t[n − N_FP8, k]
+        over the split's columns, the bf16 tail t unscaled, every load masked (a tail is a few
+        rows, of any K); stored by `_store_tile` as the e4m3 columns are (split parts included)."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_start = tl.program_id(2) * K_PER_SPLIT
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok, n_ok = offs_m < M, offs_n < N
+        x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + k_start + offs_k[None, :]
+        t_ptrs = t_ptr + (offs_n - N_FP8)[None, :].to(tl.int64) * stride_tn + k_start + offs_k[:, None]   # [BK, BN]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), BLOCK_K):
+            k_ok = offs_k < K - k
+            a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            t = tl.load(t_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc += tl.dot(a, t, input_precision=PRECISION)
+            x_ptrs += BLOCK_K
+            t_ptrs += BLOCK_K
+        offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        _store_tile(acc, b_ptr, part_ptr, out_ptr, count_ptr, offs, m_ok[:, None] & n_ok[None, :], M, N,
+                    HAS_BIAS, SPLIT_SUM)
+
+    @triton.jit
+    def _tail_gemv_tile(x_ptr, t_ptr, b_ptr, part_ptr, out_ptr, count_ptr, M, N, K, K_PER_SPLIT, N_FP8, stride_xm,
+                        stride_tn, HAS_BIAS: tl.constexpr, SPLIT_SUM: tl.constexpr, BROADCAST_X: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KB: tl.constexpr, BLOCK_K: tl.constexpr):
+        """`_gemv_kernel`'s program for a column tile from N_FP8 on: `_tail_dot_tile`'s sums, the
+        bf16 tile widened to fp32 and reduced against each row with fp32 FMAs as the GEMV's are."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_start = tl.program_id(2) * K_PER_SPLIT
+        offs_k = tl.arange(0, KB * BLOCK_K)
+        m_ok, n_ok = offs_m < M, offs_n < N
+        t_ptrs = t_ptr + (offs_n - N_FP8)[:, None].to(tl.int64) * stride_tn + k_start + offs_k[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k in range(k_start, tl.minimum(k_start + K_PER_SPLIT, K), KB * BLOCK_K):
+            t = tl.load(t_ptrs, mask=n_ok[:, None] & (offs_k < K - k)[None, :], other=0.0).to(tl.float32)
+            for r in tl.static_range(BLOCK_M):
+                row = tl.program_id(0) * BLOCK_M + r
+                x = _load_row(x_ptr + row.to(tl.int64) * stride_xm + k, offs_n, offs_k,
+                              tl.where(row < M, K - k, 0), False, BROADCAST_X)
+                row_sums = tl.sum(t * x, axis=1)                                             # [BLOCK_N]
+                if BLOCK_M == 1:
+                    acc += row_sums[:, None]
+                else:
+                    acc = tl.where((tl.arange(0, BLOCK_M) == r)[None, :], acc + row_sums[:, None], acc)
+            t_ptrs += KB * BLOCK_K
+        offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
+        _store_tile(acc, b_ptr, part_ptr, out_ptr, count_ptr, offs, n_ok[:, None] & m_ok[None, :], M, N,
+                    HAS_BIAS, SPLIT_SUM)
+
+    @triton.jit
     def _load_weights(w_ptrs, n_ok, offs_k, bound, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
         """The e4m3 tile at w_ptrs [BLOCK_N, KB·BLOCK_K], 0 past N and from column `bound` on."""
         if EVEN_K:
@@ -699,11 +808,18 @@ if triton is not None:
                      stride_wn, stride_sn, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
                      EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_M: tl.constexpr, SPLIT_SUM: tl.constexpr,
                      BROADCAST_X: tl.constexpr, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, KB: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, KB: tl.constexpr, BLOCK_K: tl.constexpr, t_ptr=None, stride_tn=0,
+                     N_FP8=0, HAS_TAIL: tl.constexpr = False):
         """BLOCK_M rows a program, the weight tile read once for all of them: out[m, n] =
         Σ_kb scale[n // SCALE_ROWS, kb] · Σ_{k in kb} x[m, k] · w[n, k] over the split's columns,
         KB blocks of BLOCK_K (one scale each) an iteration; products and sums in fp32 (an e4m3
-        times a bf16 value is exact in fp32). Stored by `_store_tile`."""
+        times a bf16 value is exact in fp32). Stored by `_store_tile`. HAS_TAIL: as
+        `_weight_only_kernel`'s, the tail's column tiles by `_tail_gemv_tile`."""
+        if HAS_TAIL:
+            if tl.program_id(1) * BLOCK_N >= N_FP8:
+                _tail_gemv_tile(x_ptr, t_ptr, b_ptr, part_ptr, out_ptr, count_ptr, M, N, K, K_PER_SPLIT, N_FP8,
+                                stride_xm, stride_tn, HAS_BIAS, SPLIT_SUM, BROADCAST_X, BLOCK_M, BLOCK_N, KB, BLOCK_K)
+                return
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         k_start = tl.program_id(2) * K_PER_SPLIT

@@ -166,7 +166,8 @@ class Fp8Linear(KeepsFormat):
 class SegmentedLinear(nn.Module):
     """A fused projection whose parts come in two formats: one GEMM per run of consecutive parts
     of one format (`segments`, each an Fp8Linear or a PartsLinear), outputs side by side; `parts`
-    gives them without putting them side by side."""
+    gives them without putting them side by side. An e4m3 run then a bf16 one, without biases
+    (GDN's in_proj), can be one launch (`joined`)."""
 
     def __init__(self, segments: list[nn.Module]) -> None:
         super().__init__()
@@ -174,16 +175,34 @@ class SegmentedLinear(nn.Module):
         self.in_features = segments[0].in_features          # every segment reads the same input
         self.part_sizes = {name: size for seg in segments for name, size in seg.part_sizes.items()}
         self.part_rows = rows_of(self.part_sizes)
+        self.has_bf16_tail = (len(segments) == 2 and isinstance(segments[0], Fp8Linear)
+                              and isinstance(segments[1], PartsLinear)
+                              and all(segment.bias is None for segment in segments))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([segment(x) for segment in self.segments], dim=-1)
+        joined = self.joined(x)
+        return joined if joined is not None else torch.cat([segment(x) for segment in self.segments], dim=-1)
 
     def parts(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """One output per part, in order, each a view of its own segment's output: the values of
-        split(self(x)) without the concatenation, which a caller that splits at once would only
-        undo (GDN's in_proj: a launch and a copy of the outputs a layer fewer)."""
+        """One output per part, in order, each a view of its own segment's output (or of the one
+        launch's, `joined`): the values of split(self(x)) without the concatenation, which a
+        caller that splits at once would only undo (GDN's in_proj: a launch and a copy of the
+        outputs a layer fewer)."""
+        joined = self.joined(x)
+        if joined is not None:
+            return self.split(joined)
         return tuple(part for segment in self.segments
                      for part in segment(x).split(list(segment.part_sizes.values()), dim=-1))
+
+    def joined(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Both runs' outputs side by side from the e4m3 run's weight-only launch, the bf16 rows
+        its last column tiles (kernels/fp8.linear_with_tail: opt-in, BLOCKSPEC_FP8_BF16_TAIL=1;
+        decode rows on CUDA); else None, and each run is a GEMM of its own."""
+        if not self.has_bf16_tail:
+            return None
+        from blockspec.kernels.fp8 import linear_with_tail
+        fp8_run, bf16_run = self.segments
+        return linear_with_tail(x, fp8_run.weight, fp8_run.weight_scale_inv, fp8_run.block, bf16_run.weight)
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(list(self.part_sizes.values()), dim=-1)

@@ -125,6 +125,35 @@ def test_split_sums_in_the_kernel_replay_in_a_cuda_graph(variant):
     assert not K.split_counters(x.device).any()
 
 
+# (e4m3 rows, bf16 tail rows, K): Qwen3.5-35B-A3B's GDN in_proj (qkv | z, then b | a), and a tail
+# of part of a column tile over a ragged K
+TAIL_CASES = {"qwen3_5_35b_in_proj": (12288, 64, 2048), "ragged": (1536, 40, 1000)}
+
+
+@pytest.mark.parametrize("case", list(TAIL_CASES))
+@pytest.mark.parametrize("rows", [1, 2, 3, 16, 64])
+def test_a_bf16_tail_rides_in_the_weight_only_launch(monkeypatch, case, rows):
+    """linear_with_tail (BLOCKSPEC_FP8_BF16_TAIL=1): the e4m3 columns bit for bit what `linear`
+    gives them alone, the tail's within bf16's tolerance of the fp32 product; replayed in a CUDA
+    graph the same."""
+    n, n_tail, k = TAIL_CASES[case]
+    monkeypatch.setattr(K, "FP8_BF16_TAIL", True)
+    q, scale = weights(n, k, fp8.ScaleBlock(), seed=8)
+    tail = (torch.randn(n_tail, k, device="cuda") / k ** 0.5).to(torch.bfloat16)
+    x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+    both = K.linear_with_tail(x, q, scale, fp8.ScaleBlock(), tail)
+    assert both is not None and both.shape == (rows, n + n_tail) and both.dtype == torch.bfloat16
+    assert torch.equal(both[:, :n], K.linear(x, q, scale, fp8.ScaleBlock()))
+    assert relative_error(both[:, n:], x.float() @ tail.float().T) < TOLERANCE
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = K.linear_with_tail(x, q, scale, fp8.ScaleBlock(), tail)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(out, K.linear_with_tail(x, q, scale, fp8.ScaleBlock(), tail))
+    assert not K.split_counters(x.device).any()
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("rows", ROWS)
 def test_fp8_fp8_kernel_equals_its_reference(case, rows):
@@ -289,12 +318,12 @@ def tokenizer_files(tmp_path_factory):
     return sorted(directory.iterdir())
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_5_moe"])
-def test_fp8_targets_decode_on_the_gpu_as_on_the_cpu(kind, tmp_path, tokenizer_files):
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_bf16_tail"])
+def test_fp8_targets_decode_on_the_gpu_as_on_the_cpu(kind, tmp_path, tokenizer_files, monkeypatch):
     """The FP8 fixtures of tests/test_fp8_targets.py in fp32 on the GPU, graphed (the weight-only
-    kernel at every width, FP8 experts, GDN's mixed in_proj): plain and DFlash, batched and
-    alone, decode what the CPU's dequantizing reference decodes (which tests/test_fp8_targets.py
-    holds equal to transformers)."""
+    kernel at every width, FP8 experts, GDN's mixed in_proj, also with its bf16 rows in the e4m3
+    rows' launch: BLOCKSPEC_FP8_BF16_TAIL): plain and DFlash, batched and alone, decode what the
+    CPU's dequantizing reference decodes (which tests/test_fp8_targets.py holds equal to transformers)."""
     import fixtures
     import fp8_fixtures
     from test_fp8_targets import PROMPTS, VOCAB, hf_model, randomise
@@ -302,6 +331,9 @@ def test_fp8_targets_decode_on_the_gpu_as_on_the_cpu(kind, tmp_path, tokenizer_f
     from blockspec.llm import LLM
     from blockspec.sampling import SamplingParams
 
+    if kind.endswith("_bf16_tail"):
+        kind = kind.removesuffix("_bf16_tail")
+        monkeypatch.setattr(K, "FP8_BF16_TAIL", True)
     model = hf_model(kind)
     randomise(model)
     path = fp8_fixtures.write_fp8_checkpoint(tmp_path / kind, model)
