@@ -12,6 +12,8 @@ scripts/step_profile.py does the same for a dense forward alone; this one needs 
 experts' last slot (BLOCKSPEC_FP8_SHARED_SLOT), each on an engine of its own (its graphs).
 --arrivals 0,1: the MoE's routing, alignment and slot sum in separate launches, then with the
 arrival counts (kernels/moe.py ARRIVALS, BLOCKSPEC_MOE_ARRIVALS), each format, each on its own engine.
+--tail 0,1: FP8 mixed-format projections (GDN in_proj) in two launches, then with the bf16 rows riding
+in the FP8 launch (kernels/fp8.py FP8_BF16_TAIL, BLOCKSPEC_FP8_BF16_TAIL); crossed with --arrivals.
 On CPU: a smoke test (the profiler's CPU ops, no kernels).
 """
 from __future__ import annotations
@@ -74,8 +76,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None, help="the shape's first N layers only")
     ap.add_argument("--shared-slot", default="", help="FP8: values of BLOCKSPEC_FP8_SHARED_SLOT to compare, e.g. 0,1")
     ap.add_argument("--arrivals", default="", help="values of kernels/moe.py ARRIVALS to compare, e.g. 0,1")
+    ap.add_argument("--tail", default="", help="FP8: values of kernels/fp8.py FP8_BF16_TAIL to compare, e.g. 0,1")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    from blockspec.kernels import fp8 as fp8_kernels
     from blockspec.kernels import moe as moe_kernels
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -87,16 +91,19 @@ def main() -> int:
         if fmt == "fp8":
             from blockspec.layers import fp8
             fp8.quantize_model(target)
-        variants = [(slot, arrivals) for slot in (args.shared_slot.split(",") if fmt == "fp8" and args.shared_slot
-                                                  else [None])
-                    for arrivals in (args.arrivals.split(",") if args.arrivals else [None])]
-        for slot, arrivals in variants:
+        variants = [(slot, arrivals, tail)
+                    for slot in (args.shared_slot.split(",") if fmt == "fp8" and args.shared_slot else [None])
+                    for arrivals in (args.arrivals.split(",") if args.arrivals else [None])
+                    for tail in (args.tail.split(",") if fmt == "fp8" and args.tail else [None])]
+        for slot, arrivals, tail in variants:
             if slot is not None:
                 os.environ["BLOCKSPEC_FP8_SHARED_SLOT"] = slot
             if arrivals is not None:
                 moe_kernels.ARRIVALS = arrivals == "1"
+            if tail is not None:
+                fp8_kernels.FP8_BF16_TAIL = tail == "1"
             key = fmt + (f"_shared_slot{slot}" if slot is not None else "") + (
-                f"_arrivals{arrivals}" if arrivals is not None else "")
+                f"_arrivals{arrivals}" if arrivals is not None else "") + (f"_tail{tail}" if tail is not None else "")
             r = result[key] = profile_steps(target, device, args.steps, args.prompt_len)
             print(f"== {key}: step {r['step_ms']:.3f} ms, kernels {r['kernels_ms']:.3f} ms ({r['kernels_per_step']:.0f} "
                   f"a step), gaps {r['gap_ms']:.3f} ms; {r['by_class_ms']}", flush=True)

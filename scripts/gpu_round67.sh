@@ -5,8 +5,9 @@
 # pieces (scripts/gguf_pieces.sh split2); call 3 carries the whole tree.
 #   bash scripts/gpu_round67.sh 1   # carry .whl .gguf/p0 (issue 33): the MoE kernels' GPU tests, the arrivals among
 #        # them (BLOCKSPEC_MOE_ARRIVALS: routing + alignment in one launch, the slot sum in the down GEMM's), the MoE
-#        # fixtures' decode with them on; the MoE's FP8 plain step with them off and on (engine_step_profile.py
-#        # --arrivals 0,1); the FP8 experts' tile sweep at 1 and 16 tokens (moe_kernel_bench.py --fp8 --sweep)
+#        # fixtures' decode with them on and the FP8 GDN in_proj's bf16 rows in its FP8 launch (BLOCKSPEC_FP8_BF16_TAIL);
+#        # the MoE's FP8 plain step with each off and on (engine_step_profile.py --arrivals 0,1 --tail 0,1); the FP8
+#        # experts' tile sweep at 1 and 16 tokens (moe_kernel_bench.py --fp8 --sweep)
 #   bash scripts/gpu_round67.sh 2   # carry .gguf/p1 (issue 31): the GGUF joined; the real SmolLM2 pair, plain / fixed
 #        # / adaptive at 1, 16, 64 (9 interleaved rounds, medians); Qwen3-8B adaptive vs fixed vs plain at 1 … 256
 #   bash scripts/gpu_round67.sh 3   # the whole tree (issues 30, 31, 33): the hybrid and the MoE at one sequence
@@ -17,12 +18,13 @@ M=${1:-1}
 if compgen -G ".gguf/p*" > /dev/null; then bash scripts/gguf_pieces.sh keep > /dev/null || exit 1; fi   # a carried piece
 if [ "$M" = 1 ]; then
   timeout ${TESTS_S:-100} $T tests/gpu/test_moe_kernel.py > "$OUT/t_moe_kernel.log" 2>&1
-  BLOCKSPEC_MOE_ARRIVALS=1 timeout ${TESTS_S2:-150} $T -n 4 --dist loadfile tests/gpu/test_moe_gpu.py \
-    tests/gpu/test_fp8.py -k "moe or expert or decode_on_the_gpu" > "$OUT/t_moe_arrivals.log" 2>&1
+  BLOCKSPEC_MOE_ARRIVALS=1 BLOCKSPEC_FP8_BF16_TAIL=1 timeout ${TESTS_S2:-150} $T -n 4 --dist loadfile \
+    tests/gpu/test_moe_gpu.py tests/gpu/test_fp8.py -k "moe or expert or tail or decode_on_the_gpu" \
+    > "$OUT/t_moe_arrivals_tail.log" 2>&1
   summary
-  TAIL=60 stage "the MoE's FP8 plain step, arrivals off and on" timeout ${PROF_S:-200} \
-    python3 scripts/engine_step_profile.py --shape qwen3.5-35b-a3b --formats fp8 --arrivals 0,1 \
-    --out "$OUT/moe_step_profile_arrivals.json"
+  TAIL=100 stage "the MoE's FP8 plain step, arrivals and the bf16 tail off and on" timeout ${PROF_S:-240} \
+    python3 scripts/engine_step_profile.py --shape qwen3.5-35b-a3b --formats fp8 --arrivals 0,1 --tail 0,1 \
+    --out "$OUT/moe_step_profile_arrivals_tail.json"
   TAIL=40 stage "the FP8 experts' tiles at 1 and 16 tokens" timeout ${SWEEP_S:-90} \
     python3 scripts/moe_kernel_bench.py --fp8 --sweep --shapes qwen3.5-35b-a3b --tokens 1,16 --out "$OUT/moe_fp8_sweep.json"
 fi
