@@ -132,9 +132,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seconds", type=float, default=None, metavar="S",
                    help="stop after S seconds of training, saving a checkpoint and the draft (a bounded run; "
                    "--resume continues it)")
-    p.add_argument("--labels", default="tokens", choices=("tokens", "target"),
-                   help="what each draft slot learns: the data's next tokens, or the target's greedy choice "
-                   "at each position of the data (for data sampled at a temperature)")
+    p.add_argument("--labels", default="tokens", choices=("tokens", "target", "distill"),
+                   help="what each draft slot learns: the data's next tokens, the target's greedy choice "
+                   "at each position of the data (for data sampled at a temperature), or the target's "
+                   "distribution there (its 32 likeliest tokens: distillation)")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start from this saved draft's weights (same shape, layer ids and mask token; "
                    "a draft of fewer layers grows into --num-layers, its function unchanged; "

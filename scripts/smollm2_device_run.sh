@@ -16,7 +16,7 @@ set -o pipefail
 GGUF=$1; WORK=$2; OUT=$3; SCALE=${4:-full}
 UNTIL=${UNTIL:-measure}
 SWEEP=${SWEEP:-d1b8 d1b16 d2b16}
-LABELS=${LABELS:-tokens}   # train-draft --labels: target = the target's greedy choices on sampled rows too
+LABELS=${LABELS:-tokens}   # train-draft --labels: target = the target's greedy choices on sampled rows too; distill = its top-32 distribution
 # INIT_<draft>=DIR: train-draft --init-from for that draft of the sweep (e.g. INIT_d1b8=blockspec/demo/smollm2-draft)
 mkdir -p "$WORK" "$OUT"
 START=$(date +%s)

@@ -193,6 +193,62 @@ def test_target_labels_are_the_targets_greedy_choices(tiny_target, tiny_data, tm
         config(tiny_target, sampled, tmp_path / "x", labels="soft")
 
 
+def test_distill_labels_are_the_targets_truncated_distribution(tiny_target, tmp_path, monkeypatch):
+    """--labels distill: slot k learns the target's distribution for token a + k given the row
+    (transformers' softmax on the same checkpoint, its top tokens renormalised); its loss is the
+    cross-entropy against that distribution (the KL divergence up to the target's entropy), and
+    at one kept token it is the greedy-choice loss of --labels target."""
+    from transformers import AutoModelForCausalLM
+    from blockspec.train import loop
+    from blockspec.train.loop import Ranks, Trainer
+    rows = torch.randint(0, VOCAB - 2, (3, 40), generator=torch.Generator().manual_seed(7))
+    model = load_model(str(tiny_target)).model
+    _, choices = features.features_and_choices(model, rows, (0,), chunk=7)
+    _, top_ids, top_probs = features.features_and_distributions(model, rows, (0,), 5, chunk=7)
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tiny_target).eval()(rows).logits.float()
+    values, indices = expected[:, :-1].topk(5, dim=-1)
+    assert torch.equal(top_ids[:, 1:], indices) and torch.equal(top_ids[:, 1:, 0], choices[:, 1:])
+    assert torch.allclose(top_probs[:, 1:], values.softmax(-1), atol=1e-5)
+    assert torch.equal(top_ids[:, 0, 0], rows[:, 0]) and torch.equal(top_probs[:, 0, 0], torch.ones(3))
+    assert top_probs[:, 0, 1:].abs().sum() == 0
+
+    # the loss against a whole distribution is KL + the target's entropy
+    gen = torch.Generator().manual_seed(3)
+    logits, target_logits = torch.randn(2, 3, 4, 11, generator=gen), torch.randn(2, 3, 4, 11, generator=gen)
+    q, weights = target_logits.softmax(-1), torch.rand(2, 3, 4, generator=gen)
+    ids = torch.arange(11).expand(2, 3, 4, 11)
+    kl = torch.nn.functional.kl_div(logits.log_softmax(-1), q, reduction="none").sum(-1)
+    entropy = -(q * q.log()).sum(-1)
+    assert torch.allclose(blockwise.soft_block_loss(logits, ids, q, weights), ((kl + entropy) * weights).sum(), atol=1e-5)
+
+    # one kept token: --labels target's loss on the same batch
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"token_ids": r, "prompt_len": 8}) + "\n" for r in rows.tolist()))
+    monkeypatch.setattr(loop, "DISTILL_TOP", 1)
+    losses = {}
+    for labels in ("target", "distill"):
+        trainer = Trainer(config(tiny_target, data, tmp_path / labels, batch_size=3, labels=labels),
+                          Ranks(0, 1, torch.device("cpu")))
+        batch, anchors, valid, _ = trainer.batch(0)
+        losses[labels] = float(trainer.loss_sum(batch, anchors, valid).detach())
+    assert losses["distill"] == pytest.approx(losses["target"], rel=1e-6)
+
+
+def test_a_distilled_draft_trains_and_resumes(tiny_target, tiny_data, tmp_path):
+    """train-draft --labels distill end to end: it learns (the loss falls), saves a draft our
+    loader loads, and a run cut short and resumed gives the uninterrupted run's draft bit for bit."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    train(config(tiny_target, tiny_data[0], whole, steps=8, save_every=4, labels="distill"))
+    shutil.copytree(whole / "checkpoints" / "step-00000004", cut / "checkpoints" / "step-00000004")
+    train(config(tiny_target, tiny_data[0], cut, steps=8, save_every=4, labels="distill", resume=True))
+    a, b = load_file(str(whole / "model.safetensors")), load_file(str(cut / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    log = [json.loads(line) for line in (whole / "train_log.jsonl").read_text().splitlines() if "loss" in line]
+    assert log[-1]["loss"] < log[0]["loss"]
+    load_draft(str(whole), load_model(str(tiny_target)).model)
+
+
 def test_init_from_starts_from_a_saved_drafts_weights(tiny_target, tiny_data, tmp_path):
     """--init-from: the run's draft starts as the saved one (bf16 weights as saved, now fp32) and
     trains from there; a draft of another shape or layer ids is a one-line error."""

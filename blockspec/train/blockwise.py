@@ -133,6 +133,26 @@ def block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     return (ce * weights.flatten()).sum()
 
 
+def block_positions_of(values: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """values [B, L, T] at slots 1 … B − 1 of every block → [B, N, B − 1, T] (block_labels'
+    positions, the last position standing in past a row's end, where `valid` is False)."""
+    positions = anchors[..., None] + torch.arange(1, block_size, device=anchors.device)
+    flat = positions.clamp(max=values.shape[1] - 1).flatten(1)                       # [B, N·(B − 1)]
+    picked = torch.gather(values, 1, flat[..., None].expand(-1, -1, values.shape[-1]))
+    return picked.view(*positions.shape, values.shape[-1])
+
+
+def soft_block_loss(logits: torch.Tensor, target_ids: torch.Tensor, target_probs: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """Σ weight · cross-entropy against the target's (truncated) distribution over slots, fp32:
+    logits [B, N, B − 1, V], target ids / probabilities [B, N, B − 1, T], weights [B, N, B − 1].
+    −Σ_t q_t log p(id_t): the KL divergence from the target's distribution up to its entropy,
+    which the draft cannot change, so the gradients are the KL's."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    ce = -(target_probs * log_probs.gather(-1, target_ids)).sum(-1)
+    return (ce * weights).sum()
+
+
 def num_anchor_candidates(length: int, prompt_len: int) -> tuple[int, int]:
     """First and last anchor positions: at least one context position, at least one label."""
     return max(1, prompt_len), length - 2

@@ -34,6 +34,29 @@ def features_and_choices(target: nn.Module, input_ids: torch.Tensor, layer_ids: 
 
 
 @torch.no_grad()
+def features_and_distributions(target: nn.Module, input_ids: torch.Tensor, layer_ids: tuple[int, ...], top: int,
+                               chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """target_features of input_ids [B, L], and from the same forward the target's distribution
+    for every position, truncated to its `top` most likely tokens and renormalised: ids and
+    probabilities [B, L, top] (fp32), at p those for token p given the row's tokens before p
+    (position 0, which nothing predicts, is the row's own token with probability 1). The head
+    runs over `chunk` rows at a time; only the top survive, not B · L · V floats."""
+    out = forward_sequences(target, input_ids, tuple(layer_ids))
+    hidden = out.hidden.flatten(0, 1)
+    ids, probs = [], []
+    for i in range(0, len(hidden), chunk):
+        values, indices = target.compute_logits(hidden[i: i + chunk]).float().topk(top, dim=-1)
+        ids.append(indices)
+        probs.append(values.softmax(-1))          # softmax over the top = the renormalised truncation
+    shape = (*input_ids.shape, top)
+    ids, probs = torch.cat(ids).view(shape), torch.cat(probs).view(shape)
+    first_ids = torch.zeros_like(ids[:, :1]).copy_(input_ids[:, :1, None].expand(-1, -1, top))
+    first_probs = torch.zeros_like(probs[:, :1])
+    first_probs[..., 0] = 1.0
+    return (out.features, torch.cat((first_ids, ids[:, :-1]), dim=1), torch.cat((first_probs, probs[:, :-1]), dim=1))
+
+
+@torch.no_grad()
 def greedy_continue(target: nn.Module, prompt_ids: torch.Tensor, num_new: int) -> torch.Tensor:
     """Greedy continuations of equal-length prompts, batched: [B, P] → [B, num_new].
 

@@ -28,10 +28,15 @@ PAD_TOKEN_NAMES = ("<|fim_pad|>", "<|pad|>", "<pad>", "[PAD]")
 # Settings that must match for --resume to continue the same run (steps may grow).
 RUN_KEYS = ("target", "data", "num_layers", "block_size", "target_layer_ids", "mask_token_id",
             "batch_size", "lr", "seq_len", "num_anchors", "seed", "labels", "init_from")
-# What slot k of the block at anchor a learns: the row's own token at a + k, or the target's greedy
-# choice there, teacher-forced on the row. They are the same on greedy rows; on sampled rows the
-# row's token is often not what greedy verification accepts (BENCHMARKS.md, issue 32).
-LABELS = ("tokens", "target")
+# What slot k of the block at anchor a learns: the row's own token at a + k, the target's greedy
+# choice there, teacher-forced on the row, or the target's distribution there (its DISTILL_TOP
+# likeliest tokens, renormalised: distillation, each position teaching the draft the target's
+# whole ranking rather than one token). The first two are the same on greedy rows; on sampled
+# rows the row's token is often not what greedy verification accepts (BENCHMARKS.md, issue 32).
+LABELS = ("tokens", "target", "distill")
+# The target's tokens kept per position for --labels distill: a small model's next-token mass is
+# nearly all in its top few dozen, and B · L · V probabilities would not fit beside the draft.
+DISTILL_TOP = 32
 
 
 class TrainError(ValueError):
@@ -325,12 +330,20 @@ class Trainer:
         """Σ weight · CE of this rank's blocks (fp32), with the draft's autograd graph."""
         ids, lengths = batch.ids.to(self.device), batch.lengths.to(self.device)
         anchors, valid = anchors.to(self.device), valid.to(self.device)
-        context, label_ids = None, ids
+        context, label_ids, bs = None, ids, self.config.block_size
         if self.config.labels == "target":
             with self.autocast():
                 context, label_ids = features.features_and_choices(self.target, ids, self.layer_ids)
+        if self.config.labels == "distill":
+            with self.autocast():
+                context, top_ids, top_probs = features.features_and_distributions(
+                    self.target, ids, self.layer_ids, min(DISTILL_TOP, self.vocab_size))
         logits = self.block_logits(ids, anchors, context)
-        labels, label_valid = blockwise.block_labels(label_ids, lengths, anchors, valid, self.config.block_size)
+        labels, label_valid = blockwise.block_labels(label_ids, lengths, anchors, valid, bs)
+        if self.config.labels == "distill":
+            return blockwise.soft_block_loss(logits, blockwise.block_positions_of(top_ids, anchors, bs),
+                                             blockwise.block_positions_of(top_probs, anchors, bs),
+                                             label_valid * self.weights)
         return blockwise.block_loss(logits, labels, label_valid * self.weights)
 
     def train_step(self, step: int) -> float:
