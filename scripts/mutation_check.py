@@ -50,6 +50,7 @@ APP = "blockspec/server/app.py"
 MEASURE = "blockspec/demo/measure.py"
 BENCH_STREAMS = "scripts/bench_streams.py"
 FP8_TESTS = "tests/test_fp8_targets.py"
+MOE_INTERPRETED = "tests/test_moe.py::test_triton_kernel_equals_the_reference_in_the_interpreter"
 REQUEST = "blockspec/engine/request.py"
 SEQUENCE = "blockspec/engine/sequence.py"
 DFLASH = "blockspec/engine/spec/dflash.py"
@@ -1491,6 +1492,48 @@ MUTANTS = [
            'return struct.unpack_from("<" + code, buf, offs)[0], offs + struct.calcsize(code)',
            'return struct.unpack_from("<" + code, buf, offs)[0], offs + 8',
            ("tests/test_gguf_metadata.py",), "round65"),
+    # round67: the MoE's arrival counts (alignment in the routing launch, the slot sum in the down
+    # GEMM's), the FP8 GDN in_proj's parts without a cat, train-draft --labels distill
+    Mutant("moe-arrivals-sum-drops-the-last-slot", "blockspec/kernels/moe.py",
+           "for slot in tl.static_range(SLOT_SUM):", "for slot in tl.static_range(SLOT_SUM - 1):",
+           (MOE_INTERPRETED,), "round67"),
+    Mutant("moe-arrivals-token-of-a-pair", "blockspec/kernels/moe.py",
+           "tokens = (pairs // SLOT_SUM).to(tl.int64)", "tokens = (pairs % SLOT_SUM).to(tl.int64)",
+           (MOE_INTERPRETED,), "round67"),
+    Mutant("moe-arrivals-counts-left-standing", "blockspec/kernels/moe.py",
+           "tl.store(counters, 0, mask=last)", "tl.store(counters, 0, mask=last & (arrived < 0))",
+           (MOE_INTERPRETED,), "round67"),
+    Mutant("moe-arrivals-align-one-pair-short", "blockspec/kernels/moe.py",
+           "num_padded_ptr, tl.num_programs(0) * SLOTS,", "num_padded_ptr, tl.num_programs(0) * SLOTS - 1,",
+           (MOE_INTERPRETED,), "round67"),
+    Mutant("moe-arrivals-route-count-left-standing", "blockspec/kernels/moe.py",
+           "                tl.store(count_ptr, 0)                    # zero again", "                # zero again",
+           (MOE_INTERPRETED,), "round67"),
+    Mutant("moe-arrivals-switch-never-reaches-the-sum", "blockspec/kernels/moe.py",
+           "routing=routing,\n                         slot_sum=ARRIVALS)", "routing=routing,\n                         slot_sum=False)",
+           (MOE_INTERPRETED,), "round67"),
+    Mutant("fp8-segmented-parts-out-of-order", "blockspec/layers/fp8.py",
+           "return tuple(part for segment in self.segments\n",
+           "return tuple(part for segment in self.segments[::-1]\n",
+           (FP8_TESTS,), "round67"),
+    Mutant("distill-loss-sign", "blockspec/train/blockwise.py",
+           "ce = -(target_probs * log_probs.gather(-1, target_ids)).sum(-1)",
+           "ce = (target_probs * log_probs.gather(-1, target_ids)).sum(-1)",
+           ("tests/test_train.py::test_distill_labels_are_the_targets_truncated_distribution",), "round67"),
+    Mutant("distill-labels-one-position-late", "blockspec/train/features.py",
+           "torch.cat((first_ids, ids[:, :-1]), dim=1), torch.cat((first_probs, probs[:, :-1]), dim=1)",
+           "torch.cat((first_ids, ids[:, 1:]), dim=1), torch.cat((first_probs, probs[:, 1:]), dim=1)",
+           ("tests/test_train.py::test_distill_labels_are_the_targets_truncated_distribution",), "round67"),
+    Mutant("distill-labels-are-the-tokens", "blockspec/train/loop.py",
+           '        if self.config.labels == "distill":\n            return blockwise.soft_block_loss(',
+           '        if False:\n            return blockwise.soft_block_loss(',
+           ("tests/test_train.py::test_distill_labels_are_the_targets_truncated_distribution",), "round67"),
+    Mutant("gdn-row-offsets-shared-by-both-groups", "blockspec/models/qwen3_5.py",
+           'shared(meta, ("gdn_row_offsets", first, last),', 'shared(meta, ("gdn_row_offsets",),',
+           ("tests/test_gdn_interpreter.py",), "round67"),
+    Mutant("padding-kept-in-two-row-buckets", "blockspec/layers/attention.py",
+           "        if num_rows == 1:\n            return x", "        if num_rows <= 2:\n            return x",
+           ("tests/test_graphs.py", "tests/test_gdn_interpreter.py"), "round67"),
     # round66: the FP8 shared expert in the fused experts' last slot, bench --burst's adaptive run and
     # --compare-speculation's FP8 modes
     Mutant("moe-fp8-shared-slot-reads-an-experts-scales", "blockspec/kernels/moe.py",

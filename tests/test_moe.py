@@ -370,8 +370,16 @@ for shared_size, normalize in [(16, True), (24, False), (0, True)]:
     error = (fused - expected).abs().max().item()
     assert error < 1e-5, (shared_size, error)
     K.ARRIVALS = True                            # BLOCKSPEC_MOE_ARRIVALS=1: the same bits in fewer launches
+    calls, real_experts, real_align = [], K.fused_experts, K.align
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real_experts(*args, **kwargs)
+    def no_align(*args, **kwargs):
+        raise AssertionError("the pairs aligned in a launch of their own")
+    K.fused_experts, K.align, layer.kernel = spy, no_align, spy     # the layer's kernel is the module's
     assert torch.equal(layer(x), fused), shared_size
-    K.ARRIVALS = False
+    assert calls and calls[-1]["slot_sum"] and calls[-1]["routing"] is not None, calls
+    K.fused_experts, K.align, K.ARRIVALS = real_experts, real_align, False
 print("ok")
 """
 
