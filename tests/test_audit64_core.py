@@ -157,3 +157,33 @@ def test_a_short_prompt_prefilled_beside_a_long_one_keeps_its_own_recurrent_stat
             scale = float(expected.abs().max())
             assert scale > 0.01                                 # a state worth comparing
             assert float((got - expected).abs().max()) <= 1e-4 * scale, rid
+
+
+def states_after_steps(target, steps: list[dict[str, list[int]]]) -> dict[str, list[torch.Tensor]]:
+    """Each request's recurrent state after the engine runs one step per entry of `steps`, the
+    entry's requests submitted just before it (the others keep decoding greedily)."""
+    engine = make_engine(target)
+    for arrivals in steps:
+        for rid, prompt in arrivals.items():
+            engine.submit(make_request(rid, prompt, max_tokens=8), lambda event: None)
+        engine.step()
+    pool = engine.runner.states
+    return {seq.request_id: [t[seq.state_slot].clone() for t in pool.ssm + pool.conv]
+            for seq in engine.scheduler.running}
+
+
+def test_a_prefill_chunk_beside_decoding_rows_keeps_both_states_exact(hybrid):
+    """One step whose batch holds a prompt's chunk (the prefill group) and another sequence's
+    decode row (the decode group): each group's rows are its own (their offsets, their slots),
+    so both states are the ones each request reaches alone. tests/test_gdn_interpreter.py runs
+    this through the step kernel, where each group's row offsets are made once a forward."""
+    gen = torch.Generator().manual_seed(2)
+    first, second = (torch.randint(0, 255, (n,), generator=gen).tolist() for n in (7, 5))
+    mixed = states_after_steps(hybrid, [{"first": first}, {}, {"second": second}])   # step 3 is mixed
+    alone_first = states_after_steps(hybrid, [{"first": first}, {}, {}])
+    alone_second = states_after_steps(hybrid, [{"second": second}])
+    for rid, alone in (("first", alone_first), ("second", alone_second)):
+        for got, expected in zip(mixed[rid], alone[rid], strict=True):
+            scale = float(expected.abs().max())
+            assert scale > 0.01                                 # a state worth comparing
+            assert float((got - expected).abs().max()) <= 1e-4 * scale, rid

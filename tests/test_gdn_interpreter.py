@@ -63,7 +63,8 @@ qwen3_5.prefill_kernel_fits = prefill_fits
 code = pytest.main(["-q", "-x", "-p", "no:cacheprovider",     # fp32 (fp64 stays on torch), both layouts
                     "tests/test_hybrid.py::test_rollback_selects_the_committed_state[qwen3_5-dtype2-1e-05]",
                     "tests/test_hybrid.py::test_graph_shaped_metadata_equals_eager_on_hybrids",
-                    "tests/test_prefix_engine.py::test_greedy_turns_with_hits_equal_the_cache_off[hybrid-plain]"])
+                    "tests/test_prefix_engine.py::test_greedy_turns_with_hits_equal_the_cache_off[hybrid-plain]",
+                    "tests/test_audit64_core.py::test_a_prefill_chunk_beside_decoding_rows_keeps_both_states_exact"])
 assert calls, "the step kernel was never used"
 assert [w for w in prefills if w <= 64] and [w for w in prefills if w > 64], prefills     # chunks of both kinds
 sys.exit(int(code))
@@ -74,12 +75,13 @@ def test_hybrid_model_through_interpreted_step_kernel():
     """The model's call site (layers read and write their slots in place, a verify stashes the
     kernel's per-step states and conv inputs, StatePool.select rolls back): the exact-rollback
     and graph-padding tests of tests/test_hybrid.py pass with every decode / verify forward of
-    ≤ 16 rows on the kernel, and a hybrid's turns with prefix-cache hits (their short chunks on
+    ≤ 16 rows on the kernel, a hybrid's turns with prefix-cache hits (their short chunks on
     the kernel, as on CUDA) equal the same turns with the cache off (longer chunks on the torch
-    chunked form)."""
+    chunked form), and a step of a prefill chunk beside a decode row keeps both states exact
+    (each group on the kernel with its own row offsets)."""
     done = run_interpreted(MODEL_CHILD, timeout=300, cwd=HERE.parent)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
-    assert "4 passed" in done.stdout, done.stdout[-2000:]
+    assert "5 passed" in done.stdout, done.stdout[-2000:]
 
 
 NORM_CHILD = """
