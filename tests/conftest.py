@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -24,6 +25,33 @@ def _steady_pace(request, monkeypatch):
     if request.node.get_closest_marker("pace") is None:
         from blockspec.engine.spec import policy
         monkeypatch.setattr(policy.Pace, "choose", lambda self: 1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _modelled_costs() -> Iterator[None]:
+    """Adaptive's cost table, measured at every engine's startup (~2-4 s of probes for each set
+    of models and sizes, ~100 s of the CPU suite), is what few tests check: engines take
+    helpers.modelled_costs (the tiny Qwen3 pair's measured times as a line) instead, from session
+    fixtures on, except in tests marked `measured_costs` (_measured_costs) and within
+    modelled_cost_tables(False). Subprocesses (the CLI, served engines) still measure. Where CUDA
+    is (tests/gpu), every engine measures, on the device it prices."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from helpers import modelled_cost_tables
+    with modelled_cost_tables():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _measured_costs(request, _modelled_costs) -> Iterator[None]:
+    """A test marked `measured_costs` builds its engines as serving does, measuring the table."""
+    if request.node.get_closest_marker("measured_costs") is None:
+        yield
+        return
+    from helpers import modelled_cost_tables
+    with modelled_cost_tables(False):
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +91,8 @@ def llama_draft_dir(tmp_path_factory, llama_dir) -> Path:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "soak: the full soak (tests/test_soak.py); run with -m soak")
+    config.addinivalue_line("markers", "measured_costs: engines measure adaptive's cost table (else modelled: "
+                                       "_modelled_costs)")
     config.addinivalue_line("markers", "pace: keeps the adaptive policy's real pace (else pinned at stride 1)")
     config.addinivalue_line("markers", "smollm2: the real SmolLM2 GGUF (fetched once); in the default run, "
                                        "-m 'not smollm2' leaves it out")
@@ -79,12 +109,12 @@ def pytest_configure(config) -> None:
 # when a file's weight moves by much.
 FILE_SECONDS = {
     "test_gguf.py": 215, "test_gdn_interpreter.py": 100, "test_dflash2.py": 60, "test_cli.py": 97,
-    "test_adaptive.py": 95, "test_dflash.py": 90, "test_server.py": 85, "test_train.py": 85,
+    "test_adaptive.py": 80, "test_dflash.py": 90, "test_server.py": 85, "test_train.py": 85,
     "test_attention_interpreter.py": 80, "test_demo.py": 55, "test_fp8_targets.py": 70,
-    "test_tensor_parallel.py": 50, "test_moe.py": 48, "test_prefix_engine.py": 45, "test_api.py": 44,
-    "test_soak.py": 40, "test_reliability.py": 38, "test_warm.py": 27, "test_clients.py": 20,
-    "test_cpu_kernels.py": 22, "test_playground.py": 20, "test_early_draft.py": 20,
-    "test_prefill_kernel.py": 17, "test_prefix_server.py": 15, "test_ragged.py": 17,
+    "test_tensor_parallel.py": 50, "test_moe.py": 35, "test_prefix_engine.py": 45, "test_api.py": 27,
+    "test_soak.py": 40, "test_reliability.py": 38, "test_warm.py": 27, "test_clients.py": 16,
+    "test_cpu_kernels.py": 22, "test_playground.py": 20, "test_early_draft.py": 17,
+    "test_prefill_kernel.py": 17, "test_prefix_server.py": 7, "test_ragged.py": 17,
 }
 DEFAULT_TEST_SECONDS = 0.5
 

@@ -340,10 +340,14 @@ def modelled_costs(runner):
 @contextmanager
 def modelled_cost_tables(on: bool = True) -> Iterator[None]:
     """Engines built within take `modelled_costs` for adaptive's table instead of measuring it
-    (on=False: they measure, as serving does)."""
+    (on=False: they measure, as serving does, also inside an outer modelled block: conftest's
+    _modelled_costs models every test's tables but those marked `measured_costs`)."""
     from blockspec.engine.model_runner import ModelRunner
-    if not on:
-        yield
-        return
-    with mock.patch.object(ModelRunner, "measure_costs", modelled_costs):
+    measured = ModelRunner.__dict__["measure_costs"]
+    measured = getattr(measured, "measured", measured)          # the runner's own, under any patch of ours
+
+    def measure_costs(runner):
+        return modelled_costs(runner) if on else measured(runner)
+    measure_costs.measured = measured
+    with mock.patch.object(ModelRunner, "measure_costs", measure_costs):
         yield

@@ -1047,6 +1047,7 @@ def test_narrower_draft_blocks_are_lossless_and_run_at_the_width_they_need(dense
     assert {2, 4, BLOCK} <= set(blocks)
 
 
+@pytest.mark.measured_costs
 def test_adaptive_mode_measures_its_costs_and_is_lossless(dense, reference):
     """Adaptive mode: the cost table measured at startup on this CPU through the dispatcher (the
     powers of two of its token and sequence buckets and the largest, run at their own size:
