@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from contextlib import contextmanager
+from typing import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -39,6 +42,29 @@ def messages(prompt: str) -> list[dict]:
     return [{"role": "user", "content": prompt}]
 
 
+# The `gguf` package's readers of files transformers loaded in this session, by path (see gguf_parsed_once).
+_READERS: dict[str, object] = {}
+
+
+@contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """transformers parses the GGUF file again with the `gguf` package's GGUFReader for each of its
+    tokenizer, the tokenizer's config, the model's config and its weights (several seconds each on
+    CI's CPU: a field object for each of the 49k tokens and merges); within this, one reader a file
+    serves them all. transformers only reads the reader (its fields, and its tensors' data to
+    dequantize), so what it builds is the same."""
+    import gguf as gguf_package
+    parse = gguf_package.GGUFReader
+
+    def reader(path, mode: str = "r"):
+        key = f"{path}|{mode}"
+        if key not in _READERS:
+            _READERS[key] = parse(path, mode)
+        return _READERS[key]
+    with mock.patch.object(gguf_package, "GGUFReader", reader):
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     try:
@@ -59,7 +85,8 @@ def smollm2(smollm2_path):
 def reference_tokenizer(smollm2_path):
     """transformers' tokenizer from the same GGUF."""
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+    with gguf_parsed_once():
+        return transformers.AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
 
 
 @pytest.fixture(scope="session")
@@ -69,8 +96,9 @@ def reference(smollm2_path, reference_tokenizer):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     tokenizer = reference_tokenizer
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, dtype=torch.float32,
-                                                              gguf_file=smollm2_path.name)
+    with gguf_parsed_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, dtype=torch.float32,
+                                                                  gguf_file=smollm2_path.name)
     model.eval()
     # One left-padded batch with its attention mask (a third of the time of ten generate calls on
     # the CI's two cores; the same tokens, checked against the one-by-one calls when written):
