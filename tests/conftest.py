@@ -108,9 +108,9 @@ def pytest_configure(config) -> None:
 # DEFAULT_TEST_SECONDS a test. Only the order matters (heaviest_files_first): refresh the table
 # when a file's weight moves by much.
 FILE_SECONDS = {
-    "test_gguf.py": 205, "test_gdn_interpreter.py": 100, "test_dflash2.py": 60, "test_cli.py": 97,
+    "test_gguf.py": 205, "test_gdn_interpreter.py": 82, "test_dflash2.py": 60, "test_cli.py": 97,
     "test_adaptive.py": 80, "test_dflash.py": 90, "test_server.py": 85, "test_train.py": 85,
-    "test_attention_interpreter.py": 80, "test_demo.py": 55, "test_fp8_targets.py": 70,
+    "test_attention_interpreter.py": 70, "test_demo.py": 55, "test_fp8_targets.py": 70,
     "test_tensor_parallel.py": 50, "test_moe.py": 35, "test_prefix_engine.py": 45, "test_api.py": 27,
     "test_soak.py": 40, "test_reliability.py": 38, "test_warm.py": 27, "test_clients.py": 16,
     "test_cpu_kernels.py": 22, "test_playground.py": 20, "test_early_draft.py": 17,
