@@ -1535,6 +1535,10 @@ MUTANTS = [
     Mutant("padding-kept-in-two-row-buckets", "blockspec/layers/attention.py",
            "        if num_rows == 1:\n            return x", "        if num_rows <= 2:\n            return x",
            ("tests/test_graphs.py", "tests/test_gdn_interpreter.py"), "round67"),
+    Mutant("a67-judge-counts-an-unverified-draft", DFLASH,
+           "verified = torch.arange(width - 1, device=logits.device)[None] < device_longs(",
+           "verified = torch.arange(width - 1, device=logits.device)[None] <= device_longs(",
+           ("tests/test_audit67.py::test_a_verify_never_accepts_past_the_drafts_a_sequence_verified",), "audit67"),
     # round66: the FP8 shared expert in the fused experts' last slot, bench --burst's adaptive run and
     # --compare-speculation's FP8 modes
     Mutant("moe-fp8-shared-slot-reads-an-experts-scales", "blockspec/kernels/moe.py",

@@ -141,3 +141,22 @@ def test_the_measured_table_is_monotone_in_every_curve_and_keeps_its_padding():
     eager = cost_table(measured, padded=False)
     assert not eager.padded and eager.draft_ms_of(2) == pytest.approx(1.0 + 2.0 / 3.0)
 
+
+
+def test_a_verify_never_accepts_past_the_drafts_a_sequence_verified():
+    """judge over a ragged batch: sequence b verified k_b drafts (rows past k_b repeat its last
+    row, and its block may hold drafts past k_b, drafted for a wider neighbour). Even where every
+    draft equals the target's token, b accepts at most k_b: a draft past k_b was never verified,
+    and the token after it would be a copy of row k_b's."""
+    from types import SimpleNamespace
+
+    from blockspec.engine.spec.dflash import Proposal, judge
+    from blockspec.sampling import SamplingParams
+    width, vocab = 4, 11
+    target = torch.tensor([[3, 5, 7, 9], [2, 4, 6, 8], [1, 2, 3, 4]])           # each row's argmax
+    logits = torch.full((3, width, vocab), -5.0).scatter(2, target[..., None], 5.0)
+    drafts = target[:, :-1].clone()                                              # every draft agrees
+    seqs = [SimpleNamespace(request=SimpleNamespace(params=SamplingParams(temperature=0.0)))] * 3
+    verdict = judge(seqs, Proposal(drafts, [None] * 3), logits, num_drafts=[1, 3, 0])
+    assert verdict.accepted.flatten().tolist() == [1, 3, 0]
+    assert torch.equal(verdict.target_ids, target)
