@@ -772,15 +772,18 @@ if triton is not None:
                 row = tl.program_id(0) * BLOCK_M + r
                 x = _load_row(x_ptr + row.to(tl.int64) * stride_xm + k, offs_n, offs_k,
                               tl.where(row < M, K - k, 0), False, BROADCAST_X)
-                row_sums = tl.sum(t * x, axis=1)                                             # [BLOCK_N]
-                if BLOCK_M == 1:
-                    acc += row_sums[:, None]
-                else:
-                    acc = tl.where((tl.arange(0, BLOCK_M) == r)[None, :], acc + row_sums[:, None], acc)
+                acc = _add_row_sums(acc, tl.sum(t * x, axis=1), r, BLOCK_M)
             t_ptrs += KB * BLOCK_K
         offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
         _store_tile(acc, b_ptr, part_ptr, out_ptr, count_ptr, offs, n_ok[:, None] & m_ok[None, :], M, N,
                     HAS_BIAS, SPLIT_SUM)
+
+    @triton.jit
+    def _add_row_sums(acc, row_sums, r, BLOCK_M: tl.constexpr):
+        """acc [BLOCK_N, BLOCK_M] (transposed: a row's sums along N) plus row r's sums [BLOCK_N]."""
+        if BLOCK_M == 1:
+            return acc + row_sums[:, None]
+        return tl.where((tl.arange(0, BLOCK_M) == r)[None, :], acc + row_sums[:, None], acc)
 
     @triton.jit
     def _load_weights(w_ptrs, n_ok, offs_k, bound, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
@@ -850,11 +853,7 @@ if triton is not None:
                 x = _load_row(x_ptr + row.to(tl.int64) * stride_xm + k, offs_n, offs_k,
                               tl.where(row < M, K - k, 0), EVEN_K and EVEN_M, BROADCAST_X)
                 products = tl.reshape(w * x, [BLOCK_N, KB, BLOCK_K])
-                row_sums = tl.sum(tl.sum(products, axis=2) * s, axis=1)                       # [BLOCK_N]
-                if BLOCK_M == 1:
-                    acc += row_sums[:, None]
-                else:
-                    acc = tl.where((tl.arange(0, BLOCK_M) == r)[None, :], acc + row_sums[:, None], acc)
+                acc = _add_row_sums(acc, tl.sum(tl.sum(products, axis=2) * s, axis=1), r, BLOCK_M)
             w_ptrs += KB * BLOCK_K
         offs = offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
         _store_tile(acc, b_ptr, part_ptr, out_ptr, count_ptr, offs, n_ok[:, None] & m_ok[None, :], M, N,
