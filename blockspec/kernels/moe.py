@@ -119,18 +119,19 @@ if triton is not None:
 
     @triton.jit
     def _align_pairs(experts_ptr, sorted_ids_ptr, ends_ptr, num_padded_ptr, num_pairs, sorted_len,
-                     NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+                     NUM_EXPERTS: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                     IDS_CACHE: tl.constexpr):
         """Pass 1 counts pairs per expert (one-hot rows summed), pass 2 gives each pair its slot:
         its expert's padded start + the number of earlier pairs of that expert (a cumulative sum
         down the one-hot columns, carried across chunks), so the order inside an expert is the
-        pairs' own order, as a stable sort gives. The ids are read from L2 (`.cg`): in the route
-        kernel other programs wrote them."""
+        pairs' own order, as a stable sort gives. IDS_CACHE: the ids' load cache modifier (".cg",
+        from L2, in the route kernel, where other programs of the launch wrote them)."""
         bins = tl.arange(0, E_POW2)
         lanes = tl.arange(0, CHUNK)
         counts = tl.zeros([E_POW2], dtype=tl.int32)
         for start in range(0, num_pairs, CHUNK):
             idx = start + lanes
-            expert = tl.load(experts_ptr + idx, mask=idx < num_pairs, other=E_POW2, cache_modifier=".cg").to(tl.int32)
+            expert = tl.load(experts_ptr + idx, mask=idx < num_pairs, other=E_POW2, cache_modifier=IDS_CACHE).to(tl.int32)
             counts += tl.sum((expert[:, None] == bins[None, :]).to(tl.int32), axis=0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         ends = tl.cumsum(padded, axis=0)
@@ -143,7 +144,7 @@ if triton is not None:
         seen = ends - padded                               # next free slot of each expert
         for start in range(0, num_pairs, CHUNK):
             idx = start + lanes
-            expert = tl.load(experts_ptr + idx, mask=idx < num_pairs, other=E_POW2, cache_modifier=".cg").to(tl.int32)
+            expert = tl.load(experts_ptr + idx, mask=idx < num_pairs, other=E_POW2, cache_modifier=IDS_CACHE).to(tl.int32)
             onehot = (expert[:, None] == bins[None, :]).to(tl.int32)
             before = tl.cumsum(onehot, axis=0) - onehot                  # same expert, earlier in chunk
             slot = tl.sum(onehot * (before + seen[None, :]), axis=1)
@@ -156,7 +157,7 @@ if triton is not None:
                       CHUNK: tl.constexpr):
         """One program: `_align_pairs` over the pairs' expert ids."""
         _align_pairs(experts_ptr, sorted_ids_ptr, ends_ptr, num_padded_ptr, num_pairs, sorted_len,
-                     NUM_EXPERTS, E_POW2, BLOCK_M, CHUNK)
+                     NUM_EXPERTS, E_POW2, BLOCK_M, CHUNK, "")
 
     @triton.jit
     def _expert_gemm_kernel(a_ptr, w_ptr, shared_ptr, shared_up_ptr, out_ptr, sorted_ids_ptr, ends_ptr,
@@ -299,7 +300,7 @@ if triton is not None:
             arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
             if arrived == tl.num_programs(0) - 1:         # the last: its acquire sees every token's ids
                 _align_pairs(experts_ptr, sorted_ids_ptr, ends_ptr, num_padded_ptr, tl.num_programs(0) * SLOTS,
-                             sorted_len, NUM_IDS, IDS_POW2, ALIGN_M, CHUNK)
+                             sorted_len, NUM_IDS, IDS_POW2, ALIGN_M, CHUNK, ".cg")
                 tl.store(count_ptr, 0)                    # zero again for the next launch or graph replay
 
 
