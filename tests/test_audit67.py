@@ -160,3 +160,20 @@ def test_a_verify_never_accepts_past_the_drafts_a_sequence_verified():
     verdict = judge(seqs, Proposal(drafts, [None] * 3), logits, num_drafts=[1, 3, 0])
     assert verdict.accepted.flatten().tolist() == [1, 3, 0]
     assert torch.equal(verdict.target_ids, target)
+
+
+def test_a_buckets_padding_rows_come_out_of_a_mixer_zero_and_a_one_token_bucket_has_none():
+    """padding_zeroed under a FULL graph's bounded batch: rows past the sequences' own come out
+    zero whatever they held (NaN here), the real rows untouched; the one-token bucket's row is
+    always a sequence's, so it is returned as it is (no mask launched)."""
+    from types import SimpleNamespace
+
+    from blockspec.layers.attention import padding_zeroed
+    for rows, real in ((2, 1), (4, 3), (8, 1)):
+        meta = SimpleNamespace(bounded=True, shared={}, starts=torch.tensor([0, real]))
+        x = torch.full((rows, 3), float("nan"))
+        x[:real] = 1.0
+        out = padding_zeroed(x, meta, rows)
+        assert torch.equal(out[:real], x[:real]) and torch.equal(out[real:], torch.zeros(rows - real, 3)), rows
+    one = torch.ones(1, 3)
+    assert padding_zeroed(one, SimpleNamespace(bounded=True, shared={}, starts=torch.tensor([0, 1])), 1) is one
