@@ -10,6 +10,8 @@
 #        # experts' tile sweep at 1 and 16 tokens (moe_kernel_bench.py --fp8 --sweep)
 #   bash scripts/gpu_round67.sh 2   # carry .gguf/p1 (issue 31): the GGUF joined; the real SmolLM2 pair, plain / fixed
 #        # / adaptive at 1, 16, 64 (9 interleaved rounds, medians); Qwen3-8B adaptive vs fixed vs plain at 1 … 256
+#   bash scripts/gpu_round67.sh 4   # the whole tree: call 2's Qwen3-8B half alone (round 68: calls 1, 3, 4 on the whole
+#        # tree with .whl where starts are scarce; the SmolLM2 half waits for a session with device time to spare)
 #   bash scripts/gpu_round67.sh 3   # the whole tree (issues 30, 31, 33): the hybrid and the MoE at one sequence
 #        # (gpu_round54.sh 1); FP8 vs bf16 for every mode at 1 and 32; the 16k prompt among 32 decoders at budgets
 #        # 2,048 and 512; the demo pair's HTTP bursts
@@ -31,6 +33,10 @@ fi
 if [ "$M" = 2 ]; then
   bash scripts/gguf_pieces.sh join /tmp/smollm2.gguf || exit 1
   SMOL_ROUNDS=${SMOL_ROUNDS:-9} SMOL_S=${SMOL_S:-300} smollm2_measure /tmp/w67
+  stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256" timeout ${ADAPT_S:-220} \
+    $C --shape qwen3-8b --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
+fi
+if [ "$M" = 4 ]; then   # call 2's Qwen3-8B half alone, on the whole tree (no GGUF pieces: a session whose starts cost)
   stage "adaptive vs fixed vs plain, Qwen3-8B, 1…256" timeout ${ADAPT_S:-220} \
     $C --shape qwen3-8b --concurrency 1,8,32,64,128,256 --out "$OUT/adaptive_qwen3_8b.json"
 fi
