@@ -1056,10 +1056,10 @@ def test_a_bf16_tail_rides_in_the_weight_only_launch_in_the_interpreter():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
-def test_the_bf16_tail_is_off_unless_asked_for_and_the_cpu_keeps_two_gemms(fp8_models, monkeypatch):
-    """BLOCKSPEC_FP8_BF16_TAIL: on only at "1" (unchecked on a GPU so far); asked for, a CPU
-    target still runs the reference's two GEMMs (joined: None)."""
-    for value, on in ((None, False), ("0", False), ("yes", False), ("1", True)):
+def test_the_bf16_tail_is_on_unless_turned_off_and_the_cpu_keeps_two_gemms(fp8_models, monkeypatch):
+    """BLOCKSPEC_FP8_BF16_TAIL: on unless "0" (round 68, after its GPU run); on, a CPU target
+    still runs the reference's two GEMMs (joined: None)."""
+    for value, on in ((None, True), ("0", False), ("1", True)):
         if value is None:
             monkeypatch.delenv("BLOCKSPEC_FP8_BF16_TAIL", raising=False)
         else:

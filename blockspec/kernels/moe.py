@@ -50,11 +50,12 @@ except ImportError:                                      # CPU-only installs: th
 # A single program aligns up to this many pairs (decode and small verify batches, one launch);
 # larger batches use a few torch ops, still without host sync.
 MAX_PAIRS_ONE_PROGRAM = 256
-# BLOCKSPEC_MOE_ARRIVALS=1: the routing launch's last program aligns the pairs, and the down GEMM's
-# last pair of each token adds its slots (arrival counts, as kernels/fp8.py's in-kernel split
-# sums): two launches a sparse layer fewer (80 of Qwen3.5-35B-A3B's ~750 a plain step). Off until
-# measured and checked on a GPU (round 67).
-ARRIVALS = os.environ.get("BLOCKSPEC_MOE_ARRIVALS") == "1"
+# ARRIVALS (on unless BLOCKSPEC_MOE_ARRIVALS=0): the routing launch's last program aligns the pairs,
+# and the down GEMM's last pair of each token adds its slots (arrival counts, as kernels/fp8.py's
+# in-kernel split sums): two launches a sparse layer fewer (80 of Qwen3.5-35B-A3B's ~750 a plain
+# step). On since round 68's H100 run: tests/gpu bit for bit against the separate launches, eager
+# and graphed, and the FP8 MoE's plain step 4.44 → 4.15 ms with the bf16 tail (kernels/fp8.py).
+ARRIVALS = os.environ.get("BLOCKSPEC_MOE_ARRIVALS", "1") != "0"
 # Counters in the one arrival buffer of a device (tokens × column blocks for the slot sum).
 MAX_COUNTED = 1 << 16
 

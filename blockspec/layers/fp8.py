@@ -196,7 +196,7 @@ class SegmentedLinear(nn.Module):
 
     def joined(self, x: torch.Tensor) -> torch.Tensor | None:
         """Both runs' outputs side by side from the e4m3 run's weight-only launch, the bf16 rows
-        its last column tiles (kernels/fp8.linear_with_tail: opt-in, BLOCKSPEC_FP8_BF16_TAIL=1;
+        its last column tiles (kernels/fp8.linear_with_tail: on unless BLOCKSPEC_FP8_BF16_TAIL=0;
         decode rows on CUDA); else None, and each run is a GEMM of its own."""
         if not self.has_bf16_tail:
             return None
