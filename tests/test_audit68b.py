@@ -15,7 +15,6 @@ from torch import nn
 
 from blockspec.config import ModelConfig, RopeConfig
 from blockspec.distributed.shard import rank_slice
-from blockspec.kernels.fused import gated_rms_norm_torch
 from blockspec.layers.common import RMSNorm, RotaryEmbedding
 from blockspec.models.dflash import DraftConfig
 from blockspec.train import checkpoint, data
@@ -60,13 +59,16 @@ def test_gated_output_norm_in_bf16_takes_silu_of_the_gate_in_fp32():
     """Qwen3.5's GatedDeltaNet output norm: w · norm(x) in bf16, times silu(gate) in fp32,
     rounded once: a bf16 silu rounds the gate's factor first."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    from blockspec.models.qwen3_5 import GatedRMSNorm
     x, gate = bf16_rows(5, (16, 64)), bf16_rows(6, (16, 64))
-    ref = Qwen3_5RMSNormGated(64, eps=1e-6)
+    ours, ref = GatedRMSNorm(64, eps=1e-6), Qwen3_5RMSNormGated(64, eps=1e-6)
     with torch.no_grad():
-        ref.weight.copy_(1 + 0.7 * torch.randn(64, generator=torch.Generator().manual_seed(7)))
-    ref = ref.bfloat16()
+        ours.weight.copy_(1 + 0.7 * torch.randn(64, generator=torch.Generator().manual_seed(7)))
+        ref.weight.copy_(ours.weight)
+    ours, ref = ours.bfloat16(), ref.bfloat16()
     with torch.no_grad():
-        assert torch.equal(gated_rms_norm_torch(x, ref.weight, gate, 1e-6), ref(x, gate))
+        assert torch.equal(ours(x, gate), ref(x, gate))
 
 
 # ---- M-RoPE: the interleaved sections at real models' sizes ---------------------------------------
