@@ -3,8 +3,10 @@ spec_cycles, logs, state, protocol, responses, llm, named and cli found no test 
 API key's scheme in any case, the request id's bound, Starlette's own errors as OpenAI error
 objects, role only on a stream's first delta, the stats line's exact figures and its waiting-only
 intervals, the batch-size histogram's buckets, a failed load's 500, negative logit_bias keys,
-the Responses object's defaults and its grouped function calls, the pool's tokens without the
-padding page, a named model's checksum, a prompt id at the vocabulary's end). HTTP cases run
+the Responses object's defaults, its grouped function calls and its named events, the pool's
+tokens without the padding page, /health's block size and the model card's context, a schema's
+strictness, a named model's checksum and cache folder, --help's bare switches, a prompt id at the
+vocabulary's end and generate's printed text). HTTP cases run
 against conftest's in-process tiny Qwen3 (`plain`, once for the module); the rest call the
 product's functions directly."""
 from __future__ import annotations
@@ -338,3 +340,115 @@ def test_a_prompt_token_id_equal_to_the_vocabulary_size_is_refused(qwen3_dir, ca
         f"blockspec generate: error: --prompt-token-ids: {vocab} is outside the vocabulary of {vocab}"]
     assert main(["generate", "--model", str(qwen3_dir), "--prompt-token-ids", f"1,{vocab - 1}",
                  "--max-tokens", "1", "--json"]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# routes: /health and the model list
+# ---------------------------------------------------------------------------------------------
+
+
+def test_health_and_the_model_list_describe_what_is_served(plain):
+    """/health: block_size is the DFlash block on a speculative server and null on a plain one
+    (there is none); /v1/models lists the served name with its context (vLLM's max_model_len)."""
+    from blockspec.server.routes import health
+    llm = plain.app.state.server.llm
+    answer = httpx.get(plain.url + "/health").json()
+    assert (answer["status"], answer["model"], answer["draft"], answer["block_size"]) == ("ok", "qwen3", None, None)
+    speculative = SimpleNamespace(speculative=True, block_size=8)
+    engine = SimpleNamespace(num_running=2, num_waiting=1)
+    state = SimpleNamespace(draining=False, engine=engine, load_error=None, started_at=0.0,
+                            ready=lambda: (speculative, engine), settings=plain.app.state.server.settings)
+    import json
+    reported = json.loads(health(state).body)
+    assert (reported["block_size"], reported["running"], reported["waiting"]) == (8, 2, 1)
+    models = httpx.get(plain.url + "/v1/models").json()
+    assert models["object"] == "list"
+    [card] = models["data"]
+    assert (card["id"], card["object"], card["owned_by"], card["max_model_len"]) == (
+        "qwen3", "model", "blockspec", llm.max_model_len)
+    assert httpx.get(plain.url + "/v1/models/qwen3").json()["max_model_len"] == llm.max_model_len == 512
+
+
+# ---------------------------------------------------------------------------------------------
+# protocol: a schema's strictness; responses: the events' framing
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_json_schema_is_strict_unless_strict_is_false():
+    """response_format json_schema: strict unless the request says strict: false (the grammar then
+    lets the output add properties the schema does not name); no schema at all is any object."""
+    from blockspec.server.protocol import ChatCompletionRequest
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+    def grammar(**spec) -> tuple:
+        body = {"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {"name": "s", **spec}}}
+        return ChatCompletionRequest.model_validate(body).grammar_request
+
+    assert grammar(schema=schema) == ("json_schema", schema, True)
+    assert grammar(schema=schema, strict=True) == ("json_schema", schema, True)
+    assert grammar(schema=schema, strict=False) == ("json_schema", schema, False)
+    assert grammar() == ("json_object", None, False)
+
+
+def test_each_responses_event_is_named_and_numbered():
+    """A Responses stream's SSE event: an `event:` line with its type (what the SDKs dispatch on),
+    then its JSON with sequence_number, then a blank line."""
+    from blockspec.server.responses import sse_event
+    assert sse_event(3, {"type": "response.output_text.delta", "delta": "é"}) == (
+        'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", "delta": "é", '
+        '"sequence_number": 3}\n\n').encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# named: where fetched models go
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_model_cache_is_blockspec_cache_then_xdg_then_home(tmp_path, monkeypatch):
+    """$BLOCKSPEC_CACHE wins (whatever else is set), else $XDG_CACHE_HOME/blockspec, else
+    ~/.cache/blockspec."""
+    from blockspec import named
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path / "ours"))
+    assert named.cache_dir() == tmp_path / "ours"
+    monkeypatch.delenv("BLOCKSPEC_CACHE")
+    assert named.cache_dir() == tmp_path / "xdg" / "blockspec"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert named.cache_dir() == tmp_path / "home" / ".cache" / "blockspec"
+
+
+# ---------------------------------------------------------------------------------------------
+# options and cli: --help, generate's printed text
+# ---------------------------------------------------------------------------------------------
+
+
+def test_help_shows_no_default_for_a_bare_switch():
+    """--help states defaults, except where there is none to state: a switch off by default
+    (train-draft's --resume, --quiet) or an option defaulting to None; a --x/--no-x switch on by
+    default says so."""
+    import argparse
+    from blockspec.cli import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    texts = {name: parser.format_help() for name, parser in sub.choices.items()}
+    assert "--resume" in texts["train-draft"] and "--quiet" in texts["train-draft"]
+    assert not any("(default: False)" in text or "(default: None)" in text for text in texts.values())
+    assert "(default: True)" in texts["serve"]
+
+
+def test_generate_prints_continued_text_whole_and_a_chat_reply_alone():
+    """generate's printed text: --prompt-token-ids prints the prompt's text (special tokens
+    skipped) then the continuation, --raw the prompt then the continuation, a chat the reply."""
+    from blockspec.cli import printed_text
+
+    class Tokenizer:
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            assert skip_special_tokens
+            return "<" + ",".join(map(str, ids)) + ">"
+
+    by_ids = SimpleNamespace(raw=False, prompt=None, prompt_token_ids="1,2")
+    assert printed_text(by_ids, Tokenizer(), [1, 2], " more") == "<1,2> more"
+    raw = SimpleNamespace(raw=True, prompt="def f():", prompt_token_ids=None)
+    assert printed_text(raw, Tokenizer(), [7, 8], " pass") == "def f(): pass"
+    chat = SimpleNamespace(raw=False, prompt="Hi", prompt_token_ids=None)
+    assert printed_text(chat, Tokenizer(), [9], "Hello!") == "Hello!"
