@@ -7,8 +7,9 @@ Usage: python scripts/moe_kernel_bench.py [--sweep] [--fp8] [--shapes qwen3.5-35
 
 --fp8: the experts (and the shared expert, riding in their last slot) in FP8, quantized as
 `--quantization fp8` would (layers/fp8.py); the sweep then keeps BLOCK_K within the 128-column
-scale blocks. Each row also times the arrivals (kernels/moe.py ARRIVALS: routing + alignment in
-one launch, the slot sum in the down GEMM's).
+scale blocks. Each row also times the arrivals' other setting (kernels/moe.py ARRIVALS: routing +
+alignment in one launch, the slot sum in the down GEMM's; on by default since round 68).
+--split-k 2,4,8: the gate/up GEMM's K in that many parts at decode widths (kernels/moe.py SPLIT_K).
 """
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,4,16,64,256")
     parser.add_argument("--fp8", action="store_true")
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--split-k", default="", help="gate/up K parts to time at decode widths (kernels/moe.py "
+                        "SPLIT_K, BLOCKSPEC_MOE_SPLIT_K), e.g. 2,4,8")
     args = parser.parse_args()
     bandwidth = copy_bandwidth(torch.device("cuda"))
     results: dict = {"copy_bandwidth_TBps": bandwidth / 1e12, "fp8": args.fp8}
@@ -111,8 +114,11 @@ def main() -> None:
             x = torch.randn(num_tokens, layers[0].gate.in_features, device="cuda", dtype=torch.bfloat16)
             floor_us = bytes_read(layers, x) / LAYERS / bandwidth * 1e6
             row = {"floor_us": floor_us, "triton_us": layer_us(layers, x, K.fused_experts)}
-            with mock.patch.object(K, "ARRIVALS", True):
-                row["triton_arrivals_us"] = layer_us(layers, x, K.fused_experts)
+            with mock.patch.object(K, "ARRIVALS", not K.ARRIVALS):        # the default first, then the other
+                row["triton_arrivals_us" if K.ARRIVALS else "triton_separate_us"] = layer_us(layers, x, K.fused_experts)
+            for parts in [int(p) for p in args.split_k.split(",") if p]:
+                with mock.patch.object(K, "SPLIT_K", parts):
+                    row[f"triton_split{parts}_us"] = layer_us(layers, x, K.fused_experts)
             if not args.fp8:
                 row["grouped_us"] = layer_us(layers, x, grouped_experts)
             row["triton_over_floor"] = row["triton_us"] / floor_us

@@ -966,6 +966,37 @@ ours = M.fused_experts(x, torch.cat([weights, slot], 1), torch.cat([experts, tor
 sh = fp8.dequantize(sh_gate_up_q, sh_gate_up_s, block)
 sh_ref = slot * (F.silu(x @ sh[:24].T) * (x @ sh[24:].T)) @ fp8.dequantize(sh_down_q, sh_down_s, fp8.ScaleBlock()).T
 assert (ours - (ref + sh_ref)).abs().max() < 1e-4 * (ref + sh_ref).abs().max()
+
+# ... the gate/up GEMM's K in two parts (BLOCKSPEC_MOE_SPLIT_K), K = 256: each part scales its own
+# 128-column blocks, the shared slot's with its own scales; against the dequantized reference
+gate_up, down = torch.randn(4, 48, 256, generator=gen), torch.randn(4, 256, 24, generator=gen)
+halves = [fp8.quantize(half) for half in gate_up.chunk(2, dim=1)]
+gate_up_q = torch.cat([q for q, _ in halves], dim=1)
+gate_up_s = torch.cat([fp8.part_scale_rows(s, 24, block) for _, s in halves], dim=1)
+down_q, down_s = fp8.quantize(down)
+sh_halves = [fp8.quantize(half) for half in torch.randn(48, 256, generator=gen).chunk(2, dim=0)]
+sh_gate_up_q = torch.cat([q for q, _ in sh_halves], dim=0)
+sh_gate_up_s = torch.cat([fp8.part_scale_rows(s, 24, block) for _, s in sh_halves], dim=0)
+sh_down_q, sh_down_s = fp8.quantize(torch.randn(256, 24, generator=gen))
+g = torch.randn(1, 256, generator=gen)
+shared = M.SharedExpert(*sh_gate_up_q.chunk(2, dim=0), sh_down_q, g, sh_gate_up_s, sh_down_s)
+x = torch.randn(2, 256, generator=gen)                # 6 pairs of 4 experts + the shared: decode tiles
+weights, experts = route(torch.randn(2, 4, generator=gen), 2, True)
+slot = torch.sigmoid(x @ g.T)
+ref = reference_experts(x, weights, experts, fp8.dequantize(gate_up_q, gate_up_s, block),
+                        fp8.dequantize(down_q, down_s, fp8.ScaleBlock()))
+sh = fp8.dequantize(sh_gate_up_q, sh_gate_up_s, block)
+ref = ref + slot * (F.silu(x @ sh[:24].T) * (x @ sh[24:].T)) @ fp8.dequantize(sh_down_q, sh_down_s, fp8.ScaleBlock()).T
+args = (x, torch.cat([weights, slot], 1), torch.cat([experts, torch.full((2, 1), 4)], 1), gate_up_q, down_q, shared,
+        M.ExpertScales(gate_up_s, down_s, block, fp8.ScaleBlock()))
+real_parts, splits = M.k_parts, []
+M.k_parts = lambda *a: splits.append(real_parts(*a)) or splits[-1]
+M.SPLIT_K = 2
+parted = M.fused_experts(*args)
+M.SPLIT_K, M.k_parts = 1, real_parts
+assert splits[0] == (2, 128), splits                  # the gate/up launch ran in two parts
+assert (parted - ref).abs().max() < 1e-4 * ref.abs().max()
+assert int(M.arrival_counters(x.device).abs().sum()) == 0
 print("ok")
 """
 

@@ -304,6 +304,23 @@ def test_cpu_uses_the_reference_kernel():
         assert select_experts_kernel(cuda, torch.float32) is gathered_experts
 
 
+def test_the_arrivals_are_on_and_the_k_split_off_unless_the_environment_says(monkeypatch):
+    """BLOCKSPEC_MOE_ARRIVALS: on unless "0" (round 68, after its GPU run); BLOCKSPEC_MOE_SPLIT_K:
+    unsplit unless a whole number of parts is given (opt-in until a GPU run measures it)."""
+    for value, on in ((None, True), ("0", False), ("1", True)):
+        if value is None:
+            monkeypatch.delenv("BLOCKSPEC_MOE_ARRIVALS", raising=False)
+        else:
+            monkeypatch.setenv("BLOCKSPEC_MOE_ARRIVALS", value)
+        assert moe_kernels.arrivals_from_env() is on, value
+    for value, parts in ((None, 1), ("4", 4), ("0", 1), ("two", 1), ("", 1)):
+        if value is None:
+            monkeypatch.delenv("BLOCKSPEC_MOE_SPLIT_K", raising=False)
+        else:
+            monkeypatch.setenv("BLOCKSPEC_MOE_SPLIT_K", value)
+        assert moe_kernels.split_k_from_env() == parts, value
+
+
 INTERPRETED_KERNEL_CHECK = """
 import torch
 from blockspec.kernels import moe as K
@@ -350,6 +367,29 @@ for num_experts, num_tokens, top_k, skewed in [(8, 1, 2, False), (16, 5, 4, Fals
         assert torch.equal(K.fused_experts(x, w2, e2, gate_up, down, routing=routing, slot_sum=True),
                            K.fused_experts(x, w2, e2, gate_up, down))
         assert int(K.arrival_counters(x.device).abs().sum()) == 0       # every count put back to 0
+
+# the gate/up GEMM's K in parts (BLOCKSPEC_MOE_SPLIT_K): each part's fp32 sums stored, the last part of a
+# tile adding them in part order (the same sums to rounding), every count back at 0; K of 2, 3 and 3 tiles
+# (the last part ragged), so every split really runs parts
+real_parts, splits = K.k_parts, []
+K.k_parts = lambda *args: splits.append(real_parts(*args)) or splits[-1]
+for num_experts, num_tokens, top_k, hidden, split in [(8, 1, 2, 256, 2), (16, 3, 4, 320, 4), (8, 2, 2, 300, 8)]:
+    inter = 16
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    down = torch.randn(num_experts, hidden, inter, generator=gen) / inter ** 0.5
+    weights, experts = route(logits, top_k, normalize=True)
+    K.SPLIT_K = 1
+    whole = K.fused_experts(x, weights, experts, gate_up, down)
+    K.SPLIT_K, splits[:] = split, []
+    parted = K.fused_experts(x, weights, experts, gate_up, down)
+    K.SPLIT_K = 1
+    assert max(parts for parts, _ in splits) == min(split, -(-hidden // 128)), (split, splits)
+    reference = reference_experts(x, weights, experts, gate_up, down)
+    assert (parted - reference).abs().max() < 1e-5 and (parted - whole).abs().max() < 1e-5, split
+    assert int(K.arrival_counters(x.device).abs().sum()) == 0
+K.k_parts = real_parts
 
 # the whole sparse block (SparseMoE.fused_forward): router in one launch, shared expert as a slot
 # (its intermediate size = the experts'), or added densely (another size)

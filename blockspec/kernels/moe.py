@@ -55,9 +55,27 @@ MAX_PAIRS_ONE_PROGRAM = 256
 # in-kernel split sums): two launches a sparse layer fewer (80 of Qwen3.5-35B-A3B's ~750 a plain
 # step). On since round 68's H100 run: tests/gpu bit for bit against the separate launches, eager
 # and graphed, and the FP8 MoE's plain step 4.44 → 4.15 ms with the bf16 tail (kernels/fp8.py).
-ARRIVALS = os.environ.get("BLOCKSPEC_MOE_ARRIVALS", "1") != "0"
+def arrivals_from_env() -> bool:
+    """BLOCKSPEC_MOE_ARRIVALS: on unless "0"."""
+    return os.environ.get("BLOCKSPEC_MOE_ARRIVALS", "1") != "0"
+
+
+ARRIVALS = arrivals_from_env()
 # Counters in the one arrival buffer of a device (tokens × column blocks for the slot sum).
 MAX_COUNTED = 1 << 16
+# BLOCKSPEC_MOE_SPLIT_K=<parts> (opt-in, round 68; 1: off): at decode widths (gate_up_tiles' small
+# blocks) the gate/up GEMM's K is split into that many parts, each its own program, the last part of a
+# tile to arrive adding the parts' fp32 sums in part order before silu · up. Why: round 68's H100
+# sweep put one sparse layer at one token at 45 µs against a 10 µs bandwidth floor, and no tile set
+# was faster: ~150 programs each walking all of K one tile after another leave the GPU waiting on
+# latency, not bytes. Off until a GPU run measures it (scripts/moe_kernel_bench.py --split-k).
+def split_k_from_env() -> int:
+    """BLOCKSPEC_MOE_SPLIT_K: the parts (1, unsplit, unless a larger whole number is given)."""
+    value = os.environ.get("BLOCKSPEC_MOE_SPLIT_K", "1")
+    return max(1, int(value)) if value.strip().isdigit() else 1
+
+
+SPLIT_K = split_k_from_env()
 
 
 def is_available() -> bool:
@@ -168,7 +186,8 @@ if triton is not None:
                             HAS_SHARED: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
                             SCALED: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr,
                             PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, SLOT_SUM: tl.constexpr = 0):
+                            BLOCK_K: tl.constexpr, SLOT_SUM: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1,
+                            k_per_split=0):
         """out[pair, n] = Σ_k a[pair // ROWS_PER_A, k] · w[expert, n, k] for the pairs of one
         block (all of one expert); GATED: also the up rows w[expert, N + n, :] and the output is
         silu(gate) · up; WEIGHTED: times the pair's routing weight. HAS_SHARED: the last id is
@@ -179,7 +198,11 @@ if triton is not None:
         SLOT_SUM = k > 0: pair p is slot p % k of token p // k; the last of a token's k pairs to
         store its columns (an arrival count per token and column block in count_ptr, put back to 0)
         adds the token's k rows in slot order, in fp32 as torch's sum over the slots, into
-        sum_ptr [tokens, N]: no launch of its own for the sum."""
+        sum_ptr [tokens, N]: no launch of its own for the sum.
+        SPLIT_K > 1 (GATED, no SLOT_SUM): program (·, ·, s) walks K columns [s·k_per_split, (s+1)·k_per_split)
+        and stores its fp32 gate and up sums in sum_ptr [SPLIT_K, pairs, 2N]; the last of a tile's
+        parts to arrive (a count per tile in count_ptr, put back to 0) adds them in part order and
+        goes on as an unsplit program would."""
         row0 = tl.program_id(0) * BLOCK_M
         if row0 >= tl.load(num_padded_ptr):
             return                                        # past the real pairs: the grid is the worst case
@@ -192,7 +215,9 @@ if triton is not None:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        k_start = tl.program_id(2) * k_per_split if SPLIT_K > 1 else 0
+        k_end = tl.minimum(k_start + k_per_split, K) if SPLIT_K > 1 else K
+        a_ptrs = a_ptr + rows[:, None] * stride_am + k_start + offs_k[None, :]
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         up_base = w_base + N * stride_wn
         s_base = s_ptr + expert.to(tl.int64) * stride_se
@@ -202,15 +227,15 @@ if triton is not None:
                 up_base = shared_up_ptr
                 if SCALED:
                     s_base = shared_s_ptr
-        w_offs = offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        w_offs = offs_n[None, :].to(tl.int64) * stride_wn + k_start + offs_k[:, None]
         w_ptrs = w_base + w_offs
         up_ptrs = up_base + w_offs
         s_ptrs = s_base + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
         s_up_ptrs = s_base + ((N + offs_n) // SCALE_ROWS).to(tl.int64) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k
+        for k in range(k_start, k_end, BLOCK_K):
+            k_ok = offs_k < k_end - k
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if SCALED:
@@ -228,12 +253,34 @@ if triton is not None:
                 up_ptrs += BLOCK_K
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        written = valid[:, None] & n_ok[None, :]
+        if SPLIT_K > 1:
+            # Every thread's partial sums stored before the tile's arrival (as SLOT_SUM below);
+            # the last part reads them from L2 in part order, so the sum has one order.
+            tile = (pairs[:, None].to(tl.int64) * (2 * N) + offs_n[None, :])
+            stored = written
+            part = sum_ptr + tl.program_id(2).to(tl.int64) * num_pairs * (2 * N)
+            tl.store(part + tile, acc, mask=stored)
+            tl.store(part + tile + N, acc_up, mask=stored)
+            tl.debug_barrier()
+            counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            # the count broadcast to the tile first: Triton's interpreter refuses a scalar in a tile's mask
+            last_part = (tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32) + arrived) == SPLIT_K - 1
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for p in tl.static_range(SPLIT_K):
+                part = sum_ptr + p * num_pairs * (2 * N)
+                acc += tl.load(part + tile, mask=stored & last_part, other=0.0, cache_modifier=".cg")
+                acc_up += tl.load(part + tile + N, mask=stored & last_part, other=0.0, cache_modifier=".cg")
+            tl.store(counter, 0, mask=arrived == SPLIT_K - 1)    # zero again for the next launch or replay
+            written = stored & last_part
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up
         if WEIGHTED:
             acc = acc * tl.load(route_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
         out_ptrs = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=written)
         if SLOT_SUM > 0:
             # Every thread's stores precede the arrivals (the barrier orders them within the
             # program; each atomic's release, cumulative, publishes them at GPU scope). A block
@@ -427,12 +474,14 @@ def align(flat: torch.Tensor, num_experts: int, block_m: int,
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None,
                 out: torch.Tensor, routing: tuple[torch.Tensor, ...], tiles: Tiles, rows_per_a: int, gated: bool,
                 route_weights: torch.Tensor | None, scale: tuple[torch.Tensor, Any] | None = None,
-                shared_scale: torch.Tensor | None = None, slot_sum: tuple[torch.Tensor, int] | None = None) -> None:
+                shared_scale: torch.Tensor | None = None, slot_sum: tuple[torch.Tensor, int] | None = None,
+                split_k: int = 1) -> None:
     """One gather-GEMM launch over the aligned pairs (see _expert_gemm_kernel); `shared`: the
     shared expert's (gate, up) or (down, down) rows, id E; `scale`: (block scales [E, ·, ·], their
     ScaleBlock) of e4m3 weights; `shared_scale`: the e4m3 shared expert's own (strides as one
     expert's scales); `slot_sum`: (sums [tokens, N], k): each token's k rows of `out` also added
-    into sums by the launch (the kernel's SLOT_SUM)."""
+    into sums by the launch (the kernel's SLOT_SUM); `split_k`: K in that many parts (gated only,
+    see SPLIT_K; fewer where K has fewer tiles or the counters too little room)."""
     sorted_ids, ends, num_padded = routing
     s, block = scale if scale is not None else (out, None)
     if scale is not None and shared is not None:
@@ -442,11 +491,17 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, shared: tuple[torch.Tensor, to
     num_ids, n_out, k_in = w.shape[0] + (shared is not None), (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
     grid = (sorted_ids.numel() // tiles.block_m, triton.cdiv(n_out, tiles.block_n))
     sums, per_token = slot_sum if slot_sum is not None else (out, 0)
-    _expert_gemm_kernel[grid](
+    parts, k_per_split = k_parts(k_in, tiles.block_k, split_k if gated and slot_sum is None else 1)
+    if parts > 1 and grid[0] * grid[1] > MAX_COUNTED:
+        parts, k_per_split = 1, 0
+    counts = arrival_counters(out.device) if slot_sum is not None or parts > 1 else sorted_ids
+    if parts > 1:
+        sums = torch.empty(parts, out.shape[0], 2 * n_out, dtype=torch.float32, device=out.device)
+    _expert_gemm_kernel[grid + (parts,)](
         a, w, shared[0] if shared is not None else w, shared[1] if shared is not None else w, out, sorted_ids,
         ends, num_padded, route_weights if route_weights is not None else out, s,
         shared_scale if shared_scale is not None else s, sums,
-        arrival_counters(out.device) if slot_sum is not None else sorted_ids, out.shape[0], n_out, k_in,
+        counts, out.shape[0], n_out, k_in,
         a.stride(0), w.stride(0),
         w.stride(1), out.stride(0),
         s.stride(0) if scale is not None else 0, s.stride(1) if scale is not None else 0,
@@ -455,7 +510,16 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, shared: tuple[torch.Tensor, to
         SCALED=scale is not None, SCALE_ROWS=1 if block is None else block.rows, SCALE_COLS=scale_cols,
         PRECISION="ieee" if a.dtype == torch.float32 else None,       # fp32 stays fp32 (no TF32)
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SLOT_SUM=per_token,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        SPLIT_K=parts, k_per_split=k_per_split, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+
+
+def k_parts(k_in: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(parts, columns a part) of K for a split into at most split_k parts of whole BLOCK_K tiles,
+    none empty; (1, 0) unsplit."""
+    tiles = triton.cdiv(k_in, block_k)
+    per_part = triton.cdiv(tiles, max(1, min(split_k, tiles)))
+    parts = triton.cdiv(tiles, per_part)
+    return (parts, per_part * block_k) if parts > 1 else (1, 0)
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -488,7 +552,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     expert_gemm(x, gate_up_proj, (shared.gate, shared.up) if shared is not None else None, hidden, routing,
                 up_tiles, top_k, gated=True, route_weights=None,
                 scale=(scales.gate_up, scales.gate_up_block) if scales is not None else None,
-                shared_scale=shared.gate_up_scale if shared is not None else None)
+                shared_scale=shared.gate_up_scale if shared is not None else None,
+                split_k=SPLIT_K if num_pairs <= 2 * num_experts else 1)
     out = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)              # [N·k, H]
     summed = None
     if slot_sum and num_tokens * triton.cdiv(x.shape[1], dn_tiles.block_n) <= MAX_COUNTED:

@@ -160,3 +160,44 @@ def test_arrivals_give_the_same_bits_in_fewer_launches(num_tokens, shared):
             assert int(K.arrival_counters(x.device).abs().sum()) == 0
     finally:
         K.ARRIVALS = before
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4])
+@pytest.mark.parametrize("parts", [2, 4, 8])
+def test_split_k_parts_sum_to_the_whole_and_replay_the_same(num_tokens, parts):
+    """BLOCKSPEC_MOE_SPLIT_K: the gate/up GEMM's K (2,048, 16 tiles) in parts, each part's fp32 sums
+    added in part order by the tile's last part: within bf16's rounding of the unsplit launch,
+    deterministic (a CUDA-graph replay gives the eager bits), every count back at 0."""
+    from blockspec.config import MoeConfig
+    from blockspec.layers.moe import SparseMoE
+    hidden, inter = SHAPES[256]
+    config = MoeConfig(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=inter, normalize=True,
+                       shared_expert_intermediate_size=inter)
+    torch.manual_seed(num_tokens + parts)
+    layer = SparseMoE(hidden, config).cuda()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0, param.shape[-1] ** -0.5)
+    layer = layer.to(torch.bfloat16)
+    layer.kernel = K.fused_experts
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    before = K.SPLIT_K
+    try:
+        K.SPLIT_K = 1
+        whole = layer(x)
+        K.SPLIT_K = parts
+        parted = layer(x)
+        assert ((parted.float() - whole.float()).abs().max() / whole.float().abs().max()).item() < 2e-2
+        assert int(K.arrival_counters(x.device).abs().sum()) == 0
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(static)
+        for seed in range(3):
+            torch.manual_seed(200 + seed)
+            static.copy_(torch.randn_like(static))
+            graph.replay()
+            assert torch.equal(out, layer(static)), seed
+            assert int(K.arrival_counters(x.device).abs().sum()) == 0
+    finally:
+        K.SPLIT_K = before
