@@ -14,6 +14,8 @@ experts' last slot (BLOCKSPEC_FP8_SHARED_SLOT), each on an engine of its own (it
 arrival counts (kernels/moe.py ARRIVALS, BLOCKSPEC_MOE_ARRIVALS), each format, each on its own engine.
 --tail 0,1: FP8 mixed-format projections (GDN in_proj) in two launches, then with the bf16 rows riding
 in the FP8 launch (kernels/fp8.py FP8_BF16_TAIL, BLOCKSPEC_FP8_BF16_TAIL); crossed with --arrivals.
+--split-k 1,4: the MoE gate/up GEMM's K unsplit, then in 4 parts at decode widths (kernels/moe.py
+SPLIT_K, BLOCKSPEC_MOE_SPLIT_K); crossed with the others. The JSON is written after each variant.
 On CPU: a smoke test (the profiler's CPU ops, no kernels).
 """
 from __future__ import annotations
@@ -77,6 +79,7 @@ def main() -> int:
     ap.add_argument("--shared-slot", default="", help="FP8: values of BLOCKSPEC_FP8_SHARED_SLOT to compare, e.g. 0,1")
     ap.add_argument("--arrivals", default="", help="values of kernels/moe.py ARRIVALS to compare, e.g. 0,1")
     ap.add_argument("--tail", default="", help="FP8: values of kernels/fp8.py FP8_BF16_TAIL to compare, e.g. 0,1")
+    ap.add_argument("--split-k", default="", help="values of kernels/moe.py SPLIT_K to compare, e.g. 1,4")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from blockspec.kernels import fp8 as fp8_kernels
@@ -91,27 +94,31 @@ def main() -> int:
         if fmt == "fp8":
             from blockspec.layers import fp8
             fp8.quantize_model(target)
-        variants = [(slot, arrivals, tail)
+        variants = [(slot, arrivals, tail, split)
                     for slot in (args.shared_slot.split(",") if fmt == "fp8" and args.shared_slot else [None])
                     for arrivals in (args.arrivals.split(",") if args.arrivals else [None])
-                    for tail in (args.tail.split(",") if fmt == "fp8" and args.tail else [None])]
-        for slot, arrivals, tail in variants:
+                    for tail in (args.tail.split(",") if fmt == "fp8" and args.tail else [None])
+                    for split in (args.split_k.split(",") if args.split_k else [None])]
+        for slot, arrivals, tail, split in variants:
             if slot is not None:
                 os.environ["BLOCKSPEC_FP8_SHARED_SLOT"] = slot
             if arrivals is not None:
                 moe_kernels.ARRIVALS = arrivals == "1"
             if tail is not None:
                 fp8_kernels.FP8_BF16_TAIL = tail == "1"
+            if split is not None:
+                moe_kernels.SPLIT_K = int(split)
             key = fmt + (f"_shared_slot{slot}" if slot is not None else "") + (
-                f"_arrivals{arrivals}" if arrivals is not None else "") + (f"_tail{tail}" if tail is not None else "")
+                f"_arrivals{arrivals}" if arrivals is not None else "") + (f"_tail{tail}" if tail is not None else "") + (
+                f"_split{split}" if split is not None else "")
             r = result[key] = profile_steps(target, device, args.steps, args.prompt_len)
             print(f"== {key}: step {r['step_ms']:.3f} ms, kernels {r['kernels_ms']:.3f} ms ({r['kernels_per_step']:.0f} "
                   f"a step), gaps {r['gap_ms']:.3f} ms; {r['by_class_ms']}", flush=True)
             for k in r["kernels"][:24]:
                 print(f"   {k['us']:9.1f} us {k['calls']:6.1f}x  {k['name']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            if args.out:                                  # after each variant: a call's time limit keeps the rest
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
     return 0
 
 
