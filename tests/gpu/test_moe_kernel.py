@@ -118,6 +118,24 @@ def test_fused_sparse_block_equals_the_reference(dtype, num_experts, num_tokens)
     assert ((ours - expected).abs().max() / expected.abs().max()).item() < tolerance
 
 
+def qwen35_sparse_layer(num_tokens: int, shared: bool, seed: int):
+    """A bf16 sparse block of Qwen3.5-35B-A3B's shape on the fused kernels (random weights; the shared
+    expert, of the experts' size, riding as a slot where `shared`), and `num_tokens` random inputs."""
+    from blockspec.config import MoeConfig
+    from blockspec.layers.moe import SparseMoE
+    hidden, inter = SHAPES[256]
+    config = MoeConfig(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=inter, normalize=True,
+                       shared_expert_intermediate_size=inter if shared else 0)
+    torch.manual_seed(seed)
+    layer = SparseMoE(hidden, config).cuda()
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0, param.shape[-1] ** -0.5)
+    layer = layer.to(torch.bfloat16)
+    layer.kernel = K.fused_experts
+    return layer, torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 7, 32, 512])
 @pytest.mark.parametrize("shared", [False, True], ids=["experts", "shared_slot"])
 def test_arrivals_give_the_same_bits_in_fewer_launches(num_tokens, shared):
@@ -125,19 +143,7 @@ def test_arrivals_give_the_same_bits_in_fewer_launches(num_tokens, shared):
     GEMM's, eager and replayed from a CUDA graph, equal the separate launches bit for bit (each
     pair's row is the same kernel's; the slots are added in order in fp32, as torch's sum), and
     every arrival count is back at 0 after each launch."""
-    from blockspec.config import MoeConfig
-    from blockspec.layers.moe import SparseMoE
-    hidden, inter = SHAPES[256]
-    config = MoeConfig(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=inter, normalize=True,
-                       shared_expert_intermediate_size=inter if shared else 0)
-    torch.manual_seed(num_tokens)
-    layer = SparseMoE(hidden, config).cuda()
-    with torch.no_grad():
-        for param in layer.parameters():
-            param.normal_(0, param.shape[-1] ** -0.5)
-    layer = layer.to(torch.bfloat16)
-    layer.kernel = K.fused_experts
-    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    layer, x = qwen35_sparse_layer(num_tokens, shared, seed=num_tokens)
     before = K.ARRIVALS
     try:
         K.ARRIVALS = False
@@ -168,19 +174,7 @@ def test_split_k_parts_sum_to_the_whole_and_replay_the_same(num_tokens, parts):
     """BLOCKSPEC_MOE_SPLIT_K: the gate/up GEMM's K (2,048, 16 tiles) in parts, each part's fp32 sums
     added in part order by the tile's last part: within bf16's rounding of the unsplit launch,
     deterministic (a CUDA-graph replay gives the eager bits), every count back at 0."""
-    from blockspec.config import MoeConfig
-    from blockspec.layers.moe import SparseMoE
-    hidden, inter = SHAPES[256]
-    config = MoeConfig(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=inter, normalize=True,
-                       shared_expert_intermediate_size=inter)
-    torch.manual_seed(num_tokens + parts)
-    layer = SparseMoE(hidden, config).cuda()
-    with torch.no_grad():
-        for param in layer.parameters():
-            param.normal_(0, param.shape[-1] ** -0.5)
-    layer = layer.to(torch.bfloat16)
-    layer.kernel = K.fused_experts
-    x = torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    layer, x = qwen35_sparse_layer(num_tokens, True, seed=num_tokens + parts)
     before = K.SPLIT_K
     try:
         K.SPLIT_K = 1
