@@ -338,3 +338,34 @@ def test_the_cost_table_is_each_buckets_median_run(monkeypatch):
     assert costs["verify"] == {1: 250.0, 2: 625.0, 4: 1000.0, 8: 1250.0}
     assert costs["draft"] == {} and costs["narrow"] == {}
     assert all(not left for left in seconds.values())
+
+
+# ---- bench/common.py run_batch: the window's tokens and steps, on a scripted engine -----------
+
+class ScriptedEngine:
+    """Every step commits 2 tokens to each live request and takes 0.5 s of a fake clock: the
+    engine run_batch drives, reduced to what it reads."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock, self.live = clock, []
+        self.runner = SimpleNamespace(target=SimpleNamespace(lm_head=SimpleNamespace(out_features=512)))
+        self.config = SimpleNamespace(max_model_len=64)
+
+    def submit(self, request, on_event) -> None:
+        self.live.append(request)
+
+    def step(self) -> None:
+        self.clock.now += 0.5
+        for request in self.live:
+            if not request.is_finished:
+                request.commit([1, 1])
+                request.stats.acceptance_lengths.append(2)
+
+
+def test_run_batch_counts_the_decode_windows_tokens_and_steps_only(monkeypatch):
+    """Two requests of 7 tokens: the prefill step gives each 2 (outside the window), then 3 steps
+    in 1.5 s give 2 + 2 + 1 each: 10 tokens, 500 ms a step."""
+    clock = Clock()
+    monkeypatch.setattr(common, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    result = common.run_batch(ScriptedEngine(clock), 2, 4, 7)
+    assert result == {"tok_s": 10 / 1.5, "ms_per_cycle": 500.0, "mean_acceptance_length": 2.0}
