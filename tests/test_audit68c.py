@@ -369,3 +369,49 @@ def test_run_batch_counts_the_decode_windows_tokens_and_steps_only(monkeypatch):
     monkeypatch.setattr(common, "time", SimpleNamespace(perf_counter=clock.perf_counter))
     result = common.run_batch(ScriptedEngine(clock), 2, 4, 7)
     assert result == {"tok_s": 10 / 1.5, "ms_per_cycle": 500.0, "mean_acceptance_length": 2.0}
+
+
+class BurstEngine:
+    """Each step decodes one token for every request that has its first, and gives one waiting
+    request its first token; the steps take 1, 1, 2, 3 s of a fake clock; an aborted request ends
+    with a last event, as the engine's do."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock, self.live, self.durations = clock, [], iter([1.0, 1.0, 2.0, 3.0])
+
+    def submit(self, request, on_event) -> None:
+        self.live.append((request, on_event))
+
+    @property
+    def has_work(self) -> bool:
+        return any(not request.is_finished for request, _ in self.live)
+
+    def step(self) -> None:
+        self.clock.now += next(self.durations)
+        started_one = False
+        for request, on_event in self.live:
+            if request.is_finished:
+                continue
+            if request.is_aborted:
+                request.finish_reason = "abort"
+            elif request.output_ids or not started_one:
+                started_one |= not request.output_ids
+                request.commit([1])
+            else:
+                continue
+            on_event(SimpleNamespace(request_id=request.request_id, error=None))
+
+
+def test_a_bursts_gaps_are_those_that_end_inside_it(monkeypatch):
+    """One request decoding, two arriving at t = 1: their first tokens at t = 2 and 4 (1000 and
+    3000 ms); the decoding one's events at 1, 2, 4 and its abort at 7 s: the gaps ending inside
+    the burst are 1000 and 2000 ms (the 3000 ms one ends after it)."""
+    from blockspec.bench import bursts
+    clock = Clock()
+    engine = BurstEngine(clock)
+    monkeypatch.setattr(bursts, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(bursts, "Engine", lambda target, draft, config: engine)
+    monkeypatch.setattr(bursts, "run_batch", lambda *args: None)
+    result = bursts.burst(None, None, 4, 2, 1, 4, 3, None)
+    assert result == {"ttft_p50_ms": 1000.0, "ttft_p99_ms": 3000.0, "gap_p50_ms": 1000.0, "gap_p99_ms": 2000.0}
+    assert next(engine.durations, None) is None                  # the burst, then one step to end the aborted
