@@ -136,6 +136,21 @@ def qwen35_sparse_layer(num_tokens: int, shared: bool, seed: int):
     return layer, torch.randn(num_tokens, hidden, device="cuda", dtype=torch.bfloat16)
 
 
+def replays_as(layer, x: torch.Tensor, eager, first_seed: int) -> None:
+    """The layer captured in a CUDA graph over a static copy of x, then three times: fresh inputs, a
+    replay, its output bit for bit `eager`'s on the same inputs, every arrival count back at 0."""
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(static)
+    for seed in range(3):
+        torch.manual_seed(first_seed + seed)
+        static.copy_(torch.randn_like(static))
+        graph.replay()
+        assert torch.equal(out, eager(static)), seed
+        assert int(K.arrival_counters(x.device).abs().sum()) == 0
+
+
 @pytest.mark.parametrize("num_tokens", [1, 7, 32, 512])
 @pytest.mark.parametrize("shared", [False, True], ids=["experts", "shared_slot"])
 def test_arrivals_give_the_same_bits_in_fewer_launches(num_tokens, shared):
@@ -151,19 +166,13 @@ def test_arrivals_give_the_same_bits_in_fewer_launches(num_tokens, shared):
         K.ARRIVALS = True
         assert torch.equal(layer(x), separate)
         assert int(K.arrival_counters(x.device).abs().sum()) == 0
-        static = x.clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = layer(static)
-        for seed in range(3):
-            torch.manual_seed(100 + seed)
-            static.copy_(torch.randn_like(static))
-            graph.replay()
+        def in_separate_launches(inputs: torch.Tensor) -> torch.Tensor:
             K.ARRIVALS = False
-            expected = layer(static)
-            K.ARRIVALS = True
-            assert torch.equal(out, expected), seed
-            assert int(K.arrival_counters(x.device).abs().sum()) == 0
+            try:
+                return layer(inputs)
+            finally:
+                K.ARRIVALS = True
+        replays_as(layer, x, in_separate_launches, first_seed=100)
     finally:
         K.ARRIVALS = before
 
@@ -183,15 +192,6 @@ def test_split_k_parts_sum_to_the_whole_and_replay_the_same(num_tokens, parts):
         parted = layer(x)
         assert ((parted.float() - whole.float()).abs().max() / whole.float().abs().max()).item() < 2e-2
         assert int(K.arrival_counters(x.device).abs().sum()) == 0
-        static = x.clone()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = layer(static)
-        for seed in range(3):
-            torch.manual_seed(200 + seed)
-            static.copy_(torch.randn_like(static))
-            graph.replay()
-            assert torch.equal(out, layer(static)), seed
-            assert int(K.arrival_counters(x.device).abs().sum()) == 0
+        replays_as(layer, x, layer, first_seed=200)
     finally:
         K.SPLIT_K = before
