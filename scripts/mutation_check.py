@@ -1570,7 +1570,7 @@ MUTANTS = [
            "            tl.store(counter, 0, mask=arrived == SPLIT_K - 1)", "            pass",
            ("tests/test_moe.py::test_triton_kernel_equals_the_reference_in_the_interpreter",), "round68"),
     Mutant("moe-split-k-ignored", "blockspec/kernels/moe.py",
-           "                split_k=SPLIT_K if num_pairs <= 2 * num_experts else 1)", "                split_k=1)",
+           "                split_k=SPLIT_K if decode_widths(num_pairs, num_experts) else 1)", "                split_k=1)",
            ("tests/test_moe.py::test_triton_kernel_equals_the_reference_in_the_interpreter",
             "tests/test_fp8_targets.py::test_fp8_kernels_equal_the_reference_in_the_interpreter"), "round68"),
     # round66: the FP8 shared expert in the fused experts' last slot, bench --burst's adaptive run and

@@ -989,11 +989,11 @@ sh = fp8.dequantize(sh_gate_up_q, sh_gate_up_s, block)
 ref = ref + slot * (F.silu(x @ sh[:24].T) * (x @ sh[24:].T)) @ fp8.dequantize(sh_down_q, sh_down_s, fp8.ScaleBlock()).T
 args = (x, torch.cat([weights, slot], 1), torch.cat([experts, torch.full((2, 1), 4)], 1), gate_up_q, down_q, shared,
         M.ExpertScales(gate_up_s, down_s, block, fp8.ScaleBlock()))
-real_parts, splits = M.k_parts, []
-M.k_parts = lambda *a: splits.append(real_parts(*a)) or splits[-1]
+real_parts, splits = M.k_split, []
+M.k_split = lambda *a: splits.append(real_parts(*a)) or splits[-1]
 M.SPLIT_K = 2
 parted = M.fused_experts(*args)
-M.SPLIT_K, M.k_parts = 1, real_parts
+M.SPLIT_K, M.k_split = 1, real_parts
 assert splits[0] == (2, 128), splits                  # the gate/up launch ran in two parts
 assert (parted - ref).abs().max() < 1e-4 * ref.abs().max()
 assert int(M.arrival_counters(x.device).abs().sum()) == 0

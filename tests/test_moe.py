@@ -371,8 +371,8 @@ for num_experts, num_tokens, top_k, skewed in [(8, 1, 2, False), (16, 5, 4, Fals
 # the gate/up GEMM's K in parts (BLOCKSPEC_MOE_SPLIT_K): each part's fp32 sums stored, the last part of a
 # tile adding them in part order (the same sums to rounding), every count back at 0; K of 2, 3 and 3 tiles
 # (the last part ragged), so every split really runs parts
-real_parts, splits = K.k_parts, []
-K.k_parts = lambda *args: splits.append(real_parts(*args)) or splits[-1]
+real_parts, splits = K.k_split, []
+K.k_split = lambda *args: splits.append(real_parts(*args)) or splits[-1]
 for num_experts, num_tokens, top_k, hidden, split in [(8, 1, 2, 256, 2), (16, 3, 4, 320, 4), (8, 2, 2, 300, 8)]:
     inter = 16
     x = torch.randn(num_tokens, hidden, generator=gen)
@@ -389,7 +389,7 @@ for num_experts, num_tokens, top_k, hidden, split in [(8, 1, 2, 256, 2), (16, 3,
     reference = reference_experts(x, weights, experts, gate_up, down)
     assert (parted - reference).abs().max() < 1e-5 and (parted - whole).abs().max() < 1e-5, split
     assert int(K.arrival_counters(x.device).abs().sum()) == 0
-K.k_parts = real_parts
+K.k_split = real_parts
 
 # the whole sparse block (SparseMoE.fused_forward): router in one launch, shared expert as a slot
 # (its intermediate size = the experts'), or added densely (another size)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from blockspec.kernels.fused import silu_mul, use_triton
+from blockspec.kernels.fused import k_split, silu_mul, use_triton
 from blockspec.layers.fp8 import BLOCK, FP8, FP8_MAX, ScaleBlock, dequantize
 
 try:
@@ -455,14 +455,6 @@ TWO_ROW_TILES = WeightOnlyTiles(2, 32, 4, 2, 4, gemv=True, k_blocks=2, reduce_in
 FEW_ROW_TILES = WeightOnlyTiles(16, 64, 4, 4, 4, reduce_in_kernel=True)
 TILES_BY_ROWS: tuple[tuple[int, WeightOnlyTiles], ...] = (
     (1, ONE_ROW_TILES), (2, TWO_ROW_TILES), (WEIGHT_ONLY_MAX_ROWS, FEW_ROW_TILES))
-
-
-def k_split(in_features: int, step: int, split_k: int) -> tuple[int, int]:
-    """(parts, columns a part) of K for loop steps of `step` columns: at most split_k parts of
-    whole steps, none empty."""
-    steps = triton.cdiv(in_features, step)
-    per_split = triton.cdiv(steps, min(split_k, steps))
-    return triton.cdiv(steps, per_split), per_split * step
 
 
 def gemv_split(tiles: WeightOnlyTiles, in_features: int) -> int:

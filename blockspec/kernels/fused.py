@@ -179,6 +179,14 @@ def _block(n: int) -> int:
     return triton.next_power_of_2(n)
 
 
+def k_split(in_features: int, step: int, split_k: int) -> tuple[int, int]:
+    """(parts, columns a part) of K for loop steps of `step` columns: at most split_k parts of
+    whole steps, none empty."""
+    steps = triton.cdiv(in_features, step)
+    per_split = triton.cdiv(steps, min(split_k, steps))
+    return triton.cdiv(steps, per_split), per_split * step
+
+
 if triton is not None:
 
     @triton.jit

